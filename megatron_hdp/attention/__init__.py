@@ -1,0 +1,1 @@
+"""attention layer of megatron_hdp."""

@@ -1,0 +1,1 @@
+"""comm layer of megatron_hdp."""

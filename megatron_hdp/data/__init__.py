@@ -1,0 +1,1 @@
+"""data layer of megatron_hdp."""

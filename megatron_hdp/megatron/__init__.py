@@ -1,0 +1,1 @@
+"""megatron layer of megatron_hdp."""

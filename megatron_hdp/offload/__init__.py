@@ -1,0 +1,1 @@
+"""offload layer of megatron_hdp."""

@@ -1,0 +1,1 @@
+"""sim layer of megatron_hdp."""

@@ -1,0 +1,23 @@
+"""megatron_hdp: ByteScale-style Hybrid Data Parallelism for Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_hdp",
+    version="0.1.0",
+    description="Hybrid Data Parallelism (dynamic DP x CP) for long-context training with Megatron-Core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_hdp", "megatron_hdp.*"]),
+    package_data={"megatron_hdp": ["py.typed"]},
+    # torch and megatron-core are installed by the Makefile on Python 3.11 (CPU wheel, --no-deps
+    # megatron-core); a plain `pip install .` on Python >= 3.12 resolves them normally.
+    install_requires=["torch", "megatron-core>=0.19", "numpy", "scipy", "tqdm"],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "hypothesis"],
+        "te": ["transformer-engine[pytorch]"],
+        "plot": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["megatron-hdp=megatron_hdp.cli:main"]},
+)
