@@ -1,0 +1,1 @@
+"""Subcommands of the `megatron-hdp` CLI, one module each."""

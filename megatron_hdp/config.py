@@ -1,0 +1,68 @@
+"""The one configuration of HDP: Megatron flags, the CLI and the planner all read these fields.
+
+Field names are the flag names: Megatron's `ArgumentGroupFactory` turns `hdp_capacity` into
+`--hdp-capacity` (and the field docstrings into the flag help), so no rename table exists anywhere.
+Pure Python: importable by the planner, which never imports torch or Megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+POLICIES = ("balance", "naive", "static", "megatron-hybrid-cp")
+
+
+@dataclass
+class HDPConfig:
+    """Hybrid Data Parallelism (ByteScale): one dynamic pool of DP x CP ranks, planned per step."""
+
+    hdp: bool = False
+    """Turn Hybrid Data Parallelism on: Megatron's data-parallel group becomes the HDP pool."""
+
+    hdp_capacity: int = 4096
+    """Tokens one rank holds in one micro-batch (C). A sequence longer than C is split over a ring."""
+
+    hdp_policy: str = "balance"
+    """Step planner: balance (ByteScale Alg. 2 + refinement), naive (Alg. 1), static (DP x CP),
+    megatron-hybrid-cp (Megatron-Core's BalancedCPScheduler)."""
+
+    hdp_offload: bool = True
+    """Let long sequences offload activations to host memory so they need fewer ranks (ByteScale Eq. 3)."""
+
+    hdp_max_offload_ratio: float = 1.0
+    """Largest fraction of a micro-batch's activations the planner may offload."""
+
+    hdp_cost_model: Optional[str] = None
+    """JSON of measured cost-model coefficients (from `megatron-hdp calibrate`); analytic if unset."""
+
+    hdp_global_batch_tokens: Optional[int] = None
+    """Tokens per global batch; the sampler takes whole documents until this budget is reached.
+    Unset: the global batch is Megatron's --global-batch-size documents."""
+
+    hdp_log_interval: int = 1
+    """Steps between HDP statistics lines (balance, rings, attention bytes, offload)."""
+
+    def __post_init__(self) -> None:
+        if self.hdp_capacity <= 0:
+            raise ValueError(f"hdp_capacity must be a positive token count, got {self.hdp_capacity}")
+        if self.hdp_policy not in POLICIES:
+            raise ValueError(f"hdp_policy {self.hdp_policy!r} is not one of {', '.join(POLICIES)}")
+        if not 0.0 <= self.hdp_max_offload_ratio <= 1.0:
+            raise ValueError(f"hdp_max_offload_ratio must be in [0, 1], got {self.hdp_max_offload_ratio}")
+        if self.hdp_global_batch_tokens is not None and self.hdp_global_batch_tokens <= 0:
+            raise ValueError(f"hdp_global_batch_tokens must be positive, got {self.hdp_global_batch_tokens}")
+        if self.hdp_log_interval <= 0:
+            raise ValueError(f"hdp_log_interval must be positive, got {self.hdp_log_interval}")
+
+    @property
+    def max_offload_ratio(self) -> float:
+        """The offload ratio the planner may use: 0 when offloading is off."""
+        return self.hdp_max_offload_ratio if self.hdp_offload else 0.0
+
+    @classmethod
+    def from_namespace(cls, args: object) -> "HDPConfig":
+        """Read the fields from an argparse namespace (Megatron's `get_args()` or the CLI's)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})

@@ -1,0 +1,1 @@
+"""Hybrid Data Parallelism planner: pure Python + numpy, never imports torch or Megatron."""

@@ -1,0 +1,139 @@
+"""The one cost model the planner, the simulator and the runtime statistics share.
+
+Notation of ByteScale (arXiv 2502.21231) Eq. 3, per transformer layer on one rank, forward + backward:
+
+    T(s)   = a1 * s^2 + b1 * s + g      compute seconds for a whole causal document of s tokens
+    Act(s) = a2 * s + b2                activation bytes kept for backward
+
+A rank holding t tokens of a document of s tokens split over a ring of k ranks (zigzag, so every member
+does the same causal work) computes a1 * s * t + b1 * t: its t queries see on average s/2 keys, and
+a1 * s^2 is the cost of the whole document's s^2/2 causal pairs. Ring attention sends, per layer and per
+member, k-1 K/V blocks in the forward and k-1 K/V + dK/dV blocks in the backward (3 (k-1) t kv-bytes),
+overlapped with that member's attention compute, so only the excess is exposed.
+
+Coefficients come from a model shape and a hardware profile (analytic FLOPs; see `presets.py`) or from
+a JSON written by `megatron-hdp calibrate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-layer coefficients for one rank (TP already applied) and the links it uses."""
+
+    a1: float
+    """Seconds per token^2 of causal attention (fwd + bwd) for a whole document: T's s^2 term."""
+    b1: float
+    """Seconds per token of the linear layers (QKV, projection, MLP; fwd + bwd)."""
+    g: float
+    """Seconds of fixed overhead per micro-batch per layer (kernel launches)."""
+    a2: float
+    """Activation bytes per token per layer kept for backward."""
+    b2: float
+    """Fixed activation bytes per micro-batch per layer."""
+    kv_bytes_per_token: float
+    """Bytes of K and V of one token in one layer (what a ring step sends per token)."""
+    num_layers: int
+    """Transformer layers of the whole model (a pipeline stage holds num_layers / pp_size)."""
+    ring_bandwidth: float
+    """Bytes/s of one point-to-point ring link."""
+    ring_latency: float = 10e-6
+    """Seconds of fixed cost per ring message."""
+    d2h_bandwidth: float = 25e9
+    """Bytes/s from device to pinned host memory (activation offload)."""
+    h2d_bandwidth: float = 25e9
+    """Bytes/s from pinned host memory back to the device."""
+
+    def __post_init__(self) -> None:
+        for name in ("a1", "b1", "g", "a2", "b2", "kv_bytes_per_token", "ring_latency"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"cost model coefficient {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("ring_bandwidth", "d2h_bandwidth", "h2d_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"cost model {name} must be > 0, got {getattr(self, name)}")
+        if self.num_layers <= 0:
+            raise ValueError(f"cost model num_layers must be > 0, got {self.num_layers}")
+
+    # --- per layer -----------------------------------------------------------------------------
+    def layer_compute_time(self, *, seq_len: int, num_tokens: int) -> float:
+        """Compute seconds of one layer for `num_tokens` of a document of `seq_len` tokens."""
+        return self.a1 * seq_len * num_tokens + self.b1 * num_tokens
+
+    def layer_ring_comm_time(self, *, num_tokens: int, ring_size: int) -> float:
+        """Seconds one ring member spends sending its K/V (and dK/dV) around a ring, one layer."""
+        if ring_size <= 1:
+            return 0.0
+        steps = 3 * (ring_size - 1)
+        return steps * (self.kv_bytes_per_token * num_tokens / self.ring_bandwidth + self.ring_latency)
+
+    def layer_shard_time(self, *, seq_len: int, num_tokens: int, ring_size: int) -> float:
+        """One layer's time for one shard: linear work plus attention, ring traffic hidden under it."""
+        attention = self.a1 * seq_len * num_tokens
+        comm = self.layer_ring_comm_time(num_tokens=num_tokens, ring_size=ring_size)
+        return self.b1 * num_tokens + max(attention, comm)
+
+    def activation_bytes(self, num_tokens: int) -> float:
+        """Act(t): activation bytes of one layer for `num_tokens` tokens in one micro-batch."""
+        return self.a2 * num_tokens + self.b2
+
+    # --- whole micro-batches -------------------------------------------------------------------
+    def microbatch_time(self, shards: list[tuple[int, int, int]], *, pp_size: int = 1) -> float:
+        """Seconds of one micro-batch on one pipeline stage.
+
+        `shards` holds (seq_len, num_tokens, ring_size) for each document piece in the micro-batch.
+        """
+        per_layer = self.g + sum(
+            self.layer_shard_time(seq_len=s, num_tokens=t, ring_size=k) for s, t, k in shards
+        )
+        return per_layer * self.num_layers / pp_size
+
+    def sequence_time(self, seq_len: int, *, ring_size: int = 1, pp_size: int = 1) -> float:
+        """Seconds one ring member spends on a document split evenly over `ring_size` ranks."""
+        tokens = -(-seq_len // ring_size)
+        return self.microbatch_time([(seq_len, tokens, ring_size)], pp_size=pp_size)
+
+    def ring_bytes(self, *, num_tokens: int, ring_size: int, pp_size: int = 1) -> float:
+        """Attention bytes one ring member sends in one step (all layers of a stage, fwd + bwd)."""
+        if ring_size <= 1:
+            return 0.0
+        return 3 * (ring_size - 1) * self.kv_bytes_per_token * num_tokens * self.num_layers / pp_size
+
+    def hidden_offload_ratio(self, *, seq_len: int, num_tokens: int, ring_size: int) -> float:
+        """Largest fraction of a layer's activations whose D2H copy hides under that layer's compute.
+
+        ByteScale Eq. 3's overlap constraint: r * Act(t) / B_d2h <= T_shard(t). Capped at 1.
+        """
+        act = self.activation_bytes(num_tokens)
+        if act <= 0:
+            return 1.0
+        compute = self.layer_shard_time(seq_len=seq_len, num_tokens=num_tokens, ring_size=ring_size)
+        return min(1.0, compute * self.d2h_bandwidth / act)
+
+    # --- persistence ---------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The coefficients as a JSON-ready dict (the format `calibrate` writes)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        """Build from a dict; unknown keys are an error so that a typo never goes unnoticed."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown cost model keys {unknown}; expected a subset of {sorted(names)}")
+        return cls(**data)
+
+    def to_json(self, path: str | Path) -> None:
+        """Write the coefficients to `path`."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "CostModel":
+        """Read coefficients written by `to_json` (e.g. by `megatron-hdp calibrate`)."""
+        return cls.from_dict(json.loads(Path(path).read_text()))

@@ -1,0 +1,61 @@
+"""The planner's one entry point: lengths of a global batch in, a validated StepPlan out.
+
+Policies are looked up by name in `POLICIES` (module path, function name), imported lazily so that
+`megatron-hybrid-cp` — an adapter over Megatron-Core's own scheduler, which imports Megatron — is loaded
+only when asked for and the rest of `plan/` stays free of torch and Megatron.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Sequence
+
+from megatron_hdp.config import HDPConfig
+from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.step_plan import StepPlan
+
+# policy name -> (module, function); each function has the signature of `make_plan` below minus `policy`.
+POLICIES: dict[str, tuple[str, str]] = {
+    "balance": ("megatron_hdp.plan.balance", "plan_balance"),
+    "naive": ("megatron_hdp.plan.baselines", "plan_naive"),
+    "static": ("megatron_hdp.plan.baselines", "plan_static"),
+    "megatron-hybrid-cp": ("megatron_hdp.megatron.hybrid_cp_policy", "plan_megatron_hybrid_cp"),
+}
+
+
+def policy_function(name: str) -> Callable[..., StepPlan]:
+    """The planning function registered for policy `name`."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    module, function = POLICIES[name]
+    return getattr(importlib.import_module(module), function)
+
+
+def make_plan(
+    lengths: Sequence[int],
+    *,
+    num_ranks: int,
+    config: HDPConfig,
+    cost_model: CostModel,
+    pp_size: int = 1,
+    policy: str | None = None,
+) -> StepPlan:
+    """Plan one global batch of documents with these `lengths` over `num_ranks` HDP ranks.
+
+    `policy` overrides `config.hdp_policy` (to compare policies side by side on one batch). The plan is
+    validated before it is returned; impossible inputs raise ValueError naming the offending value.
+    """
+    lengths = [int(n) for n in lengths]
+    if not lengths:
+        raise ValueError("cannot plan an empty global batch (no sequences)")
+    if num_ranks <= 0:
+        raise ValueError(f"num_ranks must be positive, got {num_ranks}")
+    if pp_size <= 0:
+        raise ValueError(f"pp_size must be positive, got {pp_size}")
+    bad = [n for n in lengths if n < 1]
+    if bad:
+        raise ValueError(f"sequence lengths must be >= 1, got {bad[:5]}")
+    plan = policy_function(policy or config.hdp_policy)(
+        lengths, num_ranks=num_ranks, config=config, cost_model=cost_model, pp_size=pp_size
+    )
+    return plan.validate()

@@ -1,0 +1,134 @@
+"""Model shapes and hardware profiles, and the analytic cost model they imply.
+
+The ByteScale paper's models (LLaMA-7B/13B/30B/70B, Mixtral-8x7B/8x22B) plus Llama-3-8B, and H100/H200/
+A100-class GPUs. Analytic FLOPs per token per layer (forward; training = 3x):
+
+    linear = 2 * (h * (h + 2 * kv) + h * h + n_mlp * h * ffn * top_k)    (QKV, proj, MLP; n_mlp = 3 for SwiGLU)
+    attention(s) = 2 * s^2 * h                                          (QK^T and PV, causal half of 4 s^2 h)
+
+plus the LM head 2 * h * vocab per token, spread over the layers. Activations (bf16, flash attention, no
+recompute, sequence parallel over TP) keep ~ 2 * (6h + 2kv + 4ffn * top_k) bytes per token per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_hdp.plan.cost_model import CostModel
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's shape."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+    num_experts: int = 0
+    moe_router_topk: int = 1
+    gated_mlp: bool = True
+
+    @property
+    def kv_channels(self) -> int:
+        """Width of K (or V) over all KV heads."""
+        return self.hidden_size // self.num_attention_heads * self.num_query_groups
+
+    @property
+    def active_experts(self) -> int:
+        """MLPs each token runs through (1 for dense models)."""
+        return self.moe_router_topk if self.num_experts else 1
+
+    def num_parameters(self) -> int:
+        """Parameter count (embeddings counted once each way; MoE counts every expert)."""
+        h, kv, ffn = self.hidden_size, self.kv_channels, self.ffn_hidden_size
+        mlp = (3 if self.gated_mlp else 2) * h * ffn * max(1, self.num_experts)
+        layer = h * (h + 2 * kv) + h * h + mlp + 2 * h
+        return self.num_layers * layer + 2 * self.vocab_size * h
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One accelerator and its links."""
+
+    peak_flops: float
+    """Dense bf16 FLOP/s."""
+    efficiency: float
+    """Fraction of peak reached by the linear layers (MFU of GEMMs)."""
+    attention_efficiency: float
+    """Fraction of peak reached by the attention kernel."""
+    ring_bandwidth: float
+    """Bytes/s of the point-to-point link a ring uses (inter-node per GPU)."""
+    d2h_bandwidth: float
+    h2d_bandwidth: float
+    memory_bytes: float
+    kernel_overhead: float = 20e-6
+    """Seconds of launch overhead per layer per micro-batch."""
+
+
+MODELS: dict[str, ModelShape] = {
+    "llama-7b": ModelShape(32, 4096, 32, 32, 11008, 32000),
+    "llama-13b": ModelShape(40, 5120, 40, 40, 13824, 32000),
+    "llama-30b": ModelShape(60, 6656, 52, 52, 17920, 32000),
+    "llama-70b": ModelShape(80, 8192, 64, 8, 28672, 32000),
+    "llama3-8b": ModelShape(32, 4096, 32, 8, 14336, 128256),
+    "mixtral-8x7b": ModelShape(32, 4096, 32, 8, 14336, 32000, num_experts=8, moe_router_topk=2),
+    "mixtral-8x22b": ModelShape(56, 6144, 48, 8, 16384, 32768, num_experts=8, moe_router_topk=2),
+}
+
+HARDWARE: dict[str, HardwareProfile] = {
+    "h100": HardwareProfile(989e12, 0.55, 0.45, 50e9, 25e9, 25e9, 80e9),
+    "h200": HardwareProfile(989e12, 0.55, 0.45, 50e9, 25e9, 25e9, 141e9),
+    "a100": HardwareProfile(312e12, 0.55, 0.45, 25e9, 12e9, 12e9, 80e9),
+}
+
+
+def _lookup(table: dict, name: str, what: str):
+    try:
+        return table[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(sorted(table))}") from None
+
+
+def model_shape(name: str) -> ModelShape:
+    """The preset model shape called `name` (e.g. 'llama-7b')."""
+    return _lookup(MODELS, name, "model")
+
+
+def hardware_profile(name: str) -> HardwareProfile:
+    """The preset hardware profile called `name` (e.g. 'h100')."""
+    return _lookup(HARDWARE, name, "hardware")
+
+
+def analytic_cost_model(
+    model: ModelShape | str,
+    hardware: HardwareProfile | str = "h100",
+    *,
+    tp_size: int = 1,
+    dtype_bytes: int = 2,
+) -> CostModel:
+    """Cost model from FLOP counts: every term divided by the TP size (sequence parallel)."""
+    shape = model_shape(model) if isinstance(model, str) else model
+    hw = hardware_profile(hardware) if isinstance(hardware, str) else hardware
+    if tp_size <= 0:
+        raise ValueError(f"tp_size must be positive, got {tp_size}")
+    h, kv, ffn, experts = shape.hidden_size, shape.kv_channels, shape.ffn_hidden_size, shape.active_experts
+    n_mlp = 3 if shape.gated_mlp else 2
+    linear_flops = 2 * (h * (h + 2 * kv) + h * h + n_mlp * h * ffn * experts)
+    linear_flops += 2 * h * shape.vocab_size / shape.num_layers
+    attention_flops = 2 * h  # per token^2 of a whole causal document
+    training = 3.0  # forward + backward
+    return CostModel(
+        a1=training * attention_flops / tp_size / (hw.peak_flops * hw.attention_efficiency),
+        b1=training * linear_flops / tp_size / (hw.peak_flops * hw.efficiency),
+        g=hw.kernel_overhead,
+        a2=dtype_bytes * (6 * h + 2 * kv + 4 * ffn * experts) / tp_size,
+        b2=0.0,
+        kv_bytes_per_token=dtype_bytes * 2 * kv / tp_size,
+        num_layers=shape.num_layers,
+        ring_bandwidth=hw.ring_bandwidth,
+        d2h_bandwidth=hw.d2h_bandwidth,
+        h2d_bandwidth=hw.h2d_bandwidth,
+    )

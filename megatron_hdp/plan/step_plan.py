@@ -1,0 +1,282 @@
+"""StepPlan: who holds which tokens of which sequence in which micro-batch, for one training step.
+
+The JSON form (`to_dict`) is the contract of DESIGN.md; the planner, the simulator, the sampler and the
+runtime all read this one object. A plan is frozen data and checks itself (`validate`): every token held
+exactly once, rings consistent with the zigzag layout, capacities respected, ring members aligned on one
+micro-batch index (ring attention needs all members in the same micro-batch at the same time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from megatron_hdp.plan.layout import Interval, zigzag_chunks
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The token intervals of one sequence that one rank holds in one micro-batch."""
+
+    seq: int
+    chunks: tuple[Interval, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(end - start for start, end in self.chunks)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Shards one rank runs together in one forward/backward pass."""
+
+    shards: tuple[Shard, ...]
+    capacity: int
+    est_time: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(shard.num_tokens for shard in self.shards)
+
+
+@dataclass(frozen=True)
+class RankSchedule:
+    """One HDP rank's micro-batches, in execution order."""
+
+    rank: int
+    microbatches: tuple[MicroBatch, ...]
+    est_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class SequencePlacement:
+    """Where one sequence of the global batch lives: its ring (one rank when whole) and offload ratio."""
+
+    id: int
+    length: int
+    ring: tuple[int, ...]
+    offload_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """Statistics of one plan, for logs, tables and the step statistics."""
+
+    num_sequences: int
+    num_tokens: int
+    num_rings: int
+    ring_sizes: dict[int, int]
+    max_microbatches: int
+    min_microbatches: int
+    est_step_time: float
+    balance: float
+    """max / mean of the predicted per-rank times (1.0 is perfect balance)."""
+    attention_bytes: float
+    """Ring-attention bytes sent by all ranks in the step (0 when no cost model was given)."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The plan of one global batch over `num_ranks` HDP ranks (see DESIGN.md, StepPlan JSON)."""
+
+    policy: str
+    num_ranks: int
+    capacity: int
+    sequences: tuple[SequencePlacement, ...]
+    ranks: tuple[RankSchedule, ...]
+    est_step_time: float = 0.0
+    pp_size: int = 1
+    version: int = PLAN_VERSION
+    _digest: list = field(default_factory=list, repr=False, compare=False)
+
+    # --- queries -------------------------------------------------------------------------------
+    @property
+    def lengths(self) -> list[int]:
+        return [seq.length for seq in self.sequences]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def microbatches(self, rank: int) -> tuple[MicroBatch, ...]:
+        """The micro-batches HDP rank `rank` runs."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank {rank} is outside this plan's {self.num_ranks} ranks")
+        return self.ranks[rank].microbatches
+
+    def iter_shards(self) -> Iterator[tuple[int, int, Shard]]:
+        """Every (rank, micro-batch index, shard) of the plan."""
+        for schedule in self.ranks:
+            for index, mb in enumerate(schedule.microbatches):
+                for shard in mb.shards:
+                    yield schedule.rank, index, shard
+
+    # --- checking ------------------------------------------------------------------------------
+    def validate(self) -> "StepPlan":
+        """Check every invariant of the contract; raise ValueError naming the first one broken."""
+        if self.version != PLAN_VERSION:
+            raise ValueError(f"plan version {self.version} is not the supported {PLAN_VERSION}")
+        if self.num_ranks <= 0 or self.capacity <= 0 or self.pp_size <= 0:
+            raise ValueError(
+                f"num_ranks={self.num_ranks}, capacity={self.capacity}, pp_size={self.pp_size} must be > 0"
+            )
+        if [r.rank for r in self.ranks] != list(range(self.num_ranks)):
+            raise ValueError(f"ranks must be listed 0..{self.num_ranks - 1} in order")
+        for index, seq in enumerate(self.sequences):
+            if seq.id != index:
+                raise ValueError(f"sequence at position {index} has id {seq.id}")
+            if seq.length < 1:
+                raise ValueError(f"sequence {seq.id} has length {seq.length} < 1")
+            if not seq.ring or len(set(seq.ring)) != len(seq.ring):
+                raise ValueError(f"sequence {seq.id} ring {seq.ring} is empty or repeats a rank")
+            if any(not 0 <= r < self.num_ranks for r in seq.ring):
+                raise ValueError(f"sequence {seq.id} ring {seq.ring} names a rank outside 0..{self.num_ranks - 1}")
+            if not 0.0 <= seq.offload_ratio <= 1.0:
+                raise ValueError(f"sequence {seq.id} offload ratio {seq.offload_ratio} is outside [0, 1]")
+        holders: dict[int, dict[int, tuple[int, Shard]]] = {seq.id: {} for seq in self.sequences}
+        for rank, index, shard in self.iter_shards():
+            if shard.seq not in holders:
+                raise ValueError(f"rank {rank} holds unknown sequence {shard.seq}")
+            if rank in holders[shard.seq]:
+                raise ValueError(f"rank {rank} holds sequence {shard.seq} in more than one shard")
+            holders[shard.seq][rank] = (index, shard)
+        for schedule in self.ranks:
+            for index, mb in enumerate(schedule.microbatches):
+                if mb.num_tokens > mb.capacity:
+                    raise ValueError(
+                        f"rank {schedule.rank} micro-batch {index} holds {mb.num_tokens} tokens "
+                        f"> its capacity {mb.capacity}"
+                    )
+        for seq in self.sequences:
+            self._validate_sequence(seq, holders[seq.id])
+        return self
+
+    @staticmethod
+    def _validate_sequence(seq: SequencePlacement, held: dict[int, tuple[int, Shard]]) -> None:
+        if set(held) != set(seq.ring):
+            raise ValueError(f"sequence {seq.id} is held by ranks {sorted(held)} but its ring is {seq.ring}")
+        if len({index for index, _ in held.values()}) != 1:
+            raise ValueError(
+                f"sequence {seq.id} ring members hold it in different micro-batches "
+                f"{ {r: i for r, (i, _) in held.items()} }"
+            )
+        k = len(seq.ring)
+        for position, rank in enumerate(seq.ring):
+            chunks = held[rank][1].chunks
+            expected = ((0, seq.length),) if k == 1 else zigzag_chunks(seq.length, k, position)
+            if tuple(tuple(c) for c in chunks) != tuple(expected):
+                raise ValueError(
+                    f"sequence {seq.id} (length {seq.length}) at ring position {position} (rank {rank}) "
+                    f"holds {chunks}, expected {expected}"
+                )
+
+    # --- statistics ----------------------------------------------------------------------------
+    def summary(self, cost_model: Any = None) -> PlanSummary:
+        """Balance, ring sizes and (given a CostModel) ring-attention bytes of this plan."""
+        ring_sizes: dict[int, int] = {}
+        attention_bytes = 0.0
+        for seq in self.sequences:
+            k = len(seq.ring)
+            if k > 1:
+                ring_sizes[k] = ring_sizes.get(k, 0) + 1
+                if cost_model is not None:
+                    attention_bytes += k * cost_model.ring_bytes(
+                        num_tokens=-(-seq.length // k), ring_size=k, pp_size=self.pp_size
+                    )
+        times = [r.est_time for r in self.ranks]
+        mean = sum(times) / len(times)
+        counts = [len(r.microbatches) for r in self.ranks]
+        return PlanSummary(
+            num_sequences=len(self.sequences),
+            num_tokens=self.num_tokens,
+            num_rings=sum(ring_sizes.values()),
+            ring_sizes=dict(sorted(ring_sizes.items())),
+            max_microbatches=max(counts),
+            min_microbatches=min(counts),
+            est_step_time=self.est_step_time,
+            balance=max(times) / mean if mean > 0 else 1.0,
+            attention_bytes=attention_bytes,
+        )
+
+    # --- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The plan in the JSON schema of DESIGN.md."""
+        return {
+            "version": self.version,
+            "policy": self.policy,
+            "num_ranks": self.num_ranks,
+            "capacity": self.capacity,
+            "pp_size": self.pp_size,
+            "sequences": [
+                {"id": s.id, "length": s.length, "ring": list(s.ring), "offload_ratio": s.offload_ratio}
+                for s in self.sequences
+            ],
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "est_time": r.est_time,
+                    "microbatches": [
+                        {
+                            "est_time": mb.est_time,
+                            "capacity": mb.capacity,
+                            "shards": [
+                                {"seq": sh.seq, "chunks": [list(c) for c in sh.chunks]} for sh in mb.shards
+                            ],
+                        }
+                        for mb in r.microbatches
+                    ],
+                }
+                for r in self.ranks
+            ],
+            "est_step_time": self.est_step_time,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StepPlan":
+        """Rebuild a plan from `to_dict` output (not validated: call `validate()`)."""
+        return cls(
+            version=data.get("version", PLAN_VERSION),
+            policy=data["policy"],
+            num_ranks=data["num_ranks"],
+            capacity=data["capacity"],
+            pp_size=data.get("pp_size", 1),
+            sequences=tuple(
+                SequencePlacement(s["id"], s["length"], tuple(s["ring"]), s.get("offload_ratio", 0.0))
+                for s in data["sequences"]
+            ),
+            ranks=tuple(
+                RankSchedule(
+                    rank=r["rank"],
+                    est_time=r.get("est_time", 0.0),
+                    microbatches=tuple(
+                        MicroBatch(
+                            capacity=mb["capacity"],
+                            est_time=mb.get("est_time", 0.0),
+                            shards=tuple(
+                                Shard(sh["seq"], tuple(tuple(c) for c in sh["chunks"])) for sh in mb["shards"]
+                            ),
+                        )
+                        for mb in r["microbatches"]
+                    ),
+                )
+                for r in data["ranks"]
+            ),
+            est_step_time=data.get("est_step_time", 0.0),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "StepPlan":
+        return cls.from_dict(json.loads(text))
+
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON: equal on every rank iff the plans are equal."""
+        if not self._digest:
+            self._digest.append(hashlib.sha256(self.to_json().encode()).hexdigest())
+        return self._digest[0]
