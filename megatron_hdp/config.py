@@ -5,13 +5,18 @@ Field names are the flag names: Megatron's `ArgumentGroupFactory` turns `hdp_cap
 Pure Python: importable by the planner, which never imports torch or Megatron.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: Megatron's ArgumentGroupFactory reads `field.type`, which
+# must be the real type (bool, int, Optional[str], Literal[...]), not its string.
+import argparse
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Literal, Optional, get_args
 
-POLICIES = ("balance", "naive", "static", "megatron-hybrid-cp")
+PolicyName = Literal["balance", "naive", "static", "megatron-hybrid-cp"]
+POLICIES: tuple[str, ...] = get_args(PolicyName)
+
+OverlongDocuments = Literal["error", "truncate"]
+OVERLONG_DOCUMENTS: tuple[str, ...] = get_args(OverlongDocuments)
 
 
 @dataclass
@@ -24,11 +29,16 @@ class HDPConfig:
     hdp_capacity: int = 4096
     """Tokens one rank holds in one micro-batch (C). A sequence longer than C is split over a ring."""
 
-    hdp_policy: str = "balance"
+    hdp_policy: PolicyName = "balance"
     """Step planner: balance (ByteScale Alg. 2 + refinement), naive (Alg. 1), static (DP x CP),
     megatron-hybrid-cp (Megatron-Core's BalancedCPScheduler)."""
 
-    hdp_offload: bool = True
+    hdp_offload: bool = field(
+        default=True,
+        # The factory would generate only --no-hdp-offload for a bool that defaults to True; users asked
+        # for the on/off pair.
+        metadata={"argparse_meta": {"arg_names": ["--hdp-offload"], "action": argparse.BooleanOptionalAction}},
+    )
     """Let long sequences offload activations to host memory so they need fewer ranks (ByteScale Eq. 3)."""
 
     hdp_max_offload_ratio: float = 1.0
@@ -44,9 +54,17 @@ class HDPConfig:
     hdp_log_interval: int = 1
     """Steps between HDP statistics lines (balance, rings, attention bytes, offload)."""
 
+    hdp_overlong_documents: OverlongDocuments = "error"
+    """A document longer than the whole HDP pool can hold: error (stop, naming the document) or truncate
+    (keep its first tokens that fit)."""
+
     def __post_init__(self) -> None:
         if self.hdp_capacity <= 0:
             raise ValueError(f"hdp_capacity must be a positive token count, got {self.hdp_capacity}")
+        if self.hdp_overlong_documents not in OVERLONG_DOCUMENTS:
+            raise ValueError(
+                f"hdp_overlong_documents {self.hdp_overlong_documents!r} is not one of {', '.join(OVERLONG_DOCUMENTS)}"
+            )
         if self.hdp_policy not in POLICIES:
             raise ValueError(f"hdp_policy {self.hdp_policy!r} is not one of {', '.join(POLICIES)}")
         if not 0.0 <= self.hdp_max_offload_ratio <= 1.0:
