@@ -1,0 +1,48 @@
+"""Build a StepPlan from an explicit placement: which ranks hold each sequence, in which micro-batch slot.
+
+Tests and examples use it to pin down exactly the plan they exercise (whole, split, rings that overlap,
+ranks with different micro-batch counts) without depending on a planner's choices. Pure Python (no
+torch, no Megatron import) despite living next to the runtime that consumes the plans.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from megatron_hdp.plan.layout import zigzag_chunks
+from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
+
+
+def plan_from_rings(
+    lengths: Sequence[int],
+    rings: Sequence[Sequence[int]],
+    slots: Sequence[int],
+    *,
+    num_ranks: int,
+    capacity: int,
+    pp_size: int = 1,
+    policy: str = "hand",
+) -> StepPlan:
+    """Sequence i of `lengths[i]` tokens lives on `rings[i]` (zigzag when > 1 rank) in micro-batch slot
+    `slots[i]` of every member (slot = micro-batch index). A rank runs slots 0..its highest used slot;
+    a slot it leaves unused becomes an empty micro-batch, so that a later ring still lines up."""
+    if not len(lengths) == len(rings) == len(slots):
+        raise ValueError(f"lengths, rings and slots differ in length: {len(lengths)}, {len(rings)}, {len(slots)}")
+    per_rank: list[dict[int, list[Shard]]] = [{} for _ in range(num_ranks)]
+    for seq, (length, ring, slot) in enumerate(zip(lengths, rings, slots)):
+        for position, rank in enumerate(ring):
+            chunks = ((0, length),) if len(ring) == 1 else zigzag_chunks(length, len(ring), position)
+            per_rank[rank].setdefault(slot, []).append(Shard(seq, tuple(chunks)))
+    ranks = []
+    for rank, by_slot in enumerate(per_rank):
+        num_slots = max(by_slot) + 1 if by_slot else 0
+        mbs = tuple(MicroBatch(shards=tuple(by_slot.get(s, ())), capacity=capacity) for s in range(num_slots))
+        ranks.append(RankSchedule(rank=rank, microbatches=mbs))
+    return StepPlan(
+        policy=policy,
+        num_ranks=num_ranks,
+        capacity=capacity,
+        pp_size=pp_size,
+        sequences=tuple(SequencePlacement(i, int(n), tuple(r)) for i, (n, r) in enumerate(zip(lengths, rings))),
+        ranks=tuple(ranks),
+    ).validate()
