@@ -1,0 +1,250 @@
+"""Activation offloading on CPU: numerics survive the round trip, the byte accounting is exact, r=0 is a no-op.
+
+The same hooks run on CUDA with streams; here the copies are synchronous host-to-host, which is enough to
+check that every saved tensor of the chosen layers goes out and comes back bit for bit.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megatron_hdp.offload import ActivationOffloader, OffloadConfig
+from megatron_hdp.offload.microbatch import MicrobatchOffload, is_dense, select_prefix
+from megatron_hdp.offload.pool import HostBufferPool, bucket_bytes
+from megatron_hdp.offload.reference_model import ReferenceGPT
+from megatron_hdp.offload.stats import OffloadStats, StatsRecord
+from megatron_hdp.offload.transfers import Transfers
+from megatron_hdp.plan.presets import ModelShape
+
+SHAPE = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                   ffn_hidden_size=128, vocab_size=97)
+ALL = OffloadConfig(min_tensor_bytes=0)
+
+
+def _model():
+    torch.manual_seed(0)
+    return ReferenceGPT(SHAPE)
+
+
+def _batch(seed=1, seq=48):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, SHAPE.vocab_size, (2, seq), generator=gen),
+            torch.randint(0, SHAPE.vocab_size, (2, seq), generator=gen))
+
+
+def _step(model, offloader, ratios, batches):
+    """Forwards of all micro-batches first, then their backwards (the 1F1B warm-up order)."""
+    model.zero_grad()
+    losses = []
+    for ratio, (tokens, labels) in zip(ratios, batches):
+        with offloader.microbatch(ratio=ratio):
+            losses.append(model(tokens, labels))
+    for loss in losses:
+        loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return [loss.detach() for loss in losses], grads
+
+
+def _expected_bytes(model, batch, ratio, config):
+    """Bytes the documented rule moves, from a separate pass that only records saved tensors."""
+    layers = list(model.layers)
+    params = {t.untyped_storage().data_ptr() for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
+    per_layer = []  # per layer call: {tensor key: nbytes} of eligible saved tensors, in save order
+    inside = [False]
+
+    def begin(module, args):
+        per_layer.append({})
+        inside[0] = True
+
+    def end(module, args, output):
+        inside[0] = False
+
+    def pack(t):
+        nbytes = t.numel() * t.element_size()
+        eligible = (type(t) is torch.Tensor and not (t.is_leaf and t.requires_grad)
+                    and t.untyped_storage().data_ptr() not in params and nbytes >= max(1, config.min_tensor_bytes))
+        if inside[0] and eligible:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            per_layer[-1].setdefault(key, nbytes)
+        return t
+
+    hooks = [h for layer in layers for h in (layer.register_forward_pre_hook(begin), layer.register_forward_hook(end))]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*batch)
+    for hook in hooks:
+        hook.remove()
+    total = 0
+    for sizes in per_layer[: len(layers) - config.num_resident_layers]:
+        target, taken = ratio * sum(sizes.values()), 0
+        for size in sizes.values():  # save order; a tensor goes while its midpoint is within the target
+            if taken + size / 2 > target:
+                break
+            taken += size
+        total += taken
+    return total
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_loss_and_gradients_equal_without_offload(ratio):
+    model, batch = _model(), _batch()
+    reference = _step(model, ActivationOffloader(layers=model.layers, config=ALL), [0.0], [batch])
+    offloader = ActivationOffloader(layers=model.layers, config=ALL)
+    losses, grads = _step(model, offloader, [ratio], [batch])
+    assert torch.equal(losses[0], reference[0][0])
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
+    stats = offloader.pop_step_stats()
+    assert stats.num_microbatches == 1
+    assert stats.bytes_offloaded == _expected_bytes(model, batch, ratio, ALL)
+    assert stats.bytes_prefetched == stats.bytes_offloaded
+    if ratio == 0.0:
+        assert stats == OffloadStats(num_microbatches=1)
+        assert offloader.pool.num_allocations == 0
+    else:
+        assert stats.num_tensors > 0 and stats.exposed_wait_s > 0
+    if ratio == 0.5:
+        full = _expected_bytes(model, batch, 1.0, ALL)
+        assert 0.4 * full < stats.bytes_offloaded < 0.6 * full
+
+
+def test_interleaved_microbatches_keep_their_own_tensors():
+    """F0 F1 F2, then B0 B1 B2, each with its own ratio, as 1F1B does in its warm-up."""
+    model = _model()
+    batches = [_batch(seed) for seed in (1, 2, 3)]
+    reference = _step(model, ActivationOffloader(layers=model.layers, config=ALL), [0.0] * 3, batches)
+    offloader = ActivationOffloader(layers=model.layers, config=ALL)
+    losses, grads = _step(model, offloader, [1.0, 0.0, 0.5], batches)
+    assert all(torch.equal(a, b) for a, b in zip(losses, reference[0]))
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
+    stats = offloader.pop_step_stats()
+    expected = sum(_expected_bytes(model, b, r, ALL) for b, r in zip(batches, [1.0, 0.0, 0.5]))
+    assert stats.num_microbatches == 3 and stats.bytes_offloaded == expected == stats.bytes_prefetched
+
+
+def test_backward_reads_the_prefetched_copies(monkeypatch):
+    """Corrupting what comes back changes the gradients: the backward really uses the round trip."""
+    model, batch = _model(), _batch()
+    reference = _step(model, ActivationOffloader(layers=model.layers, config=ALL), [0.0], [batch])
+    original = Transfers.to_device
+
+    def corrupted(self, hosts, *, after):
+        tensors, event = original(self, hosts, after=after)
+        return [t.zero_() for t in tensors], event
+
+    monkeypatch.setattr(Transfers, "to_device", corrupted)
+    _, grads = _step(model, ActivationOffloader(layers=model.layers, config=ALL), [1.0], [batch])
+    assert not torch.equal(grads["layers.0.qkv.weight"], reference[1]["layers.0.qkv.weight"])
+    assert torch.equal(grads["layers.3.qkv.weight"], reference[1]["layers.3.qkv.weight"])  # resident
+
+
+def test_parameters_and_their_views_never_move(monkeypatch):
+    model = _model()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    moved = []
+    original = Transfers.to_host
+
+    def spy(self, copies):
+        moved.extend(t.untyped_storage().data_ptr() for t, _, _ in copies)
+        return original(self, copies)
+
+    monkeypatch.setattr(Transfers, "to_host", spy)
+    _step(model, ActivationOffloader(layers=model.layers, config=ALL), [1.0], [_batch()])
+    assert moved and not params.intersection(moved)
+
+
+def test_small_tensors_stay_and_pool_is_reused_across_steps():
+    model, batch = _model(), _batch()
+    config = OffloadConfig(min_tensor_bytes=2 * 48 * SHAPE.hidden_size * 4)  # one [2, 48, h] fp32 tensor
+    offloader = ActivationOffloader(layers=model.layers, config=config)
+    _step(model, offloader, [1.0], [batch])
+    first = offloader.pop_step_stats()
+    allocations = offloader.pool.num_allocations
+    assert first.bytes_offloaded == _expected_bytes(model, batch, 1.0, config) > 0
+    assert first.bytes_offloaded < _expected_bytes(model, batch, 1.0, ALL)
+    _step(model, offloader, [1.0], [batch])
+    assert offloader.pop_step_stats().bytes_offloaded == first.bytes_offloaded
+    assert offloader.pool.num_allocations == allocations
+
+
+def test_round_trip_is_a_real_copy_with_the_same_layout():
+    record = StatsRecord(OffloadStats())
+    mb = MicrobatchOffload(ratio=1.0, transfers=Transfers(torch.device("cpu")), pool=HostBufferPool(pin_memory=False),
+                           record=record, min_tensor_bytes=0, pinned_storages=set())
+    base = torch.randn(6, 8)
+    dense_t, strided = base.t() * 1, (base * 1)[:, ::2]  # a transposed dense tensor, a non-dense view
+    originals = [dense_t.clone(), strided.clone()]
+    mb.begin_layer(resident=False)
+    packed = [mb.pack(dense_t), mb.pack(strided), mb.pack(dense_t)]  # dense_t saved twice: moves once
+    mb.end_layer(None)
+    dense_t.add_(1), strided.add_(1)  # the device copies may change after the offload: irrelevant
+    back = [mb.unpack(p) for p in packed]
+    assert torch.equal(back[0], originals[0]) and torch.equal(back[1], originals[1])
+    assert back[0].stride() == dense_t.stride() and back[0] is back[2]
+    assert back[0].data_ptr() != dense_t.data_ptr()
+    assert record.stats.num_tensors == 2 and record.stats.bytes_offloaded == (48 + 24) * 4
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        mb.unpack(packed[1])
+
+
+def test_retain_graph_second_backward_is_refused():
+    model, batch = _model(), _batch()
+    offloader = ActivationOffloader(layers=model.layers, config=ALL)
+    with offloader.microbatch(ratio=1.0):
+        loss = model(*batch)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.5, math.nan])
+def test_bad_ratio_is_named(ratio):
+    offloader = ActivationOffloader(layers=_model().layers)
+    with pytest.raises(ValueError, match="offload ratio"):
+        with offloader.microbatch(ratio=ratio):
+            pass
+
+
+def test_bad_config_and_nesting():
+    with pytest.raises(ValueError, match="num_resident_layers"):
+        OffloadConfig(num_resident_layers=-1)
+    with pytest.raises(ValueError, match="min_tensor_bytes"):
+        OffloadConfig(min_tensor_bytes=-1)
+    with pytest.raises(ValueError, match="at least one layer"):
+        ActivationOffloader(layers=[])
+    offloader = ActivationOffloader(layers=_model().layers)
+    with offloader.microbatch(ratio=0.5), pytest.raises(RuntimeError, match="nest"):
+        with offloader.microbatch(ratio=0.5):
+            pass
+
+
+def test_detach_removes_the_hooks():
+    model, batch = _model(), _batch()
+    offloader = ActivationOffloader(layers=model.layers, config=ALL)
+    offloader.detach()
+    _step(model, offloader, [1.0], [batch])
+    assert offloader.pop_step_stats().bytes_offloaded == 0
+
+
+def test_select_prefix():
+    assert select_prefix([4, 4, 4, 4], 0.0) == 0
+    assert select_prefix([4, 4, 4, 4], 1.0) == 4
+    assert select_prefix([4, 4, 4, 4], 0.5) == 2
+    assert select_prefix([10, 1, 1], 0.4) == 0  # half of the first tensor lies above the target
+    assert select_prefix([10, 1, 1], 0.5) == 1
+
+
+def test_is_dense():
+    x = torch.empty(3, 4, 5)
+    assert is_dense(x) and is_dense(x.permute(2, 0, 1)) and is_dense(x[:1])
+    assert not is_dense(x[:, :1]) and not is_dense(x[:, ::2]) and not is_dense(torch.empty(3, 1).expand(3, 4))
+
+
+@given(st.integers(min_value=0, max_value=1 << 40))
+def test_bucket_holds_the_bytes_with_little_waste(nbytes):
+    size = bucket_bytes(nbytes)
+    assert size >= nbytes and (nbytes <= 4096 or size <= nbytes * 1.125)
+    assert bucket_bytes(size) == size
