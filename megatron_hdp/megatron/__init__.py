@@ -1,1 +1,19 @@
-"""megatron layer of megatron_hdp."""
+"""megatron layer of megatron_hdp: everything that touches Megatron-Core / Megatron-LM APIs.
+
+The Megatron-LM entry points are exported lazily, so importing this package does not import
+megatron.training (which is slow and needs the version check in `training_compat`).
+"""
+
+_LAZY = {
+    "add_hdp_args": "megatron_hdp.megatron.args",
+    "validate_hdp_args": "megatron_hdp.megatron.args",
+    "install": "megatron_hdp.megatron.install",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

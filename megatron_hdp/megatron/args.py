@@ -1,0 +1,160 @@
+"""HDP's Megatron-LM flags and the checks that reject flag combinations HDP cannot run.
+
+`add_hdp_args` is an `extra_args_provider`: it adds one argument group generated from `HDPConfig` by
+Megatron's own `ArgumentGroupFactory` (field name = flag name, field docstring = help), so the planner,
+the CLI and Megatron read the same fields. `validate_hdp_args` runs after Megatron's `validate_args`
+(it needs the derived `data_parallel_size`) and before anything distributed starts, so a bad
+combination stops every rank with the same ValueError instead of a hang.
+"""
+
+import contextlib
+import dataclasses
+import logging
+import os
+from argparse import ArgumentParser, Namespace
+from typing import Callable, Optional
+
+from megatron_hdp.config import HDPConfig
+from megatron_hdp.megatron.training_compat import require_megatron_training
+
+require_megatron_training()
+
+from megatron.training.argument_utils import ArgumentGroupFactory  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+GROUP_TITLE = "hybrid data parallelism (megatron_hdp)"
+
+
+def add_hdp_args(
+    parser: ArgumentParser, *, then: Optional[Callable[[ArgumentParser], ArgumentParser]] = None
+) -> ArgumentParser:
+    """Add the `--hdp*` flags to Megatron's parser; usable as `extra_args_provider`.
+
+    `then` chains another provider (e.g. ModelOpt's `add_modelopt_args`), since Megatron takes only one.
+    """
+    ArgumentGroupFactory(HDPConfig).build_group(parser, title=GROUP_TITLE)
+    return then(parser) if then is not None else parser
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _warn_ignored(args: Namespace) -> None:
+    """HDP is off: say once which --hdp-* flags were given for nothing."""
+    changed = [
+        _flag(f.name)
+        for f in dataclasses.fields(HDPConfig)
+        if f.name != "hdp" and hasattr(args, f.name) and getattr(args, f.name) != f.default
+    ]
+    if changed:
+        logger.warning("HDP is off (no --hdp): ignoring %s", ", ".join(changed))
+
+
+def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
+    """One message per flag combination that cannot run with --hdp, each saying what to change."""
+    problems = []
+    if args.context_parallel_size > 1:
+        problems.append(
+            f"--context-parallel-size {args.context_parallel_size}: HDP replaces context parallelism (it decides "
+            "per sequence how many data-parallel ranks hold it); use --context-parallel-size 1 and fold those "
+            "ranks into data parallelism"
+        )
+    if getattr(args, "hybrid_context_parallel", False):
+        problems.append(
+            "--hybrid-context-parallel: Megatron's hybrid CP and HDP both re-plan the data-parallel group; drop "
+            "--hybrid-context-parallel (its scheduler is available as --hdp-policy megatron-hybrid-cp)"
+        )
+    if not args.calculate_per_token_loss:
+        problems.append(
+            "missing --calculate-per-token-loss: ranks hold different numbers of tokens, so HDP's loss is the "
+            "token sum over the global batch divided by its token count; add --calculate-per-token-loss"
+        )
+    if args.micro_batch_size != 1:
+        problems.append(
+            f"--micro-batch-size {args.micro_batch_size}: an HDP micro-batch is one packed (THD) sequence of up "
+            "to --hdp-capacity tokens; use --micro-batch-size 1 and size micro-batches with --hdp-capacity"
+        )
+    if args.virtual_pipeline_model_parallel_size is not None:
+        problems.append(
+            "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
+            "--num-virtual-stages-per-pipeline-rank): HDP gives pipelines different micro-batch counts, which "
+            "the interleaved schedule cannot take; drop the virtual-pipeline flag"
+        )
+    if args.rampup_batch_size is not None:
+        problems.append(
+            "--rampup-batch-size: HDP's micro-batch counts come from each step's plan; drop --rampup-batch-size "
+            "(ramp --hdp-global-batch-tokens in stages instead)"
+        )
+    if args.use_megatron_fsdp or args.use_torch_fsdp2:
+        problems.append(
+            "--use-megatron-fsdp / --use-torch-fsdp2: FSDP gathers parameters over the data-parallel group in "
+            "every micro-batch, and HDP ranks run different numbers of micro-batches; use Megatron DDP "
+            "(optionally --use-distributed-optimizer)"
+        )
+    tp = args.tensor_model_parallel_size
+    if args.sequence_parallel and config.hdp_capacity % tp:
+        problems.append(
+            f"--hdp-capacity {config.hdp_capacity} with --sequence-parallel: a micro-batch's tokens are split "
+            f"over the {tp} tensor-parallel ranks; use a multiple of --tensor-model-parallel-size {tp}"
+        )
+    if config.hdp_policy == "megatron-hybrid-cp" and args.pipeline_model_parallel_size > 1:
+        problems.append(
+            "--hdp-policy megatron-hybrid-cp with --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size}: Megatron's hybrid-CP scheduler has no pipeline support; "
+            "use --hdp-policy balance"
+        )
+    if config.hdp_cost_model is not None and not os.path.isfile(config.hdp_cost_model):
+        problems.append(
+            f"--hdp-cost-model {config.hdp_cost_model}: no such file; write one with `megatron-hdp calibrate` "
+            "or leave the flag out for the analytic cost model"
+        )
+    return problems
+
+
+def validate_hdp_args(args: Namespace) -> Optional[HDPConfig]:
+    """Check the HDP flags against the rest of Megatron's (already validated) arguments.
+
+    Returns the HDPConfig when `--hdp` is on, None when it is off. Raises ValueError listing every
+    combination that cannot run, each with what to change.
+    """
+    if not getattr(args, "hdp", False):
+        _warn_ignored(args)
+        return None
+    config = HDPConfig.from_namespace(args)
+    problems = _incompatibilities(args, config)
+    if problems:
+        raise ValueError("--hdp cannot run with these flags:\n  - " + "\n  - ".join(problems))
+    return config
+
+
+
+def parse_and_check(
+    argv: list[str], *, world_size: int, env: Optional[dict[str, str]] = None, device_arch: int = 9
+) -> tuple[Namespace, Optional[HDPConfig]]:
+    """Parse `argv` exactly as `pretrain_gpt.py` would on a job of `world_size` ranks, then validate.
+
+    Runs Megatron's own `parse_args` (with `add_hdp_args`) and `validate_args`, then `validate_hdp_args`,
+    without starting anything distributed: a dry run of a launch script's flags. `env` adds the launch
+    script's environment (e.g. CUDA_DEVICE_MAX_CONNECTIONS, which validate_args checks). Without a GPU,
+    validate_args' device queries answer as a GPU of compute capability `device_arch` (9 = Hopper).
+    """
+    import sys
+    from unittest import mock
+
+    import torch
+    from megatron.training import arguments
+
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    environ = {**(env or {}), "WORLD_SIZE": str(world_size), "RANK": "0"}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(sys, "argv", ["pretrain_gpt.py", *argv]))
+        stack.enter_context(mock.patch.dict(os.environ, environ))
+        if not torch.cuda.is_available():
+            stack.enter_context(mock.patch.object(arguments, "get_device_arch_version", lambda: device_arch))
+            stack.enter_context(mock.patch.object(torch.cuda, "get_device_capability", lambda *_: (device_arch, 0)))
+        args = arguments.parse_args(extra_args_provider=add_hdp_args)
+        arguments.validate_args(args)
+    return args, validate_hdp_args(args)
