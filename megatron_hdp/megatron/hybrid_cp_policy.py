@@ -1,0 +1,122 @@
+"""Policy `megatron-hybrid-cp`: Megatron-Core's own Hybrid-CP scheduler, expressed as a StepPlan.
+
+Megatron-Core (>= 0.15) ships a dynamic-CP scheduler for packed variable-length data:
+`megatron.core.pipeline_parallel.hybrid_cp_schedule.BalancedCPScheduler`. It gives every sequence a CP
+group whose size is the next power of two of L / C (C = `max_seqlen_per_dp_cp_rank`), and forms *groups*
+of sub-samples; inside a group each rank runs its sub-samples one forward/backward pass each, and a
+barrier over the whole DP x CP group ends every group (`hybrid_context_parallel_forward_backward`).
+PP is not supported there.
+
+This adapter calls that scheduler (not a re-implementation) and converts its answer:
+- a sequence on a CP group of k ranks -> a ring of those k ranks (ascending, as Megatron's CP rank order)
+  holding zigzag chunks; k = 1 -> the whole sequence on one rank;
+- group j -> micro-batch index j on every rank, holding all of that rank's sub-samples of group j. The
+  simulator puts a barrier after each micro-batch index of this policy (Megatron's group barrier).
+  Megatron runs each sub-sample as its own forward/backward pass, so peak memory is one sub-sample's
+  (<= C tokens per rank) even when the group's sum exceeds C; the micro-batch's `capacity` is therefore
+  max(C, its tokens), and its `est_time` sums one pass per sub-sample.
+
+Calling the scheduler without a process group: `BalancedCPScheduler.__init__` reads only
+`dp_cp_group.size()`, and `get_groups_and_subsamples` is pure Python over (sample id, length) pairs (its
+`config` argument is unused). So we hand it `_PoolSize`, an object whose `size()` is the HDP pool size;
+no torch.distributed, no Megatron globals. `test_hybrid_cp_policy.py` checks that this stays true.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+from megatron_hdp.config import HDPConfig
+from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.layout import zigzag_chunks
+from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
+
+logger = logging.getLogger(__name__)
+
+POLICY = "megatron-hybrid-cp"
+
+
+class _PoolSize:
+    """The one thing `BalancedCPScheduler` asks of its `dp_cp_group`: how many ranks it has."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self._num_ranks = num_ranks
+
+    def size(self) -> int:
+        return self._num_ranks
+
+
+def megatron_schedule(
+    lengths: Sequence[int], *, num_ranks: int, capacity: int
+) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
+    """Megatron's raw answer: (groups, sample_id_groups), each [group][rank] -> list of lengths / ids."""
+    scheduler = BalancedCPScheduler(max_seq_len_per_rank=capacity, dp_cp_group=_PoolSize(num_ranks))
+    return scheduler.get_groups_and_subsamples(list(enumerate(int(n) for n in lengths)), None)
+
+
+def _check_inputs(lengths: Sequence[int], *, num_ranks: int, capacity: int, pp_size: int) -> None:
+    if pp_size != 1:
+        raise ValueError(f"policy {POLICY} does not support pipeline parallelism (Megatron's Hybrid-CP has no PP); "
+                         f"got pp_size={pp_size}")
+    if num_ranks < 1 or num_ranks & (num_ranks - 1):
+        raise ValueError(f"policy {POLICY} needs a power-of-two HDP pool (Megatron builds a CP group per power "
+                         f"of two), got num_ranks={num_ranks}")
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > capacity * num_ranks]
+    if too_long:
+        i, n = too_long[0]
+        raise ValueError(f"sequence {i} of length {n} exceeds the pool's {num_ranks} x {capacity} tokens "
+                         f"({len(too_long)} such sequences)")
+
+
+def plan_megatron_hybrid_cp(
+    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int
+) -> StepPlan:
+    """Plan a global batch with Megatron-Core's `BalancedCPScheduler` (see the module docstring)."""
+    capacity = config.hdp_capacity
+    _check_inputs(lengths, num_ranks=num_ranks, capacity=capacity, pp_size=pp_size)
+    _, sample_id_groups = megatron_schedule(lengths, num_ranks=num_ranks, capacity=capacity)
+
+    rings: dict[int, tuple[int, ...]] = {}
+    for group_index, per_rank in enumerate(sample_id_groups):
+        members: dict[int, list[int]] = {}
+        for rank, ids in enumerate(per_rank):
+            for sample in ids:
+                members.setdefault(sample, []).append(rank)
+        for sample, ranks in members.items():
+            assert sample not in rings, f"Megatron scheduled sequence {sample} in two groups"
+            rings[sample] = tuple(ranks)
+    assert sorted(rings) == list(range(len(lengths))), "Megatron's schedule dropped a sequence"
+
+    schedules = []
+    for rank in range(num_ranks):
+        microbatches = []
+        for per_rank in sample_id_groups:
+            shards, est_time = [], 0.0
+            for sample in per_rank[rank]:
+                length, ring = lengths[sample], rings[sample]
+                k = len(ring)
+                chunks = ((0, length),) if k == 1 else zigzag_chunks(length, k, ring.index(rank))
+                shard = Shard(sample, tuple(chunks))
+                shards.append(shard)
+                # one forward/backward pass per sub-sample, as Megatron runs them
+                est_time += cost_model.microbatch_time([(length, shard.num_tokens, k)])
+            tokens = sum(s.num_tokens for s in shards)
+            microbatches.append(MicroBatch(tuple(shards), max(capacity, tokens), est_time))
+        schedules.append(RankSchedule(rank, tuple(microbatches), sum(mb.est_time for mb in microbatches)))
+
+    # a barrier closes every group: the step is the sum over groups of the slowest rank
+    step_time = sum(max(s.microbatches[j].est_time for s in schedules) for j in range(len(sample_id_groups)))
+    sequences = tuple(SequencePlacement(i, int(n), rings[i]) for i, n in enumerate(lengths))
+    logger.debug("%s: %d groups for %d sequences on %d ranks", POLICY, len(sample_id_groups), len(lengths), num_ranks)
+    return StepPlan(
+        policy=POLICY,
+        num_ranks=num_ranks,
+        capacity=capacity,
+        sequences=sequences,
+        ranks=tuple(schedules),
+        est_step_time=step_time,
+        pp_size=pp_size,
+    ).validate()
