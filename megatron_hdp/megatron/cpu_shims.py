@@ -1,0 +1,156 @@
+"""The few patches Megatron-Core needs to train on a CPU-only PyTorch (gloo), applied only without CUDA.
+
+Megatron-Core assumes a GPU in a handful of places: tensors created with `device="cuda"` or
+`torch.cuda.current_device()` (the loss-token counter of the schedules, the optimizer's scale and
+found-inf flags, grad-norm clipping, DDP's buffers), `torch.cuda.synchronize/current_stream`, and a CUDA
+RNG tracker. On a CPU build these raise "Torch not compiled with CUDA enabled". The patches below make
+them CPU operations and nothing else; with CUDA present `apply_cpu_shims()` does nothing.
+
+Each patch is small and named after what it fixes; `apply_cpu_shims()` is idempotent and checks the
+Megatron-Core version it was written against.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+TESTED_MCORE_VERSIONS = ("0.19",)
+"""Megatron-Core versions (major.minor prefixes) these patches were written and tested against."""
+
+_APPLIED: list[TorchFunctionMode] = []
+
+
+def _cpu_device(device: Any) -> Any:
+    """`device` with any CUDA device (`"cuda"`, `"cuda:0"`, `0`, `torch.device("cuda")`) made the CPU."""
+    if isinstance(device, torch.device):
+        return torch.device("cpu") if device.type == "cuda" else device
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")
+    return device
+
+
+class CudaDeviceToCpu(TorchFunctionMode):
+    """Patch 1: every torch call that names a CUDA device gets the CPU instead.
+
+    Covers factory functions (`torch.zeros(..., device="cuda")` in schedules.py, optimizer.py,
+    clip_grads.py), `Tensor.cuda()` (identity) and `Tensor.to("cuda" | 0)`. And `Tensor.type()` with no
+    argument names the CUDA type (`torch.cuda.FloatTensor`), because grad clipping asserts it
+    (clip_grads.py). Cheap: a few comparisons per torch call.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
+            args = (args[0], _cpu_device(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Patch 2b: what `torch.cuda.Stream()` / `current_stream()` return: a stream that does nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> None:
+        return None
+
+    def __enter__(self) -> "_NullStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _patch_torch_cuda() -> None:
+    """Patch 2: the `torch.cuda` functions Megatron calls for bookkeeping become CPU no-ops.
+
+    `current_device()` returns 0 (Megatron formats it into device strings; patch 1 maps it to the CPU);
+    `synchronize`/`empty_cache` do nothing; streams are null streams; `torch.cuda.stream(s)` is a no-op
+    context. `is_available()` stays False so Megatron keeps its CPU code paths.
+    """
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.Stream = _NullStream
+    torch.cuda.current_stream = lambda device=None: _NullStream()
+    torch.cuda.default_stream = lambda device=None: _NullStream()
+    torch.cuda.stream = lambda stream=None: _NullStream()
+    torch.cuda.manual_seed = lambda seed: None
+    torch.cuda.manual_seed_all = lambda seed: None
+
+
+def _patch_rng_tracker() -> None:
+    """Patch 3: `model_parallel_cuda_manual_seed` uses the inference RNG tracker (no CUDA RNG states).
+
+    Megatron's training tracker snapshots `torch.cuda` RNG states; its inference tracker keeps the same
+    interface with no-op forks. With dropout off (fp32 exactness runs) and weights initialized on the CPU
+    from the default generator (`use_cpu_initialization=True`), nothing depends on the forked states.
+    """
+    from megatron.core.tensor_parallel import random as mp_random
+
+    original = mp_random.model_parallel_cuda_manual_seed
+    if getattr(original, "_hdp_cpu_shim", False):
+        return
+
+    def model_parallel_cuda_manual_seed(seed: int, *args: Any, **kwargs: Any) -> None:
+        kwargs["inference_rng_tracker"] = True
+        kwargs.pop("te_rng_tracker", None)
+        return original(seed, *args, **kwargs)
+
+    model_parallel_cuda_manual_seed._hdp_cpu_shim = True  # type: ignore[attr-defined]
+    mp_random.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed
+    import megatron.core.tensor_parallel as tp
+
+    tp.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed
+
+
+def check_mcore_version() -> str:
+    """The installed Megatron-Core version; a warning once when the shims were not tested against it."""
+    from megatron.core import package_info
+
+    version = package_info.__version__
+    if not version.startswith(TESTED_MCORE_VERSIONS):
+        logger.warning(
+            "megatron-core %s is not one of %s that the CPU shims were tested against", version, TESTED_MCORE_VERSIONS
+        )
+    return version
+
+
+def apply_cpu_shims() -> bool:
+    """Apply the CPU patches when CUDA is absent (idempotent). Returns True when they are active."""
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    check_mcore_version()
+    _patch_torch_cuda()
+    _patch_rng_tracker()
+    mode = CudaDeviceToCpu()
+    mode.__enter__()  # stays on the torch-function mode stack for the life of the process
+    _APPLIED.append(mode)
+    logger.debug("Megatron CPU shims applied")
+    return True
