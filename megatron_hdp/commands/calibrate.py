@@ -1,0 +1,88 @@
+"""`megatron-hdp calibrate`: measure T(s), Act(s) and the offload bandwidths here; write the planner's JSON.
+
+    megatron-hdp calibrate --model llama-7b --output cost_model.json        # on the GPU machine
+    megatron-hdp train ... --hdp-cost-model cost_model.json
+
+The JSON is `CostModel.to_json` (what `--hdp-cost-model` reads); the measured points, the fit's
+prediction for each and where the bandwidths came from go next to it (`--report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the calibrate subcommand."""
+    parser.add_argument("--model", default="llama-7b", help="model shape preset (see plan/presets.py)")
+    for name in _SHAPE_FLAGS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"override the preset's {name}")
+    parser.add_argument(
+        "--seq-lens",
+        default=None,
+        help="comma-separated document lengths to time (default: 2K..32K on CUDA, 128..1024 on CPU)",
+    )
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", choices=_DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per length (fastest kept)")
+    parser.add_argument("--hardware", default="h100", help="preset whose ring bandwidth is recorded (not measured)")
+    parser.add_argument("--ring-bandwidth", type=float, default=None, help="bytes/s of a ring link (overrides --hardware)")
+    parser.add_argument("--bandwidth-mib", type=int, default=256, help="MiB per timed D2H/H2D copy")
+    parser.add_argument("--output", default="cost_model.json", help="where the cost model JSON goes")
+    parser.add_argument("--report", default=None, help="measurements JSON (default: <output>.measurements.json)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Calibrate, write the JSON files, print the fit next to the measurements."""
+    import torch
+
+    from megatron_hdp.offload.calibrate import calibrate
+    from megatron_hdp.plan.presets import hardware_profile, model_shape
+
+    shape = model_shape(args.model)
+    overrides = {name: getattr(args, name) for name in _SHAPE_FLAGS if getattr(args, name) is not None}
+    shape = dataclasses.replace(shape, **overrides)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    default_lens = "2048,4096,8192,16384,32768" if device.type == "cuda" else "128,256,512,1024"
+    try:
+        seq_lens = [int(x) for x in (args.seq_lens or default_lens).split(",")]
+    except ValueError:
+        raise ValueError(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}") from None
+    ring_bandwidth = args.ring_bandwidth or hardware_profile(args.hardware).ring_bandwidth
+    result = calibrate(
+        shape=shape,
+        seq_lens=seq_lens,
+        device=device,
+        dtype=dtype,
+        ring_bandwidth=ring_bandwidth,
+        repeats=args.repeats,
+        bandwidth_bytes=args.bandwidth_mib << 20,
+    )
+    output = Path(args.output)
+    report = Path(args.report) if args.report else output.with_suffix(".measurements.json")
+    result.cost_model.to_json(output)
+    report.write_text(json.dumps(result.report(), indent=2) + "\n")
+    print(f"{'tokens':>8} {'measured ms':>12} {'fit ms':>9} {'act MiB':>9}")
+    for sample in result.samples:
+        print(
+            f"{sample.seq_len:>8} {sample.seconds * 1e3:>12.3f} {result.predicted_seconds(sample.seq_len) * 1e3:>9.3f} "
+            f"{sample.activation_bytes / 2**20:>9.1f}"
+        )
+    cm = result.cost_model
+    print(f"a1={cm.a1:.3e} b1={cm.b1:.3e} g={cm.g:.3e} a2={cm.a2:.1f} b2={cm.b2:.1f}")
+    print(
+        f"d2h={cm.d2h_bandwidth / 1e9:.1f} GB/s h2d={cm.h2d_bandwidth / 1e9:.1f} GB/s ({result.bandwidth.source}); "
+        f"ring {ring_bandwidth / 1e9:.1f} GB/s from {'--ring-bandwidth' if args.ring_bandwidth else args.hardware}"
+    )
+    print(f"wrote {output} and {report}")
+    return 0

@@ -1,0 +1,224 @@
+"""Measure the cost model's per-layer coefficients and the offload link on this machine.
+
+For a model shape, one `ReferenceLayer` (the shape's GEMMs and the fused causal attention kernel) runs
+forward + backward on one document of each length s of a sweep:
+
+    T(s)   = a1 * s^2 + b1 * s + g     fitted to the fastest of a few timed steps
+    Act(s) = a2 * s + b2               fitted to the bytes of the distinct storages autograd keeps
+
+Both fits are non-negative least squares (the cost model rejects negative coefficients), T's relative to
+each time so that short sequences count as much as long ones. The D2H/H2D bandwidths are timed with
+pinned buffers and CUDA events on a GPU; on CPU the figure is a host memcpy, and the result says so.
+The GPU is the real target; on CPU the same code runs small shapes, which is how CI tests it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from scipy.optimize import nnls
+
+from megatron_hdp.offload.reference_model import ReferenceLayer, rope_tables
+from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.presets import ModelShape
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerSample:
+    """One measured point of the sweep."""
+
+    seq_len: int
+    seconds: float
+    """Forward + backward seconds of one layer on one document of seq_len tokens (fastest run)."""
+    activation_bytes: int
+    """Bytes of the distinct storages the layer saves for backward (its input included)."""
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Offload link speeds in bytes/s and how they were obtained."""
+
+    d2h: float
+    h2d: float
+    source: str
+    """'cuda-pinned' (pinned host buffers, CUDA events) or 'host-memcpy' (no GPU: a CPU copy)."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The fitted cost model and the measurements behind it."""
+
+    cost_model: CostModel
+    samples: tuple[LayerSample, ...]
+    bandwidth: Bandwidth
+    device: str
+    dtype: str
+
+    def predicted_seconds(self, seq_len: int) -> float:
+        """T(seq_len) from the fitted coefficients."""
+        cm = self.cost_model
+        return cm.a1 * seq_len**2 + cm.b1 * seq_len + cm.g
+
+    def report(self) -> dict:
+        """Measurements, fit and provenance as a JSON-ready dict."""
+        return {
+            "device": self.device,
+            "dtype": self.dtype,
+            "bandwidth_source": self.bandwidth.source,
+            "samples": [
+                {**dataclasses.asdict(s), "predicted_seconds": self.predicted_seconds(s.seq_len)}
+                for s in self.samples
+            ],
+            "cost_model": self.cost_model.to_dict(),
+        }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fastest_seconds(fn: Callable[[], None], *, device: torch.device, repeats: int) -> float:
+    """The fastest of `repeats` timed calls after a warm-up: other work on the machine only adds time."""
+    fn()  # warm-up: kernel selection, allocator growth
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_layer(
+    *, shape: ModelShape, seq_lens: Sequence[int], device: torch.device, dtype: torch.dtype, repeats: int
+) -> list[LayerSample]:
+    """Time and activation bytes of one layer, forward + backward, for each document length."""
+    torch.manual_seed(0)
+    layer = ReferenceLayer(shape, device=device, dtype=dtype)
+    own = {t.untyped_storage().data_ptr() for t in layer.parameters()}
+    head_dim = shape.hidden_size // shape.num_attention_heads
+    samples = []
+    for seq_len in seq_lens:
+        if seq_len <= 0:
+            raise ValueError(f"sequence lengths must be positive, got {seq_len}")
+        x = torch.randn(1, seq_len, shape.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        cos, sin = rope_tables(seq_len, head_dim, device=device, dtype=dtype)
+        grad = torch.randn_like(x)
+
+        def step() -> None:
+            layer(x, cos, sin).backward(grad)
+
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in own:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(x, cos, sin)
+        del out
+        seconds = _fastest_seconds(step, device=device, repeats=repeats)
+        samples.append(LayerSample(seq_len, seconds, sum(storages.values())))
+        logger.info("s=%d: %.3f ms, %.1f MiB saved", seq_len, seconds * 1e3, samples[-1].activation_bytes / 2**20)
+    layer.zero_grad(set_to_none=True)
+    return samples
+
+
+def measure_bandwidth(*, device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> Bandwidth:
+    """D2H and H2D bytes/s with pinned host memory (CUDA), or a host memcpy figure (CPU)."""
+    if device.type != "cuda":
+        src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        seconds = _fastest_seconds(lambda: dst.copy_(src), device=device, repeats=repeats)
+        return Bandwidth(nbytes / seconds, nbytes / seconds, "host-memcpy")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+
+    def timed(dst: torch.Tensor, src: torch.Tensor) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                start.record(stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return nbytes / statistics.median(times[1:])
+
+    return Bandwidth(timed(host, dev), timed(dev, host), "cuda-pinned")
+
+
+def fit_compute(samples: Sequence[LayerSample]) -> tuple[float, float, float]:
+    """(a1, b1, g) >= 0 minimising the relative error of a1 s^2 + b1 s + g against the measured times."""
+    if len(samples) < 3:
+        raise ValueError(f"fitting T(s) needs at least 3 sequence lengths, got {len(samples)}")
+    s = np.array([x.seq_len for x in samples], dtype=float)
+    t = np.array([x.seconds for x in samples], dtype=float)
+    basis = np.stack([s**2, s, np.ones_like(s)], axis=1)
+    scale = basis.max(axis=0)  # columns of similar size keep NNLS well conditioned
+    coef, _ = nnls(basis / scale / t[:, None], np.ones_like(t))
+    a1, b1, g = coef / scale
+    return float(a1), float(b1), float(g)
+
+
+def fit_activation(samples: Sequence[LayerSample]) -> tuple[float, float]:
+    """(a2, b2) >= 0: least squares of a2 s + b2 against the measured activation bytes."""
+    if len(samples) < 2:
+        raise ValueError(f"fitting Act(s) needs at least 2 sequence lengths, got {len(samples)}")
+    s = np.array([x.seq_len for x in samples], dtype=float)
+    act = np.array([x.activation_bytes for x in samples], dtype=float)
+    basis = np.stack([s, np.ones_like(s)], axis=1)
+    scale = basis.max(axis=0)
+    coef, _ = nnls(basis / scale, act)
+    a2, b2 = coef / scale
+    return float(a2), float(b2)
+
+
+def calibrate(
+    *,
+    shape: ModelShape,
+    seq_lens: Sequence[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    ring_bandwidth: float,
+    repeats: int = 3,
+    bandwidth_bytes: int = 256 << 20,
+) -> Calibration:
+    """Measure a layer of `shape` over `seq_lens` and the offload link; fit the cost model.
+
+    `ring_bandwidth` (bytes/s of a ring link) is not measured here: one device has no ring.
+    """
+    if repeats <= 0:
+        raise ValueError(f"repeats must be positive, got {repeats}")
+    samples = measure_layer(shape=shape, seq_lens=sorted(set(seq_lens)), device=device, dtype=dtype, repeats=repeats)
+    a1, b1, g = fit_compute(samples)
+    a2, b2 = fit_activation(samples)
+    bandwidth = measure_bandwidth(device=device, nbytes=bandwidth_bytes, repeats=repeats)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    cost_model = CostModel(
+        a1=a1,
+        b1=b1,
+        g=g,
+        a2=a2,
+        b2=b2,
+        kv_bytes_per_token=float(dtype_bytes * 2 * shape.kv_channels),
+        num_layers=shape.num_layers,
+        ring_bandwidth=ring_bandwidth,
+        d2h_bandwidth=bandwidth.d2h,
+        h2d_bandwidth=bandwidth.h2d,
+    )
+    return Calibration(cost_model, tuple(samples), bandwidth, str(device), str(dtype).removeprefix("torch."))

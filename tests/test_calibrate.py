@@ -1,0 +1,58 @@
+"""Calibration: the fits recover known coefficients, and `megatron-hdp calibrate` on CPU writes a cost model
+the planner loads whose T(s) and Act(s) reproduce what was measured."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_hdp.cli import main
+from megatron_hdp.offload.calibrate import LayerSample, fit_activation, fit_compute
+from megatron_hdp.plan.cost_model import CostModel
+
+
+def test_fits_recover_exact_coefficients():
+    a1, b1, g, a2, b2 = 3e-9, 2e-6, 4e-4, 5000.0, 1e6
+    samples = [LayerSample(s, a1 * s * s + b1 * s + g, int(a2 * s + b2)) for s in (256, 512, 1024, 2048, 4096)]
+    assert fit_compute(samples) == pytest.approx((a1, b1, g), rel=1e-6)
+    assert fit_activation(samples) == pytest.approx((a2, b2), rel=1e-6)
+
+
+def test_fits_never_go_negative_and_need_enough_points():
+    falling = [LayerSample(s, 1.0 / s, 10 * s) for s in (100, 200, 400)]
+    assert min(fit_compute(falling)) >= 0
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_compute(falling[:2])
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_activation(falling[:1])
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_cli_on_cpu_writes_a_cost_model_that_fits_its_measurements(tmp_path, one_thread):
+    output = tmp_path / "cost_model.json"
+    argv = ["calibrate", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-lens", "128,256,512,1024",
+            "--repeats", "5", "--bandwidth-mib", "8", "--output", str(output)]
+    assert main(argv) == 0
+    model = CostModel.from_json(output)
+    report = json.loads((tmp_path / "cost_model.measurements.json").read_text())
+    assert report["bandwidth_source"] == "host-memcpy" and model.num_layers == 2
+    assert model.kv_bytes_per_token == 4 * 2 * 32  # fp32, K and V, 2 groups of 16 channels
+    for sample in report["samples"]:
+        s = sample["seq_len"]
+        assert model.activation_bytes(s) == pytest.approx(sample["activation_bytes"], rel=1e-9)
+        # Timings on a shared CPU are noisy; the fit must still track every point.
+        assert sample["predicted_seconds"] == pytest.approx(sample["seconds"], rel=0.35)
+        assert sample["predicted_seconds"] == pytest.approx(model.a1 * s * s + model.b1 * s + model.g)
+
+
+def test_cli_names_bad_lengths(tmp_path):
+    with pytest.raises(ValueError, match="--seq-lens"):
+        main(["calibrate", "--device", "cpu", "--seq-lens", "128,abc", "--output", str(tmp_path / "x.json")])
