@@ -1,0 +1,119 @@
+"""What the HDP loader needs from a dataset: plan lengths before any token is read, and partial reads.
+
+A `DocumentSource` exposes, per sample, the plan length L (the number of model input positions) and reads
+raw tokens by range. By the project's label convention a sample of plan length L has L + 1 raw tokens
+(inputs = raw[0:L], labels = raw[1:L+1]), so a source built from raw token counts n has L = n - 1 and a
+sample with fewer than 2 raw tokens is an error (it would have no position to train on).
+
+The Megatron adapters (indexed `.bin/.idx`, GPTDataset, BlendedDataset) live in
+`megatron_hdp.megatron.datasets`, the only layer allowed to import Megatron; this module holds the
+protocol, the map-style adapter for datasets that carry a `lengths` array (SFT), and the checks every
+adapter shares: too-short samples and the explicit truncate-or-reject rule for over-long ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from megatron_hdp.config import OVERLONG_DOCUMENTS, OverlongDocuments
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class DocumentSource(Protocol):
+    """A dataset as the HDP loader sees it.
+
+    `lengths[i]` is sample i's plan length L (int64, >= 1); `read(i, start, end)` returns its raw tokens
+    [start, end) with 0 <= start <= end <= L + 1 and reads nothing else — that is what lets each rank load
+    only its own shards. `bytes_read` counts the token bytes read so far (tests and benchmarks check it).
+    """
+
+    lengths: np.ndarray
+    bytes_read: int
+
+    def read(self, sample_id: int, start: int, end: int) -> np.ndarray: ...
+
+
+def plan_lengths_from_raw(raw_counts: np.ndarray | Sequence[int], *, what: str = "sample") -> np.ndarray:
+    """Plan lengths L = n - 1 from raw token counts n; a sample with n < 2 raises ValueError naming it."""
+    raw = np.asarray(raw_counts, dtype=np.int64)
+    if raw.ndim != 1:
+        raise ValueError(f"raw token counts must be one-dimensional, got shape {raw.shape}")
+    short = np.flatnonzero(raw < 2)
+    if short.size:
+        shown = ", ".join(f"{what} {i} ({raw[i]} tokens)" for i in short[:5])
+        raise ValueError(
+            f"{short.size} {what}(s) have fewer than 2 raw tokens: {shown}; a training sequence needs at "
+            "least one input token and its next-token label (remove empty documents from the dataset)"
+        )
+    return raw - 1
+
+
+def limit_lengths(
+    lengths: np.ndarray, *, max_length: int | None, overlong: OverlongDocuments = "error", why: str = "max_length"
+) -> np.ndarray:
+    """Apply a maximum sequence length: reject over-long samples, or truncate them — never silently.
+
+    `overlong="error"` raises ValueError listing the first over-long samples; `"truncate"` keeps their
+    first `max_length` positions (a truncated sample still reads its label token max_length from the
+    source, which exists because the sample is longer) and logs how many were cut. `why` names where the
+    limit comes from, for the messages.
+    """
+    if overlong not in OVERLONG_DOCUMENTS:
+        raise ValueError(f"overlong must be one of {OVERLONG_DOCUMENTS}, got {overlong!r}")
+    if max_length is None:
+        return lengths
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    over = np.flatnonzero(lengths > max_length)
+    if not over.size:
+        return lengths
+    if overlong == "error":
+        shown = ", ".join(f"sample {i} (length {lengths[i]})" for i in over[:5])
+        raise ValueError(
+            f"{over.size} sample(s) are longer than {max_length} tokens ({why}): {shown}; truncate them with "
+            "--hdp-overlong-documents truncate, or raise the limit"
+        )
+    logger.warning("truncating %d of %d samples to %d tokens (%s)", over.size, lengths.size, max_length, why)
+    return np.minimum(lengths, max_length)
+
+
+class MapStyleSource:
+    """Adapter for any map-style dataset with a per-sample `lengths` array of raw token counts (SFT).
+
+    `dataset[i]` must return the sample's raw token ids: an array, or a dict holding them under `key`.
+    A map-style dataset cannot read part of a sample, so `read` fetches the sample and slices it; it
+    checks that the sample has exactly the token count `lengths` promised, since a plan built on wrong
+    lengths would train on the wrong tokens.
+    """
+
+    def __init__(self, dataset: Any, *, lengths: np.ndarray | Sequence[int] | None = None, key: str = "tokens"):
+        raw = getattr(dataset, "lengths", None) if lengths is None else lengths
+        if raw is None:
+            raise ValueError(f"{type(dataset).__name__} has no `lengths` attribute and no lengths were given")
+        raw = np.asarray(raw, dtype=np.int64)
+        if raw.shape != (len(dataset),):
+            raise ValueError(f"lengths has shape {raw.shape} but the dataset has {len(dataset)} samples")
+        self.dataset = dataset
+        self.key = key
+        self.lengths = plan_lengths_from_raw(raw)
+        self.bytes_read = 0
+
+    def read(self, sample_id: int, start: int, end: int) -> np.ndarray:
+        """Raw tokens [start, end) of sample `sample_id` (the whole sample is fetched, then sliced)."""
+        sample = self.dataset[sample_id]
+        tokens = np.asarray(sample[self.key] if isinstance(sample, dict) else sample)
+        expected = int(self.lengths[sample_id]) + 1
+        if tokens.shape != (expected,):
+            raise ValueError(
+                f"sample {sample_id} has {tokens.size} tokens but the dataset's lengths say {expected}: "
+                "the lengths array disagrees with the data"
+            )
+        if not 0 <= start <= end <= expected:
+            raise ValueError(f"read [{start}, {end}) is outside sample {sample_id}'s {expected} tokens")
+        self.bytes_read += tokens.nbytes
+        return tokens[start:end]
