@@ -1,0 +1,129 @@
+"""The one interface every local attention kernel is used through.
+
+A backend computes attention over packed variable-length segments (THD) and returns the output with its
+log-sum-exp, and computes the gradients of a block given the *final* output and log-sum-exp of the rows.
+That second point is what lets ring attention use any kernel: the flash backward recomputes the block's
+probabilities as exp(S - lse) and uses rowsum(dO * O); with the merged (global) out and lse it yields the
+block's share of the exact gradients, so a ring sums block gradients without any correction.
+
+Shapes: q [Tq, Hq, D], k and v [Tk, Hkv, D] with Hkv dividing Hq (query head h uses kv head
+h // (Hq / Hkv)); out [Tq, Hq, D] in q's dtype; lse [Hq, Tq], float32 (float64 for float64 inputs).
+Segment i pairs q rows cu_q[i]:cu_q[i+1] with kv rows cu_k[i]:cu_k[i+1]; every segment is non-empty.
+A causal segment has as many q as kv rows and uses the plain lower-triangular mask.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import itertools
+from typing import Callable, ClassVar
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """Per-segment q and kv lengths of one kernel call, with their cumulative forms."""
+
+    seqlens_q: tuple[int, ...]
+    seqlens_k: tuple[int, ...]
+    device: torch.device
+    """Where `cu_seqlens_q` / `cu_seqlens_k` tensors are made (kernels that take tensors)."""
+
+    def __post_init__(self) -> None:
+        assert len(self.seqlens_q) == len(self.seqlens_k), (self.seqlens_q, self.seqlens_k)
+        assert all(n > 0 for n in self.seqlens_q + self.seqlens_k), (self.seqlens_q, self.seqlens_k)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.seqlens_q)
+
+    @functools.cached_property
+    def cu_q(self) -> tuple[int, ...]:
+        """Cumulative q lengths, starting at 0 (Python ints)."""
+        return (0, *itertools.accumulate(self.seqlens_q))
+
+    @functools.cached_property
+    def cu_k(self) -> tuple[int, ...]:
+        """Cumulative kv lengths, starting at 0 (Python ints)."""
+        return (0, *itertools.accumulate(self.seqlens_k))
+
+    @functools.cached_property
+    def cu_seqlens_q(self) -> torch.Tensor:
+        """`cu_q` as an int32 tensor on `device`."""
+        return torch.tensor(self.cu_q, dtype=torch.int32, device=self.device)
+
+    @functools.cached_property
+    def cu_seqlens_k(self) -> torch.Tensor:
+        """`cu_k` as an int32 tensor on `device`."""
+        return torch.tensor(self.cu_k, dtype=torch.int32, device=self.device)
+
+    @property
+    def max_q(self) -> int:
+        return max(self.seqlens_q)
+
+    @property
+    def max_k(self) -> int:
+        return max(self.seqlens_k)
+
+
+class AttentionBackend(abc.ABC):
+    """A local attention kernel: forward returning (out, lse), backward taking (out, lse)."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abc.abstractmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether the kernel is importable here and handles this device and dtype."""
+
+    @abc.abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segments: Segments, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of each q segment over its kv segment: (out [Tq, Hq, D], lse [Hq, Tq])."""
+
+    @abc.abstractmethod
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        segments: Segments,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq, dk, dv) of this block, in the dtypes of q, k, v, for the rows' final `out` and `lse`."""
+
+
+def grads_by_recompute(
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block gradients for kernels whose backward cannot take an external (out, lse): recompute the
+    block's (o_b, lse_b) with autograd and back-propagate the block's share of the merged output.
+
+    With w = exp(lse_b - lse) the merged output is O = sum_b w_b o_b, so dL/do_b = w dO and
+    dL/dlse_b = w * rowsum(dO * (o_b - O)); autograd through the kernel then gives the exact block
+    gradients (the same as a flash backward fed the final out and lse). Costs one extra forward.
+    """
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        block_out, block_lse = forward(*leaves)
+        weight = torch.exp(block_lse - lse)  # [H, T]
+        dout_acc = dout.to(block_lse.dtype)
+        grad_out = (weight.t().unsqueeze(-1) * dout_acc).to(block_out.dtype)
+        grad_lse = weight * (dout_acc * (block_out.to(dout_acc.dtype) - out.to(dout_acc.dtype))).sum(-1).t()
+        grads = torch.autograd.grad((block_out, block_lse), leaves, (grad_out, grad_lse))
+    return grads[0], grads[1], grads[2]

@@ -1,0 +1,73 @@
+"""PyTorch's CUDA varlen attention (`torch.nn.attention.varlen.varlen_attn`, FlashAttention-2 in aten).
+
+Forward through the public `varlen_attn(..., return_aux=AuxRequest(lse=True))`. Its autograd backward
+cannot take an external out/lse, so the backward calls the op that `varlen_attn` registers for its own
+backward, `torch.ops.torch_attn._varlen_attn_backward` (same arguments as the forward plus out, lse and
+the unused dropout RNG state). Not run in this repository's CI (no GPU there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_hdp.attention.backends.base import AttentionBackend, Segments
+
+
+def _window(causal: bool) -> tuple[int, int]:
+    """varlen_attn expresses the causal mask as the window (-1, 0)."""
+    return (-1, 0) if causal else (-1, -1)
+
+
+class TorchVarlenBackend(AttentionBackend):
+    """One `varlen_attn` call per block (all segments at once)."""
+
+    name = "torch_varlen"
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+            return False
+        try:
+            from torch.nn.attention import varlen  # noqa: F401
+        except ImportError:
+            return False
+        return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device)[0] >= 8
+
+    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
+        from torch.nn.attention.varlen import AuxRequest, varlen_attn
+
+        out, lse = varlen_attn(
+            q,
+            k,
+            v,
+            segments.cu_seqlens_q,
+            segments.cu_seqlens_k,
+            segments.max_q,
+            segments.max_k,
+            return_aux=AuxRequest(lse=True),
+            scale=scale,
+            window_size=_window(causal),
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        assert lse.shape == (q.shape[1], q.shape[0]), f"varlen_attn lse has shape {tuple(lse.shape)}"
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float):
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is unused
+        dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
+            dout.contiguous(),
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            out.contiguous(),
+            lse.contiguous(),
+            segments.cu_seqlens_q,
+            segments.cu_seqlens_k,
+            segments.max_q,
+            segments.max_k,
+            causal,
+            rng_state,
+            scale,
+            list(_window(causal)),
+        )
+        return dq, dk, dv

@@ -1,0 +1,81 @@
+"""Attention over whole documents held by one rank: one local kernel call, no communication.
+
+This is the path of every document a rank holds entirely (ring of one), and what the Megatron core
+attention module calls for them. It costs exactly one backend forward and one backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from megatron_hdp.attention.backends import AttentionBackend, Segments, get_backend
+from megatron_hdp.attention.layout import check_seqlens
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_tokens: int) -> None:
+    """ValueError unless q [T, Hq, D], k and v [T, Hkv, D] with T = `num_tokens` and Hkv dividing Hq."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
+        if x.shape[0] != num_tokens:
+            raise ValueError(
+                f"{name} has {x.shape[0]} tokens but seqlens give this rank {num_tokens} tokens"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"kv heads ({k.shape[1]}) must divide query heads ({q.shape[1]})")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
+            f"{q.device}/{k.device}/{v.device}"
+        )
+
+
+def default_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """`softmax_scale`, or 1/sqrt(head_dim) when None."""
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+class _LocalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, backend: AttentionBackend, segments: Segments, causal: bool, scale: float):
+        out, lse = backend.forward(q, k, v, segments=segments, causal=causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backend, ctx.segments, ctx.causal, ctx.scale = backend, segments, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.backend.backward(
+            dout, q, k, v, out, lse, segments=ctx.segments, causal=ctx.causal, scale=ctx.scale
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def local_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    seqlens: Sequence[int],
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention within each packed document of `seqlens` (THD: q [T, Hq, D], k/v [T, Hkv, D]).
+
+    Differentiable in q, k, v; returns [T, Hq, D]. `backend` names a kernel of
+    `megatron_hdp.attention.backends` ("auto": the fastest available for the device and dtype).
+    """
+    lengths = check_seqlens(seqlens)
+    check_qkv(q, k, v, num_tokens=sum(lengths))
+    kernel = get_backend(backend, device=q.device, dtype=q.dtype)
+    segments = Segments(lengths, lengths, q.device)
+    return _LocalAttention.apply(q, k, v, kernel, segments, causal, default_scale(softmax_scale, q.shape[2]))

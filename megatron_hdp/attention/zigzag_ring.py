@@ -1,0 +1,253 @@
+"""Per-document zigzag ring attention over an arbitrary list of global ranks (HDP dynamic communication).
+
+A long document is held by the k ranks of its ring, each holding chunk p and 2k-1-p of it (DESIGN.md,
+"Ring attention"); several documents sharing one ring are packed (THD). The forward passes the packed
+K and V once around the ring (k-1 hops), attending local q rows to whatever part of the received KV is
+visible (`ring_plan`) and merging the partial results by their log-sum-exp (`merge`). The backward
+passes K and V around again together with the dK/dV partials, which ride the ring back to their owner
+(k hops); the block gradients come from the kernel's backward fed the final out and lse. Each step
+posts the next exchange before computing, so communication overlaps the block computation.
+
+The algorithm is written once as ring programs (`megatron_hdp.comm.ring_program`): `ring_attention`
+runs this rank's program over point-to-point messages in the HDP communicator (never a process group
+per ring); `simulated_ring_attention` runs all k positions in one process (tests, single-device
+benchmark). A ring of one is the local kernel, with no communication at all.
+
+Several rings (ordering rule): a rank in several rings calls `ring_attention` for them in one global
+order, ascending smallest sequence id of the ring, as every other rank does; the backwards then run in
+the reverse order by themselves. Why this cannot deadlock, also when rings of different ranks overlap,
+is in `megatron_hdp.comm.ring_program`. Every argument is checked before the first message, on every
+rank of the call, so a bad call raises everywhere instead of hanging a peer — as long as all ranks make
+the same call, which the identical step plan guarantees.
+
+Traffic per call and rank (counted in `megatron_hdp.comm.traffic`): forward (k-1) K+V buffers in the
+input dtype; backward (k-1) K+V buffers plus k dK+dV buffers in the accumulation dtype (fp32 for
+half-precision inputs). Accumulation of out, dq, dk, dv is in fp32 (fp64 for fp64 inputs); results
+come back in the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_hdp.attention.backends import AttentionBackend, Segments, get_backend
+from megatron_hdp.attention.layout import check_seqlens, zigzag_token_indices
+from megatron_hdp.attention.local import _LocalAttention, check_qkv, default_scale
+from megatron_hdp.attention.merge import merge_attention
+from megatron_hdp.attention.ring_plan import RingPlan, ring_plan
+from megatron_hdp.comm.p2p import Ring, current_ring
+from megatron_hdp.comm.ring_program import WAIT, Post, RingProgram, run_in_process, run_on_ring
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: RingPlan, backend: AttentionBackend, scale: float
+) -> RingProgram[tuple[torch.Tensor, torch.Tensor]]:
+    """One position's forward: returns (out [T, Hq, D] in q's dtype, lse [Hq, T])."""
+    kv = torch.stack((k, v))
+    acc = _accumulation_dtype(q.dtype)
+    out = q.new_zeros(q.shape, dtype=acc)
+    lse = q.new_zeros((q.shape[1], q.shape[0]), dtype=acc)
+    q_cache: dict[tuple, torch.Tensor] = {}
+    for step, block in enumerate(plan.blocks):
+        last = step + 1 == plan.ring_size
+        if not last:
+            next_kv = kv.new_empty((2, plan.num_tokens[plan.source(step + 1)], *kv.shape[2:]))
+            yield Post(send=kv, recv=next_kv)
+        if block is not None:
+            q_block = q_cache.setdefault(block.q_rows.key, block.q_rows.take(q))
+            block_out, block_lse = backend.forward(
+                q_block,
+                block.kv_rows.take(kv[0]),
+                block.kv_rows.take(kv[1]),
+                segments=block.segments,
+                causal=block.causal,
+                scale=scale,
+            )
+            if step == 0:  # the diagonal block covers every local row
+                out, lse = block_out.to(acc), block_lse.to(acc)
+            else:
+                merged_out, merged_lse = merge_attention(
+                    block.q_rows.take(out), block.q_rows.take(lse, 1), block_out, block_lse
+                )
+                block.q_rows.put(out, merged_out)
+                block.q_rows.put(lse, merged_lse, 1)
+        if not last:
+            yield WAIT
+            kv = next_kv
+    return out.to(q.dtype), lse
+
+
+def _backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    plan: RingPlan,
+    backend: AttentionBackend,
+    scale: float,
+) -> RingProgram[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One position's backward: returns (dq, dk, dv) in the dtypes of q, k, v."""
+    kv = torch.stack((k, v))
+    acc = _accumulation_dtype(q.dtype)
+    dq = q.new_zeros(q.shape, dtype=acc)
+    dkv_in = None
+    q_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
+    for step, block in enumerate(plan.blocks):
+        last = step + 1 == plan.ring_size
+        if not last:
+            next_kv = kv.new_empty((2, plan.num_tokens[plan.source(step + 1)], *kv.shape[2:]))
+            yield Post(send=kv, recv=next_kv)
+        # dK/dV partials of the KV held now, owned by position source(step); they travel with it.
+        dkv = kv.new_zeros(kv.shape, dtype=acc)
+        if block is not None:
+            rows = block.q_rows
+            dout_b, q_b, out_b, lse_b = q_cache.setdefault(
+                rows.key, (rows.take(dout), rows.take(q), rows.take(out), rows.take(lse, 1))
+            )
+            dq_b, dk_b, dv_b = backend.backward(
+                dout_b,
+                q_b,
+                block.kv_rows.take(kv[0]),
+                block.kv_rows.take(kv[1]),
+                out_b,
+                lse_b,
+                segments=block.segments,
+                causal=block.causal,
+                scale=scale,
+            )
+            rows.add(dq, dq_b)
+            block.kv_rows.add(dkv[0], dk_b)
+            block.kv_rows.add(dkv[1], dv_b)
+        if step > 0:
+            yield WAIT  # the partials of the same owner, from the previous position
+            dkv += dkv_in
+        if not last:
+            yield WAIT
+            kv = next_kv
+        dkv_in = dkv.new_empty((2, plan.num_tokens[plan.source(step + 1)], *dkv.shape[2:]))
+        yield Post(send=dkv, recv=dkv_in)
+    yield WAIT  # after k hops the partials are back with their owner: the local dK, dV
+    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: RingPlan, ring: Ring, backend: AttentionBackend, scale: float):
+        out, lse = run_on_ring(_forward(q, k, v, plan=plan, backend=backend, scale=scale), ring)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.ring, ctx.backend, ctx.scale = plan, ring, backend, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        program = _backward(dout, q, k, v, out, lse, plan=ctx.plan, backend=ctx.backend, scale=ctx.scale)
+        dq, dk, dv = run_on_ring(program, ctx.ring)
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    seqlens: Sequence[int],
+    ring: Sequence[int],
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Attention within each document of `seqlens`, the documents split over the ranks of `ring`.
+
+    Called by every rank of `ring` (global ranks of `group`, default the world, in ring order) with its
+    zigzag shards: q [T_local, Hq, D], k and v [T_local, Hkv, D], the rows
+    `zigzag_token_indices(seqlens, len(ring), position)` of the packed documents. Returns
+    out [T_local, Hq, D], differentiable in q, k, v, equal to full (causal) attention over each
+    document. Any document length >= 1 works. ValueError before any message for a rank outside the
+    ring, token counts that do not match `seqlens`, or kv heads not dividing query heads.
+    """
+    lengths = check_seqlens(seqlens)
+    members = current_ring(ring, group=group)
+    plan_needed = members.size > 1
+    num_tokens = sum(lengths)
+    if plan_needed:
+        plan = ring_plan(lengths, members.size, members.position, bool(causal), q.device)
+        num_tokens = plan.num_tokens[members.position]
+    check_qkv(q, k, v, num_tokens=num_tokens)
+    kernel = get_backend(backend, device=q.device, dtype=q.dtype)
+    scale = default_scale(softmax_scale, q.shape[2])
+    if not plan_needed:
+        return _LocalAttention.apply(q, k, v, kernel, Segments(lengths, lengths, q.device), bool(causal), scale)
+    return _RingAttention.apply(q, k, v, plan, members, kernel, scale)
+
+
+class _SimulatedRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plans: tuple[RingPlan, ...], backend: AttentionBackend, scale: float, *shards):
+        size = len(plans)
+        qs, ks, vs = shards[:size], shards[size : 2 * size], shards[2 * size :]
+        results = run_in_process(
+            [_forward(qs[p], ks[p], vs[p], plan=plans[p], backend=backend, scale=scale) for p in range(size)]
+        )
+        outs = tuple(out for out, _ in results)
+        ctx.save_for_backward(*shards, *outs, *(lse for _, lse in results))
+        ctx.plans, ctx.backend, ctx.scale = plans, backend, scale
+        return outs
+
+    @staticmethod
+    def backward(ctx, *douts):
+        size = len(ctx.plans)
+        saved = ctx.saved_tensors
+        qs, ks, vs = saved[:size], saved[size : 2 * size], saved[2 * size : 3 * size]
+        outs, lses = saved[3 * size : 4 * size], saved[4 * size :]
+        programs = [
+            _backward(
+                douts[p], qs[p], ks[p], vs[p], outs[p], lses[p], plan=ctx.plans[p], backend=ctx.backend, scale=ctx.scale
+            )
+            for p in range(size)
+        ]
+        grads = run_in_process(programs)
+        return (None, None, None, *(g[0] for g in grads), *(g[1] for g in grads), *(g[2] for g in grads))
+
+
+def simulated_ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    seqlens: Sequence[int],
+    ring_size: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The ring algorithm of `ring_attention` for k = `ring_size` virtual ranks in this process.
+
+    Takes and returns whole packed documents (q [T, Hq, D], k/v [T, Hkv, D]): each virtual position gets
+    its zigzag shards, the k ring programs run in lockstep with the messages copied in memory, and the
+    outputs are put back in packed order. Differentiable. For tests and for timing the ring's
+    decomposition of the work on one device.
+    """
+    lengths = check_seqlens(seqlens)
+    if ring_size < 1:
+        raise ValueError(f"ring_size must be >= 1, got {ring_size}")
+    check_qkv(q, k, v, num_tokens=sum(lengths))
+    kernel = get_backend(backend, device=q.device, dtype=q.dtype)
+    scale = default_scale(softmax_scale, q.shape[2])
+    plans = tuple(ring_plan(lengths, ring_size, p, bool(causal), q.device) for p in range(ring_size))
+    rows = [zigzag_token_indices(lengths, ring_size, p).to(q.device) for p in range(ring_size)]
+    shards = [x.index_select(0, r) for x in (q, k, v) for r in rows]
+    outs = _SimulatedRing.apply(plans, kernel, scale, *shards)
+    order = torch.cat(rows)
+    return torch.cat(outs).index_select(0, torch.argsort(order))

@@ -1,0 +1,46 @@
+"""Single-process reference for the attention tests: full per-document attention in float64."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[int], *, causal: bool, scale: float
+) -> torch.Tensor:
+    """Attention within each packed document, computed densely in float64 (differentiable).
+
+    q [T, Hq, D], k and v [T, Hkv, D]; query head h uses kv head h // (Hq / Hkv).
+    """
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    outs, start = [], 0
+    for length in seqlens:
+        rows = slice(start, start + length)
+        scores = torch.einsum("qhd,khd->hqk", q[rows], k[rows]) * scale
+        if causal:
+            future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(future, -math.inf)
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[rows]))
+        start += length
+    return torch.cat(outs)
+
+
+def reference_with_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    seqlens: Sequence[int],
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, dq, dk, dv) of `reference_attention` for the output gradient `dout`, all float64."""
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    out = reference_attention(*leaves, seqlens, causal=causal, scale=scale)
+    dq, dk, dv = torch.autograd.grad(out, leaves, dout.double())
+    return out.detach(), dq, dk, dv
