@@ -1,0 +1,79 @@
+"""examples/: every launch script is valid bash, and each model's flags pass Megatron's parser + ours.
+
+The flags are not copied into the test: each launcher runs in DRY_RUN mode, which prints the environment
+and the exact argument list it would pass to the training script, and that list goes through
+Megatron-LM's `parse_args`/`validate_args` (with `add_hdp_args`) and `validate_hdp_args` for the job's
+world size.
+"""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_hdp.config import HDPConfig
+from megatron_hdp.megatron.args import parse_and_check
+from megatron_hdp.plan.presets import model_shape
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+MODELS = sorted((EXAMPLES / "models").glob("*.sh"))
+# model file -> (preset, tensor, pipeline, expert parallel size, longest document): what each claims.
+CLAIMS = {
+    "llama3_8b_256k.sh": ("llama3-8b", 2, 1, 1, 256 * 1024),
+    "llama_70b_512k.sh": ("llama-70b", 8, 4, 1, 512 * 1024),
+    "mixtral_8x7b_1m.sh": ("mixtral-8x7b", 4, 1, 8, 1024 * 1024),
+    "mixtral_8x22b_2m.sh": ("mixtral-8x22b", 8, 4, 8, 2048 * 1024),
+}
+
+
+def dry_run(launcher: str, model: Path) -> tuple[dict[str, str], int, list[str]]:
+    """(environment, world size, script arguments) that `launcher` would use for `model`."""
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "MODEL": str(model), "SLURM_SUBMIT_DIR": str(ROOT)}
+    out = subprocess.run(
+        ["bash", str(EXAMPLES / launcher), str(model)], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    environ, world, argv = {}, 0, []
+    for line in out.splitlines():
+        kind, _, value = line.partition(" ")
+        if kind == "env":
+            key, _, val = value.partition("=")
+            environ[key] = val
+        elif kind == "world_size":
+            world = int(value)
+        elif kind == "arg":
+            argv.append(value)
+    return environ, world, argv
+
+
+def test_every_script_is_valid_bash():
+    scripts = sorted(EXAMPLES.rglob("*.sh")) + sorted((ROOT / "patches").glob("*.sh"))
+    assert len(scripts) >= 8
+    for script in scripts:
+        run = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert run.returncode == 0, f"{script}: {run.stderr}"
+
+
+def test_every_model_is_claimed():
+    assert sorted(p.name for p in MODELS) == sorted(CLAIMS)
+
+
+@pytest.mark.parametrize("model", MODELS, ids=[p.stem for p in MODELS])
+def test_model_flags_parse_and_validate(model):
+    environ, world, argv = dry_run("torchrun_hdp.sh", model)
+    assert (environ, world, argv) == dry_run("sbatch_hdp.sh", model)  # both launchers run the same job
+    args, config = parse_and_check(argv, world_size=world, env=environ)
+    preset, tp, pp, ep, longest = CLAIMS[model.name]
+    shape = model_shape(preset)
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size) == (
+        shape.num_layers, shape.hidden_size, shape.ffn_hidden_size,
+    )
+    assert (args.num_attention_heads, args.num_query_groups) == (shape.num_attention_heads, shape.num_query_groups)
+    assert (args.num_experts or 0, args.moe_router_topk) == (shape.num_experts, shape.moe_router_topk if shape.num_experts else args.moe_router_topk)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
+    assert args.expert_model_parallel_size == ep and args.context_parallel_size == 1
+    assert args.seq_length == longest
+    assert isinstance(config, HDPConfig) and config.hdp
+    # the comment's promise: the HDP pool (data-parallel ranks) can hold the longest document
+    assert args.data_parallel_size * config.hdp_capacity >= longest
+    assert config.hdp_capacity % tp == 0
