@@ -1,0 +1,132 @@
+"""Turn a policy's decisions (rings, offload ratios, per-rank micro-batches) into a timed StepPlan.
+
+Every policy (balance, naive, static) ends here, so their plans are timed by the one cost model the same
+way and can be compared side by side:
+
+- a micro-batch's time is `cost_model.microbatch_time` of its shards on one pipeline stage;
+- a rank's `est_time` is its busy time, the sum of its micro-batch times, plus with PP the 1F1B fill and
+  drain modelled as (pp_size - 1) x its mean micro-batch time (a uniform 1F1B pipeline of m micro-batches
+  of time t takes (m + pp - 1) t);
+- `est_step_time` is the time the last rank reaches the gradient all-reduce, from a timeline in which a
+  ring micro-batch starts only when every member has finished its previous micro-batch (members that
+  arrive early wait). A plan whose rings start in step has est_step_time = max est_time.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.layout import zigzag_chunks
+from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
+
+
+def assemble_plan(
+    *,
+    policy: str,
+    lengths: Sequence[int],
+    rings: Sequence[tuple[int, ...]],
+    offload_ratios: Sequence[float],
+    schedule: Sequence[Sequence[Sequence[int]]],
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int = 1,
+) -> StepPlan:
+    """Build the StepPlan: `schedule[rank]` lists that rank's micro-batches, each a list of sequence ids.
+
+    A sequence with a ring of k > 1 ranks must appear in one micro-batch of each member; the member at
+    ring position p holds zigzag chunks p and 2k-1-p. The micro-batch capacity is C, or the tokens held
+    when offloading lets a member hold more.
+    """
+    num_ranks = len(schedule)
+    positions: dict[int, dict[int, int]] = {
+        seq: {rank: p for p, rank in enumerate(ring)} for seq, ring in enumerate(rings) if len(ring) > 1
+    }
+    ring_index: dict[int, int] = {}
+    times: list[list[float]] = []
+    ranks: list[RankSchedule] = []
+    microbatch_time = cost_model.microbatch_time
+    for rank, microbatches in enumerate(schedule):
+        built: list[MicroBatch] = []
+        rank_times: list[float] = []
+        for index, seqs in enumerate(microbatches):
+            shards = []
+            costs = []
+            for seq in seqs:
+                length = lengths[seq]
+                where = positions.get(seq)
+                if where is None:
+                    chunks: tuple = ((0, length),)
+                    tokens, k = length, 1
+                else:
+                    k = len(where)
+                    chunks = zigzag_chunks(length, k, where[rank])
+                    tokens = chunks[0][1] - chunks[0][0] + chunks[1][1] - chunks[1][0]
+                    ring_index.setdefault(seq, index)
+                shards.append(Shard(seq, chunks))
+                costs.append((length, tokens, k))
+            held = sum(c[1] for c in costs)
+            time = microbatch_time(costs, pp_size=pp_size)
+            rank_times.append(time)
+            built.append(MicroBatch(tuple(shards), max(capacity, held), time))
+        times.append(rank_times)
+        ranks.append(RankSchedule(rank, tuple(built), _rank_time(rank_times, pp_size)))
+    step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size)
+    sequences = tuple(
+        SequencePlacement(seq, int(lengths[seq]), tuple(ring), float(offload_ratios[seq]))
+        for seq, ring in enumerate(rings)
+    )
+    assert len(ranks) == num_ranks
+    return StepPlan(policy=policy, num_ranks=num_ranks, capacity=capacity, sequences=sequences,
+                    ranks=tuple(ranks), est_step_time=step, pp_size=pp_size)
+
+
+def _bubble(times: Sequence[float], pp_size: int) -> float:
+    """1F1B fill + drain of one pipeline: (pp_size - 1) x its mean micro-batch time."""
+    if pp_size == 1 or not times:
+        return 0.0
+    return (pp_size - 1) * sum(times) / len(times)
+
+
+def _rank_time(times: Sequence[float], pp_size: int) -> float:
+    return sum(times) + _bubble(times, pp_size)
+
+
+def step_time(
+    times: Sequence[Sequence[float]],
+    *,
+    rings: Sequence[tuple[int, ...]],
+    ring_index: dict[int, int],
+    pp_size: int = 1,
+) -> float:
+    """Time the last rank finishes when ring micro-batches wait for all their members (see module doc)."""
+    num_ranks = len(times)
+    by_index: dict[int, list[tuple[int, ...]]] = {}
+    for seq, index in ring_index.items():
+        by_index.setdefault(index, []).append(rings[seq])
+    counts = np.array([len(t) for t in times], dtype=np.int64)
+    depth = int(counts.max(initial=0))
+    matrix = np.zeros((num_ranks, depth))
+    for rank, rank_times in enumerate(times):
+        matrix[rank, : len(rank_times)] = rank_times
+    end = np.zeros(num_ranks)
+    for index in range(depth):
+        start = end.copy()
+        groups = by_index.get(index, [])
+        changed = True
+        while changed:  # a rank in two rings of one micro-batch links them: iterate to a fixed point
+            changed = False
+            for ring in groups:
+                members = list(ring)
+                latest = start[members].max()
+                if (start[members] < latest).any():
+                    start[members] = latest
+                    changed = True
+        end = np.where(index < counts, start + matrix[:, index], end)
+    bubble = np.zeros(num_ranks)
+    if pp_size > 1:
+        busy = matrix.sum(axis=1)
+        bubble = np.divide((pp_size - 1) * busy, counts, out=bubble, where=counts > 0)
+    return float((end + bubble).max())

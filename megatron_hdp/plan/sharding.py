@@ -1,0 +1,130 @@
+"""Data-aware sharding: how many ranks D(s) each sequence needs, and the offload ratio that allows it.
+
+ByteScale (arXiv 2502.21231) Sec. 5: a sequence that fits one rank's token capacity C stays whole on one
+rank; a longer one is split by per-document zigzag over a ring of k ranks. Selective offloading (Eq. 3)
+lets a ring member keep more than C tokens by moving a fraction r of each layer's activations to host
+memory, so k shrinks:
+
+    minimise k = D(s)   subject to   (1 - r) * Act(t_k) <= Act(C),
+                                     r <= min(max_offload_ratio, hidden_offload_ratio(s, t_k, k)),
+
+where t_k is the largest token count a zigzag member holds and `hidden_offload_ratio` is the cost model's
+overlap constraint (the D2H copy of r * Act(t_k) hides under the layer's compute). With offloading off,
+r = 0 and k = ceil(s / C) (one more in the rare case where zigzag rounding gives a member C + 1 tokens).
+The recorded ratio is the smallest r that makes the chosen k fit: offload no more than needed.
+
+Pure Python + numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from megatron_hdp.plan.cost_model import CostModel
+
+
+def max_member_tokens(length: int, ring_size: int) -> int:
+    """Most tokens any member of a zigzag ring of `ring_size` holds of a document of `length` tokens.
+
+    Position p holds chunks p and 2k-1-p of 2k floor-bounded chunks; the largest pair is ceil(L/k) or
+    ceil(L/k) + 1. Vectorised over the k positions.
+    """
+    if ring_size == 1:
+        return length
+    bounds = np.arange(2 * ring_size + 1, dtype=np.int64) * length // (2 * ring_size)
+    sizes = np.diff(bounds)
+    return int((sizes[:ring_size] + sizes[::-1][:ring_size]).max())
+
+
+def shard_time(cost_model: CostModel, *, seq_len: int, num_tokens: int, ring_size: int, pp_size: int = 1) -> float:
+    """Seconds one shard adds to a micro-batch on one pipeline stage (the micro-batch overhead excluded)."""
+    per_layer = cost_model.layer_shard_time(seq_len=seq_len, num_tokens=num_tokens, ring_size=ring_size)
+    return per_layer * cost_model.num_layers / pp_size
+
+
+def needed_offload_ratio(cost_model: CostModel, *, num_tokens: int, capacity: int) -> float:
+    """Smallest r with (1 - r) * Act(num_tokens) <= Act(capacity): 0 when the tokens fit."""
+    if num_tokens <= capacity:
+        return 0.0
+    return 1.0 - cost_model.activation_bytes(capacity) / cost_model.activation_bytes(num_tokens)
+
+
+def fits(
+    cost_model: CostModel, *, seq_len: int, ring_size: int, num_tokens: int, capacity: int, max_offload_ratio: float
+) -> bool:
+    """Whether a member holding `num_tokens` of a ring of `ring_size` fits capacity with hidden offload."""
+    if num_tokens <= capacity:
+        return True
+    hidden = cost_model.hidden_offload_ratio(seq_len=seq_len, num_tokens=num_tokens, ring_size=ring_size)
+    allowed = min(max_offload_ratio, hidden)
+    return needed_offload_ratio(cost_model, num_tokens=num_tokens, capacity=capacity) <= allowed + 1e-12
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Ring size and offload ratio of every sequence of a batch (index = sequence id)."""
+
+    ring_sizes: np.ndarray
+    offload_ratios: np.ndarray
+
+    def member_tokens(self, seq: int, length: int) -> int:
+        return max_member_tokens(length, int(self.ring_sizes[seq]))
+
+
+def min_ring_size(
+    length: int, *, capacity: int, num_ranks: int, cost_model: CostModel, max_offload_ratio: float, seq: int = 0
+) -> tuple[int, float]:
+    """D(s) and its offload ratio for one sequence (see the module docstring); ValueError if k > num_ranks."""
+    if length <= capacity:
+        return 1, 0.0
+    no_offload = -(-length // capacity)
+    k = 1
+    if max_offload_ratio < 1.0:
+        # (1 - r_max) * Act(t) <= Act(C) bounds t from above, hence k from below: skip hopeless k.
+        act_c = cost_model.activation_bytes(capacity)
+        if cost_model.a2 > 0:
+            t_max = (act_c / (1.0 - max_offload_ratio) - cost_model.b2) / cost_model.a2
+            k = max(1, min(no_offload, math.ceil(length / max(t_max, 1.0)) - 1))
+    # Scan up with the optimistic ceil(s/k) (a lower bound of the member tokens), then confirm with the
+    # exact zigzag maximum: the first k passing both is the smallest feasible one.
+    while True:
+        while not fits(cost_model, seq_len=length, ring_size=k, num_tokens=-(-length // k), capacity=capacity,
+                       max_offload_ratio=max_offload_ratio):
+            k += 1
+        held = max_member_tokens(length, k)
+        if fits(cost_model, seq_len=length, ring_size=k, num_tokens=held, capacity=capacity,
+                max_offload_ratio=max_offload_ratio):
+            break
+        k += 1
+    if k > num_ranks:
+        raise ValueError(
+            f"sequence {seq} of length {length} needs {k} ranks of capacity {capacity} tokens even with "
+            f"offload ratio <= {max_offload_ratio:g}, but the HDP domain has only {num_ranks} ranks"
+        )
+    return k, needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
+
+
+def shard_sequences(
+    lengths: Sequence[int], *, capacity: int, num_ranks: int, cost_model: CostModel, max_offload_ratio: float
+) -> Sharding:
+    """D(s) and offload ratio for every sequence (computed once per distinct length)."""
+    if capacity <= 0:
+        raise ValueError(f"capacity must be a positive token count, got {capacity}")
+    if num_ranks <= 0:
+        raise ValueError(f"num_ranks must be positive, got {num_ranks}")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ring_sizes = np.ones(len(lengths), dtype=np.int64)
+    ratios = np.zeros(len(lengths), dtype=np.float64)
+    long_ids = np.flatnonzero(lengths > capacity)
+    cache: dict[int, tuple[int, float]] = {}
+    for seq in long_ids.tolist():
+        length = int(lengths[seq])
+        if length not in cache:
+            cache[length] = min_ring_size(length, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
+                                          max_offload_ratio=max_offload_ratio, seq=seq)
+        ring_sizes[seq], ratios[seq] = cache[length]
+    return Sharding(ring_sizes=ring_sizes, offload_ratios=ratios)
