@@ -1,0 +1,141 @@
+"""The simulated cluster: model, GPU count, TP x PP, the HDP pool it leaves, and what a rank can hold.
+
+One validated object owns the layout (torchtitan's `ParallelDims` habit): GPUs = HDP ranks x TP x PP,
+and every error names the factor that is wrong. The cost model comes from `presets` (analytic FLOPs) or
+from a `megatron-hdp calibrate` JSON, so measured kernel timings feed the simulation when available.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.presets import HardwareProfile, ModelShape, analytic_cost_model, hardware_profile, model_shape
+
+_SUFFIX = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+MEMORY_RESERVE = 0.10
+"""Fraction of GPU memory kept free for the allocator, communication buffers and the LM head's logits."""
+
+
+def parse_tokens(text: str | int) -> int:
+    """'256K' -> 262144, '2M' -> 2097152 (binary suffixes, as in ByteScale's 2048K), '4096' -> 4096."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)\s*", str(text).upper())
+    if not match:
+        raise ValueError(f"cannot read token count {text!r}; use e.g. 4096, 256K, 2M")
+    return int(float(match.group(1)) * _SUFFIX[match.group(2)])
+
+
+def format_tokens(tokens: int) -> str:
+    """262144 -> '256K', 2097152 -> '2M'."""
+    for suffix in ("G", "M", "K"):
+        if tokens % _SUFFIX[suffix] == 0:
+            return f"{tokens // _SUFFIX[suffix]}{suffix}"
+    return str(tokens)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A cluster running one model: GPUs split into TP x PP x an HDP pool of `num_ranks` ranks."""
+
+    model: str
+    """Preset model name (`presets.MODELS`), e.g. 'llama-7b'."""
+    num_gpus: int
+    tp_size: int = 1
+    pp_size: int = 1
+    hardware: str = "h100"
+    """Preset hardware profile (`presets.HARDWARE`)."""
+    allreduce_bandwidth: Optional[float] = None
+    """Bytes/s of the gradient all-reduce ring per GPU; the hardware's inter-node link when unset."""
+    capacity: Optional[int] = None
+    """Tokens per rank per micro-batch (C); derived from GPU memory when unset (`memory_capacity`)."""
+    cost_model_path: Optional[str] = None
+    """A `megatron-hdp calibrate` JSON to use instead of the analytic cost model."""
+
+    def __post_init__(self) -> None:
+        self.shape  # unknown model -> ValueError naming the known ones
+        self.hardware_profile
+        for name in ("num_gpus", "tp_size", "pp_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_gpus % (self.tp_size * self.pp_size):
+            raise ValueError(
+                f"num_gpus {self.num_gpus} is not a multiple of tp_size x pp_size = {self.tp_size} x {self.pp_size}"
+            )
+        if self.shape.num_layers % self.pp_size:
+            raise ValueError(f"pp_size {self.pp_size} does not divide {self.model}'s {self.shape.num_layers} layers")
+        if self.allreduce_bandwidth is not None and self.allreduce_bandwidth <= 0:
+            raise ValueError(f"allreduce_bandwidth must be > 0, got {self.allreduce_bandwidth}")
+        if self.capacity is not None and self.capacity <= 0:
+            raise ValueError(f"capacity must be a positive token count, got {self.capacity}")
+        if self.cost_model_path is not None and not Path(self.cost_model_path).is_file():
+            raise ValueError(f"cost model file {self.cost_model_path!r} does not exist")
+
+    @property
+    def shape(self) -> ModelShape:
+        return model_shape(self.model)
+
+    @property
+    def hardware_profile(self) -> HardwareProfile:
+        return hardware_profile(self.hardware)
+
+    @property
+    def num_ranks(self) -> int:
+        """Size of the HDP pool (Megatron's DP group with context_parallel_size=1)."""
+        return self.num_gpus // (self.tp_size * self.pp_size)
+
+    @property
+    def grad_bytes(self) -> float:
+        """bf16 gradient bytes one (stage, TP rank) all-reduces over the HDP pool."""
+        return 2.0 * self.shape.num_parameters() / (self.tp_size * self.pp_size)
+
+    @property
+    def grad_allreduce_bandwidth(self) -> float:
+        return self.allreduce_bandwidth or self.hardware_profile.ring_bandwidth
+
+    def cost_model(self) -> CostModel:
+        """The calibrated cost model when a JSON was given, else the analytic one for this model/TP."""
+        if self.cost_model_path:
+            return CostModel.from_json(self.cost_model_path)
+        return analytic_cost_model(self.shape, self.hardware_profile, tp_size=self.tp_size)
+
+    def memory_capacity(self) -> int:
+        """Largest power-of-two C whose activations fit beside the model states.
+
+        Model states per GPU: bf16 weights and grads (4 bytes/param) plus fp32 Adam states and master
+        weights (12 bytes/param) sharded over the HDP pool (distributed optimizer). Activations: a micro-batch
+        of C tokens keeps Act(C) per layer; in 1F1B the first stage holds pp micro-batches of num_layers/pp
+        layers, i.e. num_layers layers' worth, so PP does not change C.
+        """
+        params = self.shape.num_parameters() / (self.tp_size * self.pp_size)
+        states = params * (4.0 + 12.0 / self.num_ranks)
+        free = self.hardware_profile.memory_bytes * (1 - MEMORY_RESERVE) - states
+        cost = self.cost_model()
+        per_token = cost.a2 * cost.num_layers
+        if free <= cost.b2 * cost.num_layers or per_token <= 0:
+            raise ValueError(f"{self.model} with TP={self.tp_size}, PP={self.pp_size} leaves no memory for activations")
+        tokens = (free - cost.b2 * cost.num_layers) / per_token
+        if tokens < 1:
+            raise ValueError(f"{self.model} with TP={self.tp_size}, PP={self.pp_size} cannot hold one token per rank")
+        return 2 ** int(math.floor(math.log2(tokens)))
+
+    @property
+    def rank_capacity(self) -> int:
+        """C: the given capacity, else `memory_capacity()`."""
+        return self.capacity or self.memory_capacity()
+
+    def check_context(self, context: int) -> None:
+        """ValueError when one sequence of `context` tokens cannot fit the whole pool."""
+        if context <= 0:
+            raise ValueError(f"context must be positive, got {context}")
+        pool = self.rank_capacity * self.num_ranks
+        if context > pool:
+            raise ValueError(
+                f"context {format_tokens(context)} exceeds the HDP pool: {self.num_ranks} ranks x C={self.rank_capacity} "
+                f"= {pool} tokens; use more GPUs, a smaller TP x PP, or a shorter context"
+            )

@@ -1,0 +1,281 @@
+"""Per-rank timeline of one training step: a StepPlan run under the cost model.
+
+What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding num_layers / pp layers):
+
+- A micro-batch's time on one stage is `CostModel.microbatch_time` of its shards: linear work + attention
+  per shard, with the shard's ring traffic hidden under its attention and only the excess exposed; one
+  pass per micro-batch (Megatron's hybrid CP runs one pass per sub-sample, see `POLICY_RULES`).
+- Offload: a shard of a sequence with offload ratio r copies r * Act(t) per layer to the host and back.
+  Following the cost model's overlap rule (ByteScale Eq. 3: r * Act / B_d2h <= the layer's compute), a
+  layer's copy in each direction overlaps that layer's compute; what exceeds it is exposed.
+- Ring coupling: the members of a ring run ring attention layer by layer together, so a micro-batch that
+  shares a ring with other ranks starts when all of them are ready, and releases them together when the
+  slowest is done (its busy part is its own work; the rest is idle). Coupling is transitive: ranks linked
+  through several rings at the same micro-batch index move as one group.
+- PP: every stage runs its micro-batches in 1F1B order (warm-up of p-1-s forwards), forward = 1/3 and
+  backward = 2/3 of the micro-batch time (backward does twice the forward's FLOPs and ring traffic);
+  F of stage s waits for F of stage s-1, B of stage s for B of stage s+1. PP bubbles and the stalls of
+  unequal micro-batches come out of these dependencies.
+- Gradient all-reduce: once every rank is done, a ring all-reduce of the bf16 gradients of one
+  (stage, TP rank) over the HDP pool: 2 (n-1)/n * bytes / bandwidth.
+
+The event loop works on whole queues of ops (no clock): an op runs when the op before it on its stage
+and its pipeline dependency are released; a coupled group runs when all its members have arrived.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.step_plan import MicroBatch, StepPlan
+
+FORWARD_SHARE = 1.0 / 3.0
+"""Fraction of a micro-batch's time spent in the forward pass (backward = 2x forward)."""
+
+
+@dataclass(frozen=True)
+class PolicyRules:
+    """How a policy's plans execute beyond what StepPlan says."""
+
+    barrier_per_microbatch: bool = False
+    """All ranks wait for each other after every micro-batch index (Megatron's per-group barrier)."""
+    pass_per_shard: bool = False
+    """Each shard is its own forward/backward pass (Megatron's hybrid CP runs one pass per sub-sample)."""
+
+
+POLICY_RULES: dict[str, PolicyRules] = {
+    # hybrid_cp_schedule.hybrid_context_parallel_forward_backward: one forward_step per sub-sample and a
+    # torch.distributed.barrier over DP x CP after each group; our adapter maps group j -> index j.
+    "megatron-hybrid-cp": PolicyRules(barrier_per_microbatch=True, pass_per_shard=True),
+}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One forward ('F'), backward ('B') of a micro-batch on one stage, as it ran."""
+
+    kind: str
+    microbatch: int
+    start: float
+    busy_end: float
+    """Start plus this rank's own work."""
+    release: float
+    """When the rank may go on: the slowest member of its coupled group is done."""
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """The simulated step: per-rank totals (numpy arrays over HDP ranks) and the ops of every stage."""
+
+    policy: str
+    num_ranks: int
+    pp_size: int
+    num_tokens: int
+    compute: np.ndarray
+    """Seconds of compute (linear + attention + launch overhead) per rank and stage."""
+    comm: np.ndarray
+    """Seconds of ring traffic not hidden under attention, per rank and stage."""
+    offload: np.ndarray
+    """Seconds of offload copies not hidden under compute, per rank and stage."""
+    finish: np.ndarray
+    """When each rank's last stage op is released (the rank reaches the gradient all-reduce)."""
+    allreduce_time: float
+    attention_bytes: float
+    """Ring-attention bytes sent per step by all ranks of one (stage, TP rank) coordinate."""
+    ops: tuple[tuple[tuple[Op, ...], ...], ...] = field(repr=False)
+    """ops[rank][stage]: the ops of that stage in execution order."""
+
+    @property
+    def busy(self) -> np.ndarray:
+        return self.compute + self.comm + self.offload
+
+    @property
+    def compute_end(self) -> float:
+        return float(self.finish.max()) if self.num_ranks else 0.0
+
+    @property
+    def step_time(self) -> float:
+        return self.compute_end + self.allreduce_time
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.step_time if self.step_time > 0 else 0.0
+
+    @property
+    def balance(self) -> float:
+        """max / mean of the per-rank busy time (1.0 is perfect balance)."""
+        mean = float(self.busy.mean())
+        return float(self.busy.max()) / mean if mean > 0 else 1.0
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of rank-stage time before the all-reduce spent waiting (rings, bubbles, imbalance)."""
+        total = self.compute_end * self.num_ranks
+        return 1.0 - float(self.busy.sum()) / total if total > 0 else 0.0
+
+
+def allreduce_time(*, grad_bytes: float, num_ranks: int, bandwidth: float) -> float:
+    """Ring all-reduce of `grad_bytes` over `num_ranks`: 2 (n-1)/n * bytes / bandwidth."""
+    if num_ranks <= 1 or grad_bytes <= 0:
+        return 0.0
+    return 2.0 * (num_ranks - 1) / num_ranks * grad_bytes / bandwidth
+
+
+def _microbatch_costs(
+    mb: MicroBatch, plan: StepPlan, cost: CostModel, rules: PolicyRules
+) -> tuple[float, float, float, float]:
+    """(compute, exposed comm, exposed offload, ring bytes) of one micro-batch on one stage."""
+    layers = cost.num_layers / plan.pp_size
+    shards = [(plan.sequences[sh.seq], sh.num_tokens) for sh in mb.shards]
+    passes = [[s] for s in shards] if rules.pass_per_shard else ([shards] if shards else [])
+    compute = comm = offload = 0.0
+    for pass_shards in passes:
+        layer_compute, layer_comm, layer_copy = cost.g, 0.0, 0.0
+        for seq, tokens in pass_shards:
+            k = len(seq.ring)
+            attention = cost.layer_compute_time(seq_len=seq.length, num_tokens=tokens) - cost.b1 * tokens
+            layer_compute += cost.layer_compute_time(seq_len=seq.length, num_tokens=tokens)
+            layer_comm += max(0.0, cost.layer_ring_comm_time(num_tokens=tokens, ring_size=k) - attention)
+            layer_copy += seq.offload_ratio * cost.activation_bytes(tokens)
+        layer_time = layer_compute + layer_comm
+        copy = max(layer_copy / cost.d2h_bandwidth, layer_copy / cost.h2d_bandwidth)
+        compute += layer_compute * layers
+        comm += layer_comm * layers
+        offload += max(0.0, copy - layer_time) * layers
+    ring_bytes = sum(
+        cost.ring_bytes(num_tokens=t, ring_size=len(seq.ring), pp_size=plan.pp_size) for seq, t in shards
+    )
+    return compute, comm, offload, ring_bytes
+
+
+def _one_f_one_b(num_microbatches: int, pp_size: int, stage: int) -> list[tuple[str, int]]:
+    """The 1F1B op order of one stage: warm-up forwards, alternating F/B, cool-down backwards."""
+    warmup = min(pp_size - 1 - stage, num_microbatches)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(num_microbatches - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(num_microbatches - warmup, num_microbatches)]
+    return order
+
+
+def _coupling(plan: StepPlan, rules: PolicyRules) -> dict[tuple[int, int], int]:
+    """(rank, micro-batch index) -> id of the group of ranks that must run that index together."""
+    parent: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def find(x: tuple[int, int]) -> tuple[int, int]:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    where = {}  # sequence -> micro-batch index (validate() guarantees one index per sequence)
+    for rank, index, shard in plan.iter_shards():
+        where[shard.seq] = index
+    for seq in plan.sequences:
+        for rank in seq.ring[1:]:
+            parent[find((rank, where[seq.id]))] = find((seq.ring[0], where[seq.id]))
+    if rules.barrier_per_microbatch:
+        first: dict[int, int] = {}  # micro-batch index -> first rank that has it
+        for schedule in plan.ranks:
+            for index in range(len(schedule.microbatches)):
+                parent[find((schedule.rank, index))] = find((first.setdefault(index, schedule.rank), index))
+    roots: dict[tuple[int, int], int] = {}
+    groups = {key: roots.setdefault(find(key), len(roots)) for key in list(parent)}
+    sizes: dict[int, int] = {}
+    for gid in groups.values():
+        sizes[gid] = sizes.get(gid, 0) + 1
+    return {key: gid for key, gid in groups.items() if sizes[gid] > 1}
+
+
+def simulate_step(
+    plan: StepPlan,
+    cost_model: CostModel,
+    *,
+    grad_bytes: float = 0.0,
+    allreduce_bandwidth: float = math.inf,
+) -> StepTimeline:
+    """Simulate one step of `plan` (see the module docstring for what is modelled).
+
+    `grad_bytes` is the gradient size one (stage, TP rank) all-reduces over the HDP pool; the step bench
+    and `megatron-hdp simulate` pass the model's parameters / (TP * PP) * 2 (bf16).
+    """
+    if allreduce_bandwidth <= 0:
+        raise ValueError(f"allreduce_bandwidth must be > 0, got {allreduce_bandwidth}")
+    rules = POLICY_RULES.get(plan.policy, PolicyRules())
+    n, p = plan.num_ranks, plan.pp_size
+    costs = [[_microbatch_costs(mb, plan, cost_model, rules) for mb in r.microbatches] for r in plan.ranks]
+    duration = [[c[0] + c[1] + c[2] for c in rank_costs] for rank_costs in costs]
+    coupled = _coupling(plan, rules)
+    members: dict[int, list[int]] = {}
+    for (rank, _), gid in coupled.items():
+        members.setdefault(gid, []).append(rank)
+
+    orders = [[_one_f_one_b(len(duration[r]), p, s) for s in range(p)] for r in range(n)]
+    ops: list[list[list[Op]]] = [[[] for _ in range(p)] for _ in range(n)]
+    released: dict[tuple[int, int, str, int], float] = {}  # (rank, stage, kind, mb) -> release time
+    arrived: dict[tuple[int, str, int], dict[int, float]] = {}  # (gid, stage, kind) -> rank -> ready
+
+    def op_time(rank: int, kind: str, index: int) -> float:
+        return duration[rank][index] * (FORWARD_SHARE if kind == "F" else 1.0 - FORWARD_SHARE)
+
+    def ready_time(rank: int, stage: int) -> float | None:
+        """When the head op of (rank, stage) may start, or None while a dependency is pending."""
+        kind, index = orders[rank][stage][len(ops[rank][stage])]
+        previous = ops[rank][stage][-1].release if ops[rank][stage] else 0.0
+        dep = (rank, stage - 1, "F", index) if kind == "F" else (rank, stage + 1, "B", index)
+        if 0 <= dep[1] < p:
+            if dep not in released:
+                return None
+            previous = max(previous, released[dep])
+        return previous
+
+    def run(group: dict[int, float], stage: int, kind: str, index: int) -> list[tuple[int, int]]:
+        start = max(group.values())
+        times = {rank: op_time(rank, kind, index) for rank in group}
+        release = start + max(times.values())
+        for rank, t in times.items():
+            ops[rank][stage].append(Op(kind, index, start, start + t, release))
+            released[(rank, stage, kind, index)] = release
+        return [(rank, s) for rank in group for s in (stage - 1, stage, stage + 1) if 0 <= s < p]
+
+    pending = [(r, s) for r in range(n) for s in range(p)]
+    while pending:
+        rank, stage = pending.pop()
+        if len(ops[rank][stage]) == len(orders[rank][stage]):
+            continue
+        ready = ready_time(rank, stage)
+        if ready is None:
+            continue
+        kind, index = orders[rank][stage][len(ops[rank][stage])]
+        gid = coupled.get((rank, index))
+        if gid is None:
+            pending += run({rank: ready}, stage, kind, index)
+            continue
+        group = arrived.setdefault((gid, stage, kind), {})
+        group[rank] = ready
+        if len(group) == len(members[gid]):
+            pending += run(group, stage, kind, index)
+
+    # Ring members share one micro-batch index, and the 1F1B orders of two pipelines restricted to their
+    # common indices are the same sequence, so coupled ops never wait on each other in a cycle.
+    stuck = [(r, s) for r in range(n) for s in range(p) if len(ops[r][s]) < len(orders[r][s])]
+    assert not stuck, f"simulation stalled at rank-stages {stuck[:4]}: the plan breaks the one-index ring rule"
+    totals = np.array([[sum(c[i] for c in rank_costs) for i in range(4)] for rank_costs in costs]).reshape(n, 4)
+    finish = np.array([max((o.release for stage in ops[r] for o in stage), default=0.0) for r in range(n)])
+    return StepTimeline(
+        policy=plan.policy,
+        num_ranks=n,
+        pp_size=p,
+        num_tokens=plan.num_tokens,
+        compute=totals[:, 0],
+        comm=totals[:, 1],
+        offload=totals[:, 2],
+        finish=finish,
+        allreduce_time=allreduce_time(grad_bytes=grad_bytes, num_ranks=n, bandwidth=allreduce_bandwidth),
+        attention_bytes=float(totals[:, 3].sum()),
+        ops=tuple(tuple(tuple(stage) for stage in rank_ops) for rank_ops in ops),
+    )
