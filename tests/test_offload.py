@@ -5,6 +5,7 @@ check that every saved tensor of the chosen layers goes out and comes back bit f
 """
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megatron_hdp.offload import ActivationOffloader, OffloadConfig
-from megatron_hdp.offload.microbatch import MicrobatchOffload, is_dense, select_prefix
+from megatron_hdp.offload.microbatch import MicrobatchOffload, select_prefix
 from megatron_hdp.offload.pool import HostBufferPool, bucket_bytes
 from megatron_hdp.offload.reference_model import ReferenceGPT
 from megatron_hdp.offload.stats import OffloadStats, StatsRecord
@@ -49,10 +50,15 @@ def _step(model, offloader, ratios, batches):
 
 
 def _expected_bytes(model, batch, ratio, config):
-    """Bytes the documented rule moves, from a separate pass that only records saved tensors."""
+    """Bytes the documented rule moves, from a separate pass that only records saved tensors.
+
+    Per layer call, the eligible saved tensors are grouped by storage; a storage's bytes are the span its
+    saved views cover, started on a 512-byte boundary; storages are taken in first-save order while the
+    midpoint of each lies within ratio * the layer's total.
+    """
     layers = list(model.layers)
     params = {t.untyped_storage().data_ptr() for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
-    per_layer = []  # per layer call: {tensor key: nbytes} of eligible saved tensors, in save order
+    per_layer = []  # per layer call: {storage address: [first byte, end byte]} in first-save order
     inside = [False]
 
     def begin(module, args):
@@ -67,8 +73,10 @@ def _expected_bytes(model, batch, ratio, config):
         eligible = (type(t) is torch.Tensor and not (t.is_leaf and t.requires_grad)
                     and t.untyped_storage().data_ptr() not in params and nbytes >= max(1, config.min_tensor_bytes))
         if inside[0] and eligible:
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-            per_layer[-1].setdefault(key, nbytes)
+            first = t.storage_offset() * t.element_size()
+            last = first + t.element_size() * (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
+            span = per_layer[-1].setdefault(t.untyped_storage().data_ptr(), [first - first % 512, last])
+            span[0], span[1] = min(span[0], first - first % 512), max(span[1], last)
         return t
 
     hooks = [h for layer in layers for h in (layer.register_forward_pre_hook(begin), layer.register_forward_hook(end))]
@@ -77,9 +85,10 @@ def _expected_bytes(model, batch, ratio, config):
     for hook in hooks:
         hook.remove()
     total = 0
-    for sizes in per_layer[: len(layers) - config.num_resident_layers]:
-        target, taken = ratio * sum(sizes.values()), 0
-        for size in sizes.values():  # save order; a tensor goes while its midpoint is within the target
+    for spans in per_layer[: len(layers) - config.num_resident_layers]:
+        sizes = [end - start for start, end in spans.values()]
+        target, taken = ratio * sum(sizes), 0
+        for size in sizes:
             if taken + size / 2 > target:
                 break
             taken += size
@@ -174,20 +183,35 @@ def test_round_trip_is_a_real_copy_with_the_same_layout():
     record = StatsRecord(OffloadStats())
     mb = MicrobatchOffload(ratio=1.0, transfers=Transfers(torch.device("cpu")), pool=HostBufferPool(pin_memory=False),
                            record=record, min_tensor_bytes=0, pinned_storages=set())
-    base = torch.randn(6, 8)
-    dense_t, strided = base.t() * 1, (base * 1)[:, ::2]  # a transposed dense tensor, a non-dense view
-    originals = [dense_t.clone(), strided.clone()]
+    qkv = torch.randn(1024, 3 * 64)
+    q, k, v = qkv.split(64, dim=1)  # three strided views of one storage
+    other = torch.randn(64, 256).t()  # a transposed tensor of its own
+    originals = [x.clone() for x in (q, k, v, other)]
     mb.begin_layer(resident=False)
-    packed = [mb.pack(dense_t), mb.pack(strided), mb.pack(dense_t)]  # dense_t saved twice: moves once
+    packed = [mb.pack(x) for x in (q, k, v, other, q)]  # q saved twice
     mb.end_layer(None)
-    dense_t.add_(1), strided.add_(1)  # the device copies may change after the offload: irrelevant
+    qkv.zero_(), other.zero_()  # what the device memory holds after the offload no longer matters
     back = [mb.unpack(p) for p in packed]
-    assert torch.equal(back[0], originals[0]) and torch.equal(back[1], originals[1])
-    assert back[0].stride() == dense_t.stride() and back[0] is back[2]
-    assert back[0].data_ptr() != dense_t.data_ptr()
-    assert record.stats.num_tensors == 2 and record.stats.bytes_offloaded == (48 + 24) * 4
+    for got, want, old in zip(back, originals + originals[:1], (q, k, v, other, q)):
+        assert torch.equal(got, want) and got.stride() == old.stride() and got.data_ptr() != old.data_ptr()
+    assert back[0].untyped_storage().data_ptr() == back[1].untyped_storage().data_ptr()  # still one storage
+    assert record.stats.num_tensors == 2 and record.stats.bytes_offloaded == (1024 * 192 + 64 * 256) * 4
+    assert record.stats.bytes_prefetched == record.stats.bytes_offloaded
     with pytest.raises(RuntimeError, match="retain_graph"):
         mb.unpack(packed[1])
+
+
+def test_offloaded_device_tensors_are_released_and_the_rest_kept():
+    mb = MicrobatchOffload(ratio=0.5, transfers=Transfers(torch.device("cpu")), pool=HostBufferPool(pin_memory=False),
+                           record=StatsRecord(OffloadStats()), min_tensor_bytes=0, pinned_storages=set())
+    first, second = torch.randn(256, 64), torch.randn(256, 64)
+    refs = [weakref.ref(first), weakref.ref(second)]
+    mb.begin_layer(resident=False)
+    packed = [mb.pack(first), mb.pack(second)]
+    del first, second
+    mb.end_layer(None)
+    assert refs[0]() is None and refs[1]() is not None  # the first half moved, the second stayed
+    assert [mb.unpack(p).shape for p in packed] == [(256, 64), (256, 64)]
 
 
 def test_retain_graph_second_backward_is_refused():
@@ -230,17 +254,12 @@ def test_detach_removes_the_hooks():
 
 
 def test_select_prefix():
+    assert select_prefix([], 0.5) == 0
     assert select_prefix([4, 4, 4, 4], 0.0) == 0
     assert select_prefix([4, 4, 4, 4], 1.0) == 4
     assert select_prefix([4, 4, 4, 4], 0.5) == 2
     assert select_prefix([10, 1, 1], 0.4) == 0  # half of the first tensor lies above the target
     assert select_prefix([10, 1, 1], 0.5) == 1
-
-
-def test_is_dense():
-    x = torch.empty(3, 4, 5)
-    assert is_dense(x) and is_dense(x.permute(2, 0, 1)) and is_dense(x[:1])
-    assert not is_dense(x[:, :1]) and not is_dense(x[:, ::2]) and not is_dense(torch.empty(3, 1).expand(3, 4))
 
 
 @given(st.integers(min_value=0, max_value=1 << 40))

@@ -4,12 +4,17 @@ Autograd's saved-tensor hooks hand every tensor saved for backward to `pack` dur
 for it back through `unpack` during the backward. The layer hooks of `ActivationOffloader` bracket each
 layer's forward (`begin_layer` / `end_layer`), so the tensors a layer saves form one group:
 
-- forward, at the end of the layer: the group's first tensors (in the order they were saved) holding
+- forward, at the end of the layer: the group's first storages (in the order they were saved) holding
   about `ratio` of its bytes are copied to host buffers in one batch and released on the device;
 - backward, when the gradient of a layer's output arrives (its backward is about to start): the group
   of the layer before it is prefetched, so the copy runs under this layer's backward;
 - `unpack` waits for the group's prefetch (compute never reads a tensor still in flight) and fetches a
   group nobody prefetched on the spot.
+
+The unit that moves is a storage, not a tensor: the saved views of one storage (q, k and v of one QKV
+projection; the two halves of a gated MLP's FC1 output) travel as one copy of the byte span they cover
+and come back as views with the same offsets and strides. So the device memory freed is what was
+counted, and the backward sees the exact layouts it saw before, which keeps results bit-identical.
 
 All state is per micro-batch (the hooks close over this object), so 1F1B schedules that run several
 forwards before their backwards keep each micro-batch's tensors apart.
@@ -18,7 +23,7 @@ forwards before their backwards keep each micro-batch's tensors apart.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -27,64 +32,70 @@ from megatron_hdp.offload.pool import HostBuffer, HostBufferPool
 from megatron_hdp.offload.stats import StatsRecord
 from megatron_hdp.offload.transfers import Transfers
 
-
-def is_dense(tensor: torch.Tensor) -> bool:
-    """True when the tensor's elements fill a contiguous span exactly once, in some dimension order."""
-    dims = sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride()) if sz != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+SPAN_ALIGNMENT = 512
+"""Spans start on this byte boundary of their storage, so restored views keep the alignment (mod the
+allocator's own 512 bytes) that kernels may pick their code path by."""
 
 
-def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    """Row-major strides of `shape`."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """Half-open byte interval of its storage that a (non-empty) tensor view touches."""
+    size = tensor.element_size()
+    first = tensor.storage_offset()
+    last = first + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    return first * size, (last + 1) * size
+
+
+@dataclass(eq=False)
+class _Packed:
+    """What autograd keeps for one save: the tensor itself until its storage moves, then how to rebuild it."""
+
+    slot: "_Slot"
+    tensor: torch.Tensor | None
+    byte_offset: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
 
 
 @dataclass(eq=False)
 class _Slot:
-    """One distinct saved tensor of a group (saved once or several times)."""
+    """One device storage of a group: the span of it that saved views cover moves as one copy."""
 
     group: "_Group"
-    tensor: torch.Tensor | None
-    """On the device: before it is offloaded, after it is prefetched; None while on host or consumed."""
-    nbytes: int
+    storage: torch.UntypedStorage | None
+    start: int
+    end: int
+    saves: list[_Packed] = field(default_factory=list)
     refs: int = 0
-    """Saves of this tensor whose unpack has not happened yet."""
-    moved: bool = False
-    """Chosen for offload (its device copy, once back, comes from the group's prefetch)."""
+    """Saves whose unpack has not happened yet."""
     host: torch.Tensor | None = None
     buffer: HostBuffer | None = None
+    restored: torch.Tensor | None = None
+    """uint8 device tensor holding the span again after the prefetch."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
 
 
 class _Group:
-    """The saved tensors of one layer call in one micro-batch."""
+    """The saved storages of one layer call in one micro-batch."""
 
-    def __init__(self, position: int) -> None:
-        self.position = position
-        self.slots: list[_Slot] = []
-        self.by_key: dict[tuple, _Slot] = {}
+    def __init__(self) -> None:
+        self.slots: dict[int, _Slot] = {}
+        """By storage address (all are alive while the layer runs, so addresses are unique)."""
         self.offloaded: list[_Slot] = []
         self.offload_event: Any = None
         self.prefetched = False
         self.arrived: Any = None
         self.waited = False
-        self.live = 0
-        """Slots some unpack still needs; at zero the group lets go of them."""
 
 
 def select_prefix(nbytes: list[int], ratio: float) -> int:
-    """How many of a layer's saved tensors, taken in save order, make up `ratio` of its bytes.
+    """How many of a layer's saved storages, taken in save order, make up `ratio` of its bytes.
 
-    A tensor is taken while its midpoint lies within ratio * total, so the offloaded bytes are within
-    half a tensor of the target; ratio 0 takes none and ratio 1 takes all.
+    A storage is taken while its midpoint lies within ratio * total, so the offloaded bytes are within
+    half a storage of the target; ratio 0 takes none and ratio 1 takes all.
     """
     target, taken = ratio * sum(nbytes), 0
     for count, size in enumerate(nbytes):
@@ -119,7 +130,7 @@ class MicrobatchOffload:
     # --- forward -------------------------------------------------------------------------------
     def begin_layer(self, *, resident: bool) -> None:
         """A layer's forward starts; its saved tensors form a new group unless the layer is resident."""
-        self._current = None if resident else _Group(len(self._groups))
+        self._current = None if resident else _Group()
         if self._current is not None:
             self._groups.append(self._current)
 
@@ -127,34 +138,35 @@ class MicrobatchOffload:
         """A layer's forward ended: offload its group's share and arm the prefetch of the one before."""
         group, self._current = self._current, None
         if group is not None:
-            count = select_prefix([slot.nbytes for slot in group.slots], self.ratio)
-            self._offload(group, group.slots[:count])
-            group.by_key.clear()
+            slots = list(group.slots.values())
+            group.slots = {}
+            count = select_prefix([slot.nbytes for slot in slots], self.ratio)
+            self._offload(group, slots[:count])
+            for slot in slots:  # from here on only the _Packed entries reach the device tensors
+                slot.storage = None
+                slot.saves.clear()
         anchor = _first_grad_tensor(output)
         if anchor is not None and self._groups:
             previous = len(self._groups) - (1 if group is None else 2)
             anchor.register_hook(self._backward_hook(group, previous))
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        """Saved-tensor pack hook: tensors saved inside an offloading layer go into its group."""
+        """Saved-tensor pack hook: tensors saved inside an offloading layer join their storage's slot."""
         group = self._current
         if group is None or not self._eligible(tensor):
             return tensor
-        key = (
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tensor.stride(),
-            tensor.dtype,
-        )
-        slot = group.by_key.get(key)
+        storage = tensor.untyped_storage()
+        offset, end = byte_span(tensor)
+        start = offset - offset % SPAN_ALIGNMENT
+        slot = group.slots.get(storage.data_ptr())
         if slot is None:
-            slot = _Slot(group, tensor, tensor.numel() * tensor.element_size())
-            group.by_key[key] = slot
-            group.slots.append(slot)
-            group.live += 1
+            slot = _Slot(group, storage, start, end)
+            group.slots[storage.data_ptr()] = slot
+        slot.start, slot.end = min(slot.start, start), max(slot.end, end)
         slot.refs += 1
-        return slot
+        packed = _Packed(slot, tensor, offset, tensor.shape, tensor.stride(), tensor.dtype)
+        slot.saves.append(packed)
+        return packed
 
     def _eligible(self, tensor: torch.Tensor) -> bool:
         """Activations only: not parameters, buffers or views of them, not user leaves, not tiny."""
@@ -168,21 +180,21 @@ class MicrobatchOffload:
         )
 
     def _offload(self, group: _Group, slots: list[_Slot]) -> None:
+        if not slots:
+            return
         copies = []
         for slot in slots:
-            tensor = slot.tensor
             slot.buffer = self._pool.acquire(slot.nbytes)
-            flat = slot.buffer.data[: slot.nbytes].view(tensor.dtype)
-            stride = tensor.stride() if is_dense(tensor) else contiguous_strides(tensor.shape)
-            slot.host = flat.as_strided(tensor.shape, stride)
-            copies.append((tensor, slot.host, slot.buffer.ready))
-        if not copies:
-            return
+            slot.host = slot.buffer.data[: slot.nbytes]
+            source = torch.empty(0, dtype=torch.uint8, device=self._transfers.device)
+            source.set_(slot.storage, slot.start, (slot.nbytes,), (1,))
+            copies.append((source, slot.host, slot.buffer.ready))
         start = self._transfers.sync_seconds
         group.offload_event = self._transfers.to_host(copies)
         group.offloaded = slots
         for slot in slots:
-            slot.tensor, slot.moved = None, True
+            for packed in slot.saves:
+                packed.tensor = None
         stats = self._record.stats
         stats.num_tensors += len(slots)
         stats.bytes_offloaded += sum(slot.nbytes for slot in slots)
@@ -208,7 +220,7 @@ class MicrobatchOffload:
         )
         for slot, tensor in zip(group.offloaded, tensors):
             self._pool.release(slot.buffer, ready=group.arrived)
-            slot.tensor, slot.host, slot.buffer = tensor, None, None
+            slot.restored, slot.host, slot.buffer = tensor, None, None
         stats = self._record.stats
         stats.bytes_prefetched += sum(slot.nbytes for slot in group.offloaded)
         stats.exposed_wait_s += self._transfers.sync_seconds - start
@@ -217,27 +229,30 @@ class MicrobatchOffload:
         """Saved-tensor unpack hook: the tensor back on the device, waiting for its prefetch if needed."""
         if isinstance(packed, torch.Tensor):
             return packed
-        slot: _Slot = packed
+        slot: _Slot = packed.slot
         group = slot.group
-        if slot.tensor is None and slot.host is not None:
-            self._prefetch(group)
-        if slot.tensor is None:
-            raise RuntimeError(
-                "an offloaded activation was unpacked after its backward consumed it; activation "
-                "offloading supports one backward per forward (no retain_graph / double backward)"
-            )
-        if slot.moved and not group.waited:
-            group.waited = True
-            needed = self._transfers.wait(group.arrived, [s.tensor for s in group.offloaded])
-            if needed is not None:
-                self._record.add_wait(needed, group.arrived)
-        tensor = slot.tensor
+        if packed.tensor is not None:
+            tensor = packed.tensor
+        else:
+            if slot.restored is None and slot.host is None:
+                raise RuntimeError(
+                    "an offloaded activation was unpacked after its backward consumed it; activation "
+                    "offloading supports one backward per forward (no retain_graph / double backward)"
+                )
+            if slot.restored is None:
+                self._prefetch(group)
+            if not group.waited:
+                group.waited = True
+                needed = self._transfers.wait(group.arrived, [s.restored for s in group.offloaded])
+                if needed is not None:
+                    self._record.add_wait(needed, group.arrived)
+            item = packed.dtype.itemsize
+            tensor = torch.empty(0, dtype=packed.dtype, device=self._transfers.device)
+            offset = (packed.byte_offset - slot.start) // item
+            tensor.set_(slot.restored.untyped_storage(), offset, packed.size, packed.stride)
         slot.refs -= 1
         if slot.refs == 0:
-            slot.tensor = None
-            group.live -= 1
-            if group.live == 0:
-                group.slots, group.offloaded = [], []
+            slot.restored = None
         return tensor
 
 

@@ -6,7 +6,7 @@
     loss.backward()                                  # may run later (1F1B), outside the context
     stats = offloader.pop_step_stats()               # once per step
 
-What `ratio` means: each offloadable layer moves its first saved tensors (in save order) holding about
+What `ratio` means: each offloadable layer moves its first saved storages (in save order) holding about
 `ratio` of the bytes it saves; the last `num_resident_layers` layers move nothing. A fraction of every
 layer, rather than all of the first round(r * L) layers, because:
 - it is what the cost model assumes (`CostModel.hidden_offload_ratio`, ByteScale Eq. 3): each layer's
@@ -22,7 +22,8 @@ What moves: tensors autograd saves inside the attached layers that are plain str
 offload device of at least `min_tensor_bytes`, excluding parameters, buffers and any view of them (their
 storage is compared with the layers' own, which also catches `weight.t()` saved by a linear layer and
 parameters living in Megatron DDP's contiguous buffer), and leaf tensors that require grad (inputs the
-caller still holds). A tensor saved several times within one layer moves once.
+caller still holds). The saved views of one storage move together, as one copy of the byte span they
+cover, and come back with their offsets and strides (see `microbatch.py`).
 """
 
 from __future__ import annotations

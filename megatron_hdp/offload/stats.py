@@ -14,7 +14,7 @@ class OffloadStats:
     num_microbatches: int = 0
     """Micro-batches counted (offloading or not)."""
     num_tensors: int = 0
-    """Saved tensors moved to host memory."""
+    """Copies moved to host memory: one per saved storage (views of one storage travel together)."""
     bytes_offloaded: int = 0
     """Bytes copied device -> host during forward."""
     bytes_prefetched: int = 0
