@@ -1,0 +1,226 @@
+"""HDPDataLoader: per step, the StepPlan of the global batch and this rank's collated micro-batches.
+
+It replaces what Megatron's `build_pretraining_data_loader` returns (and works as a
+`--dataloader-type external` iterator): iterating it yields one `HDPStep` per training step. Each step:
+
+1. `HDPSampler` picks the global batch's documents and their plan lengths (index only, no tokens).
+2. `make_plan` turns the lengths into a StepPlan with the policy of `HDPConfig.hdp_policy` — the same
+   plan on every rank, since every rank plans the same lengths with the same code.
+3. This rank collates only its own micro-batches, reading only the token ranges of its shards (a chunk
+   [a, b) reads raw tokens [a, b + 1) of its document): a document split over 200 ranks is read once,
+   in 200 pieces, not 200 times.
+
+Steps 1-3 for step n+1 run in a background thread while step n trains (`prefetch` steps ahead). On the
+consumer side, before a step is handed out, the plan digests are all-gathered over the HDP domain when
+torch.distributed is initialized: a rank with a different dataset, seed or config fails loudly here
+instead of hanging in a ring later. `consumed_samples` advances by the documents of each handed-out step
+and is what to checkpoint; a loader built with it resumes with the same documents and plans.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch.distributed as dist
+
+from megatron_hdp.config import HDPConfig
+from megatron_hdp.data.collate import PackedMicroBatch, collate_microbatch
+from megatron_hdp.data.prefetch import Prefetcher
+from megatron_hdp.data.sampler import GlobalBatch, HDPSampler
+from megatron_hdp.data.source import DocumentSource, limit_lengths
+from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.planner import make_plan
+from megatron_hdp.plan.step_plan import StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HDPStep:
+    """Everything one rank needs for one training step."""
+
+    plan: StepPlan
+    """The global batch's plan (identical on every rank of the HDP domain)."""
+    microbatches: list[PackedMicroBatch]
+    """This rank's micro-batches, in execution order (may be empty: the rank then runs an empty one)."""
+    sample_ids: np.ndarray
+    """Dataset sample id of each plan sequence (plan sequence i is sample sample_ids[i])."""
+    epoch: int
+    consumed_samples: int
+    """Documents consumed after this step: the value Megatron checkpoints as consumed_train_samples."""
+    plan_seconds: float
+    """Time spent planning this step (in the background thread)."""
+    load_seconds: float
+    """Time spent reading and collating this rank's tokens (in the background thread)."""
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Loss tokens of the whole global batch (every position counts): the token-level loss divisor."""
+        return self.plan.num_tokens
+
+
+def check_plan_agreement(plan: StepPlan, *, group: Any = None) -> None:
+    """All-gather the plan's digest over `group` and raise if any rank planned differently.
+
+    A no-op without an initialized default process group (single-process use).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    digests: list[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, plan.digest(), group=group)
+    if len(set(digests)) > 1:
+        by_digest: dict[str, list[int]] = {}
+        for rank, digest in enumerate(digests):
+            by_digest.setdefault(str(digest)[:12], []).append(rank)
+        raise RuntimeError(
+            f"ranks planned different global batches (plan digest -> ranks in the group: {by_digest}); every "
+            "rank of the HDP domain must use the same dataset, seed, consumed_samples and HDP config"
+        )
+
+
+class HDPDataLoader:
+    """Iterate over the training steps of one HDP rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        source: DocumentSource,
+        *,
+        rank: int,
+        num_ranks: int,
+        config: HDPConfig,
+        cost_model: CostModel,
+        seed: int,
+        consumed_samples: int = 0,
+        global_batch_size: Optional[int] = None,
+        max_length: Optional[int] = None,
+        shuffle: bool = True,
+        max_epochs: Optional[int] = None,
+        pp_size: int = 1,
+        pad_to_multiple: int = 1,
+        prefetch: int = 1,
+        group: Any = None,
+        check_plans: bool = True,
+    ):
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f"rank {rank} is outside the HDP domain of {num_ranks} ranks")
+        limit, why = self._length_limit(max_length, num_ranks=num_ranks, config=config)
+        lengths = limit_lengths(
+            np.asarray(source.lengths, dtype=np.int64), max_length=limit, overlong=config.hdp_overlong_documents, why=why
+        )
+        tokens = config.hdp_global_batch_tokens
+        if tokens is not None and global_batch_size is not None:
+            logger.info("hdp_global_batch_tokens=%d sets the global batch; global_batch_size %d is ignored",
+                        tokens, global_batch_size)
+        self.sampler = HDPSampler(
+            lengths,
+            seed=seed,
+            global_batch_size=None if tokens is not None else global_batch_size,
+            global_batch_tokens=tokens,
+            consumed_samples=consumed_samples,
+            shuffle=shuffle,
+            max_epochs=max_epochs,
+        )
+        self.source = source
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.config = config
+        self.cost_model = cost_model
+        self.pp_size = pp_size
+        self.pad_to_multiple = pad_to_multiple
+        self.group = group
+        self.check_plans = check_plans
+        self.consumed_samples = int(consumed_samples)
+        self.wait_seconds = 0.0
+        """Total time the consumer waited for a step (what the background work failed to hide)."""
+        self._prefetcher: Prefetcher[HDPStep] = Prefetcher(self._steps, depth=prefetch, name=f"hdp-loader-{rank}")
+
+    @staticmethod
+    def _length_limit(max_length: Optional[int], *, num_ranks: int, config: HDPConfig) -> tuple[Optional[int], str]:
+        """The longest sample this run can train, and why: the model's `max_length`, and — without
+        offloading, where no rank holds more than hdp_capacity tokens — the pool's num_ranks x capacity.
+        With offloading the planner alone knows what fits; it names the sample it cannot place."""
+        limits = []
+        if max_length is not None:
+            limits.append((max_length, f"the model's max_length {max_length}"))
+        if config.max_offload_ratio == 0:
+            pool = num_ranks * config.hdp_capacity
+            limits.append((pool, f"the HDP pool without offloading: {num_ranks} ranks x hdp_capacity {config.hdp_capacity}"))
+        if not limits:
+            return None, ""
+        return min(limits)
+
+    # --- background work -----------------------------------------------------------------------
+    def plan(self, batch: GlobalBatch) -> StepPlan:
+        """The StepPlan of one global batch; a planner error names the dataset samples involved."""
+        lengths = batch.lengths.tolist()
+        try:
+            plan = make_plan(
+                lengths, num_ranks=self.num_ranks, config=self.config, cost_model=self.cost_model, pp_size=self.pp_size
+            )
+        except ValueError as error:
+            longest = int(np.argmax(batch.lengths))
+            raise ValueError(
+                f"cannot plan the global batch at consumed_samples={batch.consumed_samples} "
+                f"(samples {batch.sample_ids[:8].tolist()}{'...' if batch.num_samples > 8 else ''}, longest "
+                f"sample {int(batch.sample_ids[longest])} with {int(batch.lengths[longest])} tokens): {error}"
+            ) from error
+        if plan.lengths != lengths:
+            raise ValueError(f"the {plan.policy} plan's sequence lengths disagree with the sampled batch's")
+        return plan
+
+    def load(self, plan: StepPlan, sample_ids: np.ndarray) -> list[PackedMicroBatch]:
+        """Collate this rank's micro-batches of `plan`, reading only the token ranges of its shards."""
+        def read_tokens(seq: int, start: int, end: int) -> np.ndarray:
+            return self.source.read(int(sample_ids[seq]), start, end)
+
+        return [
+            collate_microbatch(plan, mb, read_tokens, pad_to_multiple=self.pad_to_multiple, rank=self.rank)
+            for mb in plan.microbatches(self.rank)
+        ]
+
+    def _steps(self) -> Iterator[HDPStep]:
+        for batch in self.sampler:
+            start = time.perf_counter()
+            plan = self.plan(batch)
+            planned = time.perf_counter()
+            microbatches = self.load(plan, batch.sample_ids)
+            yield HDPStep(
+                plan=plan,
+                microbatches=microbatches,
+                sample_ids=batch.sample_ids,
+                epoch=batch.epoch,
+                consumed_samples=batch.next_consumed_samples,
+                plan_seconds=planned - start,
+                load_seconds=time.perf_counter() - planned,
+            )
+
+    # --- consumer side -------------------------------------------------------------------------
+    def __iter__(self) -> "HDPDataLoader":
+        return self
+
+    def __next__(self) -> HDPStep:
+        start = time.perf_counter()
+        step = next(self._prefetcher)
+        self.wait_seconds += time.perf_counter() - start
+        if self.check_plans:
+            check_plan_agreement(step.plan, group=self.group)
+        self.consumed_samples = step.consumed_samples
+        return step
+
+    def state_dict(self) -> dict:
+        """The resume state: documents consumed by the steps handed out so far."""
+        return {"consumed_samples": self.consumed_samples}
+
+    def close(self) -> None:
+        """Stop the background thread (idempotent)."""
+        self._prefetcher.close()
+
+    def __enter__(self) -> "HDPDataLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
