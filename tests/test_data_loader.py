@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.data.loader import HDPDataLoader
+from megatron_hdp.data.loader import HDPDataLoader, pool_length_limit
 from megatron_hdp.data.source import MapStyleSource
 from megatron_hdp.megatron.build_dataset import write_indexed_dataset
 from megatron_hdp.megatron.datasets import IndexedDocumentSource
+from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
 
 STRIDE = 1 << 12
@@ -125,8 +126,9 @@ def test_resume_after_k_steps_equals_the_uninterrupted_run(corpus):
 
 def test_overlong_documents_error_or_truncate(corpus):
     prefix, lengths = corpus
-    small = dataclasses.replace(CONFIG, hdp_capacity=64)  # pool = 4 x 64 = 256 < 379
-    with pytest.raises(ValueError, match=r"4 ranks x hdp_capacity 64\): sample 3 \(length 299\), sample 29 \(length 379\)"):
+    small = dataclasses.replace(CONFIG, hdp_capacity=64)  # without offloading 4 x 64 = 256 tokens < 299, 379
+    with pytest.raises(ValueError, match=r"4 ranks x hdp_capacity 64 hold with no offloading\): sample 3 \(length 299\), "
+                                         r"sample 29 \(length 379\);"):
         _loader(prefix, 0, config=small)
     with pytest.raises(ValueError, match=r"the model's max_length 200\): sample 3 \(length 299\)"):
         _loader(prefix, 0, max_length=200)
@@ -136,6 +138,17 @@ def test_overlong_documents_error_or_truncate(corpus):
     for per_rank in zip(*loaders):
         held = Counter(p for step in per_rank for p in map(tuple, _positions(step)))
         assert held == Counter((int(d), p) for d in per_rank[0].sample_ids for p in range(cut[d]))
+
+
+def test_the_pool_limit_with_offloading_is_the_planners():
+    # With offloading a rank may hold more than its capacity; the limit is what make_plan itself accepts.
+    config = dataclasses.replace(CONFIG, hdp_capacity=64, hdp_offload=True, hdp_max_offload_ratio=0.5)
+    limit = pool_length_limit(10_000, num_ranks=NUM_RANKS, config=config, cost_model=COST_MODEL)
+    assert 256 < limit < 10_000
+    make_plan([limit, 5], num_ranks=NUM_RANKS, config=config, cost_model=COST_MODEL)
+    with pytest.raises(ValueError, match="ranks"):
+        make_plan([limit + 1, 5], num_ranks=NUM_RANKS, config=config, cost_model=COST_MODEL)
+    assert pool_length_limit(limit, num_ranks=NUM_RANKS, config=config, cost_model=COST_MODEL) is None
 
 
 def test_corrupt_or_mismatched_inputs_give_clear_errors(corpus, tmp_path):
@@ -183,3 +196,14 @@ def test_lengths_that_disagree_with_the_data_fail_on_the_consumer_side():
             next(loader)
     for loader in loaders:
         loader.close()
+
+
+def test_a_batch_the_policy_cannot_plan_names_its_samples():
+    # 150 tokens fit 3 ranks of 64 under the balance rule, but static DP x CP needs a power-of-two CP of 4.
+    dataset = _LyingSFT()
+    dataset.docs[3], dataset.lengths = np.arange(151), [40, 30, 20, 151]
+    config = dataclasses.replace(CONFIG, hdp_capacity=64, hdp_policy="static")
+    with HDPDataLoader(MapStyleSource(dataset), rank=0, num_ranks=3, config=config, cost_model=COST_MODEL, seed=0,
+                       max_epochs=1) as loader:
+        with pytest.raises(ValueError, match=r"consumed_samples=0 .*longest sample 3 with 150 tokens.*static CP group"):
+            next(loader)

@@ -34,6 +34,7 @@ from megatron_hdp.data.sampler import GlobalBatch, HDPSampler
 from megatron_hdp.data.source import DocumentSource, limit_lengths
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.planner import make_plan
+from megatron_hdp.plan.sharding import min_ring_size
 from megatron_hdp.plan.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,31 @@ def check_plan_agreement(plan: StepPlan, *, group: Any = None) -> None:
         )
 
 
+def pool_length_limit(longest: int, *, num_ranks: int, config: HDPConfig, cost_model: CostModel) -> Optional[int]:
+    """The longest document `num_ranks` ranks can hold, or None when even `longest` fits.
+
+    Uses the planner's own ring-size rule (`plan.sharding.min_ring_size`: capacity, zigzag rounding and
+    the offload ratio the cost model lets hide), searched by bisection — the rule needs more ranks for
+    longer documents. Policies with a stricter rule (static's power-of-two CP) may still refuse a batch;
+    their error then names the samples.
+    """
+    def fits(length: int) -> bool:
+        try:
+            min_ring_size(length, capacity=config.hdp_capacity, num_ranks=num_ranks, cost_model=cost_model,
+                          max_offload_ratio=config.max_offload_ratio)
+        except ValueError:
+            return False
+        return True
+
+    if fits(longest):
+        return None
+    low, high = config.hdp_capacity, longest  # fits(low) holds (one rank), fits(high) does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
 class HDPDataLoader:
     """Iterate over the training steps of one HDP rank (see the module docstring)."""
 
@@ -107,10 +133,9 @@ class HDPDataLoader:
     ):
         if not 0 <= rank < num_ranks:
             raise ValueError(f"rank {rank} is outside the HDP domain of {num_ranks} ranks")
-        limit, why = self._length_limit(max_length, num_ranks=num_ranks, config=config)
-        lengths = limit_lengths(
-            np.asarray(source.lengths, dtype=np.int64), max_length=limit, overlong=config.hdp_overlong_documents, why=why
-        )
+        lengths = np.asarray(source.lengths, dtype=np.int64)
+        limit, why = self._length_limit(lengths, max_length, num_ranks=num_ranks, config=config, cost_model=cost_model)
+        lengths = limit_lengths(lengths, max_length=limit, overlong=config.hdp_overlong_documents, why=why)
         tokens = config.hdp_global_batch_tokens
         if tokens is not None and global_batch_size is not None:
             logger.info("hdp_global_batch_tokens=%d sets the global batch; global_batch_size %d is ignored",
@@ -139,19 +164,19 @@ class HDPDataLoader:
         self._prefetcher: Prefetcher[HDPStep] = Prefetcher(self._steps, depth=prefetch, name=f"hdp-loader-{rank}")
 
     @staticmethod
-    def _length_limit(max_length: Optional[int], *, num_ranks: int, config: HDPConfig) -> tuple[Optional[int], str]:
-        """The longest sample this run can train, and why: the model's `max_length`, and — without
-        offloading, where no rank holds more than hdp_capacity tokens — the pool's num_ranks x capacity.
-        With offloading the planner alone knows what fits; it names the sample it cannot place."""
+    def _length_limit(
+        lengths: np.ndarray, max_length: Optional[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel
+    ) -> tuple[Optional[int], str]:
+        """The longest sample this run can train, and why: the model's `max_length`, and the longest
+        document the HDP pool can hold (`pool_length_limit`) when the dataset has longer ones."""
         limits = []
         if max_length is not None:
             limits.append((max_length, f"the model's max_length {max_length}"))
-        if config.max_offload_ratio == 0:
-            pool = num_ranks * config.hdp_capacity
-            limits.append((pool, f"the HDP pool without offloading: {num_ranks} ranks x hdp_capacity {config.hdp_capacity}"))
-        if not limits:
-            return None, ""
-        return min(limits)
+        pool = pool_length_limit(int(lengths.max()), num_ranks=num_ranks, config=config, cost_model=cost_model)
+        if pool is not None:
+            offload = f"offload ratio <= {config.max_offload_ratio:g}" if config.max_offload_ratio else "no offloading"
+            limits.append((pool, f"the most {num_ranks} ranks x hdp_capacity {config.hdp_capacity} hold with {offload}"))
+        return min(limits) if limits else (None, "")
 
     # --- background work -----------------------------------------------------------------------
     def plan(self, batch: GlobalBatch) -> StepPlan:
