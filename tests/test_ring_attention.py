@@ -1,0 +1,224 @@
+"""Ring attention on 2, 3, 4 and 8 gloo ranks against the single-process float64 reference.
+
+Each launch runs many cases back to back (spawning ranks is the expensive part). A case is a list of
+rings, each with its documents; every rank runs the rings it belongs to in list order (the runtime's
+global order), then one backward over all of them, so ranks in several rings and overlapping rings of
+different ranks are exercised together.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from attention_reference import reference_with_grads
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from megatron_hdp.attention import count_traffic, ring_attention, zigzag_token_indices
+from megatron_hdp.comm.launch import run_gloo
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _case(rings, *, heads=(4, 2), causal=True, seed=0, head_dim=8):
+    return dict(rings=[(tuple(r), tuple(s)) for r, s in rings], heads=heads, causal=causal, seed=seed, dim=head_dim)
+
+
+def _ring_tensors(case, ring_id):
+    """The packed q, k, v and output gradient of one ring's documents (identical on every rank)."""
+    gen = torch.Generator().manual_seed(case["seed"] * 1000 + ring_id)
+    total = sum(case["rings"][ring_id][1])
+    hq, hkv = case["heads"]
+    return [torch.randn(total, h, case["dim"], generator=gen) for h in (hq, hkv, hkv, hq)]
+
+
+def _numpy(*tensors):
+    """Results cross the process boundary as numpy arrays: torch would share a tensor's memory with the
+    parent through the child, which may have exited by the time the parent reads it."""
+    return tuple(t.detach().numpy() for t in tensors)
+
+
+def _run_cases(rank, world_size, cases):
+    """Per case: {ring_id: (out, dq, dk, dv)} of this rank's rows, and the bytes it sent/received."""
+    results = []
+    for case in cases:
+        leaves, outs, douts, ids = [], [], [], []
+        with count_traffic() as traffic:
+            for ring_id, (ranks, seqlens) in enumerate(case["rings"]):
+                if rank not in ranks:
+                    continue
+                q, k, v, dout = _ring_tensors(case, ring_id)
+                rows = zigzag_token_indices(seqlens, len(ranks), ranks.index(rank))
+                mine = [x[rows].requires_grad_() for x in (q, k, v)]
+                out = ring_attention(*mine, seqlens=seqlens, ring=ranks, causal=case["causal"], softmax_scale=0.3)
+                outs.append(out)
+                leaves.append(mine)
+                douts.append(dout[rows])
+                ids.append(ring_id)
+            if outs:
+                torch.autograd.backward(torch.cat(outs), torch.cat(douts))
+        results.append(
+            (
+                {i: _numpy(o, *(x.grad for x in leaf)) for i, o, leaf in zip(ids, outs, leaves)},
+                (traffic.bytes_sent, traffic.bytes_received),
+            )
+        )
+    return results
+
+
+def _check(cases, world_size):
+    by_rank = run_gloo(_run_cases, world_size, cases, timeout_s=240)
+    for c, case in enumerate(cases):
+        for ring_id, (ranks, seqlens) in enumerate(case["rings"]):
+            q, k, v, dout = _ring_tensors(case, ring_id)
+            want = reference_with_grads(q, k, v, dout, seqlens, causal=case["causal"], scale=0.3)
+            for position, rank in enumerate(ranks):
+                rows = zigzag_token_indices(seqlens, len(ranks), position)
+                got = by_rank[rank][c][0][ring_id]
+                for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+                    where = f"case {case} ring {ranks} rank {rank} {name}"
+                    torch.testing.assert_close(
+                        torch.from_numpy(g).double(), w[rows], **TOL, msg=lambda m: f"{where}: {m}"
+                    )
+        sent = sum(r[c][1][0] for r in by_rank)
+        received = sum(r[c][1][1] for r in by_rank)
+        assert sent == received
+    return by_rank
+
+
+def _edge(k):
+    return [1, 2 * k - 1, 2 * k, 2 * k + 1]
+
+
+def test_two_ranks():
+    cases = [
+        _case([([0, 1], _edge(2))]),
+        _case([([1, 0], [9, 1, 4])], heads=(2, 2), causal=False, seed=1),
+        _case([([0], [5, 3]), ([1, 0], [11]), ([1], [1, 2]), ([0, 1], [2, 7])], heads=(4, 1), seed=2),
+    ]
+    _check(cases, 2)
+
+
+def test_three_ranks_and_traffic():
+    cases = [
+        _case([([0, 1, 2], _edge(3) + [17])]),
+        _case([([2, 0, 1], [13, 4]), ([1, 2], [6]), ([0], [3]), ([0, 2], [1, 5])], heads=(2, 1), seed=3),
+        _case([([1], [4])], seed=4),
+    ]
+    by_rank = _check(cases, 3)
+    # Case 0, a ring over all three ranks, fp32, Hkv=2, D=8: forward (k-1) K+V buffers, backward (k-1)
+    # K+V buffers plus k dK+dV buffers; position p sends the buffers of positions p, p-1, ... in turn.
+    seqlens = _edge(3) + [17]
+    tokens = [len(zigzag_token_indices(seqlens, 3, p)) for p in range(3)]
+    per_token = 2 * 2 * 8 * 4
+    for p in range(3):
+        kv_hops = sum(tokens[(p - s) % 3] for s in range(2))
+        dkv_hops = sum(tokens[(p - s) % 3] for s in range(3))
+        assert by_rank[p][0][1][0] == (2 * kv_hops + dkv_hops) * per_token
+    assert by_rank[0][2][1] == (0, 0)  # a ring of one moves nothing, and idle ranks nothing
+    assert by_rank[1][2][1] == (0, 0)
+
+
+def test_four_ranks_overlapping_rings():
+    cases = [
+        _case([([0, 1, 2, 3], _edge(4) + [30])]),
+        _case([([3, 1, 0, 2], [5, 16]), ([2, 0], [9]), ([1, 3, 0], [2, 1, 12]), ([3], [4]), ([1, 2], [3, 3])], seed=5),
+        _case([([0, 2], [7]), ([2, 3], [8]), ([3, 1], [6]), ([1, 0], [5])], heads=(2, 2), causal=False, seed=6),
+    ]
+    _check(cases, 4)
+
+
+def test_eight_ranks():
+    cases = [
+        _case([(list(range(8)), _edge(8) + [40])], heads=(2, 1)),
+        _case(
+            [([7, 2, 5], [20, 3]), (list(range(8)), [33]), ([3], [6]), ([6, 4], [9]), ([5, 0, 7, 1], [14])],
+            seed=7,
+        ),
+    ]
+    _check(cases, 8)
+
+
+_WORLD = 4
+
+
+@st.composite
+def _random_case(draw):
+    num_rings = draw(st.integers(1, 3))
+    rings = []
+    for _ in range(num_rings):
+        ranks = draw(st.permutations(range(_WORLD)))[: draw(st.integers(1, _WORLD))]
+        seqlens = draw(st.lists(st.integers(1, 20), min_size=1, max_size=3))
+        rings.append((ranks, seqlens))
+    heads = draw(st.sampled_from([(2, 2), (4, 2), (4, 1)]))
+    return _case(rings, heads=heads, causal=draw(st.booleans()), seed=draw(st.integers(0, 10**6)))
+
+
+def _draw_cases(num_cases):
+    """Cases drawn by hypothesis in this process, so that all of them run in one launch of ranks."""
+    drawn = []
+
+    @settings(max_examples=num_cases, deadline=None, database=None, phases=[Phase.generate])
+    @given(case=_random_case())
+    def collect(case):
+        drawn.append(case)
+
+    collect()
+    return drawn
+
+
+def test_random_rings():
+    """Random non-contiguous, unordered rings (sizes 1 to 4, up to three per case) and documents."""
+    _check(_draw_cases(12), _WORLD)
+
+
+def _bad_calls(rank, world_size):
+    """Every rank makes each bad call (all must raise before sending), then one good call must work."""
+    q, k, v = torch.randn(6, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    everyone = list(range(world_size))
+    length = 6 * world_size  # six tokens per rank
+    errors = []
+    for call in (
+        lambda: ring_attention(q, k, v, seqlens=[length], ring=[r for r in everyone if r != rank]),
+        lambda: ring_attention(q, k, v, seqlens=[length], ring=[0, 0, 1]),
+        lambda: ring_attention(q, k, v, seqlens=[length], ring=everyone + [world_size]),
+        lambda: ring_attention(q[:5], k[:5], v[:5], seqlens=[length], ring=everyone),
+        lambda: ring_attention(q, k[:, :1].expand(6, 3, 8), v[:, :1].expand(6, 3, 8), seqlens=[length], ring=everyone),
+        lambda: ring_attention(q, k, v, seqlens=[length, 0], ring=everyone),
+    ):
+        try:
+            call()
+        except ValueError as err:
+            errors.append(str(err))
+    group = dist.new_group([0, 1])
+    if rank == 2:
+        try:
+            ring_attention(q, k, v, seqlens=[12], ring=[2, 0], group=group)
+        except ValueError as err:
+            errors.append(str(err))
+    if rank == 2:
+        return errors, None
+    case = _case([([1, 0], [12])])
+    q, k, v, _ = _ring_tensors(case, 0)
+    rows = zigzag_token_indices([12], 2, [1, 0].index(rank))
+    out = ring_attention(q[rows], k[rows], v[rows], seqlens=[12], ring=[1, 0], group=group, softmax_scale=0.3)
+    return errors, _numpy(out)[0]
+
+
+def test_bad_calls_raise_everywhere_before_any_message():
+    results = run_gloo(_bad_calls, 3, timeout_s=120)
+    case = _case([([1, 0], [12])])
+    q, k, v, dout = _ring_tensors(case, 0)
+    want = reference_with_grads(q, k, v, dout, [12], causal=True, scale=0.3)[0]
+    for rank, (errors, out) in enumerate(results):
+        assert len(errors) == 6 + (rank == 2), errors
+        assert f"rank {rank} is not in the ring" in errors[0]
+        assert "distinct" in errors[1]
+        assert "does not exist in a world of 3 ranks" in errors[2]
+        assert "q has 5 tokens but seqlens give this rank 6 tokens" in errors[3]
+        assert "kv heads (3) must divide query heads (4)" in errors[4]
+        assert "document lengths must be >= 1" in errors[5]
+        if rank == 2:
+            assert "not a member of the given group" in errors[6]
+        else:  # the good call after the bad ones: no stray message was left behind
+            rows = zigzag_token_indices([12], 2, [1, 0].index(rank))
+            torch.testing.assert_close(torch.from_numpy(out).double(), want[rows], **TOL)
