@@ -10,10 +10,10 @@ It replaces what Megatron's `build_pretraining_data_loader` returns (and works a
    [a, b) reads raw tokens [a, b + 1) of its document): a document split over 200 ranks is read once,
    in 200 pieces, not 200 times.
 
-Steps 1-3 for step n+1 run in a background thread while step n trains (`prefetch` steps ahead). On the
-consumer side, before a step is handed out, the plan digests are all-gathered over the HDP domain when
-torch.distributed is initialized: a rank with a different dataset, seed or config fails loudly here
-instead of hanging in a ring later. `consumed_samples` advances by the documents of each handed-out step
+Steps 1-3 for step n+1 run in a background thread (started by the first `next`) while step n trains,
+up to `prefetch` steps ahead. On the consumer side, before a step is handed out, the plan digests are
+all-gathered over the HDP domain when torch.distributed is initialized: a rank with a different
+dataset, seed or config fails loudly here instead of hanging in a ring later. `consumed_samples` advances by the documents of each handed-out step
 and is what to checkpoint; a loader built with it resumes with the same documents and plans.
 """
 
@@ -159,9 +159,11 @@ class HDPDataLoader:
         self.group = group
         self.check_plans = check_plans
         self.consumed_samples = int(consumed_samples)
+        self.prefetch = prefetch
         self.wait_seconds = 0.0
         """Total time the consumer waited for a step (what the background work failed to hide)."""
-        self._prefetcher: Prefetcher[HDPStep] = Prefetcher(self._steps, depth=prefetch, name=f"hdp-loader-{rank}")
+        self._prefetcher: Optional[Prefetcher[HDPStep]] = None
+        self._closed = False
 
     @staticmethod
     def _length_limit(
@@ -197,14 +199,17 @@ class HDPDataLoader:
             raise ValueError(f"the {plan.policy} plan's sequence lengths disagree with the sampled batch's")
         return plan
 
-    def load(self, plan: StepPlan, sample_ids: np.ndarray) -> list[PackedMicroBatch]:
-        """Collate this rank's micro-batches of `plan`, reading only the token ranges of its shards."""
+    def load(self, plan: StepPlan, sample_ids: np.ndarray, *, rank: Optional[int] = None) -> list[PackedMicroBatch]:
+        """Collate the micro-batches of `rank` (default: this loader's) of `plan`, reading only the token
+        ranges of its shards."""
+        rank = self.rank if rank is None else rank
+
         def read_tokens(seq: int, start: int, end: int) -> np.ndarray:
             return self.source.read(int(sample_ids[seq]), start, end)
 
         return [
-            collate_microbatch(plan, mb, read_tokens, pad_to_multiple=self.pad_to_multiple, rank=self.rank)
-            for mb in plan.microbatches(self.rank)
+            collate_microbatch(plan, mb, read_tokens, pad_to_multiple=self.pad_to_multiple, rank=rank)
+            for mb in plan.microbatches(rank)
         ]
 
     def _steps(self) -> Iterator[HDPStep]:
@@ -228,6 +233,11 @@ class HDPDataLoader:
         return self
 
     def __next__(self) -> HDPStep:
+        if self._prefetcher is None:
+            if self._closed:
+                raise StopIteration
+            # Started on first use, so a loader that is built but never iterated costs no thread.
+            self._prefetcher = Prefetcher(self._steps, depth=self.prefetch, name=f"hdp-loader-{self.rank}")
         start = time.perf_counter()
         step = next(self._prefetcher)
         self.wait_seconds += time.perf_counter() - start
@@ -241,8 +251,10 @@ class HDPDataLoader:
         return {"consumed_samples": self.consumed_samples}
 
     def close(self) -> None:
-        """Stop the background thread (idempotent)."""
-        self._prefetcher.close()
+        """Stop the background thread (idempotent); the loader yields nothing afterwards."""
+        self._closed = True
+        if self._prefetcher is not None:
+            self._prefetcher.close()
 
     def __enter__(self) -> "HDPDataLoader":
         return self

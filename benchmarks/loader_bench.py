@@ -1,0 +1,199 @@
+"""HDP loader on a 1M-document Megatron indexed dataset: index open, sampling and planning latency per
+step, read + collate throughput, and how much of it a simulated training step hides.
+
+    python benchmarks/loader_bench.py                       # 1M documents, 64 ranks, 1M-token batches
+    python benchmarks/loader_bench.py --num-docs 100000 --steps 5
+
+The corpus (`megatron_hdp.megatron.build_dataset`, long-tailed: lognormal median 128 tokens plus 0.1% of
+documents of 16K-64K) is written once with megatron-core's IndexedDatasetBuilder under --data-dir and
+reused. Planning uses `make_plan` (policy --policy) for --num-ranks HDP ranks of --capacity tokens with
+the analytic Llama-7B cost model. Loading is measured for every rank of the pool, one after the other
+in this process (read only its shards' token ranges from the mmap'd .bin, collate THD micro-batches);
+the .bin was just written, so reads hit the page cache — a cold read is bound by the disk instead.
+Overlap: rank 0's loader runs in its background thread while the main thread runs a simulated step
+(a fixed number of 1-thread matmuls lasting --step-seconds); the exposed loader time is what `next`
+waited for. Results go to benchmarks/results/loader_bench.json with the command and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_hdp.config import HDPConfig
+from megatron_hdp.data.loader import HDPDataLoader
+from megatron_hdp.megatron.build_dataset import synthetic_documents, synthetic_lengths, write_indexed_dataset
+from megatron_hdp.megatron.datasets import IndexedDocumentSource
+from megatron_hdp.plan.presets import analytic_cost_model
+
+RESULTS = Path(__file__).resolve().parent / "results" / "loader_bench.json"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-docs", type=int, default=1_000_000)
+    parser.add_argument("--data-dir", default="/tmp/hdp_loader_bench")
+    parser.add_argument("--num-ranks", type=int, default=64)
+    parser.add_argument("--capacity", type=int, default=16384)
+    parser.add_argument("--batch-tokens", type=int, default=1 << 20, help="hdp_global_batch_tokens")
+    parser.add_argument("--policy", default="balance")
+    parser.add_argument("--steps", type=int, default=20, help="steps timed for planning and loading")
+    parser.add_argument("--step-seconds", type=float, default=0.5, help="simulated training step")
+    parser.add_argument("--overlap-steps", type=int, default=10)
+    parser.add_argument("--output", default=str(RESULTS))
+    return parser.parse_args(argv)
+
+
+def corpus(args: argparse.Namespace) -> tuple[str, float]:
+    """The benchmark's indexed dataset (written when missing) and the seconds writing it took (0 if reused)."""
+    prefix = os.path.join(args.data_dir, f"bench_{args.num_docs}docs")
+    if os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin"):
+        return prefix, 0.0
+    start = time.perf_counter()
+    lengths = synthetic_lengths(args.num_docs, seed=0, median=128, long_fraction=0.001, max_length=65536)
+    write_indexed_dataset(prefix, synthetic_documents(lengths, vocab_size=32000, seed=0), vocab_size=32000)
+    return prefix, time.perf_counter() - start
+
+
+def stats(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "p50": statistics.median(values), "max": max(values)}
+
+
+def simulated_step(seconds: float) -> callable:
+    """A function that computes for about `seconds` with fixed work (matmuls release the GIL, as training does)."""
+    a = torch.randn(512, 512)
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    repeats = max(1, round(seconds / ((time.perf_counter() - start) / 10)))
+
+    def step() -> None:
+        for _ in range(repeats):
+            a @ a
+
+    return step
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    config = HDPConfig(hdp_capacity=args.capacity, hdp_global_batch_tokens=args.batch_tokens, hdp_policy=args.policy)
+    cost_model = analytic_cost_model("llama-7b")
+    prefix, build_seconds = corpus(args)
+
+    start = time.perf_counter()
+    source = IndexedDocumentSource(prefix)
+    open_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    loader = HDPDataLoader(source, rank=0, num_ranks=args.num_ranks, config=config, cost_model=cost_model, seed=0)
+    init_seconds = time.perf_counter() - start
+
+    # Sampling, planning, and every rank's reads + collation, step by step, in the foreground.
+    sample_s, plan_s, load_s, tokens, docs = [], [], [], 0, 0
+    bytes_before = source.bytes_read
+    consumed = 0
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        batch = loader.sampler.batch_at(consumed)
+        sample_s.append(time.perf_counter() - start)
+        consumed = batch.next_consumed_samples
+        start = time.perf_counter()
+        plan = loader.plan(batch)
+        plan_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for rank in range(args.num_ranks):
+            loader.load(plan, batch.sample_ids, rank=rank)
+        load_s.append(time.perf_counter() - start)
+        tokens += plan.num_tokens
+        docs += batch.num_samples
+    read_ratio = (source.bytes_read - bytes_before) / (tokens * source.itemsize)
+
+    # Overlap: rank 0 in its background thread against a simulated step.
+    step = simulated_step(args.step_seconds)
+    serial = []
+    for _ in range(3):
+        start = time.perf_counter()
+        batch = loader.sampler.batch_at(consumed)
+        loader.load(loader.plan(batch), batch.sample_ids)
+        serial.append(time.perf_counter() - start)
+    step_times, waits = [], []
+    with loader:
+        next(loader)  # the first step cannot be hidden: nothing ran before it
+        for _ in range(args.overlap_steps):
+            start = time.perf_counter()
+            step()
+            waited_before = loader.wait_seconds
+            next(loader)
+            waits.append(loader.wait_seconds - waited_before)
+            step_times.append(time.perf_counter() - start)
+
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": "python benchmarks/loader_bench.py " + " ".join(argv),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
+        "setup": {"num_docs": int(source.lengths.size), "corpus_tokens": int(source.lengths.sum() + source.lengths.size),
+                  "num_ranks": args.num_ranks, "capacity": args.capacity, "batch_tokens": args.batch_tokens,
+                  "policy": args.policy, "steps": args.steps},
+        "index": {"build_seconds": build_seconds, "open_seconds": open_seconds, "loader_init_seconds": init_seconds},
+        "per_step": {
+            "documents": docs / args.steps,
+            "tokens": tokens / args.steps,
+            "sample_seconds": stats(sample_s),
+            "plan_seconds": stats(plan_s),
+            "load_all_ranks_seconds": stats(load_s),
+            "load_one_rank_seconds": statistics.fmean(load_s) / args.num_ranks,
+        },
+        "throughput": {
+            "tokens_per_second_all_ranks_one_process": tokens / sum(load_s),
+            "tokens_per_second_with_planning": tokens / (sum(load_s) + sum(plan_s)),
+            "bytes_read_over_plan_tokens": read_ratio,
+        },
+        "overlap": {
+            "step_seconds": args.step_seconds,
+            "serial_plan_and_load_seconds": statistics.fmean(serial),
+            "exposed_wait_seconds": stats(waits),
+            "step_with_loader_seconds": statistics.fmean(step_times),
+            "hidden_fraction": 1.0 - statistics.fmean(waits) / statistics.fmean(serial),
+        },
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+
+    per = result["per_step"]
+    rows = [
+        ("documents in index", f"{result['setup']['num_docs']:,}"),
+        ("write index (s)", f"{build_seconds:.1f}" if build_seconds else "reused"),
+        ("open index (s)", f"{open_seconds:.3f}"),
+        ("loader init: lengths, pool limit (s)", f"{init_seconds:.3f}"),
+        ("documents / tokens per step", f"{per['documents']:.0f} / {per['tokens']:,.0f}"),
+        ("sample batch per step (ms, mean)", f"{per['sample_seconds']['mean'] * 1e3:.2f}"),
+        (f"plan per step, {args.policy} (ms, mean / max)",
+         f"{per['plan_seconds']['mean'] * 1e3:.1f} / {per['plan_seconds']['max'] * 1e3:.1f}"),
+        (f"read + collate, all {args.num_ranks} ranks (ms/step)", f"{per['load_all_ranks_seconds']['mean'] * 1e3:.1f}"),
+        ("read + collate, one rank (ms/step)", f"{per['load_one_rank_seconds'] * 1e3:.2f}"),
+        ("loader throughput (M tokens/s)", f"{result['throughput']['tokens_per_second_all_ranks_one_process'] / 1e6:.1f}"),
+        ("bytes read / plan tokens x itemsize", f"{read_ratio:.4f}"),
+        ("rank 0: plan + load serially (ms/step)", f"{result['overlap']['serial_plan_and_load_seconds'] * 1e3:.1f}"),
+        (f"rank 0: exposed wait under a {args.step_seconds:g} s step (ms)",
+         f"{result['overlap']['exposed_wait_seconds']['mean'] * 1e3:.2f}"),
+        ("hidden fraction of the loader's work", f"{result['overlap']['hidden_fraction']:.3f}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
