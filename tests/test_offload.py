@@ -114,6 +114,7 @@ def test_loss_and_gradients_equal_without_offload(ratio):
         assert offloader.pool.num_allocations == 0
     else:
         assert stats.num_tensors > 0 and stats.exposed_wait_s > 0
+        assert stats.num_late_fetches == 0  # every group came back through a backward hook
     if ratio == 0.5:
         full = _expected_bytes(model, batch, 1.0, ALL)
         assert 0.4 * full < stats.bytes_offloaded < 0.6 * full
@@ -132,6 +133,18 @@ def test_interleaved_microbatches_keep_their_own_tensors():
     stats = offloader.pop_step_stats()
     expected = sum(_expected_bytes(model, b, r, ALL) for b, r in zip(batches, [1.0, 0.0, 0.5]))
     assert stats.num_microbatches == 3 and stats.bytes_offloaded == expected == stats.bytes_prefetched
+
+
+def test_every_layer_offloading_is_still_exact():
+    model, batch = _model(), _batch()
+    reference = _step(model, ActivationOffloader(layers=model.layers, config=ALL), [0.0], [batch])
+    config = OffloadConfig(num_resident_layers=0, min_tensor_bytes=0)
+    offloader = ActivationOffloader(layers=model.layers, config=config)
+    _, grads = _step(model, offloader, [1.0], [batch])
+    assert all(torch.equal(grads[name], grad) for name, grad in reference[1].items())
+    stats = offloader.pop_step_stats()
+    assert stats.bytes_offloaded == _expected_bytes(model, batch, 1.0, config) > _expected_bytes(model, batch, 1.0, ALL)
+    assert stats.num_late_fetches == 0  # the last layer's group is fetched by its own output's hook
 
 
 def test_backward_reads_the_prefetched_copies(monkeypatch):
@@ -197,6 +210,7 @@ def test_round_trip_is_a_real_copy_with_the_same_layout():
     assert back[0].untyped_storage().data_ptr() == back[1].untyped_storage().data_ptr()  # still one storage
     assert record.stats.num_tensors == 2 and record.stats.bytes_offloaded == (1024 * 192 + 64 * 256) * 4
     assert record.stats.bytes_prefetched == record.stats.bytes_offloaded
+    assert record.stats.num_late_fetches == 1  # no layer output, so no hook: fetched on first unpack
     with pytest.raises(RuntimeError, match="retain_graph"):
         mb.unpack(packed[1])
 

@@ -86,3 +86,4 @@ def test_megatron_gpt_offload_matches_reference_under_megatron_schedule():
     stats = result["stats"]
     assert stats.num_microbatches == MICROBATCHES and stats.num_tensors > 0
     assert stats.bytes_offloaded == stats.bytes_prefetched > 0
+    assert stats.num_late_fetches == 0  # Megatron's layer outputs carry the prefetch hooks

@@ -173,7 +173,7 @@ class MicrobatchOffload:
         return (
             type(tensor) is torch.Tensor
             and tensor.layout == torch.strided
-            and tensor.device.type == self._transfers.device.type
+            and tensor.device == self._transfers.device
             and not (tensor.is_leaf and tensor.requires_grad)
             and tensor.numel() * tensor.element_size() >= self._min_tensor_bytes
             and tensor.untyped_storage().data_ptr() not in self._pinned_storages
@@ -239,8 +239,9 @@ class MicrobatchOffload:
                     "an offloaded activation was unpacked after its backward consumed it; activation "
                     "offloading supports one backward per forward (no retain_graph / double backward)"
                 )
-            if slot.restored is None:
+            if slot.restored is None:  # no backward hook prefetched it: the copy is fully exposed
                 self._prefetch(group)
+                self._record.stats.num_late_fetches += 1
             if not group.waited:
                 group.waited = True
                 needed = self._transfers.wait(group.arrived, [s.restored for s in group.offloaded])

@@ -83,8 +83,10 @@ class ActivationOffloader:
             raise ValueError("ActivationOffloader needs at least one layer, got none")
         self.config = config or OffloadConfig()
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._transfers = Transfers(self.device)
         self.pool = HostBufferPool(pin_memory=self.device.type == "cuda")
         self._active: MicrobatchOffload | None = None

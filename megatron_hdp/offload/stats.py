@@ -19,6 +19,9 @@ class OffloadStats:
     """Bytes copied device -> host during forward."""
     bytes_prefetched: int = 0
     """Bytes copied host -> device for backward (equals bytes_offloaded once every backward ran)."""
+    num_late_fetches: int = 0
+    """Layer groups no backward hook prefetched, fetched only when the backward first read them (their
+    layer's output gave no gradient hook, e.g. it did not require grad). 0 when prefetching works."""
     exposed_wait_s: float = 0.0
     """Seconds compute stood still waiting for a transfer. On CUDA: how long after the compute stream
     needed a layer's tensors their H2D copy finished (CUDA event timing). On CPU the copies are
