@@ -62,9 +62,15 @@ class Op:
     microbatch: int
     start: float
     busy_end: float
-    """Start plus this rank's own work."""
+    """Start plus this rank's own work (compute + comm + offload)."""
+    comm: float
+    """Seconds of exposed ring traffic inside the busy part."""
+    offload: float
+    """Seconds of exposed offload copies inside the busy part."""
     release: float
     """When the rank may go on: the slowest member of its coupled group is done."""
+    ring: bool = False
+    """Whether the micro-batch holds a shard of a split sequence (ring attention)."""
 
 
 @dataclass(frozen=True)
@@ -208,19 +214,22 @@ def simulate_step(
     rules = POLICY_RULES.get(plan.policy, PolicyRules())
     n, p = plan.num_ranks, plan.pp_size
     costs = [[_microbatch_costs(mb, plan, cost_model, rules) for mb in r.microbatches] for r in plan.ranks]
-    duration = [[c[0] + c[1] + c[2] for c in rank_costs] for rank_costs in costs]
+    has_ring = [[any(len(plan.sequences[sh.seq].ring) > 1 for sh in mb.shards) for mb in r.microbatches]
+                for r in plan.ranks]
     coupled = _coupling(plan, rules)
     members: dict[int, list[int]] = {}
     for (rank, _), gid in coupled.items():
         members.setdefault(gid, []).append(rank)
 
-    orders = [[_one_f_one_b(len(duration[r]), p, s) for s in range(p)] for r in range(n)]
+    orders = [[_one_f_one_b(len(costs[r]), p, s) for s in range(p)] for r in range(n)]
     ops: list[list[list[Op]]] = [[[] for _ in range(p)] for _ in range(n)]
     released: dict[tuple[int, int, str, int], float] = {}  # (rank, stage, kind, mb) -> release time
     arrived: dict[tuple[int, str, int], dict[int, float]] = {}  # (gid, stage, kind) -> rank -> ready
 
-    def op_time(rank: int, kind: str, index: int) -> float:
-        return duration[rank][index] * (FORWARD_SHARE if kind == "F" else 1.0 - FORWARD_SHARE)
+    def op_parts(rank: int, kind: str, index: int) -> tuple[float, float, float]:
+        """(compute, comm, offload) seconds of one op: its share of the micro-batch's costs."""
+        share = FORWARD_SHARE if kind == "F" else 1.0 - FORWARD_SHARE
+        return tuple(part * share for part in costs[rank][index][:3])
 
     def ready_time(rank: int, stage: int) -> float | None:
         """When the head op of (rank, stage) may start, or None while a dependency is pending."""
@@ -235,10 +244,12 @@ def simulate_step(
 
     def run(group: dict[int, float], stage: int, kind: str, index: int) -> list[tuple[int, int]]:
         start = max(group.values())
-        times = {rank: op_time(rank, kind, index) for rank in group}
-        release = start + max(times.values())
-        for rank, t in times.items():
-            ops[rank][stage].append(Op(kind, index, start, start + t, release))
+        parts = {rank: op_parts(rank, kind, index) for rank in group}
+        release = start + max(sum(part) for part in parts.values())
+        for rank, (compute, comm, offload) in parts.items():
+            busy_end = start + compute + comm + offload
+            ops[rank][stage].append(Op(kind=kind, microbatch=index, start=start, busy_end=busy_end, comm=comm,
+                                       offload=offload, release=release, ring=has_ring[rank][index]))
             released[(rank, stage, kind, index)] = release
         return [(rank, s) for rank in group for s in (stage - 1, stage, stage + 1) if 0 <= s < p]
 
