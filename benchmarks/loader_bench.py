@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
         plan_s.append(time.perf_counter() - start)
         start = time.perf_counter()
         for rank in range(args.num_ranks):
-            loader.load(plan, batch.sample_ids, rank=rank)
+            loader.load(plan, loader.reader(batch.sample_ids), rank=rank)
         load_s.append(time.perf_counter() - start)
         tokens += plan.num_tokens
         docs += batch.num_samples
@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
     for _ in range(3):
         start = time.perf_counter()
         batch = loader.sampler.batch_at(consumed)
-        loader.load(loader.plan(batch), batch.sample_ids)
+        loader.load(loader.plan(batch), loader.reader(batch.sample_ids))
         serial.append(time.perf_counter() - start)
     step_times, waits = [], []
     with loader:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron_hdp.config import HDPConfig
+from megatron_hdp.data.collate import collate_microbatch
 from megatron_hdp.data.loader import HDPDataLoader, pool_length_limit
 from megatron_hdp.data.source import MapStyleSource
 from megatron_hdp.megatron.build_dataset import write_indexed_dataset
@@ -102,6 +103,13 @@ def test_four_ranks_cover_each_document_once_per_step_and_read_only_their_ranges
     for rank, loader in enumerate(loaders):
         assert loader.source.bytes_read == expected_bytes[rank]
         loader.close()
+    # A trainer that collates itself gets the same micro-batches from step.read_tokens, without new reads.
+    for per_rank in steps:
+        for rank, step in enumerate(per_rank):
+            again = [collate_microbatch(step.plan, mb, step.read_tokens, rank=rank) for mb in step.plan.microbatches(rank)]
+            assert len(again) == len(step.microbatches)
+            assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(again, step.microbatches))
+    assert [loader.source.bytes_read for loader in loaders] == expected_bytes
     total = sum(expected_bytes)
     assert total < 1.1 * 4 * lengths.sum()  # the corpus is read about once in all, not once per rank
 

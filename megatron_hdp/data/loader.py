@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch.distributed as dist
@@ -57,6 +57,9 @@ class HDPStep:
     """Time spent planning this step (in the background thread)."""
     load_seconds: float
     """Time spent reading and collating this rank's tokens (in the background thread)."""
+    read_tokens: Callable[[int, int, int], np.ndarray]
+    """read_tokens(seq, start, end): raw tokens of plan sequence `seq`, for code that collates itself
+    (`HDPTrainer.step(plan, read_tokens)`): this rank's ranges come from memory, read in the background."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -106,6 +109,22 @@ def pool_length_limit(longest: int, *, num_ranks: int, config: HDPConfig, cost_m
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
+
+
+class _StepReader:
+    """Raw token reads of one step by plan sequence id, remembered so that a second collation of the same
+    shards (by the trainer) costs no I/O; a range not read before goes to the source."""
+
+    def __init__(self, source: DocumentSource, sample_ids: np.ndarray):
+        self.source = source
+        self.sample_ids = sample_ids
+        self.cache: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def __call__(self, seq: int, start: int, end: int) -> np.ndarray:
+        key = (seq, start, end)
+        if key not in self.cache:
+            self.cache[key] = self.source.read(int(self.sample_ids[seq]), start, end)
+        return self.cache[key]
 
 
 class HDPDataLoader:
@@ -199,14 +218,16 @@ class HDPDataLoader:
             raise ValueError(f"the {plan.policy} plan's sequence lengths disagree with the sampled batch's")
         return plan
 
-    def load(self, plan: StepPlan, sample_ids: np.ndarray, *, rank: Optional[int] = None) -> list[PackedMicroBatch]:
-        """Collate the micro-batches of `rank` (default: this loader's) of `plan`, reading only the token
-        ranges of its shards."""
+    def reader(self, sample_ids: np.ndarray) -> Callable[[int, int, int], np.ndarray]:
+        """read_tokens(seq, start, end) for a global batch of these dataset samples (remembers its reads)."""
+        return _StepReader(self.source, sample_ids)
+
+    def load(
+        self, plan: StepPlan, read_tokens: Callable[[int, int, int], np.ndarray], *, rank: Optional[int] = None
+    ) -> list[PackedMicroBatch]:
+        """Collate the micro-batches of `rank` (default: this loader's) of `plan`; only the token ranges of
+        its shards are read."""
         rank = self.rank if rank is None else rank
-
-        def read_tokens(seq: int, start: int, end: int) -> np.ndarray:
-            return self.source.read(int(sample_ids[seq]), start, end)
-
         return [
             collate_microbatch(plan, mb, read_tokens, pad_to_multiple=self.pad_to_multiple, rank=rank)
             for mb in plan.microbatches(rank)
@@ -217,7 +238,8 @@ class HDPDataLoader:
             start = time.perf_counter()
             plan = self.plan(batch)
             planned = time.perf_counter()
-            microbatches = self.load(plan, batch.sample_ids)
+            reader = self.reader(batch.sample_ids)
+            microbatches = self.load(plan, reader)
             yield HDPStep(
                 plan=plan,
                 microbatches=microbatches,
@@ -226,6 +248,7 @@ class HDPDataLoader:
                 consumed_samples=batch.next_consumed_samples,
                 plan_seconds=planned - start,
                 load_seconds=time.perf_counter() - planned,
+                read_tokens=reader,
             )
 
     # --- consumer side -------------------------------------------------------------------------
