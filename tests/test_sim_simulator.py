@@ -117,3 +117,16 @@ def test_megatron_hybrid_cp_barrier():
 def test_allreduce_formula():
     assert allreduce_time(grad_bytes=8e9, num_ranks=8, bandwidth=1e9) == pytest.approx(2 * 7 / 8 * 8)
     assert allreduce_time(grad_bytes=8e9, num_ranks=1, bandwidth=1e9) == 0.0
+
+
+def test_documents_on_one_ring_share_its_exchange():
+    """Two 4000-token documents on the same 2-rank ring in one micro-batch (static CP packing): one
+    exchange of their 4000 summed tokens per ring step, with a 1 ms message latency paid once, hidden
+    under their summed attention only as far as it goes."""
+    lagging = CostModel(**{**COST.to_dict(), "ring_latency": 1e-3})
+    plan = plan_from_rings([4000, 4000], [(0, 1), (0, 1)], [0, 0], num_ranks=2, capacity=4000)
+    timeline = simulate_step(plan, lagging)
+    attention = 2 * A1 * 4000 * 2000
+    traffic = 3 * (1 * 4000 * KV / BW + 1e-3)  # 3 (k-1) steps of the summed tokens, one latency each
+    assert timeline.step_time == pytest.approx(LAYERS * (G + B1 * 4000 + max(attention, traffic)))
+    assert timeline.comm[0] == pytest.approx(LAYERS * max(0.0, traffic - attention))

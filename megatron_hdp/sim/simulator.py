@@ -2,9 +2,13 @@
 
 What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding num_layers / pp layers):
 
-- A micro-batch's time on one stage is `CostModel.microbatch_time` of its shards: linear work + attention
-  per shard, with the shard's ring traffic hidden under its attention and only the excess exposed; one
-  pass per micro-batch (Megatron's hybrid CP runs one pass per sub-sample, see `POLICY_RULES`).
+- A micro-batch's time on one stage follows the cost model: g per layer, linear work + attention per
+  shard, ring traffic hidden under attention and only the excess exposed. Shards of one micro-batch on
+  the *same* ring (static CP packs many documents on one CP ring) share one ring exchange per step, as a
+  THD ring-attention call over all of them does: traffic and message latency are those of their summed
+  tokens, overlapped with their summed attention. This is `CostModel.microbatch_time` when every shard
+  has its own ring. One pass per micro-batch (Megatron's hybrid CP runs one pass per sub-sample, see
+  `POLICY_RULES`).
 - Offload: a shard of a sequence with offload ratio r copies r * Act(t) per layer to the host and back.
   Following the cost model's overlap rule (ByteScale Eq. 3: r * Act / B_d2h <= the layer's compute), a
   layer's copy in each direction overlaps that layer's compute; what exceeds it is exposed.
@@ -141,12 +145,16 @@ def _microbatch_costs(
     compute = comm = offload = 0.0
     for pass_shards in passes:
         layer_compute, layer_comm, layer_copy = cost.g, 0.0, 0.0
+        attention: dict[tuple[int, ...], list[float]] = {}  # ring -> [attention seconds, tokens]
         for seq, tokens in pass_shards:
-            k = len(seq.ring)
-            attention = cost.layer_compute_time(seq_len=seq.length, num_tokens=tokens) - cost.b1 * tokens
+            linear = cost.b1 * tokens
             layer_compute += cost.layer_compute_time(seq_len=seq.length, num_tokens=tokens)
-            layer_comm += max(0.0, cost.layer_ring_comm_time(num_tokens=tokens, ring_size=k) - attention)
+            group = attention.setdefault(seq.ring, [0.0, 0])
+            group[0] += cost.layer_compute_time(seq_len=seq.length, num_tokens=tokens) - linear
+            group[1] += tokens
             layer_copy += seq.offload_ratio * cost.activation_bytes(tokens)
+        for ring, (seconds, tokens) in attention.items():
+            layer_comm += max(0.0, cost.layer_ring_comm_time(num_tokens=tokens, ring_size=len(ring)) - seconds)
         layer_time = layer_compute + layer_comm
         copy = max(layer_copy / cost.d2h_bandwidth, layer_copy / cost.h2d_bandwidth)
         compute += layer_compute * layers
