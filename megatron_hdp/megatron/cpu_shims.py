@@ -60,6 +60,26 @@ class CudaDeviceToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _NullEvent:
+    """Patch 2a: what `torch.cuda.Event()` and a null stream's `record_event()` return (MoE's token
+    dispatcher synchronizes on one)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _NullStream:
     """Patch 2b: what `torch.cuda.Stream()` / `current_stream()` return: a stream that does nothing."""
 
@@ -75,8 +95,8 @@ class _NullStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> None:
-        return None
+    def record_event(self, event: Any = None) -> _NullEvent:
+        return event if event is not None else _NullEvent()
 
     def __enter__(self) -> "_NullStream":
         return self
@@ -96,6 +116,7 @@ def _patch_torch_cuda() -> None:
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.empty_cache = lambda: None
     torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullEvent
     torch.cuda.current_stream = lambda device=None: _NullStream()
     torch.cuda.default_stream = lambda device=None: _NullStream()
     torch.cuda.stream = lambda stream=None: _NullStream()
@@ -116,10 +137,11 @@ def _patch_rng_tracker() -> None:
     if getattr(original, "_hdp_cpu_shim", False):
         return
 
-    def model_parallel_cuda_manual_seed(seed: int, *args: Any, **kwargs: Any) -> None:
-        kwargs["inference_rng_tracker"] = True
-        kwargs.pop("te_rng_tracker", None)
-        return original(seed, *args, **kwargs)
+    def model_parallel_cuda_manual_seed(
+        seed: int, te_rng_tracker: bool = False, inference_rng_tracker: bool = False, *args: Any, **kwargs: Any
+    ) -> None:
+        # megatron.training passes both flags positionally; the CPU always gets (False, True)
+        return original(seed, False, True, *args, **kwargs)
 
     model_parallel_cuda_manual_seed._hdp_cpu_shim = True  # type: ignore[attr-defined]
     mp_random.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed
@@ -154,3 +176,32 @@ def apply_cpu_shims() -> bool:
     _APPLIED.append(mode)
     logger.debug("Megatron CPU shims applied")
     return True
+
+
+def apply_training_cpu_shims() -> None:
+    """The extra patches `megatron.training.pretrain` needs on a CPU-only PyTorch (after `apply_cpu_shims`).
+
+    Only for the Megatron-LM integration (`megatron_hdp.megatron.install`), only without CUDA:
+
+    - `initialize_megatron` asserts "Megatron requires CUDA" unless called with `allow_no_cuda=True`;
+      `pretrain` calls it without, so its name in `megatron.training.training` gets that default.
+    - `_initialize_distributed` initializes Megatron's parallel_state only `if torch.cuda.device_count()
+      > 0`: the CPU counts as one device (`set_device` is a no-op; the process group must already be
+      initialized with gloo, as `run_gloo` and `examples/pretrain_gpt_hdp.py` do).
+    - the rerun state machine saves and restores `torch.cuda`'s RNG state around every step: on the CPU
+      there is none, so it saves an empty state and restores nothing.
+    """
+    if torch.cuda.is_available():
+        return
+    import functools
+
+    from megatron.training import training
+
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
+    torch.cuda.set_rng_state = lambda state, device="cuda": None
+    if not getattr(training.initialize_megatron, "_hdp_cpu_shim", False):
+        initialize = functools.partial(training.initialize_megatron, allow_no_cuda=True)
+        initialize._hdp_cpu_shim = True  # type: ignore[attr-defined]
+        training.initialize_megatron = initialize

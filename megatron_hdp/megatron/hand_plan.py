@@ -46,3 +46,21 @@ def plan_from_rings(
         sequences=tuple(SequencePlacement(i, int(n), tuple(r)) for i, (n, r) in enumerate(zip(lengths, rings))),
         ranks=tuple(ranks),
     ).validate()
+
+
+def random_plan(
+    lengths: Sequence[int], *, num_ranks: int, seed: int, max_slots: int = 3, pp_size: int = 1
+) -> StepPlan:
+    """A random valid plan: each sequence gets a random ring (size 1..num_ranks, random members in
+    random order) and a random micro-batch slot — whole, split and overlapping rings, uneven counts."""
+    import random
+
+    rng = random.Random(seed)
+    rings, slots = [], []
+    for _ in lengths:
+        size = rng.randint(1, num_ranks)
+        rings.append(tuple(rng.sample(range(num_ranks), size)))
+        slots.append(rng.randrange(max_slots))
+    return plan_from_rings(
+        lengths, rings, slots, num_ranks=num_ranks, capacity=sum(lengths), pp_size=pp_size, policy="random"
+    )

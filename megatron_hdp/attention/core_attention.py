@@ -1,0 +1,90 @@
+"""The core attention of an HDP micro-batch: whole documents to the local kernel, split ones to their ring.
+
+A micro-batch packed by `megatron_hdp.data.collate.collate_microbatch` is a run of attention groups:
+first the whole documents (one local kernel call), then the ring groups in ascending order of their
+smallest sequence id, then padding (a document of its own). This module walks the groups in that order
+— the one global order every rank follows, which keeps ring point-to-point traffic free of deadlock —
+and concatenates the outputs in packed order.
+
+It is torch-only: Megatron's `core_attention` leaf (`megatron_hdp.megatron.layer_spec.HDPCoreAttention`)
+applies RoPE and calls `hdp_core_attention`; the per-micro-batch metadata rides in `HDPBatchMeta`, which
+the Megatron side carries inside its `PackedSeqParams`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from megatron_hdp.attention import local_varlen_attention, ring_attention
+from megatron_hdp.data.collate import AttentionGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HDPBatchMeta:
+    """What the core attention needs to know about one packed micro-batch, beyond q, k, v."""
+
+    groups: tuple[AttentionGroup, ...]
+    """Attention groups in packed order (rings name HDP ranks)."""
+    hdp_global_ranks: tuple[int, ...]
+    """Global rank (default process group) of each HDP rank at this rank's TP/PP coordinate."""
+    position_ids: torch.Tensor
+    """[T] position of every packed token inside its document (RoPE)."""
+    backend: str = "auto"
+    """Local kernel of `megatron_hdp.attention.backends` ("auto": the best available)."""
+
+    def global_ring(self, group: AttentionGroup) -> list[int]:
+        """The group's ring as global ranks, in ring order."""
+        return [self.hdp_global_ranks[r] for r in group.ring]
+
+
+def check_group_order(groups: Sequence[AttentionGroup], *, num_tokens: int) -> None:
+    """Assert the packing contract: groups tile [0, num_tokens) and rings come in the global order."""
+    assert groups and groups[0].tokens[0] == 0 and groups[-1].tokens[1] == num_tokens, (
+        f"attention groups {[g.tokens for g in groups]} do not tile {num_tokens} tokens"
+    )
+    assert all(a.tokens[1] == b.tokens[0] for a, b in zip(groups, groups[1:]))
+    firsts = [g.seq_ids[0] for g in groups if g.is_ring]
+    assert firsts == sorted(firsts), f"ring groups out of the global order: first sequence ids {firsts}"
+
+
+def hdp_core_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    meta: HDPBatchMeta,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of a packed HDP micro-batch: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
+
+    Whole documents attend locally; each ring group calls `ring_attention` with its ring's global ranks,
+    in the packed (= global) order. Differentiable in q, k, v.
+    """
+    check_group_order(meta.groups, num_tokens=q.shape[0])
+    outputs = []
+    for group in meta.groups:
+        lo, hi = group.tokens
+        if group.is_ring:
+            out = ring_attention(
+                q[lo:hi],
+                k[lo:hi],
+                v[lo:hi],
+                seqlens=group.seqlens,
+                ring=meta.global_ring(group),
+                causal=True,
+                softmax_scale=softmax_scale,
+                backend=meta.backend,
+            )
+        else:
+            out = local_varlen_attention(
+                q[lo:hi], k[lo:hi], v[lo:hi], seqlens=group.seqlens, causal=True,
+                softmax_scale=softmax_scale, backend=meta.backend,
+            )
+        outputs.append(out)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -1,0 +1,160 @@
+"""Exactness harness: HDP on several ranks against ordinary training of the same batch in one process.
+
+The reference is independent of HDP's own code: Megatron's stock local layer spec (its own attention
+and its own RoPE), each document as its own batch [1, L], the loss = sum of token losses / total tokens
+of the global batch, Megatron's schedule and optimizer on one rank. The HDP run loads the reference's
+initial weights — each parameter sliced the way its TP rank / PP stage / EP rank holds it — trains the
+same global batches, and reports its loss and gradients with the metadata to compare them shard by
+shard (`expected_shard`). Used by tests/test_megatron_exactness.py and the demo's self-check.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+VOCAB_SIZE = 128
+
+
+def document_tokens(seed: int, seq: int, length: int) -> np.ndarray:
+    """The L + 1 raw tokens of synthetic document `seq` of a batch drawn with `seed`."""
+    return np.random.default_rng([seed, seq]).integers(0, VOCAB_SIZE, size=length + 1, dtype=np.int64)
+
+
+def token_reader(seed: int, lengths: Sequence[int]):
+    """`read_tokens(seq, start, end)` over the synthetic documents of one batch."""
+    docs = [document_tokens(seed, i, n) for i, n in enumerate(lengths)]
+    return lambda seq, start, end: docs[seq][start:end]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """How a local parameter sits in the full (reference) parameter of the same global name."""
+
+    name: str
+    tp_rank: int
+    tp_size: int
+    partition_dim: int
+    """-1: replicated across TP."""
+    gated: bool
+    """A SwiGLU fc1 weight: each TP rank holds [gate_r; up_r], not a contiguous slice."""
+
+
+def global_name(name: str, *, layer_offset: int, expert_offset: int) -> str:
+    """The reference (PP=1, EP=1) name of a local parameter: global layer and expert indices."""
+    name = name.removeprefix("module.")
+    name = re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+    return re.sub(
+        r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m.group(1)) + expert_offset}.", name
+    )
+
+
+def shard_infos(model: torch.nn.Module) -> dict[str, ShardInfo]:
+    """ShardInfo of every parameter of this rank's model chunk (a GPTModel, maybe inside DDP), by local name."""
+    from megatron.core import parallel_state as ps
+
+    inner = getattr(model, "module", model)
+    layers = inner.decoder.layers
+    layer_offset = layers[0].layer_number - 1 if len(layers) else 0
+    num_experts = inner.config.num_moe_experts or 0
+    ep_size = ps.get_expert_model_parallel_world_size()
+    expert_offset = ps.get_expert_model_parallel_rank() * (num_experts // ep_size) if num_experts else 0
+    infos = {}
+    for name, param in inner.named_parameters():
+        tp = bool(getattr(param, "tensor_model_parallel", False))
+        is_expert = not getattr(param, "allreduce", True)
+        tp_size = ps.get_expert_tensor_parallel_world_size() if is_expert else ps.get_tensor_model_parallel_world_size()
+        tp_rank = ps.get_expert_tensor_parallel_rank() if is_expert else ps.get_tensor_model_parallel_rank()
+        infos[name] = ShardInfo(
+            name=global_name(name, layer_offset=layer_offset, expert_offset=expert_offset),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            partition_dim=param.partition_dim if tp and tp_size > 1 else -1,
+            gated=name.endswith("linear_fc1.weight") and inner.config.gated_linear_unit,
+        )
+    return infos
+
+
+def expected_shard(full: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+    """The slice of reference tensor `full` (a weight or its gradient) that `info`'s rank holds."""
+    if info.partition_dim < 0:
+        return full
+    if info.gated:
+        gate, up = torch.chunk(full, 2, dim=info.partition_dim)
+        return torch.cat(
+            [torch.chunk(x, info.tp_size, dim=info.partition_dim)[info.tp_rank] for x in (gate, up)],
+            dim=info.partition_dim,
+        )
+    return torch.chunk(full, info.tp_size, dim=info.partition_dim)[info.tp_rank]
+
+
+def load_full_weights(model: torch.nn.Module, full: dict[str, np.ndarray]) -> None:
+    """Copy each local parameter's shard of the reference weights `full` into this rank's model."""
+    inner = getattr(model, "module", model)
+    params = dict(inner.named_parameters())
+    with torch.no_grad():
+        for name, info in shard_infos(model).items():
+            params[name].copy_(expected_shard(torch.as_tensor(full[info.name]), info))
+
+
+def local_grads(model: torch.nn.Module) -> dict[str, tuple[ShardInfo, np.ndarray]]:
+    """This rank's reduced gradients (Megatron DDP's main_grad), keyed by global name, with their ShardInfo.
+
+    numpy, so that results cross process boundaries by plain pickling (torch tensors would travel through
+    shared memory that dies with the child)."""
+    inner = getattr(model, "module", model)
+    params = dict(inner.named_parameters())
+    return {
+        info.name: (info, params[name].main_grad.detach().numpy().copy()) for name, info in shard_infos(model).items()
+    }
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The reference model's parameters by name (numpy): what `load_full_weights` slices from."""
+    inner = getattr(model, "module", model)
+    return {name: p.detach().numpy().copy() for name, p in inner.named_parameters()}
+
+
+def reference_forward_step(data_iterator, model):
+    """Megatron forward_step of the reference: one whole document [1, L] with Megatron's own attention."""
+    from functools import partial
+
+    from megatron_hdp.megatron.forward_step import token_loss
+
+    raw = torch.from_numpy(next(data_iterator))
+    tokens, labels = raw[:-1][None], raw[1:][None]
+    positions = torch.arange(tokens.shape[1])[None]
+    output = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=labels)
+    return output, partial(token_loss, torch.ones(tokens.shape[1]))
+
+
+def reference_steps(model: torch.nn.Module, optimizer, batches: Sequence[tuple[int, Sequence[int]]]) -> list[dict]:
+    """Train `model` (one rank, Megatron DDP) on each (seed, lengths) batch; per step its loss and grads."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = model.no_sync
+    results = []
+    for seed, lengths in batches:
+        docs = [document_tokens(seed, i, n) for i, n in enumerate(lengths)]
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=reference_forward_step,
+            data_iterator=iter(docs),
+            model=[model],
+            num_microbatches=len(docs),
+            seq_length=max(lengths),
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        total = torch.stack([x["lm loss"].double() for x in losses]).sum(0)
+        grads = {name: g for name, (_, g) in local_grads(model).items()}
+        optimizer.step()
+        results.append({"loss": float(total[0] / total[1]), "grads": grads})
+    return results

@@ -1,0 +1,81 @@
+"""`forward_step` for Megatron's schedules: one packed HDP micro-batch in, a token-level loss out.
+
+The loss follows Megatron's own per-token convention (`calculate_per_token_loss=True`): the loss
+function returns (sum of token losses, number of loss tokens); the schedule adds the counts over this
+rank's micro-batches, `finalize_model_grads` sums them over the data-parallel group — the HDP domain —
+and scales every gradient by 1 / that total. So the gradient is (sum of all token losses of the global
+batch) / (its loss-token count), whatever number of micro-batches each rank ran: exactly the gradient
+of plain data parallelism over the same global batch.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterator
+
+import torch
+
+from megatron_hdp.attention.core_attention import HDPBatchMeta
+from megatron_hdp.data.collate import PackedMicroBatch
+from megatron_hdp.megatron.layer_spec import HDPPackedSeqParams
+
+
+def packed_seq_params(
+    batch: PackedMicroBatch, *, hdp_global_ranks: tuple[int, ...], backend: str = "auto"
+) -> HDPPackedSeqParams:
+    """Megatron THD parameters of `batch` with its HDP metadata (rings as global ranks, positions)."""
+    lengths = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
+    max_seqlen = int(lengths.max().item())
+    return HDPPackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=batch.cu_seqlens,
+        cu_seqlens_kv=batch.cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+        hdp=HDPBatchMeta(
+            groups=batch.groups,
+            hdp_global_ranks=hdp_global_ranks,
+            position_ids=batch.position_ids,
+            backend=backend,
+        ),
+    )
+
+
+def token_loss(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron loss function: (sum of masked token losses, loss-token count, {"lm loss": [sum, count]})."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).to(losses.dtype)
+    assert losses.shape == mask.shape, f"{losses.shape} token losses for a mask of {mask.shape}"
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.detach().float()])}
+
+
+def make_forward_step(*, hdp_global_ranks: tuple[int, ...], backend: str = "auto", offload_ratios=None):
+    """A Megatron `forward_step_func(data_iterator, model)` reading `PackedMicroBatch`es.
+
+    `offload_ratios`, when given, is a pair (offloader, iterator of ratios): each micro-batch's forward
+    runs inside `offloader.microbatch(ratio=next(ratios))`.
+    """
+
+    def forward_step(data_iterator: Iterator[PackedMicroBatch], model: torch.nn.Module):
+        batch = next(data_iterator)
+        params = packed_seq_params(batch, hdp_global_ranks=hdp_global_ranks, backend=backend)
+        inputs = dict(
+            input_ids=batch.tokens[None],
+            position_ids=batch.position_ids[None],
+            attention_mask=None,
+            labels=batch.labels[None],
+            packed_seq_params=params,
+        )
+        if offload_ratios is None:
+            output = model(**inputs)
+        else:
+            offloader, ratios = offload_ratios
+            with offloader.microbatch(ratio=next(ratios)):
+                output = model(**inputs)
+        return output, partial(token_loss, batch.loss_mask)
+
+    return forward_step

@@ -1,0 +1,131 @@
+"""Start HDP inside Megatron-Core: parallel_state with the data-parallel group as the HDP domain.
+
+Megatron is initialized with `context_parallel_size=1`, so its data-parallel group at each (PP stage,
+TP rank) coordinate *is* the HDP domain: the D ranks a step plan distributes sequences over. Megatron's
+DDP then reduces gradients over exactly that domain, and a ring for a sequence at stage s / TP rank t
+connects the HDP ranks at that same (s, t) — by point-to-point messages in the default communicator,
+addressed by the global ranks in `HDPState.hdp_global_ranks`.
+
+Order of the steps (each depends on the one before): CPU shims (no CUDA) -> parallel_state -> seeds.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import random as mp_random
+
+from megatron_hdp.megatron.cpu_shims import apply_cpu_shims
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HDPState:
+    """This rank's place in the HDP domain and the mesh around it."""
+
+    hdp_rank: int
+    """This rank's index in the HDP domain (= Megatron's data-parallel rank); the plan's rank id."""
+    hdp_global_ranks: tuple[int, ...]
+    """Global rank of HDP rank i at this rank's (PP stage, TP rank): ring members are addressed by them."""
+    tp_size: int
+    pp_size: int
+    pp_rank: int
+    ep_size: int
+    ep_hdp_ranks: tuple[int, ...]
+    """HDP ranks of this rank's expert-parallel group (they exchange tokens in every MoE layer)."""
+
+    @property
+    def hdp_size(self) -> int:
+        """D: ranks in the HDP domain."""
+        return len(self.hdp_global_ranks)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def hdp_state() -> HDPState:
+    """The HDP view of the parallel_state Megatron was initialized with (context parallelism must be 1)."""
+    if not ps.model_parallel_is_initialized():
+        raise ValueError("Megatron's parallel_state is not initialized: call initialize_hdp() first")
+    if ps.get_context_parallel_world_size() != 1:
+        raise ValueError(
+            f"context_parallel_size={ps.get_context_parallel_world_size()}: HDP replaces context "
+            "parallelism (the data-parallel group is the HDP domain); initialize with context_parallel_size=1"
+        )
+    dp_ranks = tuple(dist.get_process_group_ranks(ps.get_data_parallel_group()))
+    ep_global = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
+    missing = [r for r in ep_global if r not in dp_ranks]
+    if missing:
+        raise ValueError(
+            f"expert-parallel group {ep_global} reaches outside the HDP domain {list(dp_ranks)} "
+            "(expert parallelism must run across HDP ranks of one (PP stage, TP rank))"
+        )
+    return HDPState(
+        hdp_rank=ps.get_data_parallel_rank(),
+        hdp_global_ranks=dp_ranks,
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_size=len(ep_global),
+        ep_hdp_ranks=tuple(dp_ranks.index(r) for r in ep_global),
+    )
+
+
+def initialize_hdp(
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    seed: int = 1234,
+) -> HDPState:
+    """Initialize Megatron's parallel_state for HDP on the already-initialized default process group.
+
+    TP, PP and EP are as asked; context parallelism is 1 and the data-parallel size D = world /
+    (TP x PP) is the HDP domain. ValueError (before any collective) when the sizes do not divide.
+    """
+    if not dist.is_initialized():
+        raise ValueError("torch.distributed is not initialized: init_process_group() before initialize_hdp()")
+    world = dist.get_world_size()
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    if min(tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size) < 1:
+        raise ValueError(
+            f"parallel sizes must be >= 1, got TP={tensor_model_parallel_size}, "
+            f"PP={pipeline_model_parallel_size}, EP={expert_model_parallel_size}"
+        )
+    if world % model_parallel:
+        raise ValueError(
+            f"world size {world} is not divisible by TP x PP = {tensor_model_parallel_size} x "
+            f"{pipeline_model_parallel_size}"
+        )
+    hdp_size = world // model_parallel
+    if hdp_size % expert_model_parallel_size:
+        raise ValueError(
+            f"the HDP domain of {hdp_size} ranks (world {world} / TP x PP {model_parallel}) is not divisible "
+            f"by EP={expert_model_parallel_size}"
+        )
+    cpu = apply_cpu_shims()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=1,
+        expert_model_parallel_size=expert_model_parallel_size,
+    )
+    mp_random.model_parallel_cuda_manual_seed(seed)  # looked up now: the CPU shim may have replaced it
+    torch.manual_seed(seed)
+    state = hdp_state()
+    logger.info(
+        "HDP domain of %d ranks (TP=%d, PP=%d, EP=%d%s); this rank is HDP rank %d",
+        state.hdp_size, state.tp_size, state.pp_size, state.ep_size, ", CPU" if cpu else "", state.hdp_rank,
+    )
+    return state
+
+
+def destroy_hdp() -> None:
+    """Tear down Megatron's parallel_state (tests and demos that initialize more than once)."""
+    ps.destroy_model_parallel()

@@ -1,0 +1,169 @@
+"""HDP as one leaf of Megatron's layer spec: the `core_attention` that routes documents to local or ring.
+
+`get_gpt_layer_with_hdp_spec()` is Megatron's own local (or Transformer Engine) GPT layer spec with the
+`core_attention` leaf swapped for `HDPCoreAttention`; everything else in the layer (QKV, projection,
+norms, MLP or MoE) is Megatron's. The micro-batch metadata reaches the leaf inside `HDPPackedSeqParams`
+(Megatron passes `packed_seq_params` unchanged to every layer of every pipeline stage).
+
+RoPE. Megatron applies RoPE before `core_attention`, with positions restarting at each `cu_seqlens`
+boundary — wrong for a zigzag shard, whose tokens sit at positions [a, b) and [c, d) of their document.
+So `HDPCoreAttention` applies RoPE itself, per token, from the positions the collation computed, with
+the model's own `RotaryEmbedding` and Megatron's own `apply_rotary_pos_emb`; `prepare_model_for_hdp`
+hands each leaf that rotary module and switches the GPTModel's own RoPE off (one attribute). The
+exactness tests compare against a stock GPTModel with Megatron's standard RoPE.
+
+Transformer Engine: with `backend="transformer_engine"` the layer is Megatron's TE spec (fused
+QKV+norm linears) and the local kernel is the one `megatron_hdp.attention` picks at run time ("auto";
+TE's fused attention when installed). That path cannot run on this CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_hdp.attention.core_attention import HDPBatchMeta, hdp_core_attention
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("local", "transformer_engine")
+
+
+@dataclass
+class HDPPackedSeqParams(PackedSeqParams):
+    """Megatron's THD parameters plus the HDP metadata of the micro-batch (rings, positions)."""
+
+    hdp: Optional[HDPBatchMeta] = None
+
+
+class HDPCoreAttention(MegatronModule):
+    """Drop-in `core_attention`: per-token RoPE, then `hdp_core_attention` (local kernel or ring).
+
+    Constructed by Megatron's `SelfAttention` with the `CoreAttentionBuilder` keywords; called with THD
+    query [T, Hq, D] and key/value [T, Hkv, D] (TP-local heads) and an `HDPPackedSeqParams`.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        cp_comm_type: Optional[str] = None,
+        softmax_scale: Optional[float] = None,
+        pg_collection: Any = None,
+        **unused: Any,
+    ) -> None:
+        super().__init__(config=config)
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"HDP core attention is causal only, got attn_mask_type={attn_mask_type}")
+        if attention_type != "self":
+            raise ValueError(f"HDP core attention supports self attention only, got {attention_type!r}")
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
+        self._rotary: tuple = ()  # the model's RotaryEmbedding, set by prepare_model_for_hdp (not a submodule)
+
+    def set_rotary(self, rotary: Optional[torch.nn.Module]) -> None:
+        """Use `rotary` (a Megatron RotaryEmbedding) for per-token RoPE; None: no RoPE."""
+        self._rotary = (rotary,) if rotary is not None else ()
+
+    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        (rotary,) = self._rotary
+        table = rotary(int(position_ids.max().item()) + 1)  # [S, 1, 1, dim], Megatron's own frequencies
+        freqs = table[position_ids.to(table.device)]  # [T, 1, 1, dim]: each token at its document position
+        return apply_rotary_pos_emb(x.unsqueeze(1), freqs, config=self.config).squeeze(1)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+        **unused: Any,
+    ) -> torch.Tensor:
+        meta = getattr(packed_seq_params, "hdp", None)
+        if meta is None:
+            raise ValueError(
+                "HDPCoreAttention needs HDPPackedSeqParams with HDP metadata (build batches with "
+                "megatron_hdp.megatron.forward_step), got packed_seq_params="
+                f"{type(packed_seq_params).__name__}"
+            )
+        if attention_bias is not None:
+            raise ValueError("HDP core attention does not support an attention bias")
+        if self._rotary:
+            query = self._rope(query, meta.position_ids)
+            key = self._rope(key, meta.position_ids)
+        return hdp_core_attention(query, key, value, meta=meta, softmax_scale=self.softmax_scale)
+
+
+def get_gpt_layer_with_hdp_spec(*, backend: str = "local", **spec_kwargs: Any) -> ModuleSpec:
+    """Megatron's GPT layer spec (`local` or `transformer_engine`) with `HDPCoreAttention` as its
+    `core_attention`. `spec_kwargs` go to Megatron's spec function (num_experts, moe_grouped_gemm,
+    qk_layernorm, normalization, ...)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
+    if spec_kwargs.get("multi_latent_attention"):
+        raise ValueError("HDP does not support multi-latent attention (its core attention has another signature)")
+    if backend == "local":
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(**spec_kwargs)
+    else:
+        if not getattr(gpt_layer_specs, "HAVE_TE", False):
+            raise ValueError("backend='transformer_engine' needs Transformer Engine installed; use backend='local'")
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
+    spec = copy.deepcopy(spec)
+    attention = spec.submodules.self_attention
+    attention.submodules = dataclasses.replace(attention.submodules, core_attention=HDPCoreAttention)
+    return spec
+
+
+def hdp_core_attention_modules(model: torch.nn.Module) -> list[HDPCoreAttention]:
+    """Every `HDPCoreAttention` in `model`."""
+    return [m for m in model.modules() if isinstance(m, HDPCoreAttention)]
+
+
+def prepare_model_for_hdp(model: torch.nn.Module) -> torch.nn.Module:
+    """Move RoPE of a GPTModel built with the HDP spec into its HDP core attention (per-token positions).
+
+    Call once after building each model chunk (before wrapping it in DDP). ValueError when the model has
+    no HDP core attention or uses a position embedding HDP cannot shard (yarn, mrope, partial no-rope).
+    """
+    if getattr(model, "_hdp_prepared", False):
+        return model
+    cores = hdp_core_attention_modules(model)
+    if not cores:
+        raise ValueError("the model has no HDPCoreAttention: build it with get_gpt_layer_with_hdp_spec()")
+    kind = getattr(model, "position_embedding_type", "none")
+    if kind not in ("rope", "none", "learned_absolute"):
+        raise ValueError(f"HDP supports RoPE, learned or no position embedding, got {kind!r}")
+    if getattr(model.config, "no_rope_freq", None):
+        raise ValueError("HDP does not support no_rope_freq (RoPE skipped on some layers)")
+    if getattr(model.config, "multi_latent_attention", False):
+        raise ValueError("HDP does not support multi-latent attention")
+    if getattr(model.config, "context_parallel_size", 1) != 1:
+        raise ValueError(
+            f"context_parallel_size={model.config.context_parallel_size}: HDP replaces context parallelism; "
+            "set it to 1 (the HDP domain is Megatron's data-parallel group)"
+        )
+    rotary = getattr(model, "rotary_pos_emb", None) if kind == "rope" else None
+    for core in cores:
+        core.set_rotary(rotary)
+    if kind == "rope":
+        model.position_embedding_type = "none"  # GPTModel's own THD RoPE would restart positions per segment
+    model._hdp_prepared = True
+    return model

@@ -1,0 +1,105 @@
+"""Build a Megatron-Core GPTModel for HDP (or the plain reference), wrap it in DDP, make its optimizer.
+
+The tiny Llama-style shape (RoPE, GQA, SwiGLU, RMSNorm, no biases, untied embeddings) serves the CPU
+demo, the benchmark and the exactness tests; a real run builds its model the same way with its own
+TransformerConfig. fp32 throughout (exactness on CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_hdp.megatron.layer_spec import get_gpt_layer_with_hdp_spec, prepare_model_for_hdp
+
+
+def tiny_llama_config(
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
+    num_query_groups: int = 2,
+    ffn_hidden_size: int = 128,
+    num_moe_experts: Optional[int] = None,
+    moe_router_topk: int = 2,
+    sequence_parallel: bool = False,
+) -> TransformerConfig:
+    """A tiny fp32 Llama-style TransformerConfig sized by parallel_state (TP, PP, EP as initialized)."""
+    moe: dict[str, Any] = {}
+    if num_moe_experts:
+        moe = dict(
+            num_moe_experts=num_moe_experts,
+            moe_router_topk=moe_router_topk,
+            moe_aux_loss_coeff=0.0,  # the load-balancing loss depends on micro-batch composition
+            moe_router_load_balancing_type="none",
+            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        )
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups,
+        ffn_hidden_size=ffn_hidden_size,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        bf16=False,
+        calculate_per_token_loss=True,
+        variable_seq_lengths=True,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        sequence_parallel=sequence_parallel,
+        moe_token_dispatcher_type="alltoall",  # Megatron's allgather dispatcher rejects variable_seq_lengths
+        **moe,
+    )
+
+
+def build_gpt(
+    config: TransformerConfig, *, vocab_size: int, max_sequence_length: int, hdp: bool = True
+) -> GPTModel:
+    """GPTModel for this rank's pipeline stage: with the HDP core attention (`hdp=True`) or Megatron's
+    stock local spec (the reference). RoPE either way; untied embedding and output weights."""
+    spec_kwargs = dict(num_experts=config.num_moe_experts, normalization=config.normalization)
+    spec = get_gpt_layer_with_hdp_spec(**spec_kwargs) if hdp else get_gpt_layer_local_spec(**spec_kwargs)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+    return prepare_model_for_hdp(model) if hdp else model
+
+
+def wrap_for_training(
+    model: GPTModel, *, lr: float = 1e-3, weight_decay: float = 0.0, clip_grad: float = 1.0
+) -> tuple[DistributedDataParallel, Any]:
+    """Megatron DDP (gradients reduced once per step over the data-parallel group = HDP domain, summed:
+    the per-token loss scales them) and Megatron's Adam optimizer."""
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+        model,
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=False),
+        [ddp],
+    )
+    return ddp, optimizer

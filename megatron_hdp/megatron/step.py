@@ -1,0 +1,228 @@
+"""The HDP training step: this rank's own micro-batches through Megatron's schedule, then DDP and optimizer.
+
+One step, on every rank (the order matters; every check that can fail comes before the first collective
+that could hang):
+1. check the plan: valid, sized for this HDP domain, and identical on every rank (all-gather of its
+   SHA-256 digest — the first collective, and one every rank reaches);
+2. collate this rank's micro-batches from the plan; pad with empty micro-batches where collectives bind
+   ranks together: the ranks of one expert-parallel group run the same count (MoE all-to-all in every
+   layer), and with PP every pipeline runs the domain's largest count, so that the 1F1B order of every
+   pipeline reaches a ring's micro-batch at the same place (ring members share a micro-batch index);
+3. Megatron's `get_forward_backward_func()` (no pipelining, or 1F1B with `variable_seq_lengths`) runs
+   them; `finalize_model_grads` all-reduces the gradients over the data-parallel group (= HDP domain)
+   and divides them by the global loss-token count (`calculate_per_token_loss`);
+4. the optimizer steps; the statistics of the step are gathered (loss, times, balance, ring bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_hdp.comm.traffic import count_traffic
+from megatron_hdp.data.collate import MaskReader, PackedMicroBatch, TokenReader, collate_microbatch, empty_microbatch
+from megatron_hdp.megatron.forward_step import make_forward_step
+from megatron_hdp.megatron.initialize import HDPState
+from megatron_hdp.plan.step_plan import StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """What one HDP step did, identical on every rank."""
+
+    loss: float
+    """Token-level loss of the global batch (sum of token losses / loss tokens)."""
+    num_loss_tokens: int
+    step_time: float
+    """Wall seconds of the step (slowest rank), plan check to optimizer step."""
+    compute_times: list[float]
+    """Seconds each global rank spent in its micro-batches before the gradient reduction."""
+    balance: float
+    """max / mean of `compute_times` (1.0: every rank reached the all-reduce together)."""
+    num_microbatches: list[int]
+    """Micro-batches each global rank ran (padding included)."""
+    num_rings: int
+    attention_bytes: int
+    """Ring-attention bytes sent by all ranks in the step (measured)."""
+    predicted_step_time: float
+    """The plan's predicted step time (cost model), for comparison with `step_time`."""
+    grad_norm: float
+    offload: Any = None
+    """Offload statistics of this rank (`OffloadStats`) when an offloader is attached."""
+    extra: dict = field(default_factory=dict)
+
+
+def check_model_config(config: TransformerConfig, *, state: HDPState) -> None:
+    """ValueError for Megatron settings HDP cannot train with (checked on every rank, before any collective)."""
+    if not config.calculate_per_token_loss:
+        raise ValueError(
+            "HDP needs calculate_per_token_loss=True: ranks run different numbers of micro-batches, so "
+            "only a token-level loss is exact"
+        )
+    if config.context_parallel_size != 1:
+        raise ValueError(f"context_parallel_size={config.context_parallel_size}: HDP replaces it; set it to 1")
+    if state.pp_size > 1 and not config.variable_seq_lengths:
+        raise ValueError("HDP with pipeline parallelism needs variable_seq_lengths=True (micro-batch sizes vary)")
+    if config.sequence_parallel and state.tp_size == 1:
+        raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1")
+
+
+def check_plan(plan: StepPlan, *, state: HDPState) -> None:
+    """ValueError on every rank unless `plan` is valid for this domain and the same on every rank."""
+    error = None
+    try:
+        plan.validate()
+        if plan.num_ranks != state.hdp_size:
+            raise ValueError(f"the plan is for {plan.num_ranks} HDP ranks but the HDP domain has {state.hdp_size}")
+        if plan.pp_size != state.pp_size:
+            raise ValueError(f"the plan was made for pp_size={plan.pp_size} but PP is {state.pp_size}")
+        digest = bytes.fromhex(plan.digest())
+    except ValueError as err:
+        error, digest = err, bytes(32)  # still join the collective below, so no peer hangs on it
+    mine = torch.tensor(list(digest), dtype=torch.uint8)
+    digests = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(digests, mine)
+    if error is not None:
+        raise error
+    if any(not torch.equal(d, digests[0]) for d in digests):
+        different = [r for r, d in enumerate(digests) if not torch.equal(d, mine)]
+        bad = [r for r, d in enumerate(digests) if not d.any()]
+        raise ValueError(
+            f"step plans differ across ranks (digest mismatch with global ranks {different}"
+            + (f"; ranks {bad} rejected the plan" if bad else "")
+            + "): every rank must plan the same global batch with the same policy and inputs"
+        )
+
+
+def num_microbatches_to_run(plan: StepPlan, *, state: HDPState) -> int:
+    """Micro-batches this rank runs: its own, raised to its EP group's largest, to the domain's largest
+    with PP, and at least one (every rank takes part in the gradient reduction)."""
+    counts = [len(r.microbatches) for r in plan.ranks]
+    if state.pp_size > 1:
+        return max(1, max(counts))
+    return max(1, max(counts[r] for r in state.ep_hdp_ranks))
+
+
+class HDPTrainer:
+    """Runs HDP steps for one model chunk wrapped in Megatron DDP, with a Megatron optimizer."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: Any,
+        state: HDPState,
+        backend: str = "auto",
+        offloader: Any = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.state = state
+        self.backend = backend
+        self.offloader = offloader
+        self.config: TransformerConfig = model.config
+        check_model_config(self.config, state=state)
+        self.pad_to_multiple = state.tp_size if self.config.sequence_parallel else 1
+        self._finalize_start = 0.0
+        self.config.finalize_model_grads_func = self._finalize
+        self.config.no_sync_func = model.no_sync
+        self.config.grad_sync_func = None
+
+    def _finalize(self, *args: Any, **kwargs: Any) -> None:
+        self._finalize_start = time.perf_counter()
+        finalize_model_grads(*args, **kwargs)
+
+    def collate(
+        self, plan: StepPlan, read_tokens: TokenReader, read_loss_mask: Optional[MaskReader] = None
+    ) -> list[PackedMicroBatch]:
+        """This rank's packed micro-batches, padded to the count `num_microbatches_to_run` asks for."""
+        rank = self.state.hdp_rank
+        batches = [
+            collate_microbatch(
+                plan, mb, read_tokens, pad_to_multiple=self.pad_to_multiple, read_loss_mask=read_loss_mask, rank=rank
+            )
+            for mb in plan.microbatches(rank)
+        ]
+        num_padding = num_microbatches_to_run(plan, state=self.state) - len(batches)
+        batches += [empty_microbatch(rank=rank, num_tokens=self.pad_to_multiple) for _ in range(num_padding)]
+        return batches
+
+    def _offload_ratios(self, plan: StepPlan) -> list[float]:
+        ratios = []
+        for mb in plan.microbatches(self.state.hdp_rank):
+            ratios.append(max((plan.sequences[sh.seq].offload_ratio for sh in mb.shards), default=0.0))
+        return ratios
+
+    def step(
+        self, plan: StepPlan, read_tokens: TokenReader, *, read_loss_mask: Optional[MaskReader] = None
+    ) -> StepStats:
+        """One training step of the global batch `plan` describes (the same plan on every rank)."""
+        start = time.perf_counter()
+        check_plan(plan, state=self.state)
+        batches = self.collate(plan, read_tokens, read_loss_mask)
+        offload = None
+        if self.offloader is not None:
+            ratios = self._offload_ratios(plan)
+            offload = (self.offloader, iter(ratios + [0.0] * (len(batches) - len(ratios))))
+        forward_step = make_forward_step(
+            hdp_global_ranks=self.state.hdp_global_ranks, backend=self.backend, offload_ratios=offload
+        )
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        with count_traffic() as traffic:
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=[self.model],
+                num_microbatches=len(batches),
+                seq_length=max(b.num_tokens for b in batches),
+                micro_batch_size=1,
+                forward_only=False,
+            )
+        compute_time = self._finalize_start - start
+        ok, grad_norm, _ = self.optimizer.step()
+        assert ok, "the fp32 optimizer step cannot be skipped"
+        step_time = time.perf_counter() - start
+        return self._gather_stats(plan, batches, losses, compute_time, step_time, traffic.bytes_sent, grad_norm)
+
+    def _gather_stats(self, plan, batches, losses, compute_time, step_time, bytes_sent, grad_norm) -> StepStats:
+        world = dist.get_world_size()
+        counts_loss = torch.zeros(2, dtype=torch.float64)
+        if losses and self.state.is_last_stage and self._is_tp_rank0():
+            counts_loss += torch.stack([x["lm loss"].double() for x in losses]).sum(0)
+        dist.all_reduce(counts_loss)
+        mine = torch.tensor([compute_time, step_time, float(len(batches)), float(bytes_sent)], dtype=torch.float64)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        table = torch.stack(gathered)
+        times = table[:, 0].tolist()
+        summary = plan.summary()
+        return StepStats(
+            loss=float(counts_loss[0] / counts_loss[1]) if counts_loss[1] > 0 else float("nan"),
+            num_loss_tokens=int(counts_loss[1]),
+            step_time=float(table[:, 1].max()),
+            compute_times=times,
+            balance=max(times) / (sum(times) / len(times)) if sum(times) > 0 else 1.0,
+            num_microbatches=[int(x) for x in table[:, 2].tolist()],
+            num_rings=summary.num_rings,
+            attention_bytes=int(table[:, 3].sum()),
+            predicted_step_time=plan.est_step_time,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            offload=self.offloader.pop_step_stats() if self.offloader is not None else None,
+        )
+
+    @staticmethod
+    def _is_tp_rank0() -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_rank() == 0
