@@ -195,7 +195,7 @@ def test_small_tensors_stay_and_pool_is_reused_across_steps():
 def test_round_trip_is_a_real_copy_with_the_same_layout():
     record = StatsRecord(OffloadStats())
     mb = MicrobatchOffload(ratio=1.0, transfers=Transfers(torch.device("cpu")), pool=HostBufferPool(pin_memory=False),
-                           record=record, min_tensor_bytes=0, pinned_storages=set())
+                           record=record, min_tensor_bytes=0, param_storages=set())
     qkv = torch.randn(1024, 3 * 64)
     q, k, v = qkv.split(64, dim=1)  # three strided views of one storage
     other = torch.randn(64, 256).t()  # a transposed tensor of its own
@@ -217,7 +217,7 @@ def test_round_trip_is_a_real_copy_with_the_same_layout():
 
 def test_offloaded_device_tensors_are_released_and_the_rest_kept():
     mb = MicrobatchOffload(ratio=0.5, transfers=Transfers(torch.device("cpu")), pool=HostBufferPool(pin_memory=False),
-                           record=StatsRecord(OffloadStats()), min_tensor_bytes=0, pinned_storages=set())
+                           record=StatsRecord(OffloadStats()), min_tensor_bytes=0, param_storages=set())
     first, second = torch.randn(256, 64), torch.randn(256, 64)
     refs = [weakref.ref(first), weakref.ref(second)]
     mb.begin_layer(resident=False)

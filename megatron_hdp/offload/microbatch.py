@@ -116,14 +116,14 @@ class MicrobatchOffload:
         pool: HostBufferPool,
         record: StatsRecord,
         min_tensor_bytes: int,
-        pinned_storages: set[int],
+        param_storages: set[int],
     ) -> None:
         self.ratio = ratio
         self._transfers = transfers
         self._pool = pool
         self._record = record
         self._min_tensor_bytes = max(1, min_tensor_bytes)
-        self._pinned_storages = pinned_storages
+        self._param_storages = param_storages
         self._groups: list[_Group] = []
         self._current: _Group | None = None
 
@@ -176,7 +176,7 @@ class MicrobatchOffload:
             and tensor.device == self._transfers.device
             and not (tensor.is_leaf and tensor.requires_grad)
             and tensor.numel() * tensor.element_size() >= self._min_tensor_bytes
-            and tensor.untyped_storage().data_ptr() not in self._pinned_storages
+            and tensor.untyped_storage().data_ptr() not in self._param_storages
         )
 
     def _offload(self, group: _Group, slots: list[_Slot]) -> None:

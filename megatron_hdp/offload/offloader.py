@@ -140,7 +140,7 @@ class ActivationOffloader:
             pool=self.pool,
             record=record,
             min_tensor_bytes=self.config.min_tensor_bytes,
-            pinned_storages=self._layer_storages(),
+            param_storages=self._layer_storages(),
         )
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._active.pack, self._active.unpack):
