@@ -17,10 +17,23 @@ def _check_shims(rank, world_size):
     assert x.to(torch.float64).dtype == torch.float64
     assert x.type() == "torch.cuda.FloatTensor"
     # patch 2: torch.cuda bookkeeping is a no-op
-    assert torch.cuda.current_device() == 0
+    assert torch.cuda.current_device() == torch.device("cpu")
     torch.cuda.synchronize()
     with torch.cuda.stream(torch.cuda.Stream()):
         torch.cuda.current_stream().wait_stream(torch.cuda.Stream())
+    # ...also inside autograd backward, where torch-function modes are off (Megatron's MoE all-to-all)
+    class _NewEmptyInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.new_empty(size=list(g.shape), device=torch.cuda.current_device()).fill_(3.0)
+
+    leaf = torch.ones(2, requires_grad=True)
+    _NewEmptyInBackward.apply(leaf).sum().backward()
+    assert leaf.grad.tolist() == [3.0, 3.0]
     # patch 3: Megatron's seeding works and weights come from the default CPU generator
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed

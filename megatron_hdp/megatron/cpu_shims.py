@@ -108,11 +108,13 @@ class _NullStream:
 def _patch_torch_cuda() -> None:
     """Patch 2: the `torch.cuda` functions Megatron calls for bookkeeping become CPU no-ops.
 
-    `current_device()` returns 0 (Megatron formats it into device strings; patch 1 maps it to the CPU);
+    `current_device()` returns the CPU device: Megatron passes it as `device=` (also inside autograd
+    backward functions such as the MoE all-to-all, where torch-function modes are not active, so patch 1
+    cannot help there);
     `synchronize`/`empty_cache` do nothing; streams are null streams; `torch.cuda.stream(s)` is a no-op
     context. `is_available()` stays False so Megatron keeps its CPU code paths.
     """
-    torch.cuda.current_device = lambda: 0
+    torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.empty_cache = lambda: None
     torch.cuda.Stream = _NullStream
@@ -150,6 +152,28 @@ def _patch_rng_tracker() -> None:
     tp.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed
 
 
+def _patch_moe_split_sizes() -> None:
+    """Patch 4: the MoE all-to-all dispatcher gets its split sizes as numpy arrays on the CPU too.
+
+    `maybe_move_tensor_to_cpu(t, as_numpy=True)` converts only CUDA tensors; a CPU tensor stays a tensor
+    and `all_to_all_single(output_split_sizes=tensor)` then raises. Same result as on a GPU.
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_hdp_cpu_shim", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu._hdp_cpu_shim = True  # type: ignore[attr-defined]
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 def check_mcore_version() -> str:
     """The installed Megatron-Core version; a warning once when the shims were not tested against it."""
     from megatron.core import package_info
@@ -171,6 +195,7 @@ def apply_cpu_shims() -> bool:
     check_mcore_version()
     _patch_torch_cuda()
     _patch_rng_tracker()
+    _patch_moe_split_sizes()
     mode = CudaDeviceToCpu()
     mode.__enter__()  # stays on the torch-function mode stack for the life of the process
     _APPLIED.append(mode)
