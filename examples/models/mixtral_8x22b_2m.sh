@@ -24,7 +24,7 @@ PARALLEL_ARGS=(
 TRAIN_ARGS=(
     --micro-batch-size 1 --global-batch-size 128 --train-iters 1000 --lr 1e-4 --min-lr 1e-5
     --lr-decay-style cosine --lr-warmup-iters 50 --weight-decay 0.1 --clip-grad 1.0
-    --log-interval 1 --eval-iters 0
+    --log-interval 1 --eval-iters 0 --eval-interval 1000
 )
 HDP_ARGS=(
     --hdp --calculate-per-token-loss --hdp-capacity 24576 --hdp-policy balance

@@ -50,3 +50,19 @@ def require_megatron_training() -> None:
 
         typing.override = typing_extensions.override  # type: ignore[attr-defined]
         logger.debug("bound typing.override to typing_extensions.override for megatron.training on Python 3.11")
+
+
+def use_prebuilt_dataset_helpers() -> None:
+    """Skip `megatron.training`'s `make` of the dataset C++ helpers when the wheel ships them compiled.
+
+    `initialize_megatron` runs `make -C megatron/core/datasets` on rank 0; a Megatron-LM checkout has the
+    Makefile, the megatron-core wheel has no Makefile but ships `helpers_cpp` already built, so the
+    `make` fails and Megatron exits. Only when `helpers_cpp` imports is the compile step skipped.
+    """
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    from megatron.core.datasets import utils
+
+    utils.compile_helpers = lambda: None

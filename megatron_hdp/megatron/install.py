@@ -1,0 +1,255 @@
+"""`install(args)`: wire HDP into `megatron.training` (megatron-core 0.19.x) after argument parsing.
+
+Call it once, after `parse_and_validate_args` and before the model config is built from `args`
+(`examples/pretrain_gpt_hdp.py` and the patched `pretrain_gpt.py` do). Without `--hdp` it only checks
+the flags. With `--hdp` it changes five names, each in `megatron.training.training`'s namespace, each
+a thin wrapper around Megatron's own function (the whole monkeypatch surface, in call order):
+
+1. `args.spec`: the GPT layer spec is Megatron's with `HDPCoreAttention` as its `core_attention` leaf.
+2. `get_model`: after Megatron builds (and DDP-wraps) the model, `prepare_model_for_hdp` moves RoPE into
+   the HDP core attention of each chunk.
+3. `build_pretraining_data_loader`: the HDP loader (our sampler + planner + THD collation) over the same
+   Megatron dataset; it yields one `HDPStep` per training step.
+4. `get_forward_backward_func`: the schedule is called with this rank's micro-batches of the step and
+   its own micro-batch count (from the plan), and with HDP's forward step (token-level loss; Megatron's
+   `calculate_per_token_loss` divides by the global batch's token count, summed over the HDP domain).
+5. `training_log`: HDP statistics (balance, rings, ring-attention bytes, micro-batch counts, loader
+   wait) in Megatron's log line and its TensorBoard writer, every `--hdp-log-interval` steps.
+
+Anything else Megatron does (optimizer, DDP gradient reduction over the data-parallel group = the HDP
+domain, checkpoints, LR schedule) is unchanged.
+"""
+
+import functools
+import logging
+from argparse import Namespace
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megatron_hdp.config import HDPConfig
+from megatron_hdp.megatron.args import validate_hdp_args
+from megatron_hdp.megatron.training_compat import require_megatron_training
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Installed:
+    """What install() set up; the wrappers read it (one per process)."""
+
+    config: HDPConfig
+    cost_model: Any
+    last_step: Any = None
+    loaders: list = field(default_factory=list)
+
+
+_STATE: Optional[_Installed] = None
+
+
+def hdp_layer_spec(config: Any) -> Any:
+    """`--spec` target: Megatron's GPT layer spec for `config` (a GPTModelConfig) with HDP core attention."""
+    from megatron_hdp.megatron.layer_spec import get_gpt_layer_with_hdp_spec
+
+    transformer = config.transformer
+    if transformer.transformer_impl == "transformer_engine":
+        return get_gpt_layer_with_hdp_spec(
+            backend="transformer_engine",
+            num_experts=transformer.num_moe_experts,
+            moe_grouped_gemm=transformer.moe_grouped_gemm,
+            qk_layernorm=transformer.qk_layernorm,
+        )
+    return get_gpt_layer_with_hdp_spec(
+        backend="local",
+        num_experts=transformer.num_moe_experts,
+        moe_grouped_gemm=transformer.moe_grouped_gemm,
+        qk_layernorm=transformer.qk_layernorm,
+        normalization=transformer.normalization,
+    )
+
+
+def _cost_model(args: Namespace, config: HDPConfig) -> Any:
+    """The planner's cost model: measured (--hdp-cost-model) or analytic from the model's shape."""
+    from megatron_hdp.plan.cost_model import CostModel
+    from megatron_hdp.plan.presets import ModelShape, analytic_cost_model
+
+    if config.hdp_cost_model is not None:
+        return CostModel.from_json(config.hdp_cost_model)
+    shape = ModelShape(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=args.padded_vocab_size or args.vocab_size or 32000,
+        num_experts=args.num_experts or 0,
+        moe_router_topk=args.moe_router_topk,
+        gated_mlp=args.swiglu,
+    )
+    return analytic_cost_model(shape, "h100", tp_size=args.tensor_model_parallel_size)
+
+
+# --- the wrappers (see the module docstring for what each replaces) ----------------------------------
+def _get_model(original):
+    @functools.wraps(original)
+    def get_model(*args: Any, **kwargs: Any):
+        from megatron.core.utils import unwrap_model
+
+        from megatron_hdp.megatron.layer_spec import prepare_model_for_hdp
+
+        model = original(*args, **kwargs)
+        for chunk in model:
+            prepare_model_for_hdp(unwrap_model(chunk))
+        return model
+
+    return get_model
+
+
+def _build_data_loader(original):
+    @functools.wraps(original)
+    def build_pretraining_data_loader(dataset: Any, consumed_samples: int):
+        from megatron.training import get_args
+
+        from megatron_hdp.megatron.datasets import build_hdp_data_loader
+
+        assert _STATE is not None
+        loader = build_hdp_data_loader(
+            dataset, consumed_samples, cost_model=_STATE.cost_model, max_length=get_args().seq_length
+        )
+        if loader is not None:
+            _STATE.loaders.append(loader)
+        return loader
+
+    return build_pretraining_data_loader
+
+
+def _forward_backward(schedule):
+    """Megatron's schedule, run on one HDP step: this rank's micro-batches, its own count, HDP's forward."""
+    from megatron.training import get_args
+
+    from megatron_hdp.data.collate import empty_microbatch
+    from megatron_hdp.megatron.forward_step import make_forward_step
+    from megatron_hdp.megatron.initialize import hdp_state
+
+    def forward_backward(*, forward_step_func, data_iterator, num_microbatches, **kwargs: Any):
+        assert _STATE is not None
+        if data_iterator is None:
+            raise ValueError(
+                "HDP needs its data loader on every rank, but this rank got none: build the datasets on "
+                "every rank (examples/pretrain_gpt_hdp.py does; pretrain_gpt.py builds them on TP rank 0 only, "
+                "so use --tensor-model-parallel-size 1 or our entry point)"
+            )
+        step = next(data_iterator)
+        state = hdp_state()
+        # A rank with nothing planned still runs one loss-free padding micro-batch: it must take part in
+        # the step's gradient reduction (and, with MoE, its expert all-to-alls).
+        pad = get_args().tensor_model_parallel_size if get_args().sequence_parallel else 1
+        microbatches = step.microbatches or [empty_microbatch(rank=state.hdp_rank, num_tokens=pad)]
+        _STATE.last_step = step
+        forward = make_forward_step(hdp_global_ranks=state.hdp_global_ranks)
+        return schedule(
+            forward_step_func=forward,
+            data_iterator=iter(microbatches),
+            num_microbatches=len(microbatches),
+            **kwargs,
+        )
+
+    return forward_backward
+
+
+def _get_forward_backward_func(original):
+    @functools.wraps(original)
+    def get_forward_backward_func(*args: Any, **kwargs: Any):
+        return _forward_backward(original(*args, **kwargs))
+
+    return get_forward_backward_func
+
+
+def hdp_statistics() -> dict[str, float]:
+    """Statistics of the last HDP step on this rank (empty before the first step)."""
+    if _STATE is None or _STATE.last_step is None:
+        return {}
+    step = _STATE.last_step
+    summary = step.plan.summary(_STATE.cost_model)
+    return {
+        "hdp/balance": float(summary.balance),
+        "hdp/rings": float(summary.num_rings),
+        "hdp/ring-attention-GB": summary.attention_bytes / 1e9,
+        "hdp/microbatches-max": float(summary.max_microbatches),
+        "hdp/microbatches-min": float(summary.min_microbatches),
+        "hdp/microbatches-this-rank": float(len(step.microbatches)),
+        "hdp/tokens": float(summary.num_tokens),
+        "hdp/sequences": float(summary.num_sequences),
+        "hdp/est-step-time-s": float(summary.est_step_time),
+        "hdp/plan-s": float(step.plan_seconds),
+        "hdp/loader-wait-s": float(sum(loader.wait_seconds for loader in _STATE.loaders)),
+    }
+
+
+def _training_log(original):
+    @functools.wraps(original)
+    def training_log(*args: Any, **kwargs: Any):
+        from megatron.training import get_args
+        from megatron.training.global_vars import get_tensorboard_writer
+        from megatron.training.utils import print_rank_last
+
+        result = original(*args, **kwargs)
+        assert _STATE is not None
+        iteration = get_args().curr_iteration + 1
+        stats = hdp_statistics()
+        if stats and iteration % _STATE.config.hdp_log_interval == 0:
+            writer = get_tensorboard_writer()
+            if writer is not None:
+                for name, value in stats.items():
+                    writer.add_scalar(name, value, iteration)
+            line = " | ".join(f"{name[4:]}: {value:.4g}" for name, value in stats.items())
+            print_rank_last(f" [HDP] iteration {iteration:8d} | {line}")
+        return result
+
+    return training_log
+
+
+_PATCHES = {
+    "get_model": _get_model,
+    "build_pretraining_data_loader": _build_data_loader,
+    "get_forward_backward_func": _get_forward_backward_func,
+    "training_log": _training_log,
+}
+
+
+def install(args: Optional[Namespace] = None) -> Optional[HDPConfig]:
+    """Check the HDP flags and, with `--hdp`, wire HDP into megatron.training (module docstring).
+
+    `args` defaults to Megatron's `get_args()`. Returns the HDPConfig, or None when HDP is off. Raises
+    ValueError for flags HDP cannot run with and RuntimeError on an unsupported megatron-core. Calling it
+    again in the same process re-reads the flags but patches only once.
+    """
+    global _STATE
+    require_megatron_training()
+    from megatron.training import training
+
+    if args is None:
+        from megatron.training import get_args
+
+        args = get_args()
+    config = validate_hdp_args(args)
+    if config is None:
+        return None
+    if args.spec is not None and tuple(args.spec) != (__name__, "hdp_layer_spec"):
+        raise ValueError(
+            f"--spec {' '.join(args.spec)} with --hdp: HDP supplies the layer spec (Megatron's GPT layer with "
+            "HDP core attention); drop --spec"
+        )
+    args.spec = [__name__, "hdp_layer_spec"]
+    from megatron_hdp.megatron.cpu_shims import apply_cpu_shims, apply_training_cpu_shims
+
+    if apply_cpu_shims():
+        apply_training_cpu_shims()
+    _STATE = _Installed(config=config, cost_model=_cost_model(args, config))
+    for name, wrap in _PATCHES.items():
+        current = getattr(training, name)
+        if not getattr(current, "_hdp_installed", False):
+            wrapped = wrap(current)
+            wrapped._hdp_installed = True  # type: ignore[attr-defined]
+            setattr(training, name, wrapped)
+    logger.info("HDP installed into megatron.training: %s", config)
+    return config
