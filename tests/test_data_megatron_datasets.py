@@ -9,11 +9,18 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split
 
+from megatron_hdp.comm.launch import run_gloo
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.data.loader import HDPDataLoader
 from megatron_hdp.data.source import MapStyleSource
 from megatron_hdp.megatron.build_dataset import build_demo_dataset, main, synthetic_lengths, write_indexed_dataset
-from megatron_hdp.megatron.datasets import BlendedSampleSource, GPTSampleSource, IndexedDocumentSource, document_source
+from megatron_hdp.megatron.datasets import (
+    BlendedSampleSource,
+    GPTSampleSource,
+    IndexedDocumentSource,
+    build_hdp_data_loader,
+    document_source,
+)
 from megatron_hdp.plan.presets import analytic_cost_model
 
 SEQ_LENGTH = 64
@@ -123,3 +130,35 @@ def test_synthetic_corpus_is_seeded_long_tailed_and_learnable(tmp_path):
     doc = source.read(0, 0, int(source.lengths[0]) + 1).astype(int)
     strides = np.unique((doc[1:] - doc[:-1]) % 64)
     assert len(strides) == 1 and strides[0] in (1, 2, 3)  # a document counts with one stride
+
+
+def _megatron_rank(rank, world_size, prefix):
+    from types import SimpleNamespace
+
+    from megatron_hdp.megatron.initialize import destroy_hdp, initialize_hdp
+    from megatron_hdp.megatron.training_compat import require_megatron_training
+
+    require_megatron_training()
+    from megatron.training.global_vars import set_args
+
+    initialize_hdp()
+    set_args(SimpleNamespace(seed=5, global_batch_size=6, sequence_parallel=False, hdp=True, hdp_capacity=64,
+                             hdp_offload=False, hdp_policy="balance", hdp_global_batch_tokens=None))
+    loader = build_hdp_data_loader(prefix, 0, cost_model=analytic_cost_model("llama-7b"))
+    steps = [next(loader) for _ in range(2)]
+    loader.close()
+    destroy_hdp()
+    return [(s.plan.digest(), s.sample_ids.tolist(), s.consumed_samples,
+             sorted(t for mb in s.microbatches for t in mb.tokens[mb.loss_mask > 0].tolist())) for s in steps]
+
+
+def test_build_hdp_data_loader_reads_megatrons_args_and_parallel_state(tmp_path):
+    docs = [np.arange(n) + 1000 * d for d, n in enumerate(np.random.default_rng(4).integers(2, 120, 20))]
+    prefix = str(tmp_path / "docs")
+    write_indexed_dataset(prefix, docs, vocab_size=20_000)
+    ranks = run_gloo(_megatron_rank, 2, prefix, timeout_s=240)
+    for index, (r0, r1) in enumerate(zip(*ranks)):
+        assert r0[:3] == r1[:3] and r0[2] == 6 * (index + 1)  # same plan, 6 documents a step
+        expected = np.random.default_rng((5, 0)).permutation(20)[6 * index: 6 * index + 6]  # seed 5, epoch 0
+        assert r0[1] == expected.tolist()
+        assert sorted(r0[3] + r1[3]) == sorted(t for d in expected for t in docs[d][:-1].tolist())

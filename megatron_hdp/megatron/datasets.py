@@ -169,6 +169,10 @@ def build_hdp_data_loader(
     are taken in order; an IndexedDataset (documents) is shuffled per epoch.
     """
     from megatron.core import parallel_state
+
+    from megatron_hdp.megatron.training_compat import require_megatron_training
+
+    require_megatron_training()
     from megatron.training import get_args
 
     if dataset is None:
