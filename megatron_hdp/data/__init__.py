@@ -1,1 +1,30 @@
-"""data layer of megatron_hdp."""
+"""data layer of megatron_hdp: the drop-in HDP sampler and loader for Megatron datasets (no Megatron
+import here; the Megatron dataset adapters live in `megatron_hdp.megatron.datasets`) and THD collation.
+
+Public API: `HDPSampler` (global batches of documents, deterministic and resumable), `HDPDataLoader` /
+`HDPStep` (plan + this rank's collated micro-batches per step, prefetched in the background),
+`DocumentSource` (what a dataset must expose) and `MapStyleSource` (datasets with a `lengths` array).
+Resolved lazily, so that importing one numpy-only submodule of this package does not import torch.
+"""
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "HDPDataLoader": "megatron_hdp.data.loader",
+    "HDPStep": "megatron_hdp.data.loader",
+    "check_plan_agreement": "megatron_hdp.data.loader",
+    "pool_length_limit": "megatron_hdp.data.loader",
+    "GlobalBatch": "megatron_hdp.data.sampler",
+    "HDPSampler": "megatron_hdp.data.sampler",
+    "DocumentSource": "megatron_hdp.data.source",
+    "MapStyleSource": "megatron_hdp.data.source",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
