@@ -40,7 +40,8 @@ class LayerSample:
     seconds: float
     """Forward + backward seconds of one layer on one document of seq_len tokens (fastest run)."""
     activation_bytes: int
-    """Bytes of the distinct storages the layer saves for backward (its input included)."""
+    """Bytes of the distinct storages the layer saves for backward (its input included; the RoPE tables,
+    which a model computes once for all layers, not)."""
 
 
 @dataclass(frozen=True)
@@ -87,52 +88,59 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _fastest_seconds(fn: Callable[[], None], *, device: torch.device, repeats: int) -> float:
-    """The fastest of `repeats` timed calls after a warm-up: other work on the machine only adds time."""
-    fn()  # warm-up: kernel selection, allocator growth
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return min(times)
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _fastest_seconds(fns: Sequence[Callable[[], object]], *, device: torch.device, repeats: int) -> list[float]:
+    """The fastest of `repeats` timed calls of each function, after one warm-up call of each.
+
+    The rounds go over all functions in turn, so a burst of other work on the machine hits one round of
+    every function rather than every round of one; and it can only add time, hence the minimum.
+    """
+    for fn in fns:
+        fn()  # warm-up: kernel selection, allocator growth
+    rounds = [[_timed(fn, device) for fn in fns] for _ in range(repeats)]
+    return [min(times) for times in zip(*rounds)]
+
+
+def _layer_step(layer: ReferenceLayer, seq_len: int, *, device: torch.device, dtype: torch.dtype):
+    """A forward + backward of `layer` on one document of `seq_len` tokens, and its saved bytes."""
+    x = torch.randn(1, seq_len, layer.proj.in_features, device=device, dtype=dtype, requires_grad=True)
+    cos, sin = rope_tables(seq_len, layer.head_dim, device=device, dtype=dtype)
+    grad = torch.randn_like(x)
+    # Parameters are no activation; the RoPE tables are computed once per model, not per layer.
+    shared = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), cos, sin)}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in shared:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, cos, sin)
+    return (lambda: layer(x, cos, sin).backward(grad)), sum(storages.values())
 
 
 def measure_layer(
     *, shape: ModelShape, seq_lens: Sequence[int], device: torch.device, dtype: torch.dtype, repeats: int
 ) -> list[LayerSample]:
     """Time and activation bytes of one layer, forward + backward, for each document length."""
+    if any(seq_len <= 0 for seq_len in seq_lens):
+        raise ValueError(f"sequence lengths must be positive, got {list(seq_lens)}")
     torch.manual_seed(0)
     layer = ReferenceLayer(shape, device=device, dtype=dtype)
-    own = {t.untyped_storage().data_ptr() for t in layer.parameters()}
-    head_dim = shape.hidden_size // shape.num_attention_heads
-    samples = []
-    for seq_len in seq_lens:
-        if seq_len <= 0:
-            raise ValueError(f"sequence lengths must be positive, got {seq_len}")
-        x = torch.randn(1, seq_len, shape.hidden_size, device=device, dtype=dtype, requires_grad=True)
-        cos, sin = rope_tables(seq_len, head_dim, device=device, dtype=dtype)
-        grad = torch.randn_like(x)
-
-        def step() -> None:
-            layer(x, cos, sin).backward(grad)
-
-        storages: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in own:
-                storages[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = layer(x, cos, sin)
-        del out
-        seconds = _fastest_seconds(step, device=device, repeats=repeats)
-        samples.append(LayerSample(seq_len, seconds, sum(storages.values())))
-        logger.info("s=%d: %.3f ms, %.1f MiB saved", seq_len, seconds * 1e3, samples[-1].activation_bytes / 2**20)
+    steps = [_layer_step(layer, seq_len, device=device, dtype=dtype) for seq_len in seq_lens]
+    seconds = _fastest_seconds([step for step, _ in steps], device=device, repeats=repeats)
+    samples = [LayerSample(s, t, act) for s, t, (_, act) in zip(seq_lens, seconds, steps)]
+    for sample in samples:
+        logger.info("s=%d: %.3f ms, %.1f MiB saved", sample.seq_len, sample.seconds * 1e3, sample.activation_bytes / 2**20)
     layer.zero_grad(set_to_none=True)
     return samples
 
@@ -141,7 +149,7 @@ def measure_bandwidth(*, device: torch.device, nbytes: int = 256 << 20, repeats:
     """D2H and H2D bytes/s with pinned host memory (CUDA), or a host memcpy figure (CPU)."""
     if device.type != "cuda":
         src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-        seconds = _fastest_seconds(lambda: dst.copy_(src), device=device, repeats=repeats)
+        (seconds,) = _fastest_seconds([lambda: dst.copy_(src)], device=device, repeats=repeats)
         return Bandwidth(nbytes / seconds, nbytes / seconds, "host-memcpy")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
