@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# A tiny GPT trained with HDP on 4 CPU processes (gloo), through megatron.training.pretrain: the whole
+# Megatron-LM integration end to end, no GPU needed (~1-2 minutes on 2 cores).
+#
+#   examples/tiny_cpu_hdp.sh            # HDP: 64-token samples, capacity 24 -> every sample on a ring of 3
+#   HDP=0 examples/tiny_cpu_hdp.sh      # the same run as plain Megatron data parallelism
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+work="${WORK_DIR:-/tmp/megatron_hdp_tiny}"
+prefix="$(python -c "from megatron_hdp.megatron.build_dataset import build_demo_dataset as b; print(b('$work/data', num_docs=256, vocab_size=256, max_length=256))")"
+
+hdp_args=(--hdp --hdp-capacity 24 --no-hdp-offload --hdp-log-interval 1)
+if [[ "${HDP:-1}" == 0 ]]; then hdp_args=(); fi
+
+export WORLD_SIZE=4 OMP_NUM_THREADS=1
+torchrun --standalone --nproc-per-node 4 examples/pretrain_gpt_hdp.py \
+    --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \
+    --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
+    --transformer-impl local --no-gradient-accumulation-fusion --no-bias-dropout-fusion --no-rope-fusion \
+    --no-masked-softmax-fusion --no-persist-layer-norm --attention-dropout 0 --hidden-dropout 0 \
+    --use-cpu-initialization --distributed-backend gloo \
+    --micro-batch-size 1 --global-batch-size 8 --train-iters 6 --lr 3e-3 --lr-decay-style constant \
+    --calculate-per-token-loss --log-interval 1 --eval-iters 0 --eval-interval 1000 \
+    --tokenizer-type NullTokenizer --vocab-size 256 --data-path "$prefix" --split 100,0,0 \
+    --data-cache-path "$work/cache" --num-workers 0 --seed 1234 \
+    "${hdp_args[@]}"
