@@ -4,8 +4,8 @@ One reference launch (one process, Megatron's stock attention and RoPE, each doc
 trains a tiny dense and a tiny MoE Llama-style GPT for two steps; each HDP launch loads the same initial
 weights, trains the same two global batches under random plans (whole documents, rings of 2..D ranks
 that overlap, uneven micro-batch counts) and must match loss and gradients after each step — the second
-step after the optimizer update. Layouts: HDP=4; TP=2 (sequence parallel) x HDP=2; PP=2 x HDP=2;
-EP=2 across HDP=4 with MoE layers.
+step after the optimizer update. Layouts: HDP=4; TP=2 x HDP=2 (no sequence parallelism: Megatron's
+torch norms reject it without TE/Apex); PP=2 x HDP=2 (1F1B); EP=2 across HDP=4 with MoE layers.
 """
 
 import pytest
@@ -48,7 +48,7 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed):
     from megatron_hdp.megatron.step import HDPTrainer
 
     state = _init(tp, pp, ep)
-    config = tiny_llama_config(num_moe_experts=NUM_EXPERTS if ep > 1 else None, sequence_parallel=tp > 1)
+    config = tiny_llama_config(num_moe_experts=NUM_EXPERTS if ep > 1 else None)
     model = build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)
     load_full_weights(model, init)
     ddp, opt = wrap_for_training(model)
