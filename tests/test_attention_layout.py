@@ -107,3 +107,18 @@ def test_ring_descriptor():
     with pytest.raises(ValueError, match="integers"):
         current_ring(["a"])
     assert current_ring([0]).size == 1
+
+
+def test_nested_traffic_blocks_count_what_they_enclose():
+    from megatron_hdp.comm import traffic
+
+    before = traffic.total_traffic()
+    with traffic.count_traffic() as outer:
+        with traffic.count_traffic() as inner:  # equal (all zero) to `outer` when opened
+            traffic.record(bytes_sent=10, bytes_received=4, num_sent=1, num_received=1)
+        traffic.record(bytes_sent=1, bytes_received=0, num_sent=1, num_received=0)
+    assert (inner.bytes_sent, inner.bytes_received, inner.num_messages_sent) == (10, 4, 1)
+    assert (outer.bytes_sent, outer.bytes_received, outer.num_messages_sent) == (11, 4, 2)
+    assert traffic.total_traffic().bytes_sent == before.bytes_sent + 11
+    traffic.reset_traffic()
+    assert traffic.total_traffic() == traffic.Traffic()

@@ -52,8 +52,7 @@ def _forward(
     """One position's forward: returns (out [T, Hq, D] in q's dtype, lse [Hq, T])."""
     kv = torch.stack((k, v))
     acc = _accumulation_dtype(q.dtype)
-    out = q.new_zeros(q.shape, dtype=acc)
-    lse = q.new_zeros((q.shape[1], q.shape[0]), dtype=acc)
+    out = lse = None
     q_cache: dict[tuple, torch.Tensor] = {}
     for step, block in enumerate(plan.blocks):
         last = step + 1 == plan.ring_size
@@ -81,6 +80,8 @@ def _forward(
         if not last:
             yield WAIT
             kv = next_kv
+    if out is None:  # this position holds no token of any document (all shorter than 2k)
+        out, lse = q.new_zeros(q.shape, dtype=acc), q.new_zeros((q.shape[1], 0), dtype=acc)
     return out.to(q.dtype), lse
 
 

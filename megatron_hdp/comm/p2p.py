@@ -92,16 +92,21 @@ def current_ring(ranks: Sequence[int], *, group: dist.ProcessGroup | None = None
 
 
 class Pending:
-    """Posted sends and receives; `wait()` returns once all of them are complete."""
+    """Posted sends and receives; `wait()` returns once all of them are complete.
 
-    def __init__(self, works: list[dist.Work]) -> None:
+    Holds the tensors until then, so that no buffer in flight is freed by its owner dropping it.
+    """
+
+    def __init__(self, works: list[dist.Work], tensors: tuple[torch.Tensor, ...] = ()) -> None:
         self._works = works
+        self._tensors = tensors
 
     def wait(self) -> None:
         """Block until the exchange is complete (on CUDA: until the current stream is ordered after it)."""
         for work in self._works:
             work.wait()
         self._works = []
+        self._tensors = ()
 
 
 def shift(ring: Ring, *, send: torch.Tensor, recv: torch.Tensor) -> Pending:
@@ -123,4 +128,4 @@ def shift(ring: Ring, *, send: torch.Tensor, recv: torch.Tensor) -> Pending:
         num_sent=int(send.numel() > 0),
         num_received=int(recv.numel() > 0),
     )
-    return Pending(dist.batch_isend_irecv(ops) if ops else [])
+    return Pending(dist.batch_isend_irecv(ops) if ops else [], (send, recv))

@@ -72,4 +72,4 @@ def count_traffic() -> Iterator[Traffic]:
     try:
         yield counter
     finally:
-        _OPEN.remove(counter)
+        _OPEN[:] = [c for c in _OPEN if c is not counter]  # by identity: equal counters are distinct blocks
