@@ -72,3 +72,13 @@ def test_patch_is_small_and_calls_what_we_export():
         assert callable(getattr(hdp, name)), name
     assert "then" in inspect.signature(hdp.add_hdp_args).parameters
     assert list(inspect.signature(hdp.install).parameters)[0] == "args"
+
+
+def test_install_stays_a_function_after_its_module_is_imported():
+    """`hdp.install(args)` in the patch must not turn into a module once the implementation is imported."""
+    import importlib
+
+    import megatron_hdp.megatron as hdp
+
+    importlib.import_module(hdp._LAZY["install"])
+    assert callable(hdp.install) and hdp.install.__name__ == "install"

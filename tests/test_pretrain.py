@@ -46,7 +46,7 @@ def _pretrain(rank: int, world_size: int, argv: list[str]) -> dict:
     def recording_training_log(loss_dict, *args, **kwargs):
         if "lm loss" in loss_dict:
             losses.append(float(loss_dict["lm loss"]))
-        from megatron_hdp.megatron.install import hdp_statistics
+        from megatron_hdp.megatron.training_install import hdp_statistics
 
         stats.append(hdp_statistics())
         return original(loss_dict, *args, **kwargs)

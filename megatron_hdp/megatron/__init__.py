@@ -1,13 +1,15 @@
 """megatron layer of megatron_hdp: everything that touches Megatron-Core / Megatron-LM APIs.
 
 The Megatron-LM entry points are exported lazily, so importing this package does not import
-megatron.training (which is slow and needs the version check in `training_compat`).
+megatron.training (which is slow and needs the version check in `training_compat`). The module behind
+`install` is `training_install`, not `install`: a submodule named like the function would replace it as
+this package's attribute once imported.
 """
 
 _LAZY = {
     "add_hdp_args": "megatron_hdp.megatron.args",
     "validate_hdp_args": "megatron_hdp.megatron.args",
-    "install": "megatron_hdp.megatron.install",
+    "install": "megatron_hdp.megatron.training_install",
 }
 
 
