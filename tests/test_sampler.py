@@ -132,7 +132,7 @@ def test_map_style_source_reads_ranges_and_catches_lying_lengths():
     np.testing.assert_array_equal(source.lengths, [3, 1])
     np.testing.assert_array_equal(source.read(0, 1, 4), [2, 3, 4])
     liar = MapStyleSource(_SFT([[1, 2, 3, 4], [7, 8]], lengths=[4, 5]))
-    with pytest.raises(ValueError, match="sample 1 has 2 tokens but the dataset's lengths say 5"):
+    with pytest.raises(ValueError, match="sample 1 has 2 'tokens' entries but the dataset's lengths say 5"):
         liar.read(1, 0, 2)
     with pytest.raises(ValueError, match="has no `lengths`"):
         MapStyleSource([np.arange(3)])
@@ -173,3 +173,18 @@ def test_prefetcher_runs_ahead_propagates_errors_and_closes():
     assert not prefetcher.alive and threading.active_count() == before
     with pytest.raises(StopIteration):
         next(prefetcher)
+
+
+def test_map_style_loss_mask_marks_input_positions_whose_label_is_a_target():
+    docs = [{"tokens": np.arange(10, 16), "targets": np.array([0, 0, 0, 1, 1, 1])}]  # prompt 3, answer 3
+    source = MapStyleSource(_ListOf(docs), loss_mask_key="targets")
+    # input positions 0..4 predict raw tokens 1..5; positions 2, 3, 4 predict answer tokens
+    np.testing.assert_array_equal(source.read_loss_mask(0, 0, 5), [0, 0, 1, 1, 1])
+    np.testing.assert_array_equal(source.read_loss_mask(0, 1, 3), [0, 1])
+    assert not hasattr(MapStyleSource(_ListOf(docs)), "read_loss_mask")
+
+
+class _ListOf(list):
+    @property
+    def lengths(self):
+        return [len(d["tokens"]) for d in self]

@@ -59,12 +59,11 @@ class HDPStep:
     """Time spent reading and collating this rank's tokens (in the background thread)."""
     read_tokens: Callable[[int, int, int], np.ndarray]
     """read_tokens(seq, start, end): raw tokens of plan sequence `seq`, for code that collates itself
-    (`HDPTrainer.step(plan, read_tokens)`): this rank's ranges come from memory, read in the background."""
-
-    @property
-    def num_loss_tokens(self) -> int:
-        """Loss tokens of the whole global batch (every position counts): the token-level loss divisor."""
-        return self.plan.num_tokens
+    (`HDPTrainer.step(plan, read_tokens, read_loss_mask=...)`): this rank's ranges come from memory."""
+    read_loss_mask: Optional[Callable[[int, int, int], np.ndarray]]
+    """The dataset's loss mask of input positions [start, end) of a sequence; None when every position
+    counts (then the global batch's loss-token count is `plan.num_tokens`; with a mask, Megatron's
+    per-token loss sums the micro-batches' counts over the HDP domain)."""
 
 
 def check_plan_agreement(plan: StepPlan, *, group: Any = None) -> None:
@@ -111,20 +110,29 @@ def pool_length_limit(longest: int, *, num_ranks: int, config: HDPConfig, cost_m
     return low
 
 
-class _StepReader:
-    """Raw token reads of one step by plan sequence id, remembered so that a second collation of the same
-    shards (by the trainer) costs no I/O; a range not read before goes to the source."""
+class StepReader:
+    """One step's reads by plan sequence id: `tokens(seq, start, end)` (raw tokens) and, when the source
+    has a loss mask, `loss_mask(seq, start, end)` (input positions). Each range is remembered, so a second
+    collation of the same shards (by a trainer that collates itself) costs no I/O."""
 
     def __init__(self, source: DocumentSource, sample_ids: np.ndarray):
         self.source = source
         self.sample_ids = sample_ids
-        self.cache: dict[tuple[int, int, int], np.ndarray] = {}
+        self.has_loss_mask = hasattr(source, "read_loss_mask")
+        self._tokens: dict[tuple[int, int, int], np.ndarray] = {}
+        self._masks: dict[tuple[int, int, int], np.ndarray] = {}
 
-    def __call__(self, seq: int, start: int, end: int) -> np.ndarray:
+    def tokens(self, seq: int, start: int, end: int) -> np.ndarray:
         key = (seq, start, end)
-        if key not in self.cache:
-            self.cache[key] = self.source.read(int(self.sample_ids[seq]), start, end)
-        return self.cache[key]
+        if key not in self._tokens:
+            self._tokens[key] = self.source.read(int(self.sample_ids[seq]), start, end)
+        return self._tokens[key]
+
+    def loss_mask(self, seq: int, start: int, end: int) -> np.ndarray:
+        key = (seq, start, end)
+        if key not in self._masks:
+            self._masks[key] = self.source.read_loss_mask(int(self.sample_ids[seq]), start, end)
+        return self._masks[key]
 
 
 class HDPDataLoader:
@@ -218,18 +226,18 @@ class HDPDataLoader:
             raise ValueError(f"the {plan.policy} plan's sequence lengths disagree with the sampled batch's")
         return plan
 
-    def reader(self, sample_ids: np.ndarray) -> Callable[[int, int, int], np.ndarray]:
-        """read_tokens(seq, start, end) for a global batch of these dataset samples (remembers its reads)."""
-        return _StepReader(self.source, sample_ids)
+    def reader(self, sample_ids: np.ndarray) -> StepReader:
+        """The reads of a global batch of these dataset samples (plan sequence i is sample_ids[i])."""
+        return StepReader(self.source, sample_ids)
 
-    def load(
-        self, plan: StepPlan, read_tokens: Callable[[int, int, int], np.ndarray], *, rank: Optional[int] = None
-    ) -> list[PackedMicroBatch]:
+    def load(self, plan: StepPlan, reader: StepReader, *, rank: Optional[int] = None) -> list[PackedMicroBatch]:
         """Collate the micro-batches of `rank` (default: this loader's) of `plan`; only the token ranges of
         its shards are read."""
         rank = self.rank if rank is None else rank
+        mask = reader.loss_mask if reader.has_loss_mask else None
         return [
-            collate_microbatch(plan, mb, read_tokens, pad_to_multiple=self.pad_to_multiple, rank=rank)
+            collate_microbatch(plan, mb, reader.tokens, pad_to_multiple=self.pad_to_multiple, read_loss_mask=mask,
+                               rank=rank)
             for mb in plan.microbatches(rank)
         ]
 
@@ -248,7 +256,8 @@ class HDPDataLoader:
                 consumed_samples=batch.next_consumed_samples,
                 plan_seconds=planned - start,
                 load_seconds=time.perf_counter() - planned,
-                read_tokens=reader,
+                read_tokens=reader.tokens,
+                read_loss_mask=reader.loss_mask if reader.has_loss_mask else None,
             )
 
     # --- consumer side -------------------------------------------------------------------------

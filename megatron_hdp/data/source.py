@@ -30,6 +30,8 @@ class DocumentSource(Protocol):
     `lengths[i]` is sample i's plan length L (int64, >= 1); `read(i, start, end)` returns its raw tokens
     [start, end) with 0 <= start <= end <= L + 1 and reads nothing else — that is what lets each rank load
     only its own shards. `bytes_read` counts the token bytes read so far (tests and benchmarks check it).
+    A source whose data has its own loss mask also has `read_loss_mask(i, start, end)`: 0/1 for input
+    positions [start, end) (the loader passes it to the collation when present).
     """
 
     lengths: np.ndarray
@@ -86,12 +88,21 @@ class MapStyleSource:
     """Adapter for any map-style dataset with a per-sample `lengths` array of raw token counts (SFT).
 
     `dataset[i]` must return the sample's raw token ids: an array, or a dict holding them under `key`.
-    A map-style dataset cannot read part of a sample, so `read` fetches the sample and slices it; it
-    checks that the sample has exactly the token count `lengths` promised, since a plan built on wrong
-    lengths would train on the wrong tokens.
+    With `loss_mask_key`, the dict also holds a per-raw-token target mask (1 where that token is a label
+    that counts, e.g. the answer of an SFT pair); input position p then counts when raw token p + 1 does.
+    A map-style dataset cannot read part of a sample, so reads fetch the sample and slice it; they check
+    that the sample has exactly the token count `lengths` promised, since a plan built on wrong lengths
+    would train on the wrong tokens.
     """
 
-    def __init__(self, dataset: Any, *, lengths: np.ndarray | Sequence[int] | None = None, key: str = "tokens"):
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        lengths: np.ndarray | Sequence[int] | None = None,
+        key: str = "tokens",
+        loss_mask_key: str | None = None,
+    ):
         raw = getattr(dataset, "lengths", None) if lengths is None else lengths
         if raw is None:
             raise ValueError(f"{type(dataset).__name__} has no `lengths` attribute and no lengths were given")
@@ -100,20 +111,30 @@ class MapStyleSource:
             raise ValueError(f"lengths has shape {raw.shape} but the dataset has {len(dataset)} samples")
         self.dataset = dataset
         self.key = key
+        self.loss_mask_key = loss_mask_key
         self.lengths = plan_lengths_from_raw(raw)
         self.bytes_read = 0
+        if loss_mask_key is not None:
+            self.read_loss_mask = self._read_loss_mask
 
-    def read(self, sample_id: int, start: int, end: int) -> np.ndarray:
-        """Raw tokens [start, end) of sample `sample_id` (the whole sample is fetched, then sliced)."""
+    def _sample(self, sample_id: int, field: str, start: int, end: int) -> np.ndarray:
         sample = self.dataset[sample_id]
-        tokens = np.asarray(sample[self.key] if isinstance(sample, dict) else sample)
+        values = np.asarray(sample[field] if isinstance(sample, dict) else sample)
         expected = int(self.lengths[sample_id]) + 1
-        if tokens.shape != (expected,):
+        if values.shape != (expected,):
             raise ValueError(
-                f"sample {sample_id} has {tokens.size} tokens but the dataset's lengths say {expected}: "
+                f"sample {sample_id} has {values.size} {field!r} entries but the dataset's lengths say {expected}: "
                 "the lengths array disagrees with the data"
             )
         if not 0 <= start <= end <= expected:
             raise ValueError(f"read [{start}, {end}) is outside sample {sample_id}'s {expected} tokens")
-        self.bytes_read += tokens.nbytes
-        return tokens[start:end]
+        self.bytes_read += values.nbytes
+        return values
+
+    def read(self, sample_id: int, start: int, end: int) -> np.ndarray:
+        """Raw tokens [start, end) of sample `sample_id` (the whole sample is fetched, then sliced)."""
+        return self._sample(sample_id, self.key, start, end)[start:end]
+
+    def _read_loss_mask(self, sample_id: int, start: int, end: int) -> np.ndarray:
+        """Loss mask of input positions [start, end): the target mask of raw tokens [start + 1, end + 1)."""
+        return self._sample(sample_id, self.loss_mask_key, start, end + 1)[start + 1:end + 1]

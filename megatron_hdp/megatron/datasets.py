@@ -165,7 +165,8 @@ def build_hdp_data_loader(
     """Megatron's `build_pretraining_data_loader(dataset, consumed_samples)`, planned by HDP.
 
     Reads `get_args()` (seed, global batch size, HDP flags, sequence parallelism) and the data-parallel
-    group, which is the HDP domain. GPT and blended datasets are already shuffled by Megatron, so they
+    group, which is the HDP domain. An `HDPDataLoader` passed as the dataset (what a datasets provider
+    returns under `--dataloader-type external`) is returned unchanged. GPT and blended datasets are already shuffled by Megatron, so they
     are taken in order; an IndexedDataset (documents) is shuffled per epoch.
     """
     from megatron.core import parallel_state
@@ -175,8 +176,8 @@ def build_hdp_data_loader(
     require_megatron_training()
     from megatron.training import get_args
 
-    if dataset is None:
-        return None
+    if dataset is None or isinstance(dataset, HDPDataLoader):
+        return dataset  # `--dataloader-type external`: a loader the user built is used as it is
     args = get_args()
     source = document_source(dataset)
     tp = parallel_state.get_tensor_model_parallel_world_size()
