@@ -135,35 +135,100 @@ def allreduce_time(*, grad_bytes: float, num_ranks: int, bandwidth: float) -> fl
     return 2.0 * (num_ranks - 1) / num_ranks * grad_bytes / bandwidth
 
 
-def _microbatch_costs(
-    mb: MicroBatch, plan: StepPlan, cost: CostModel, rules: PolicyRules
-) -> tuple[float, float, float, float]:
-    """(compute, exposed comm, exposed offload, ring bytes) of one micro-batch on one stage."""
+@dataclass(frozen=True)
+class _Shards:
+    """Every shard of a plan as flat arrays, micro-batches numbered globally rank after rank."""
+
+    microbatch: np.ndarray
+    length: np.ndarray
+    tokens: np.ndarray
+    ring: np.ndarray
+    """Id of the shard's ring (shards of one ring share an id)."""
+    ring_size: np.ndarray
+    offload_ratio: np.ndarray
+    first_microbatch: np.ndarray
+    """first_microbatch[r]: global number of rank r's micro-batch 0; one more entry for the end."""
+    rings: tuple[tuple[int, ...], ...]
+    """The ranks of ring id i."""
+
+    def microbatch_index(self) -> np.ndarray:
+        """Each shard's micro-batch index on its own rank."""
+        rank = np.searchsorted(self.first_microbatch, self.microbatch, side="right") - 1
+        return self.microbatch - self.first_microbatch[rank]
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> "_Shards":
+        mbs = [mb for schedule in plan.ranks for mb in schedule.microbatches]
+        counts = np.cumsum([0] + [len(schedule.microbatches) for schedule in plan.ranks])
+        # the simulator's only per-shard Python loops: flat lists, then numpy
+        shard_list = [shard for mb in mbs for shard in mb.shards]
+        microbatch = np.repeat(np.arange(len(mbs)), [len(mb.shards) for mb in mbs])
+        seq = np.array([shard.seq for shard in shard_list], dtype=np.int64)
+        chunk_counts = [len(shard.chunks) for shard in shard_list]
+        widths = np.array([end - start for shard in shard_list for start, end in shard.chunks], dtype=np.float64)
+        starts = np.cumsum([0] + chunk_counts[:-1])
+        tokens = np.add.reduceat(widths, starts) if len(widths) else np.zeros(len(shard_list))
+        rings: dict[tuple[int, ...], int] = {}
+        ring_of_seq = np.array([rings.setdefault(s.ring, len(rings)) for s in plan.sequences], dtype=np.int64)
+        return cls(
+            microbatch=microbatch.astype(np.int64),
+            length=np.array(plan.lengths, dtype=np.float64)[seq],
+            tokens=tokens,
+            ring=ring_of_seq[seq],
+            ring_size=np.array([len(s.ring) for s in plan.sequences], dtype=np.int64)[seq],
+            offload_ratio=np.array([s.offload_ratio for s in plan.sequences], dtype=np.float64)[seq],
+            first_microbatch=np.array(counts, dtype=np.int64),
+            rings=tuple(rings),
+        )
+
+
+def _per_ring_size(values: np.ndarray, sizes: np.ndarray, function) -> np.ndarray:
+    """function(values[sizes == k], k) for each ring size k > 1 (the cost model takes a scalar ring size)."""
+    out = np.zeros_like(values)
+    for k in np.unique(sizes[sizes > 1]):
+        chosen = sizes == k
+        out[chosen] = function(values[chosen], int(k))
+    return out
+
+
+def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shards: _Shards) -> np.ndarray:
+    """[micro-batches, 4]: compute, exposed comm, exposed offload, ring bytes of each micro-batch on one
+    stage, from the cost model's own formulas evaluated on arrays of shards."""
+    num_mbs = int(shards.first_microbatch[-1])
     layers = cost.num_layers / plan.pp_size
-    shards = [(plan.sequences[sh.seq], sh.num_tokens) for sh in mb.shards]
-    passes = [[s] for s in shards] if rules.pass_per_shard else ([shards] if shards else [])
-    compute = comm = offload = 0.0
-    for pass_shards in passes:
-        layer_compute, layer_comm, layer_copy = cost.g, 0.0, 0.0
-        attention: dict[tuple[int, ...], list[float]] = {}  # ring -> [attention seconds, tokens]
-        for seq, tokens in pass_shards:
-            linear = cost.b1 * tokens
-            layer_compute += cost.layer_compute_time(seq_len=seq.length, num_tokens=tokens)
-            group = attention.setdefault(seq.ring, [0.0, 0])
-            group[0] += cost.layer_compute_time(seq_len=seq.length, num_tokens=tokens) - linear
-            group[1] += tokens
-            layer_copy += seq.offload_ratio * cost.activation_bytes(tokens)
-        for ring, (seconds, tokens) in attention.items():
-            layer_comm += max(0.0, cost.layer_ring_comm_time(num_tokens=tokens, ring_size=len(ring)) - seconds)
-        layer_time = layer_compute + layer_comm
-        copy = max(layer_copy / cost.d2h_bandwidth, layer_copy / cost.h2d_bandwidth)
-        compute += layer_compute * layers
-        comm += layer_comm * layers
-        offload += max(0.0, copy - layer_time) * layers
-    ring_bytes = sum(
-        cost.ring_bytes(num_tokens=t, ring_size=len(seq.ring), pp_size=plan.pp_size) for seq, t in shards
-    )
-    return compute, comm, offload, ring_bytes
+    out = np.zeros((num_mbs, 4))
+    if not len(shards.tokens):
+        return out
+    # a pass is one forward/backward: the whole micro-batch, or (hybrid CP) each shard alone
+    passes = np.arange(len(shards.tokens)) if rules.pass_per_shard else shards.microbatch
+    pass_ids, pass_of_shard = np.unique(passes, return_inverse=True)
+    mb_of_pass = shards.microbatch[np.unique(pass_of_shard, return_index=True)[1]]
+    compute = cost.layer_compute_time(seq_len=shards.length, num_tokens=shards.tokens)
+    attention = compute - cost.layer_compute_time(seq_len=0, num_tokens=shards.tokens)
+    # shards of one pass on one ring share one exchange: summed tokens against summed attention
+    group_keys = np.unique(pass_of_shard * len(shards.rings) + shards.ring, return_inverse=True)[1]
+    group_attention = np.bincount(group_keys, weights=attention)
+    group_tokens = np.bincount(group_keys, weights=shards.tokens)
+    group_size = np.zeros(len(group_tokens), dtype=np.int64)
+    group_size[group_keys] = shards.ring_size
+    group_pass = np.zeros(len(group_tokens), dtype=np.int64)
+    group_pass[group_keys] = pass_of_shard
+    traffic = _per_ring_size(group_tokens, group_size,
+                             lambda t, k: cost.layer_ring_comm_time(num_tokens=t, ring_size=k))
+    exposed = np.maximum(0.0, traffic - group_attention)
+    num_passes = len(pass_ids)
+    layer_compute = cost.g + np.bincount(pass_of_shard, weights=compute, minlength=num_passes)
+    layer_comm = np.bincount(group_pass, weights=exposed, minlength=num_passes)
+    copy = np.bincount(pass_of_shard, weights=shards.offload_ratio * cost.activation_bytes(shards.tokens),
+                       minlength=num_passes)
+    copy_time = np.maximum(copy / cost.d2h_bandwidth, copy / cost.h2d_bandwidth)
+    layer_offload = np.maximum(0.0, copy_time - layer_compute - layer_comm)
+    for column, per_pass in enumerate((layer_compute, layer_comm, layer_offload)):
+        out[:, column] = np.bincount(mb_of_pass, weights=per_pass * layers, minlength=num_mbs)
+    ring_bytes = _per_ring_size(shards.tokens, shards.ring_size,
+                                lambda t, k: cost.ring_bytes(num_tokens=t, ring_size=k, pp_size=plan.pp_size))
+    out[:, 3] = np.bincount(shards.microbatch, weights=ring_bytes, minlength=num_mbs)
+    return out
 
 
 def _one_f_one_b(num_microbatches: int, pp_size: int, stage: int) -> list[tuple[str, int]]:
@@ -176,7 +241,7 @@ def _one_f_one_b(num_microbatches: int, pp_size: int, stage: int) -> list[tuple[
     return order
 
 
-def _coupling(plan: StepPlan, rules: PolicyRules) -> dict[tuple[int, int], int]:
+def _coupling(plan: StepPlan, rules: PolicyRules, shards: _Shards) -> dict[tuple[int, int], int]:
     """(rank, micro-batch index) -> id of the group of ranks that must run that index together."""
     parent: dict[tuple[int, int], tuple[int, int]] = {}
 
@@ -186,12 +251,13 @@ def _coupling(plan: StepPlan, rules: PolicyRules) -> dict[tuple[int, int], int]:
             x = parent[x]
         return x
 
-    where = {}  # sequence -> micro-batch index (validate() guarantees one index per sequence)
-    for rank, index, shard in plan.iter_shards():
-        where[shard.seq] = index
-    for seq in plan.sequences:
-        for rank in seq.ring[1:]:
-            parent[find((rank, where[seq.id]))] = find((seq.ring[0], where[seq.id]))
+    split = shards.ring_size > 1  # validate() puts all shards of a sequence at one index
+    num_rings = len(shards.rings)
+    for key in np.unique(shards.microbatch_index()[split] * num_rings + shards.ring[split]):
+        index, ring = divmod(int(key), num_rings)
+        members = shards.rings[ring]
+        for rank in members[1:]:
+            parent[find((rank, index))] = find((members[0], index))
     if rules.barrier_per_microbatch:
         first: dict[int, int] = {}  # micro-batch index -> first rank that has it
         for schedule in plan.ranks:
@@ -221,10 +287,13 @@ def simulate_step(
         raise ValueError(f"allreduce_bandwidth must be > 0, got {allreduce_bandwidth}")
     rules = POLICY_RULES.get(plan.policy, PolicyRules())
     n, p = plan.num_ranks, plan.pp_size
-    costs = [[_microbatch_costs(mb, plan, cost_model, rules) for mb in r.microbatches] for r in plan.ranks]
-    has_ring = [[any(len(plan.sequences[sh.seq].ring) > 1 for sh in mb.shards) for mb in r.microbatches]
-                for r in plan.ranks]
-    coupled = _coupling(plan, rules)
+    shards = _Shards.of(plan)
+    mb_costs = _microbatch_costs(plan, cost_model, rules, shards)
+    bounds = shards.first_microbatch
+    costs = [mb_costs[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]  # [rank][index] -> 4 numbers
+    with_ring = np.bincount(shards.microbatch, weights=shards.ring_size > 1, minlength=len(mb_costs)) > 0
+    has_ring = [with_ring[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]
+    coupled = _coupling(plan, rules, shards)
     members: dict[int, list[int]] = {}
     for (rank, _), gid in coupled.items():
         members.setdefault(gid, []).append(rank)
@@ -283,7 +352,8 @@ def simulate_step(
     # common indices are the same sequence, so coupled ops never wait on each other in a cycle.
     stuck = [(r, s) for r in range(n) for s in range(p) if len(ops[r][s]) < len(orders[r][s])]
     assert not stuck, f"simulation stalled at rank-stages {stuck[:4]}: the plan breaks the one-index ring rule"
-    totals = np.array([[sum(c[i] for c in rank_costs) for i in range(4)] for rank_costs in costs]).reshape(n, 4)
+    rank_of_mb = np.repeat(np.arange(n), np.diff(bounds))
+    totals = np.stack([np.bincount(rank_of_mb, weights=mb_costs[:, i], minlength=n) for i in range(4)], axis=1)
     finish = np.array([max((o.release for stage in ops[r] for o in stage), default=0.0) for r in range(n)])
     return StepTimeline(
         policy=plan.policy,
