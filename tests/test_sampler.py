@@ -188,3 +188,23 @@ class _ListOf(list):
     @property
     def lengths(self):
         return [len(d["tokens"]) for d in self]
+
+
+def test_data_layer_imports_without_megatron():
+    """DESIGN.md: data/ uses torch but never Megatron (the adapters live in megatron_hdp/megatron/)."""
+    import subprocess
+    import sys
+
+    blocker = (
+        "import importlib, importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'megatron':\n"
+        "            raise ImportError(f'layer violation: {name} imported')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "for name in sys.argv[1:]:\n"
+        "    importlib.import_module(name)\n"
+    )
+    modules = [f"megatron_hdp.data.{name}" for name in ("source", "sampler", "prefetch", "loader")]
+    result = subprocess.run([sys.executable, "-c", blocker, *modules], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
