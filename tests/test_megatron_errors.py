@@ -1,0 +1,70 @@
+"""Misuse fails with a clear ValueError on every rank — never a hang — and the ranks can go on training.
+
+One 4-rank launch: plans that differ across ranks (digest check), a plan for another domain size, a
+sequence beyond what the pool can hold, and settings that cannot work together; then a valid step runs.
+"""
+
+import pytest
+
+from megatron_hdp.comm.launch import run_gloo
+
+
+def _errors(rank, world_size):
+    import dataclasses
+
+    from megatron_hdp.config import HDPConfig
+    from megatron_hdp.megatron.exactness import VOCAB_SIZE, token_reader
+    from megatron_hdp.megatron.hand_plan import random_plan
+    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.layer_spec import prepare_model_for_hdp
+    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.megatron.step import HDPTrainer
+    from megatron_hdp.plan.planner import make_plan
+    from megatron_hdp.plan.presets import analytic_cost_model, model_shape
+
+    def message(fn):
+        try:
+            fn()
+        except ValueError as err:
+            return str(err)
+        return None
+
+    out = {"bad_sizes": message(lambda: initialize_hdp(tensor_model_parallel_size=3))}
+    state = initialize_hdp(seed=3)
+    model = build_gpt(tiny_llama_config(), vocab_size=VOCAB_SIZE, max_sequence_length=64)
+    ddp, opt = wrap_for_training(model)
+    trainer = HDPTrainer(model=ddp, optimizer=opt, state=state)
+    lengths = [20, 9, 33, 4]
+    reader = token_reader(0, lengths)
+    mine = random_plan(lengths, num_ranks=4, seed=1 if rank == 0 else 2)
+    out["mismatch"] = message(lambda: trainer.step(mine, reader))
+    out["wrong_domain"] = message(lambda: trainer.step(random_plan(lengths, num_ranks=2, seed=0), reader))
+    config = HDPConfig(hdp=True, hdp_capacity=8, hdp_offload=False)
+    cost = analytic_cost_model(model_shape("llama-7b"))
+    out["too_long"] = message(lambda: make_plan([8 * 4 + 1], num_ranks=4, config=config, cost_model=cost))
+    no_token_loss = dataclasses.replace(ddp.config, calculate_per_token_loss=False)
+    out["no_token_loss"] = message(lambda: HDPTrainer(model=_Proxy(ddp, no_token_loss), optimizer=opt, state=state))
+    plain = build_gpt(tiny_llama_config(), vocab_size=VOCAB_SIZE, max_sequence_length=64, hdp=False)
+    out["no_hdp_spec"] = message(lambda: prepare_model_for_hdp(plain))
+    stats = trainer.step(random_plan(lengths, num_ranks=4, seed=5), reader)  # still healthy afterwards
+    out["loss_after"] = stats.loss
+    return out
+
+
+class _Proxy:
+    """A DDP stand-in exposing another TransformerConfig (the trainer reads `.config` first)."""
+
+    def __init__(self, ddp, config):
+        self.config, self.no_sync = config, ddp.no_sync
+
+
+def test_misuse_raises_value_error_on_every_rank_without_hanging():
+    results = run_gloo(_errors, 4, timeout_s=240)
+    for out in results:
+        assert "not divisible by TP x PP" in out["bad_sizes"]
+        assert "plans differ across ranks" in out["mismatch"]
+        assert "plan is for 2 HDP ranks" in out["wrong_domain"]
+        assert out["too_long"] is not None and "33" in out["too_long"]
+        assert "calculate_per_token_loss" in out["no_token_loss"]
+        assert "get_gpt_layer_with_hdp_spec" in out["no_hdp_spec"]
+        assert out["loss_after"] == pytest.approx(results[0]["loss_after"]) and out["loss_after"] > 0
