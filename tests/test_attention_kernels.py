@@ -202,3 +202,17 @@ def test_reference_is_causal():
     q, k, v, _ = _qkv([5], 2, 2)
     out = reference_attention(q, k, v, [5], causal=True, scale=1.0)
     torch.testing.assert_close(out[0].float(), v[0], **TOL)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.bfloat16, 3e-2)])
+def test_simulated_ring_keeps_input_dtype(dtype, tol):
+    """Accumulation is fp32 (fp64 for fp64); outputs and gradients come back in the input dtype."""
+    seqlens = [1, 9, 40, 7]
+    q, k, v, dout = _qkv(seqlens, 4, 2, dim=16, seed=3)
+    want = reference_with_grads(q, k, v, dout, seqlens, causal=True, scale=0.25)
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    out = simulated_ring_attention(*leaves, seqlens=seqlens, ring_size=3, softmax_scale=0.25)
+    got = [out, *torch.autograd.grad(out, leaves, dout.to(dtype))]
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol)
