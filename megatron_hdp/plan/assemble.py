@@ -20,6 +20,7 @@ import numpy as np
 
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.layout import zigzag_chunks
+from megatron_hdp.plan.sharding import whole_times
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
 
 
@@ -41,43 +42,45 @@ def assemble_plan(
     when offloading lets a member hold more.
     """
     num_ranks = len(schedule)
+    lengths = [int(n) for n in lengths]
     positions: dict[int, dict[int, int]] = {
         seq: {rank: p for p, rank in enumerate(ring)} for seq, ring in enumerate(rings) if len(ring) > 1
     }
+    # A micro-batch of whole sequences takes the micro-batch overhead plus each sequence's whole time
+    # (the cost model is additive over shards); micro-batches with ring shards go through the cost model.
+    whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size).tolist()
+    overhead = cost_model.microbatch_time([], pp_size=pp_size)
     ring_index: dict[int, int] = {}
     times: list[list[float]] = []
     ranks: list[RankSchedule] = []
-    microbatch_time = cost_model.microbatch_time
     for rank, microbatches in enumerate(schedule):
         built: list[MicroBatch] = []
         rank_times: list[float] = []
         for index, seqs in enumerate(microbatches):
-            shards = []
-            costs = []
-            for seq in seqs:
-                length = lengths[seq]
-                where = positions.get(seq)
-                if where is None:
-                    chunks: tuple = ((0, length),)
-                    tokens, k = length, 1
-                else:
-                    k = len(where)
-                    chunks = zigzag_chunks(length, k, where[rank])
-                    tokens = chunks[0][1] - chunks[0][0] + chunks[1][1] - chunks[1][0]
-                    ring_index.setdefault(seq, index)
-                shards.append(Shard(seq, chunks))
-                costs.append((length, tokens, k))
-            held = sum(c[1] for c in costs)
-            time = microbatch_time(costs, pp_size=pp_size)
+            if not any(seq in positions for seq in seqs):
+                shards = tuple([Shard(seq, ((0, lengths[seq]),)) for seq in seqs])
+                held = sum([lengths[seq] for seq in seqs])
+                time = overhead + sum([whole[seq] for seq in seqs])
+            else:
+                shards, costs = [], []
+                for seq in seqs:
+                    where = positions.get(seq)
+                    k = 1 if where is None else len(where)
+                    chunks = ((0, lengths[seq]),) if k == 1 else zigzag_chunks(lengths[seq], k, where[rank])
+                    if k > 1:
+                        ring_index.setdefault(seq, index)
+                    shards.append(Shard(seq, chunks))
+                    costs.append((lengths[seq], sum(end - start for start, end in chunks), k))
+                shards = tuple(shards)
+                held = sum(c[1] for c in costs)
+                time = cost_model.microbatch_time(costs, pp_size=pp_size)
             rank_times.append(time)
-            built.append(MicroBatch(tuple(shards), max(capacity, held), time))
+            built.append(MicroBatch(shards, max(capacity, held), time))
         times.append(rank_times)
         ranks.append(RankSchedule(rank, tuple(built), _rank_time(rank_times, pp_size)))
     step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size)
-    sequences = tuple(
-        SequencePlacement(seq, int(lengths[seq]), tuple(ring), float(offload_ratios[seq]))
-        for seq, ring in enumerate(rings)
-    )
+    ratios = [float(r) for r in offload_ratios]
+    sequences = tuple([SequencePlacement(seq, lengths[seq], ring, ratios[seq]) for seq, ring in enumerate(rings)])
     assert len(ranks) == num_ranks
     return StepPlan(policy=policy, num_ranks=num_ranks, capacity=capacity, sequences=sequences,
                     ranks=tuple(ranks), est_step_time=step, pp_size=pp_size)

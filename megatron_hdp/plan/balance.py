@@ -20,8 +20,8 @@ This implementation, step by step:
 
 Deviation from the paper: Algorithm 2 forms micro-batches first and then assigns them; we assign
 sequences to ranks first and pack per rank, which gives the same "different micro-batch counts" result
-with finer granularity. `step_time_lower_bound` bounds any plan from below; `gap` reports how far a
-plan is from it.
+with finer granularity. `bounds.step_time_lower_bound` bounds any plan from below; `bounds.gap` reports
+how far a plan is from it.
 """
 
 from __future__ import annotations
@@ -36,59 +36,120 @@ from megatron_hdp.plan.assemble import assemble_plan
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.packing import best_fit
 from megatron_hdp.plan.placement import lpt, place_rings
-from megatron_hdp.plan.sharding import shard_sequences, shard_time
+from megatron_hdp.plan.refine import refine_exact, refine_local
+from megatron_hdp.plan.bounds import gap
+from megatron_hdp.plan.sharding import (
+    fastest_ring_size,
+    fits,
+    max_member_tokens,
+    member_times,
+    needed_offload_ratio,
+    shard_sequences,
+    shard_time,
+    whole_times,
+)
 from megatron_hdp.plan.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
 
-def whole_times(lengths: Sequence[int], *, cost_model: CostModel, pp_size: int = 1) -> np.ndarray:
-    """Seconds of each sequence computed whole on one rank (per pipeline stage), by distinct length."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    unique, inverse = np.unique(lengths, return_inverse=True)
-    times = np.array([shard_time(cost_model, seq_len=int(s), num_tokens=int(s), ring_size=1, pp_size=pp_size)
-                      for s in unique])
-    return times[inverse]
+WIDEN_SLACK = 0.02
+"""Rings are widened until their member time is within this fraction of the step-time target."""
 
 
-def member_times(
-    lengths: Sequence[int], ring_sizes: Sequence[int], *, cost_model: CostModel, pp_size: int = 1
-) -> np.ndarray:
-    """Seconds one ring member spends on its shard (ceil(s/k) tokens), per sequence."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    ring_sizes = np.asarray(ring_sizes, dtype=np.int64)
-    out = whole_times(lengths, cost_model=cost_model, pp_size=pp_size)
-    for seq in np.flatnonzero(ring_sizes > 1).tolist():
-        s, k = int(lengths[seq]), int(ring_sizes[seq])
-        out[seq] = shard_time(cost_model, seq_len=s, num_tokens=-(-s // k), ring_size=k, pp_size=pp_size)
-    return out
+def widen_rings(
+    lengths: Sequence[int],
+    ring_sizes: np.ndarray,
+    offload_ratios: np.ndarray,
+    *,
+    num_ranks: int,
+    capacity: int,
+    cost_model: CostModel,
+    max_offload_ratio: float,
+    pp_size: int = 1,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Spread long sequences whose member time would set the step time over more ranks.
 
-
-def step_time_lower_bound(
-    lengths: Sequence[int], *, num_ranks: int, capacity: int, cost_model: CostModel, pp_size: int = 1
-) -> float:
-    """A lower bound on the step time of any plan of these lengths over `num_ranks` ranks.
-
-    max(total work / D, largest whole sequence's time, largest ring member's time): a sequence of
-    s <= C runs whole on one rank; a ring of k members does at least the work of the whole sequence
-    (k * ceil(s/k) >= s tokens, each seeing s/2 keys on average) and a member at least a 1/k share of it,
-    with k <= min(D, s). Micro-batch overheads and the PP fill/drain only add to a plan's time.
+    Target: (1 + WIDEN_SLACK) x max(total work / D, slowest short sequence, slowest long sequence at its
+    fastest ring size). A sequence above it gets the smallest k >= D(s) whose member time meets it; the
+    target moves with the work the wider rings add, so this repeats until the ring sizes settle (three
+    rounds at most). The slack matters: ring traffic makes a member's time flat near its minimum, and
+    e.g. a 2M-token document reaches within 1% of its fastest time on 131 ranks where the exact minimum
+    needs 314. Ring sizes stay <= min(D, s // 2) so chunks are non-empty. Returns new
+    (ring_sizes, offload_ratios); offloading is re-decided for the smaller shards.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size)
-    bound = max(float(whole.sum()) / num_ranks, float(whole[lengths <= capacity].max(initial=0.0)))
-    for s in np.unique(lengths[lengths > capacity]).tolist():
-        widest = min(num_ranks, s)
-        share = shard_time(cost_model, seq_len=s, num_tokens=s / widest, ring_size=1, pp_size=pp_size)
-        bound = max(bound, share)
-    return bound
+    long_lengths = np.unique(lengths[lengths > capacity]).tolist()
+    if not long_lengths:
+        return ring_sizes, offload_ratios
+    first = {s: int(np.flatnonzero(lengths == s)[0]) for s in long_lengths}
+    base_of = {s: int(ring_sizes[first[s]]) for s in long_lengths}
+
+    def member(s: int, k: int) -> float:
+        return shard_time(cost_model, seq_len=s, num_tokens=-(-s // k), ring_size=k, pp_size=pp_size)
+
+    fastest: dict[int, int] = {}
+
+    def fastest_of(s: int) -> int:
+        if s not in fastest:
+            fastest[s] = fastest_ring_size(lambda k: member(s, k), lo=base_of[s],
+                                           hi=max(base_of[s], min(num_ranks, s // 2)))
+        return fastest[s]
+
+    # A longer sequence is slower at every ring size, so the longest one sets the floor.
+    longest = long_lengths[-1]
+    short_times = whole_times(lengths[lengths <= capacity], cost_model=cost_model, pp_size=pp_size)
+    floor = max(float(short_times.max(initial=0.0)), member(longest, fastest_of(longest)))
+    sizes = ring_sizes.copy()
+    chosen = dict(base_of)
+    for _ in range(3):
+        work = float((member_times(lengths, sizes, cost_model=cost_model, pp_size=pp_size) * sizes).sum())
+        target = (1 + WIDEN_SLACK) * max(work / num_ranks, floor)
+        previous = dict(chosen)
+        for s in long_lengths:
+            lo = base_of[s]
+            if member(s, lo) <= target:
+                chosen[s] = lo
+                continue
+            hi = fastest_of(s)  # the member time decreases on [D(s), fastest]
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (mid + 1, hi) if member(s, mid) > target else (lo, mid)
+            chosen[s] = lo
+        if chosen == previous:
+            break
+        sizes = ring_sizes.copy()
+        for s, k in chosen.items():
+            if k != base_of[s]:
+                sizes[lengths == s] = k
+    ratios = offload_ratios.copy()
+    for s, k in chosen.items():
+        if k == base_of[s]:
+            continue
+        held = max_member_tokens(s, k)
+        if fits(cost_model, seq_len=s, ring_size=k, num_tokens=held, capacity=capacity,
+                max_offload_ratio=max_offload_ratio, pp_size=pp_size):
+            ratios[lengths == s] = needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
+        else:
+            sizes[lengths == s] = base_of[s]
+    return sizes, ratios
 
 
-def gap(plan: StepPlan, *, cost_model: CostModel) -> float:
-    """est_step_time / lower bound - 1 of a plan (0 means provably optimal under the cost model)."""
-    bound = step_time_lower_bound(plan.lengths, num_ranks=plan.num_ranks, capacity=plan.capacity,
-                                  cost_model=cost_model, pp_size=plan.pp_size)
-    return plan.est_step_time / bound - 1.0 if bound > 0 else 0.0
+def assign_whole(
+    order: Sequence[int], *, weights: np.ndarray, base: np.ndarray, exact_limit: int = 256
+) -> list[list[int]]:
+    """Whole sequences to ranks: LPT, then local search, then (small instances) the exact MILP."""
+    loads = base.copy()
+    given = lpt(order, weights=weights, loads=loads)
+    given = refine_local(given, weights=weights, base=base)
+    num_ranks = len(base)
+    if 1 < num_ranks and len(order) * num_ranks <= exact_limit:
+        totals = base + np.array([weights[r].sum() for r in given])
+        bound = max(float(base.max()), float(totals.sum()) / num_ranks,
+                    float(weights[list(order)].max(initial=0.0)) + float(base.min()))
+        if totals.max() > bound * (1 + 1e-9):
+            given = refine_exact(given, weights=weights, base=base)
+    return given
 
 
 def plan_balance(
@@ -97,28 +158,28 @@ def plan_balance(
     """Plan a global batch with ByteScale's balance scheduler plus refinement (see the module doc)."""
     capacity = config.hdp_capacity
     sharding = shard_sequences(lengths, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
-                               max_offload_ratio=config.max_offload_ratio)
-    ring_sizes = sharding.ring_sizes
+                               max_offload_ratio=config.max_offload_ratio, pp_size=pp_size)
+    ring_sizes, offload_ratios = widen_rings(
+        lengths, sharding.ring_sizes, sharding.offload_ratios, num_ranks=num_ranks, capacity=capacity,
+        cost_model=cost_model, max_offload_ratio=config.max_offload_ratio, pp_size=pp_size)
     weights = member_times(lengths, ring_sizes, cost_model=cost_model, pp_size=pp_size)
     long_ids = np.flatnonzero(ring_sizes > 1)
     order = long_ids[np.lexsort((long_ids, -weights[long_ids], -ring_sizes[long_ids]))].tolist()
     layout = place_rings(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks)
-    short_ids = np.flatnonzero(ring_sizes == 1)
-    short_order = short_ids[np.lexsort((short_ids, -weights[short_ids]))].tolist()
-    loads = layout.finish.copy()
-    given = lpt(short_order, weights=weights, loads=loads)
+    whole_ids = np.flatnonzero(ring_sizes == 1)
+    whole_order = whole_ids[np.lexsort((whole_ids, -weights[whole_ids]))].tolist()
+    given = assign_whole(whole_order, weights=weights, base=layout.finish)
+    rings: list[tuple[int, ...]] = [layout.rings.get(seq, ()) for seq in range(len(lengths))]
     schedule = []
     for rank in range(num_ranks):
         items = given[rank]
+        for seq in items:
+            rings[seq] = (rank,)
         bins = best_fit([lengths[i] for i in items], capacity=capacity)
         schedule.append([[seq] for seq in layout.ring_microbatches[rank]] + [[items[j] for j in b] for b in bins])
-    rings = [layout.rings.get(seq, (0,)) for seq in range(len(lengths))]
-    for rank in range(num_ranks):
-        for b in schedule[rank][len(layout.ring_microbatches[rank]):]:
-            for seq in b:
-                rings[seq] = (rank,)
-    plan = assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=sharding.offload_ratios,
+    plan = assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
                          schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
-    logger.debug("balance plan: step %.4g s, gap to lower bound %.2f%%", plan.est_step_time,
-                 100 * gap(plan, cost_model=cost_model))
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("balance plan: step %.4g s, gap to the lower bound %.2f%%", plan.est_step_time,
+                     100 * gap(plan, cost_model=cost_model))
     return plan

@@ -99,7 +99,7 @@ def plan_naive(
     """ByteScale Algorithm 1: data-aware sharding, token-balanced placement (see the module doc)."""
     capacity = config.hdp_capacity
     sharding = shard_sequences(lengths, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
-                               max_offload_ratio=config.max_offload_ratio)
+                               max_offload_ratio=config.max_offload_ratio, pp_size=pp_size)
     ring_sizes = sharding.ring_sizes
     array = np.asarray(lengths, dtype=np.int64)
     tokens = np.where(ring_sizes > 1, -(-array // ring_sizes), array).astype(np.float64)

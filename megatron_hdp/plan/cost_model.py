@@ -21,6 +21,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class CostModel:
     """Bytes/s from device to pinned host memory (activation offload)."""
     h2d_bandwidth: float = 25e9
     """Bytes/s from pinned host memory back to the device."""
+    host_memory_bytes: Optional[float] = None
+    """Pinned host bytes one rank may fill with offloaded activations (None: unlimited). Bounds the
+    planner's offload decision: r * Act(t) * layers per stage <= host_memory_bytes."""
 
     def __post_init__(self) -> None:
         for name in ("a1", "b1", "g", "a2", "b2", "kv_bytes_per_token", "ring_latency"):
@@ -57,6 +61,8 @@ class CostModel:
         for name in ("ring_bandwidth", "d2h_bandwidth", "h2d_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cost model {name} must be > 0, got {getattr(self, name)}")
+        if self.host_memory_bytes is not None and self.host_memory_bytes < 0:
+            raise ValueError(f"cost model host_memory_bytes must be >= 0, got {self.host_memory_bytes}")
         if self.num_layers <= 0:
             raise ValueError(f"cost model num_layers must be > 0, got {self.num_layers}")
 

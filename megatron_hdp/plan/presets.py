@@ -66,6 +66,8 @@ class HardwareProfile:
     memory_bytes: float
     kernel_overhead: float = 20e-6
     """Seconds of launch overhead per layer per micro-batch."""
+    host_memory_bytes: float = 256e9
+    """Pinned host memory per GPU for offloaded activations (a 2 TB, 8-GPU node)."""
 
 
 MODELS: dict[str, ModelShape] = {
@@ -131,4 +133,5 @@ def analytic_cost_model(
         ring_bandwidth=hw.ring_bandwidth,
         d2h_bandwidth=hw.d2h_bandwidth,
         h2d_bandwidth=hw.h2d_bandwidth,
+        host_memory_bytes=hw.host_memory_bytes,
     )

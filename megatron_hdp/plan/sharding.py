@@ -9,7 +9,10 @@ memory, so k shrinks:
                                      r <= min(max_offload_ratio, hidden_offload_ratio(s, t_k, k)),
 
 where t_k is the largest token count a zigzag member holds and `hidden_offload_ratio` is the cost model's
-overlap constraint (the D2H copy of r * Act(t_k) hides under the layer's compute). With offloading off,
+overlap constraint (the D2H copy of r * Act(t_k) hides under the layer's compute). We add one bound
+the equation leaves implicit: the offloaded bytes, r * Act(t_k) per layer of a pipeline stage, must fit
+the host memory of the cost model (`host_memory_bytes`); without it a 2M-token document would offload
+~99% of terabytes of activations to fit on a single rank. With offloading off,
 r = 0 and k = ceil(s / C) (one more in the rare case where zigzag rounding gives a member C + 1 tokens).
 The recorded ratio is the smallest r that makes the chosen k fit: offload no more than needed.
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -54,14 +57,29 @@ def needed_offload_ratio(cost_model: CostModel, *, num_tokens: int, capacity: in
 
 
 def fits(
-    cost_model: CostModel, *, seq_len: int, ring_size: int, num_tokens: int, capacity: int, max_offload_ratio: float
+    cost_model: CostModel,
+    *,
+    seq_len: int,
+    ring_size: int,
+    num_tokens: int,
+    capacity: int,
+    max_offload_ratio: float,
+    pp_size: int = 1,
 ) -> bool:
-    """Whether a member holding `num_tokens` of a ring of `ring_size` fits capacity with hidden offload."""
+    """Whether a member holding `num_tokens` of a ring of `ring_size` fits capacity with hidden offload.
+
+    Besides Eq. 3's overlap bound, the offloaded bytes of the stage's layers must fit the host memory
+    the cost model allows (`host_memory_bytes`).
+    """
     if num_tokens <= capacity:
         return True
     hidden = cost_model.hidden_offload_ratio(seq_len=seq_len, num_tokens=num_tokens, ring_size=ring_size)
-    allowed = min(max_offload_ratio, hidden)
-    return needed_offload_ratio(cost_model, num_tokens=num_tokens, capacity=capacity) <= allowed + 1e-12
+    needed = needed_offload_ratio(cost_model, num_tokens=num_tokens, capacity=capacity)
+    if needed > min(max_offload_ratio, hidden) + 1e-12:
+        return False
+    host = cost_model.host_memory_bytes
+    layers = cost_model.num_layers / pp_size
+    return host is None or needed * cost_model.activation_bytes(num_tokens) * layers <= host
 
 
 @dataclass(frozen=True)
@@ -71,12 +89,16 @@ class Sharding:
     ring_sizes: np.ndarray
     offload_ratios: np.ndarray
 
-    def member_tokens(self, seq: int, length: int) -> int:
-        return max_member_tokens(length, int(self.ring_sizes[seq]))
-
 
 def min_ring_size(
-    length: int, *, capacity: int, num_ranks: int, cost_model: CostModel, max_offload_ratio: float, seq: int = 0
+    length: int,
+    *,
+    capacity: int,
+    num_ranks: int,
+    cost_model: CostModel,
+    max_offload_ratio: float,
+    pp_size: int = 1,
+    seq: int = 0,
 ) -> tuple[int, float]:
     """D(s) and its offload ratio for one sequence (see the module docstring); ValueError if k > num_ranks."""
     if length <= capacity:
@@ -93,11 +115,11 @@ def min_ring_size(
     # exact zigzag maximum: the first k passing both is the smallest feasible one.
     while True:
         while not fits(cost_model, seq_len=length, ring_size=k, num_tokens=-(-length // k), capacity=capacity,
-                       max_offload_ratio=max_offload_ratio):
+                       max_offload_ratio=max_offload_ratio, pp_size=pp_size):
             k += 1
         held = max_member_tokens(length, k)
         if fits(cost_model, seq_len=length, ring_size=k, num_tokens=held, capacity=capacity,
-                max_offload_ratio=max_offload_ratio):
+                max_offload_ratio=max_offload_ratio, pp_size=pp_size):
             break
         k += 1
     if k > num_ranks:
@@ -109,7 +131,13 @@ def min_ring_size(
 
 
 def shard_sequences(
-    lengths: Sequence[int], *, capacity: int, num_ranks: int, cost_model: CostModel, max_offload_ratio: float
+    lengths: Sequence[int],
+    *,
+    capacity: int,
+    num_ranks: int,
+    cost_model: CostModel,
+    max_offload_ratio: float,
+    pp_size: int = 1,
 ) -> Sharding:
     """D(s) and offload ratio for every sequence (computed once per distinct length)."""
     if capacity <= 0:
@@ -125,6 +153,47 @@ def shard_sequences(
         length = int(lengths[seq])
         if length not in cache:
             cache[length] = min_ring_size(length, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
-                                          max_offload_ratio=max_offload_ratio, seq=seq)
+                                          max_offload_ratio=max_offload_ratio, pp_size=pp_size, seq=seq)
         ring_sizes[seq], ratios[seq] = cache[length]
     return Sharding(ring_sizes=ring_sizes, offload_ratios=ratios)
+
+
+def whole_times(lengths: Sequence[int], *, cost_model: CostModel, pp_size: int = 1) -> np.ndarray:
+    """Seconds of each sequence computed whole on one rank (per pipeline stage).
+
+    The vectorised form of `shard_time(seq_len=s, num_tokens=s, ring_size=1)`: a whole sequence has no
+    ring traffic, so a layer takes a1 s^2 + b1 s (the tests check that the two agree).
+    """
+    s = np.asarray(lengths, dtype=np.float64)
+    return (cost_model.a1 * s * s + cost_model.b1 * s) * (cost_model.num_layers / pp_size)
+
+
+def member_times(
+    lengths: Sequence[int], ring_sizes: Sequence[int], *, cost_model: CostModel, pp_size: int = 1
+) -> np.ndarray:
+    """Seconds one member spends on its shard (ceil(s/k) tokens) of each sequence."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ring_sizes = np.asarray(ring_sizes, dtype=np.int64)
+    out = whole_times(lengths, cost_model=cost_model, pp_size=pp_size)
+    cache: dict[tuple[int, int], float] = {}
+    for seq in np.flatnonzero(ring_sizes > 1).tolist():
+        key = s, k = int(lengths[seq]), int(ring_sizes[seq])
+        if key not in cache:
+            cache[key] = shard_time(cost_model, seq_len=s, num_tokens=-(-s // k), ring_size=k, pp_size=pp_size)
+        out[seq] = cache[key]
+    return out
+
+
+def fastest_ring_size(member_time: Callable[[int], float], *, lo: int, hi: int) -> int:
+    """The ring size in [lo, hi] of least member time (the smallest such k).
+
+    Per layer the member time is b1 s/k + max(a1 s^2/k, 3 (k-1) (kv s/(k bw) + latency)): with u = 1/k
+    both branches are convex in u, so the time is unimodal in k and a ternary search finds the minimum.
+    """
+    while hi - lo > 2:
+        third = (hi - lo) // 3
+        if member_time(lo + third) <= member_time(hi - third):
+            hi = hi - third
+        else:
+            lo = lo + third
+    return min(range(lo, hi + 1), key=lambda k: (member_time(k), k))
