@@ -1,0 +1,101 @@
+"""HDP training step on gloo CPU ranks: measured step time and ring bytes of each policy, and the planner's
+prediction next to the measurement.
+
+    python benchmarks/step_bench.py                    # 4 ranks, balance vs static vs megatron-hybrid-cp
+    python benchmarks/step_bench.py --ranks 8 --steps 5
+
+The tiny Llama-style GPT (Megatron-Core, HDP core attention) trains the same global batches — ByteScale's
+long-tailed "byted" mix scaled down, clipped to --max-length, with --capacity so that several documents
+need rings — under each policy, one after the other in the same processes
+(`megatron_hdp.megatron.cpu_training`). The cost model the planners use is fitted inside the run: whole
+documents of several lengths are timed through the real model on all ranks at once, T(s)/layer =
+a1 s^2 + b1 s + g by non-negative least squares, ring bandwidth from a timed gloo exchange. Measured:
+step time (plan check to optimizer step, slowest rank), compute time (the slowest rank's micro-batches,
+before the gradient all-reduce: what the plan predicts), ring-attention bytes (counted at every send).
+Results go to benchmarks/results/step_bench.json with the command and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+from megatron_hdp.comm.launch import run_gloo
+from megatron_hdp.megatron.cpu_training import CpuRunSpec, train_policies
+
+RESULTS = Path(__file__).resolve().parent / "results" / "step_bench.json"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4, help="gloo ranks (8 oversubscribes a 2-core machine)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--capacity", type=int, default=512)
+    parser.add_argument("--tokens-per-step", type=int, default=8192)
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--policies", default="balance,static,megatron-hybrid-cp")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=str(RESULTS))
+    return parser.parse_args(argv)
+
+
+def summarize(rows: list[dict], policies: list[str]) -> dict[str, dict]:
+    """Mean measured and predicted times, prediction error, ring bytes per policy."""
+    out = {}
+    for policy in policies:
+        mine = [r for r in rows if r["policy"] == policy]
+        step = statistics.mean(r["step_time"] for r in mine)
+        compute = statistics.mean(r["max_compute_time"] for r in mine)
+        predicted = statistics.mean(r["predicted_time"] for r in mine)
+        out[policy] = {
+            "step_time_s": step,
+            "compute_time_s": compute,
+            "predicted_time_s": predicted,
+            "prediction_error": (predicted - compute) / compute,
+            "balance": statistics.mean(r["balance"] for r in mine),
+            "rings_per_step": statistics.mean(r["num_rings"] for r in mine),
+            "attention_mib_per_step": statistics.mean(r["attention_bytes"] for r in mine) / 2**20,
+        }
+    return out
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    spec = CpuRunSpec(
+        policies=tuple(policies), steps=args.steps, capacity=args.capacity, tokens_per_step=args.tokens_per_step,
+        max_length=args.max_length, seed=args.seed,
+    )
+    result = run_gloo(train_policies, args.ranks, spec, timeout_s=1800)[0]
+    summary = summarize(result["rows"], policies)
+    base = summary.get("static", {}).get("step_time_s")
+    print(f"{'policy':<20} {'step s':>8} {'compute s':>10} {'pred s':>8} {'pred err':>9} {'balance':>8} "
+          f"{'rings':>6} {'attn MiB':>9} {'vs static':>10}")
+    for policy, s in summary.items():
+        speedup = f"{base / s['step_time_s']:.2f}x" if base else "-"
+        print(f"{policy:<20} {s['step_time_s']:>8.3f} {s['compute_time_s']:>10.3f} {s['predicted_time_s']:>8.3f} "
+              f"{s['prediction_error']:>+9.1%} {s['balance']:>8.2f} {s['rings_per_step']:>6.1f} "
+              f"{s['attention_mib_per_step']:>9.2f} {speedup:>10}")
+    record = {
+        "command": "python benchmarks/step_bench.py " + " ".join(argv),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "ranks": args.ranks},
+        "spec": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(spec).items()},
+        "cost_model": result["cost_model"],
+        "summary": summary,
+        "rows": result["rows"],
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
