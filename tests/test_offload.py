@@ -5,6 +5,8 @@ check that every saved tensor of the chosen layers goes out and comes back bit f
 """
 
 import math
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -281,3 +283,10 @@ def test_bucket_holds_the_bytes_with_little_waste(nbytes):
     size = bucket_bytes(nbytes)
     assert size >= nbytes and (nbytes <= 4096 or size <= nbytes * 1.125)
     assert bucket_bytes(size) == size
+
+
+def test_offload_never_imports_megatron():
+    """DESIGN.md layering: only megatron_hdp/megatron/ imports Megatron."""
+    code = ("import sys, megatron_hdp.offload, megatron_hdp.offload.calibrate, megatron_hdp.commands.calibrate; "
+            "sys.exit(any(m == 'megatron' or m.startswith('megatron.') for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
