@@ -6,7 +6,6 @@ global order), then one backward over all of them, so ranks in several rings and
 different ranks are exercised together.
 """
 
-import pytest
 import torch
 import torch.distributed as dist
 from attention_reference import reference_with_grads

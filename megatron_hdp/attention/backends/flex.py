@@ -10,6 +10,7 @@ cached per segment layout. Not run in this repository's CI (flex has no CPU back
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 
@@ -54,13 +55,11 @@ class FlexBackend(AttentionBackend):
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
-        if device.type != "cuda" or dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            return False
-        try:
-            from torch.nn.attention import flex_attention  # noqa: F401
-        except ImportError:
-            return False
-        return True
+        return (
+            device.type == "cuda"
+            and dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+        )
 
     def _attend(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
         from torch.nn.attention.flex_attention import AuxRequest

@@ -8,6 +8,8 @@ the unused dropout RNG state). Not run in this repository's CI (no GPU there).
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from megatron_hdp.attention.backends.base import AttentionBackend, Segments
@@ -27,9 +29,7 @@ class TorchVarlenBackend(AttentionBackend):
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
         if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
             return False
-        try:
-            from torch.nn.attention import varlen  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("torch.nn.attention.varlen") is None:
             return False
         return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device)[0] >= 8
 
