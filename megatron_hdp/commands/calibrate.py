@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
+import os
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -37,6 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", default="h100", help="preset whose ring bandwidth is recorded (not measured)")
     parser.add_argument("--ring-bandwidth", type=float, default=None, help="bytes/s of a ring link (overrides --hardware)")
     parser.add_argument("--bandwidth-mib", type=int, default=256, help="MiB per timed D2H/H2D copy")
+    parser.add_argument(
+        "--host-memory-gib",
+        type=float,
+        default=None,
+        help="pinned host memory one rank may fill with activations (default: half this machine's RAM "
+        "shared by its GPUs)",
+    )
     parser.add_argument("--output", default="cost_model.json", help="where the cost model JSON goes")
     parser.add_argument("--report", default=None, help="measurements JSON (default: <output>.measurements.json)")
 
@@ -59,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}") from None
     ring_bandwidth = args.ring_bandwidth or hardware_profile(args.hardware).ring_bandwidth
+    if args.host_memory_gib is not None:
+        host_memory = args.host_memory_gib * 2**30
+    else:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host_memory = physical / 2 / max(1, torch.cuda.device_count())
     result = calibrate(
         shape=shape,
         seq_lens=seq_lens,
@@ -67,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         ring_bandwidth=ring_bandwidth,
         repeats=args.repeats,
         bandwidth_bytes=args.bandwidth_mib << 20,
+        host_memory_bytes=host_memory,
     )
     output = Path(args.output)
     report = Path(args.report) if args.report else output.with_suffix(".measurements.json")
@@ -82,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"a1={cm.a1:.3e} b1={cm.b1:.3e} g={cm.g:.3e} a2={cm.a2:.1f} b2={cm.b2:.1f}")
     print(
         f"d2h={cm.d2h_bandwidth / 1e9:.1f} GB/s h2d={cm.h2d_bandwidth / 1e9:.1f} GB/s ({result.bandwidth.source}); "
-        f"ring {ring_bandwidth / 1e9:.1f} GB/s from {'--ring-bandwidth' if args.ring_bandwidth else args.hardware}"
+        f"ring {ring_bandwidth / 1e9:.1f} GB/s from {'--ring-bandwidth' if args.ring_bandwidth else args.hardware}; "
+        f"host memory per rank {host_memory / 2**30:.1f} GiB"
     )
     print(f"wrote {output} and {report}")
     return 0

@@ -205,10 +205,12 @@ def calibrate(
     ring_bandwidth: float,
     repeats: int = 3,
     bandwidth_bytes: int = 256 << 20,
+    host_memory_bytes: float | None = None,
 ) -> Calibration:
     """Measure a layer of `shape` over `seq_lens` and the offload link; fit the cost model.
 
     `ring_bandwidth` (bytes/s of a ring link) is not measured here: one device has no ring.
+    `host_memory_bytes` (pinned host memory one rank may fill) is recorded as given.
     """
     if repeats <= 0:
         raise ValueError(f"repeats must be positive, got {repeats}")
@@ -228,5 +230,6 @@ def calibrate(
         ring_bandwidth=ring_bandwidth,
         d2h_bandwidth=bandwidth.d2h,
         h2d_bandwidth=bandwidth.h2d,
+        host_memory_bytes=host_memory_bytes,
     )
     return Calibration(cost_model, tuple(samples), bandwidth, str(device), str(dtype).removeprefix("torch."))
