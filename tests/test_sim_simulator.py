@@ -11,7 +11,7 @@ import pytest
 
 from megatron_hdp.megatron.hand_plan import plan_from_rings
 from megatron_hdp.plan.cost_model import CostModel
-from megatron_hdp.sim.simulator import allreduce_time, simulate_step
+from megatron_hdp.sim.simulator import PolicyRules, allreduce_time, simulate_step
 
 LAYERS, A1, B1, G, KV, BW = 4, 1e-9, 1e-6, 1e-4, 1000.0, 1e9
 COST = CostModel(a1=A1, b1=B1, g=G, a2=100.0, b2=0.0, kv_bytes_per_token=KV, num_layers=LAYERS,
@@ -130,3 +130,10 @@ def test_documents_on_one_ring_share_its_exchange():
     traffic = 3 * (1 * 4000 * KV / BW + 1e-3)  # 3 (k-1) steps of the summed tokens, one latency each
     assert timeline.step_time == pytest.approx(LAYERS * (G + B1 * 4000 + max(attention, traffic)))
     assert timeline.comm[0] == pytest.approx(LAYERS * max(0.0, traffic - attention))
+
+
+def test_rules_override_predicts_our_runtime_for_hybrid_cp_plans():
+    """Our runtime runs a megatron-hybrid-cp plan like any other (no barrier, one pass per micro-batch)."""
+    plan = plan_from_rings([2000, 1000, 1000], [(0,), (1,), (1,)], [0, 1, 0], num_ranks=2, capacity=2000,
+                           policy="megatron-hybrid-cp")
+    assert simulate_step(plan, COST, rules=PolicyRules()).step_time == pytest.approx(whole(2000))

@@ -277,15 +277,19 @@ def simulate_step(
     *,
     grad_bytes: float = 0.0,
     allreduce_bandwidth: float = math.inf,
+    rules: PolicyRules | None = None,
 ) -> StepTimeline:
     """Simulate one step of `plan` (see the module docstring for what is modelled).
 
-    `grad_bytes` is the gradient size one (stage, TP rank) all-reduces over the HDP pool; the step bench
-    and `megatron-hdp simulate` pass the model's parameters / (TP * PP) * 2 (bf16).
+    `grad_bytes` is the gradient size one (stage, TP rank) all-reduces over the HDP pool (`megatron-hdp
+    simulate` passes the model's parameters / (TP * PP) * 2 bytes, bf16). `rules` default to how the
+    policy's own framework runs its plans (`POLICY_RULES`: Megatron's hybrid CP with its barriers and one
+    pass per sub-sample); pass `PolicyRules()` to predict our HDP runtime, which runs every plan alike.
     """
     if allreduce_bandwidth <= 0:
         raise ValueError(f"allreduce_bandwidth must be > 0, got {allreduce_bandwidth}")
-    rules = POLICY_RULES.get(plan.policy, PolicyRules())
+    if rules is None:
+        rules = POLICY_RULES.get(plan.policy, PolicyRules())
     n, p = plan.num_ranks, plan.pp_size
     shards = _Shards.of(plan)
     mb_costs = _microbatch_costs(plan, cost_model, rules, shards)

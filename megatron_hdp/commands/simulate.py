@@ -1,0 +1,94 @@
+"""`megatron-hdp simulate`: what HDP buys on a model, cluster, context length and data mix, before a run.
+
+    megatron-hdp simulate --model llama-7b --gpus 1024 --tp 8 --pp 1 --context 2M --dist byted \\
+        [--global-batch-tokens 32M] [--policies static,megatron-hybrid-cp,naive,balance] [--steps 4] \\
+        [--json out.json] [--plot out.png]
+
+Samples global batches from the length mix, plans each with every policy, simulates every step per rank
+(`megatron_hdp/sim/simulator.py`) and prints tokens/s, speedup over static, balance, idle fraction and
+ring-attention traffic. `--plot out.png` writes the per-rank timelines of one step (out.png) and tokens/s
+against context length, 256K..2M (out-throughput.png). `--cost-model` takes a `megatron-hdp calibrate`
+JSON so that measured kernel timings replace the analytic FLOP model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SWEEP_CONTEXTS = ("256K", "512K", "1M", "2M")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the simulate subcommand."""
+    from megatron_hdp.plan.lengths import DISTRIBUTIONS
+    from megatron_hdp.sim.compare import DEFAULT_POLICIES
+
+    parser.add_argument("--model", default="llama-7b", help="model preset (plan/presets.py MODELS)")
+    parser.add_argument("--gpus", type=int, default=1024, help="GPUs in the cluster")
+    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--hardware", default="h100", help="hardware preset (plan/presets.py HARDWARE)")
+    parser.add_argument("--context", default="2M", help="context length: the longest sequence (e.g. 256K, 2M)")
+    parser.add_argument("--dist", default="byted", choices=DISTRIBUTIONS, help="sequence-length mix")
+    parser.add_argument("--global-batch-tokens", default=None,
+                        help="tokens per global batch (e.g. 32M); default 4 full micro-batches per HDP rank")
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policies")
+    parser.add_argument("--steps", type=int, default=2, help="global batches to simulate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled batches")
+    parser.add_argument("--capacity", default=None, help="tokens per rank per micro-batch (C); default from GPU memory")
+    parser.add_argument("--allreduce-bandwidth", type=float, default=None,
+                        help="bytes/s per GPU of the gradient all-reduce (default: the hardware's inter-node link)")
+    parser.add_argument("--cost-model", default=None, help="cost model JSON from `megatron-hdp calibrate`")
+    parser.add_argument("--no-offload", action="store_true", help="plan without selective activation offload")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON ('-': stdout)")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="write the step timelines to FILE.png and tokens/s vs context to FILE-throughput.png")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate, print the table, write the JSON and plots asked for."""
+    from megatron_hdp.sim.cluster import ClusterSpec, format_tokens, parse_tokens
+    from megatron_hdp.sim.compare import compare_policies, format_table, throughput_sweep
+
+    spec = ClusterSpec(
+        model=args.model, num_gpus=args.gpus, tp_size=args.tp, pp_size=args.pp, hardware=args.hardware,
+        allreduce_bandwidth=args.allreduce_bandwidth, cost_model_path=args.cost_model,
+        capacity=parse_tokens(args.capacity) if args.capacity else None,
+    )
+    context = parse_tokens(args.context)
+    budget = parse_tokens(args.global_batch_tokens) if args.global_batch_tokens else None
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    options = dict(distribution=args.dist, global_batch_tokens=budget, policies=policies, steps=args.steps,
+                   seed=args.seed, offload=not args.no_offload)
+    comparison = compare_policies(spec, context=context, **options)
+    print(f"{args.model} on {args.gpus} GPUs (TP={args.tp}, PP={args.pp}, HDP pool {spec.num_ranks} ranks, "
+          f"C={spec.rank_capacity}), context {format_tokens(context)}, {args.dist}, "
+          f"{comparison.global_batch_tokens:,} tokens per global batch, {args.steps} steps")
+    print(format_table(comparison))
+    result = comparison.to_dict()
+    if args.plot:
+        from megatron_hdp.sim.plots import plot_gantt, plot_throughput
+
+        plot_gantt(comparison.timelines, args.plot)
+        pool = spec.rank_capacity * spec.num_ranks
+        contexts = [parse_tokens(c) for c in SWEEP_CONTEXTS if parse_tokens(c) <= pool]
+        curve_path = str(Path(args.plot).with_name(Path(args.plot).stem + "-throughput.png"))
+        curves = throughput_sweep(spec, contexts=contexts, **options)
+        plot_throughput(contexts, curves, curve_path,
+                        title=f"{args.model}, {args.gpus} GPUs, TP={args.tp} PP={args.pp}, {args.dist}")
+        result["throughput_vs_context"] = {"contexts": contexts, "tokens_per_second": curves}
+        print(f"wrote {args.plot} and {curve_path}")
+    if args.json:
+        text = json.dumps(result, indent=2) + "\n"
+        if args.json == "-":
+            sys.stdout.write(text)
+        else:
+            Path(args.json).write_text(text)
+            logger.info("wrote %s", args.json)
+    return 0

@@ -1,0 +1,207 @@
+"""Policies side by side on a simulated cluster: sampled global batches -> plans -> simulated steps.
+
+Every policy plans the *same* global batches (whole documents drawn from a length mix until the token
+budget, clipped to the context length) with `make_plan`, and every plan runs through `simulate_step`
+with the cluster's gradient all-reduce. Throughput is total tokens over total simulated time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Optional, Sequence
+
+from tqdm import tqdm
+
+from megatron_hdp.config import HDPConfig
+from megatron_hdp.plan.lengths import sample_global_batch
+from megatron_hdp.plan.planner import make_plan
+from megatron_hdp.plan.step_plan import StepPlan
+from megatron_hdp.sim.cluster import ClusterSpec
+from megatron_hdp.sim.simulator import StepTimeline, allreduce_time, simulate_step
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_POLICIES = ("static", "megatron-hybrid-cp", "naive", "balance")
+BASELINE = "static"
+MICROBATCHES_PER_RANK = 4
+"""Default global batch: this many full micro-batches (C tokens) per HDP rank."""
+
+
+@dataclass(frozen=True)
+class PolicyStats:
+    """One policy over the simulated steps (means over steps, throughput over all of them)."""
+
+    policy: str
+    tokens_per_second: float
+    step_time: float
+    balance: float
+    """max / mean of per-rank busy time."""
+    idle_fraction: float
+    attention_gb_per_rank: float
+    """Ring-attention GB one GPU sends per step."""
+    plan_seconds: float
+    """Wall time of the planner per step on this machine."""
+    speedup: Optional[float] = None
+    """Throughput over the static baseline's (None without a baseline)."""
+    error: Optional[str] = None
+    """Why the policy cannot run this setup (then every number is NaN)."""
+
+
+@dataclass
+class Comparison:
+    """The result of `compare_policies`: stats per policy, and the first step's plans and timelines."""
+
+    spec: ClusterSpec
+    context: int
+    distribution: str
+    global_batch_tokens: int
+    steps: int
+    stats: dict[str, PolicyStats]
+    floor_tokens_per_second: float
+    """Tokens/s if every rank did exactly 1/n of the batch's compute, with no ring traffic, offload, waits
+    or bubbles, plus the all-reduce: no placement can beat it under this cost model."""
+    plans: dict[str, StepPlan] = field(repr=False)
+    timelines: dict[str, StepTimeline] = field(repr=False)
+
+    @property
+    def floor_speedup(self) -> Optional[float]:
+        """The floor's throughput over static's: the most any policy could gain here."""
+        base = self.stats.get(BASELINE)
+        if base is None or base.error is not None:
+            return None
+        return self.floor_tokens_per_second / base.tokens_per_second
+
+    def to_dict(self) -> dict:
+        return {
+            "setup": {**asdict(self.spec), "num_ranks": self.spec.num_ranks, "capacity": self.spec.rank_capacity,
+                      "context": self.context, "distribution": self.distribution,
+                      "global_batch_tokens": self.global_batch_tokens, "steps": self.steps},
+            "policies": {name: asdict(s) for name, s in self.stats.items()},
+            "floor_tokens_per_second": self.floor_tokens_per_second,
+            "floor_speedup": self.floor_speedup,
+        }
+
+
+def _failed(policy: str, error: str) -> PolicyStats:
+    nan = math.nan
+    return PolicyStats(policy, nan, nan, nan, nan, nan, nan, error=error)
+
+
+def compare_policies(
+    spec: ClusterSpec,
+    *,
+    context: int,
+    distribution: str,
+    global_batch_tokens: Optional[int] = None,
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    steps: int = 1,
+    seed: int = 0,
+    offload: bool = True,
+    progress: bool = True,
+) -> Comparison:
+    """Simulate `steps` global batches of `distribution` under each policy (see the module docstring).
+
+    A policy that cannot plan this setup (e.g. megatron-hybrid-cp with PP) is reported with its reason
+    instead of stopping the others.
+    """
+    spec.check_context(context)
+    if steps <= 0:
+        raise ValueError(f"steps must be positive, got {steps}")
+    if not policies:
+        raise ValueError("no policies to compare")
+    capacity = spec.rank_capacity
+    budget = global_batch_tokens or MICROBATCHES_PER_RANK * capacity * spec.num_ranks
+    if budget <= 0:
+        raise ValueError(f"global_batch_tokens must be positive, got {budget}")
+    cost_model = spec.cost_model()
+    config = HDPConfig(hdp_capacity=capacity, hdp_offload=offload)
+    totals = {p: {"tokens": 0, "time": 0.0, "balance": 0.0, "idle": 0.0, "bytes": 0.0, "plan": 0.0} for p in policies}
+    errors: dict[str, str] = {}
+    plans: dict[str, StepPlan] = {}
+    timelines: dict[str, StepTimeline] = {}
+    floor = {"tokens": 0, "time": 0.0}
+    allreduce = allreduce_time(grad_bytes=spec.grad_bytes, num_ranks=spec.num_ranks,
+                               bandwidth=spec.grad_allreduce_bandwidth)
+    for step in tqdm(range(steps), desc=f"simulate {distribution} {context} tokens", disable=not progress, unit="step"):
+        lengths = sample_global_batch(distribution, num_tokens=budget, seed=seed + step, max_length=context)
+        compute = sum(cost_model.layer_compute_time(seq_len=n, num_tokens=n) for n in lengths) * cost_model.num_layers
+        floor["tokens"] += sum(lengths)
+        floor["time"] += compute / (spec.pp_size * spec.num_ranks) + allreduce
+        for policy in policies:
+            if policy in errors:
+                continue
+            started = time.perf_counter()
+            try:
+                plan = make_plan(lengths, num_ranks=spec.num_ranks, config=config, cost_model=cost_model,
+                                 pp_size=spec.pp_size, policy=policy)
+            except ValueError as error:
+                logger.warning("policy %s cannot run this setup: %s", policy, error)
+                errors[policy] = str(error)
+                continue
+            planned = time.perf_counter() - started
+            timeline = simulate_step(plan, cost_model, grad_bytes=spec.grad_bytes,
+                                     allreduce_bandwidth=spec.grad_allreduce_bandwidth)
+            if step == 0:
+                plans[policy], timelines[policy] = plan, timeline
+            total = totals[policy]
+            total["tokens"] += timeline.num_tokens
+            total["time"] += timeline.step_time
+            total["balance"] += timeline.balance
+            total["idle"] += timeline.idle_fraction
+            total["bytes"] += timeline.attention_bytes / spec.num_ranks
+            total["plan"] += planned
+    stats = {}
+    for policy, total in totals.items():
+        if policy in errors:
+            stats[policy] = _failed(policy, errors[policy])
+            continue
+        stats[policy] = PolicyStats(
+            policy=policy,
+            tokens_per_second=total["tokens"] / total["time"],
+            step_time=total["time"] / steps,
+            balance=total["balance"] / steps,
+            idle_fraction=total["idle"] / steps,
+            attention_gb_per_rank=total["bytes"] / steps / 1e9,
+            plan_seconds=total["plan"] / steps,
+        )
+    base = stats.get(BASELINE)
+    if base is not None and base.error is None:
+        stats = {name: _with_speedup(s, base.tokens_per_second) for name, s in stats.items()}
+    floor_tps = floor["tokens"] / floor["time"]
+    return Comparison(spec, context, distribution, budget, steps, stats, floor_tps, plans, timelines)
+
+
+def _with_speedup(stats: PolicyStats, baseline: float) -> PolicyStats:
+    return replace(stats, speedup=stats.tokens_per_second / baseline if stats.error is None else None)
+
+
+def throughput_sweep(
+    spec: ClusterSpec, *, contexts: Sequence[int], progress: bool = True, **kwargs
+) -> dict[str, list[float]]:
+    """Tokens/s per policy at each context length (NaN where the policy or the pool cannot run it)."""
+    curves: dict[str, list[float]] = {}
+    for context in tqdm(contexts, desc="contexts", disable=not progress, unit="context"):
+        comparison = compare_policies(spec, context=context, progress=False, **kwargs)
+        for name, stats in comparison.stats.items():
+            curves.setdefault(name, []).append(stats.tokens_per_second)
+    return curves
+
+
+def format_table(comparison: Comparison) -> str:
+    """The comparison as a markdown table."""
+    rows = ["| policy | tokens/s | speedup vs static | step s | balance (max/mean) | idle | attention GB/GPU | plan s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in comparison.stats.values():
+        if s.error:
+            rows.append(f"| {s.policy} | n/a: {s.error} | | | | | | |")
+            continue
+        speedup = f"{s.speedup:.2f}x" if s.speedup is not None else "-"
+        rows.append(f"| {s.policy} | {s.tokens_per_second:,.0f} | {speedup} | {s.step_time:.2f} | {s.balance:.2f} | "
+                    f"{s.idle_fraction:.1%} | {s.attention_gb_per_rank:.1f} | {s.plan_seconds:.2f} |")
+    bound = comparison.floor_speedup
+    rows.append(f"| (compute floor) | {comparison.floor_tokens_per_second:,.0f} | "
+                f"{f'{bound:.2f}x' if bound is not None else '-'} | | | | | |")
+    return "\n".join(rows)

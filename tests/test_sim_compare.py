@@ -1,0 +1,148 @@
+"""The simulator end to end: cluster checks, monotonicity, policies side by side, the CLI and its pictures."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_hdp.cli import main
+from megatron_hdp.config import HDPConfig
+from megatron_hdp.megatron.hand_plan import plan_from_rings
+from megatron_hdp.plan.planner import make_plan
+from megatron_hdp.sim.cluster import ClusterSpec, format_tokens, parse_tokens
+from megatron_hdp.sim.compare import compare_policies
+from megatron_hdp.sim.plots import plot_gantt, plot_plans, plot_throughput
+from megatron_hdp.sim.simulator import simulate_step
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_token_counts():
+    assert parse_tokens("256K") == 262144 and parse_tokens("2M") == 2 * 1024 * 1024 and parse_tokens("4096") == 4096
+    assert format_tokens(2 * 1024 * 1024) == "2M" and format_tokens(262144) == "256K"
+    with pytest.raises(ValueError, match="token count"):
+        parse_tokens("2 megatokens")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(model="gpt-9", num_gpus=8), "unknown model 'gpt-9'"),
+        (dict(model="llama-7b", num_gpus=0), "num_gpus must be positive"),
+        (dict(model="llama-7b", num_gpus=12, tp_size=8), "not a multiple of tp_size x pp_size"),
+        (dict(model="llama-7b", num_gpus=48, pp_size=3, tp_size=1), "does not divide"),
+        (dict(model="llama-7b", num_gpus=8, hardware="tpu"), "unknown hardware"),
+    ],
+)
+def test_bad_cluster(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ClusterSpec(**kwargs)
+
+
+def test_context_above_the_pool():
+    spec = ClusterSpec("llama-7b", num_gpus=16, tp_size=8, capacity=65536)  # 2 ranks x 64K = 128K tokens
+    with pytest.raises(ValueError, match="exceeds the HDP pool: 2 ranks"):
+        compare_policies(spec, context=parse_tokens("256K"), distribution="byted", progress=False)
+
+
+def test_memory_capacity_of_llama_7b_tp8():
+    """Independent arithmetic: 80 GB x 0.9 minus 16 bytes/param states leaves ~111K tokens of 614 kB."""
+    spec = ClusterSpec("llama-7b", num_gpus=1024, tp_size=8)
+    per_token = 32 * 2 * (6 * 4096 + 2 * 4096 + 4 * 11008) / 8  # bytes, all layers
+    params = spec.shape.num_parameters() / 8
+    tokens = (80e9 * 0.9 - params * (4 + 12 / 128)) / per_token
+    assert 65536 <= tokens < 131072 and spec.memory_capacity() == 65536
+
+
+def test_static_throughput_grows_with_ranks_at_fixed_per_rank_load():
+    """Equal documents, two per micro-batch and two micro-batches per rank whatever the pool: the compute
+    part of the step stays the same, and from 2 ranks on (where the all-reduce appears) tokens/s grows
+    with the pool, since the all-reduce's 2(n-1)/n grows less than the tokens do."""
+    spec = ClusterSpec("llama-7b", num_gpus=8, tp_size=8)
+    cost = spec.cost_model()
+    config = HDPConfig(hdp_capacity=8192)
+    throughputs, compute_ends = [], []
+    for n in (2, 4, 8, 16):
+        plan = make_plan([4096] * 4 * n, num_ranks=n, config=config, cost_model=cost, policy="static")
+        timeline = simulate_step(plan, cost, grad_bytes=spec.grad_bytes, allreduce_bandwidth=1e10)
+        throughputs.append(timeline.tokens_per_second)
+        compute_ends.append(timeline.compute_end)
+    assert compute_ends == pytest.approx([compute_ends[0]] * 4)
+    assert all(a < b for a, b in zip(throughputs, throughputs[1:])), throughputs
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4000), st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=12),
+       st.integers(1, 4000), st.integers(0, 3))
+def test_more_work_is_never_faster(docs, extra_length, extra_rank):
+    """Adding a whole document to a rank (as its last micro-batch) never shortens the step; a faster ring
+    link never lengthens it."""
+    num_ranks = 4
+    lengths = [d[0] for d in docs]
+    rings = [(d[1],) if d[2] == 0 else tuple(sorted({d[1], (d[1] + 1) % num_ranks})) for d in docs]
+    slots = list(range(len(docs)))  # one micro-batch index per document keeps rings aligned
+    cost = ClusterSpec("llama-7b", num_gpus=8, tp_size=8).cost_model()
+    base = plan_from_rings(lengths, rings, slots, num_ranks=num_ranks, capacity=4000)
+    more = plan_from_rings(lengths + [extra_length], rings + [(extra_rank,)], slots + [len(docs)],
+                           num_ranks=num_ranks, capacity=4000)
+    before = simulate_step(base, cost).step_time
+    assert simulate_step(more, cost).step_time >= before * (1 - 1e-12)
+    faster = type(cost)(**{**cost.to_dict(), "ring_bandwidth": cost.ring_bandwidth * 4})
+    assert simulate_step(base, faster).step_time <= before * (1 + 1e-12)
+
+
+def test_compare_policies_same_batches_and_reports_unsupported():
+    spec = ClusterSpec("llama-7b", num_gpus=64, tp_size=8, pp_size=2, capacity=16384)
+    result = compare_policies(spec, context=65536, distribution="github", policies=["static", "balance", "megatron-hybrid-cp"],
+                              steps=2, progress=False)
+    stats = result.stats
+    assert stats["static"].speedup == pytest.approx(1.0)
+    assert "pipeline parallelism" in stats["megatron-hybrid-cp"].error and stats["megatron-hybrid-cp"].speedup is None
+    assert result.plans["static"].num_tokens == result.plans["balance"].num_tokens  # the same global batch
+    assert stats["balance"].speedup == pytest.approx(stats["balance"].tokens_per_second / stats["static"].tokens_per_second)
+    assert json.loads(json.dumps(result.to_dict()))["setup"]["num_ranks"] == 4
+    # no policy beats 1/n of the batch's compute (each shard of L tokens on a ring costs a1 L t + b1 t, and
+    # a ring's shards sum to the whole sequence's a1 L^2 + b1 L)
+    assert all(s.tokens_per_second <= result.floor_tokens_per_second for s in stats.values() if not s.error)
+
+
+def _check_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 10_000, f"{path} is not a real picture ({len(data)} bytes)"
+
+
+def test_pictures(tmp_path):
+    cost = ClusterSpec("llama-7b", num_gpus=8, tp_size=8).cost_model()
+    config = HDPConfig(hdp_capacity=4096)
+    lengths = [12000, 3000, 2500, 800, 700, 4000, 100, 5000]
+    plans = {p: make_plan(lengths, num_ranks=4, config=config, cost_model=cost, policy=p) for p in ("static", "balance")}
+    plot_plans(plans, str(tmp_path / "plans.png"))
+    plot_gantt({p: simulate_step(plan, cost) for p, plan in plans.items()}, str(tmp_path / "gantt.png"))
+    plot_throughput([262144, 524288], {"static": [1.0, 2.0], "balance": [2.0, 3.0]}, str(tmp_path / "tp.png"))
+    for name in ("plans.png", "gantt.png", "tp.png"):
+        _check_png(tmp_path / name)
+
+
+def test_cli_simulate(tmp_path, capsys):
+    out = tmp_path / "sim.png"
+    code = main(["simulate", "--model", "llama-7b", "--gpus", "32", "--tp", "8", "--capacity", "64K", "--context", "256K",
+                 "--dist", "byted", "--policies", "static,naive,balance", "--steps", "2", "--global-batch-tokens", "1M",
+                 "--json", str(tmp_path / "sim.json"), "--plot", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| balance |" in printed and "speedup vs static" in printed
+    result = json.loads((tmp_path / "sim.json").read_text())
+    assert set(result["policies"]) == {"static", "naive", "balance"}
+    assert result["throughput_vs_context"]["contexts"] == [262144]  # 4 ranks x 64K: 512K and up exceed the pool
+    _check_png(out)
+    _check_png(tmp_path / "sim-throughput.png")
+
+
+def test_cli_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="unknown model"):
+        main(["simulate", "--model", "gpt-9", "--gpus", "8"])
+    with pytest.raises(ValueError, match="num_gpus must be positive"):
+        main(["simulate", "--gpus", "0"])
+    with pytest.raises(ValueError, match="exceeds the HDP pool"):
+        main(["simulate", "--gpus", "16", "--tp", "8", "--capacity", "64K", "--context", "2M"])
