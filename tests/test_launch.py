@@ -39,3 +39,13 @@ def test_child_traceback_surfaces():
 def test_hang_ends_with_timeout():
     with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
         run_gloo(_hang_on_rank_zero, 2, timeout_s=10)
+
+
+def _return_tensor(rank, world_size):
+    return torch.full((1000,), float(rank))
+
+
+def test_tensors_come_back_by_value():
+    for _ in range(3):
+        out = run_gloo(_return_tensor, 2)
+        assert [t.sum().item() for t in out] == [0.0, 1000.0]

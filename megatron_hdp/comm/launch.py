@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -45,7 +46,9 @@ def _child(fn, rank, world_size, port, args, kwargs, results, timeout_s, num_thr
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         value = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, True, value))
+        # Plain pickle copies tensors by value: the queue's own pickler would share their memory through
+        # this child, which may have exited before the parent reads it.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - the traceback goes to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -103,7 +106,7 @@ def run_gloo(
                 continue
             if not ok:
                 raise RankFailed(f"rank {rank} failed:\n{value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
     finally:
         for proc in procs:
             proc.join(timeout=5)
