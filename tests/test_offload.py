@@ -55,10 +55,12 @@ def _expected_bytes(model, batch, ratio, config):
     """Bytes the documented rule moves, from a separate pass that only records saved tensors.
 
     Per layer call, the eligible saved tensors are grouped by storage; a storage's bytes are the span its
-    saved views cover, started on a 512-byte boundary; storages are taken in first-save order while the
-    midpoint of each lies within ratio * the layer's total.
+    saved views cover, started on a 512-byte boundary; in each of the first L - R layers, storages are
+    taken in first-save order while the midpoint of each lies within min(1, ratio * L / (L - R)) of the
+    layer's total.
     """
     layers = list(model.layers)
+    ratio = min(1.0, ratio * len(layers) / (len(layers) - config.num_resident_layers))
     params = {t.untyped_storage().data_ptr() for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
     per_layer = []  # per layer call: {storage address: [first byte, end byte]} in first-save order
     inside = [False]
@@ -117,9 +119,9 @@ def test_loss_and_gradients_equal_without_offload(ratio):
     else:
         assert stats.num_tensors > 0 and stats.exposed_wait_s > 0
         assert stats.num_late_fetches == 0  # every group came back through a backward hook
-    if ratio == 0.5:
-        full = _expected_bytes(model, batch, 1.0, ALL)
-        assert 0.4 * full < stats.bytes_offloaded < 0.6 * full
+    if ratio == 0.5:  # half of all four layers' bytes, taken from the first three
+        every_layer = _expected_bytes(model, batch, 1.0, OffloadConfig(num_resident_layers=0, min_tensor_bytes=0))
+        assert 0.4 * every_layer < stats.bytes_offloaded < 0.6 * every_layer
 
 
 def test_interleaved_microbatches_keep_their_own_tensors():
@@ -259,6 +261,15 @@ def test_bad_config_and_nesting():
     with offloader.microbatch(ratio=0.5), pytest.raises(RuntimeError, match="nest"):
         with offloader.microbatch(ratio=0.5):
             pass
+
+
+def test_a_ratio_beyond_the_offloadable_layers_warns_once(caplog):
+    model, batch = _model(), _batch()
+    offloader = ActivationOffloader(layers=model.layers, config=ALL)
+    _step(model, offloader, [0.75, 0.9, 1.0], [batch] * 3)  # 3 of 4 layers can move at most 0.75
+    assert [r.message for r in caplog.records].count(
+        "offload ratio 0.9 exceeds what 3 of 4 layers can move (1 stay resident): moving 0.75 instead") == 1
+    assert len(caplog.records) == 1
 
 
 def test_detach_removes_the_hooks():

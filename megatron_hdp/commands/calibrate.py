@@ -1,7 +1,7 @@
 """`megatron-hdp calibrate`: measure T(s), Act(s) and the offload bandwidths here; write the planner's JSON.
 
     megatron-hdp calibrate --model llama-7b --output cost_model.json        # on the GPU machine
-    megatron-hdp train ... --hdp-cost-model cost_model.json
+    ... then train with the Megatron flag --hdp-cost-model cost_model.json
 
 The JSON is `CostModel.to_json` (what `--hdp-cost-model` reads); the measured points, the fit's
 prediction for each and where the bandwidths came from go next to it (`--report`).

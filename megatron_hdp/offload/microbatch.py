@@ -5,7 +5,8 @@ for it back through `unpack` during the backward. The layer hooks of `Activation
 layer's forward (`begin_layer` / `end_layer`), so the tensors a layer saves form one group:
 
 - forward, at the end of the layer: the group's first storages (in the order they were saved) holding
-  about `ratio` of its bytes are copied to host buffers in one batch and released on the device;
+  about `ratio` of its bytes (the per-layer ratio the offloader derives from the plan's) are copied to
+  host buffers in one batch and released on the device;
 - backward, when the gradient of a layer's output arrives (its backward is about to start): the group
   of the layer before it is prefetched, so the copy runs under this layer's backward;
 - `unpack` waits for the group's prefetch (compute never reads a tensor still in flight) and fetches a

@@ -6,17 +6,19 @@
     loss.backward()                                  # may run later (1F1B), outside the context
     stats = offloader.pop_step_stats()               # once per step
 
-What `ratio` means: each offloadable layer moves its first saved storages (in save order) holding about
-`ratio` of the bytes it saves; the last `num_resident_layers` layers move nothing. A fraction of every
-layer, rather than all of the first round(r * L) layers, because:
-- it is what the cost model assumes (`CostModel.hidden_offload_ratio`, ByteScale Eq. 3): each layer's
-  D2H copy of r * Act(t) hides under that layer's own compute T(t). Whole-layer selection would push
-  Act(t) per layer through the link during the first layers, more than one layer's compute hides
-  exactly when the planner chose r < 1 because bandwidth is short;
-- memory relief is spread evenly over the forward, and every layer's prefetch is r * Act(t), under the
-  backward of the layer after it.
-The last layer stays resident because its backward starts as soon as the forward ends: no prefetch of
-its tensors could be hidden. So the share of all layers' activations moved is r * (L - R) / L.
+What `ratio` means: the plan's r (ByteScale Eq. 3, `plan/sharding.py`) is the fraction of the
+micro-batch's layer activations to move, and the planner's memory model is (1 - r) * Act(t) per layer.
+The last `num_resident_layers` R of the L attached layers must stay (their backward starts as soon as
+the forward ends, before any prefetch of theirs could land), so each other layer moves its first saved
+storages (in save order) holding min(1, r * L / (L - R)) of its bytes: in total r of the activations,
+as planned, whenever r <= (L - R) / L. A fraction of every layer, rather than all of the first layers,
+because:
+- it is what the cost model assumes (`CostModel.hidden_offload_ratio`): each layer's D2H copy of about
+  r * Act(t) hides under that layer's own compute T(t). Whole-layer selection would push Act(t) per
+  layer through the link during the first layers, more than one layer's compute hides exactly when the
+  planner chose r < 1 because bandwidth is short;
+- memory relief is spread evenly over the forward, and every layer's prefetch is small and runs under
+  the backward of the layer after it.
 
 What moves: tensors autograd saves inside the attached layers that are plain strided tensors on the
 offload device of at least `min_tensor_bytes`, excluding parameters, buffers and any view of them (their
@@ -91,6 +93,7 @@ class ActivationOffloader:
         self.pool = HostBufferPool(pin_memory=self.device.type == "cuda")
         self._active: MicrobatchOffload | None = None
         self._records: list[StatsRecord] = []
+        self._warned_short = False
         num_offloadable = len(self.layers) - self.config.num_resident_layers
         if num_offloadable <= 0:
             logger.warning(
@@ -134,8 +137,16 @@ class ActivationOffloader:
         if ratio == 0.0 or self.config.num_resident_layers >= len(self.layers):
             yield record.stats
             return
+        num_offloadable = len(self.layers) - self.config.num_resident_layers
+        if ratio * len(self.layers) > num_offloadable and not self._warned_short:
+            self._warned_short = True
+            logger.warning(
+                "offload ratio %g exceeds what %d of %d layers can move (%d stay resident): moving %g instead",
+                ratio, num_offloadable, len(self.layers), self.config.num_resident_layers,
+                num_offloadable / len(self.layers),
+            )
         self._active = MicrobatchOffload(
-            ratio=ratio,
+            ratio=min(1.0, ratio * len(self.layers) / num_offloadable),
             transfers=self._transfers,
             pool=self.pool,
             record=record,
