@@ -36,7 +36,7 @@ from megatron_hdp.plan.assemble import assemble_plan
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.packing import best_fit
 from megatron_hdp.plan.placement import lpt, place_rings
-from megatron_hdp.plan.refine import refine_exact, refine_local
+from megatron_hdp.plan.refine import PipelineCost, refine_exact, refine_local
 from megatron_hdp.plan.bounds import gap
 from megatron_hdp.plan.sharding import (
     fastest_ring_size,
@@ -71,7 +71,9 @@ def widen_rings(
     """Spread long sequences whose member time would set the step time over more ranks.
 
     Target: (1 + WIDEN_SLACK) x max(total work / D, slowest short sequence, slowest long sequence at its
-    fastest ring size). A sequence above it gets the smallest k >= D(s) whose member time meets it; the
+    fastest ring size). With PP (ByteScale's PP-Balance: micro-batches of a pipeline should take about
+    the same time, else the 1F1B bubbles grow) the work term is capped at the time of one full
+    micro-batch, a whole sequence of C tokens. A sequence above it gets the smallest k >= D(s) whose member time meets it; the
     target moves with the work the wider rings add, so this repeats until the ring sizes settle (three
     rounds at most). The slack matters: ring traffic makes a member's time flat near its minimum, and
     e.g. a 2M-token document reaches within 1% of its fastest time on 131 ranks where the exact minimum
@@ -100,11 +102,13 @@ def widen_rings(
     longest = long_lengths[-1]
     short_times = whole_times(lengths[lengths <= capacity], cost_model=cost_model, pp_size=pp_size)
     floor = max(float(short_times.max(initial=0.0)), member(longest, fastest_of(longest)))
+    full_microbatch = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
     sizes = ring_sizes.copy()
     chosen = dict(base_of)
     for _ in range(3):
         work = float((member_times(lengths, sizes, cost_model=cost_model, pp_size=pp_size) * sizes).sum())
-        target = (1 + WIDEN_SLACK) * max(work / num_ranks, floor)
+        spread = work / num_ranks if pp_size == 1 else min(work / num_ranks, full_microbatch)
+        target = (1 + WIDEN_SLACK) * max(spread, floor)
         previous = dict(chosen)
         for s in long_lengths:
             lo = base_of[s]
@@ -136,14 +140,20 @@ def widen_rings(
 
 
 def assign_whole(
-    order: Sequence[int], *, weights: np.ndarray, base: np.ndarray, exact_limit: int = 256
+    order: Sequence[int],
+    *,
+    weights: np.ndarray,
+    tokens: np.ndarray,
+    base: np.ndarray,
+    cost: PipelineCost,
+    exact_limit: int = 256,
 ) -> list[list[int]]:
-    """Whole sequences to ranks: LPT, then local search, then (small instances) the exact MILP."""
+    """Whole sequences to ranks: LPT, then local search, then (small instances, no PP) the exact MILP."""
     loads = base.copy()
     given = lpt(order, weights=weights, loads=loads)
-    given = refine_local(given, weights=weights, base=base)
+    given = refine_local(given, weights=weights, base=base, tokens=tokens, cost=cost)
     num_ranks = len(base)
-    if 1 < num_ranks and len(order) * num_ranks <= exact_limit:
+    if cost.pp_size == 1 and 1 < num_ranks and len(order) * num_ranks <= exact_limit:
         totals = base + np.array([weights[r].sum() for r in given])
         bound = max(float(base.max()), float(totals.sum()) / num_ranks,
                     float(weights[list(order)].max(initial=0.0)) + float(base.min()))
@@ -168,7 +178,9 @@ def plan_balance(
     layout = place_rings(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks)
     whole_ids = np.flatnonzero(ring_sizes == 1)
     whole_order = whole_ids[np.lexsort((whole_ids, -weights[whole_ids]))].tolist()
-    given = assign_whole(whole_order, weights=weights, base=layout.finish)
+    ring_counts = np.array([len(m) for m in layout.ring_microbatches], dtype=np.int64)
+    given = assign_whole(whole_order, weights=weights, tokens=np.asarray(lengths, dtype=np.int64),
+                         base=layout.finish, cost=PipelineCost(pp_size, capacity, ring_counts))
     rings: list[tuple[int, ...]] = [layout.rings.get(seq, ()) for seq in range(len(lengths))]
     schedule = []
     for rank in range(num_ranks):

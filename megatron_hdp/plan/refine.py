@@ -5,7 +5,9 @@ deterministic so that every rank computes the same plan:
 
 - `refine_local`: local search on the makespan. Repeatedly take the slowest rank and try to move one
   of its sequences to a light rank, or swap one of its sequences with a lighter one there, choosing the
-  transfer closest to half the load difference; stop when the slowest rank cannot be improved.
+  transfer closest to half the load difference; stop when the slowest rank cannot be improved. With
+  PP the rank's cost includes the 1F1B fill/drain (`PipelineCost`), which favours more, smaller
+  micro-batches on ranks that hold a heavy one.
 - `refine_exact`: an exact MILP (SciPy's HiGHS) for small instances: minimise T subject to
   load_r + sum_j w_j x_jr <= T and sum_r x_jr = 1 with binary x. Bounded by a node limit, never a time
   limit (a time limit would make the plan depend on machine load and differ between ranks). The
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -23,17 +26,52 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 
-def refine_local(
-    given: list[list[int]], *, weights: Sequence[float], base: np.ndarray, max_steps: int = 20000, candidates: int = 8
-) -> list[list[int]]:
-    """A better assignment than `given` (items per rank); `base` is each rank's load before its items.
+@dataclass(frozen=True)
+class PipelineCost:
+    """A rank's predicted time from its busy time S and whole-sequence tokens T, with PP.
 
-    Each step takes the slowest rank and tries the `candidates` lightest ranks as partners.
+    S + (pp - 1) x S / n, n = its ring micro-batches + ceil(T / C) (the micro-batches packing will make,
+    at best): the 1F1B fill/drain model of `assemble.py`. With pp_size = 1 it is S.
+    """
+
+    pp_size: int
+    capacity: int
+    ring_microbatches: np.ndarray
+
+    def __call__(self, rank: int, busy: float, tokens: float) -> float:
+        if self.pp_size == 1:
+            return busy
+        count = int(self.ring_microbatches[rank]) + -(-int(tokens) // self.capacity)
+        return busy + (self.pp_size - 1) * busy / max(1, count)
+
+
+def refine_local(
+    given: list[list[int]],
+    *,
+    weights: Sequence[float],
+    base: np.ndarray,
+    tokens: Sequence[int] | None = None,
+    cost: PipelineCost | None = None,
+    max_steps: int = 20000,
+    candidates: int = 8,
+) -> list[list[int]]:
+    """A better assignment than `given` (items per rank); `base` is each rank's busy time before its items.
+
+    Each step takes the slowest rank (by `cost`, default: busy time) and tries the `candidates` lightest
+    ranks as partners; `tokens` (per item) feed the PP cost's micro-batch count.
     """
     num_ranks = len(given)
-    loads = base.astype(np.float64).copy()
+    weights = np.asarray(weights, dtype=np.float64)
+    tokens = np.zeros(len(weights)) if tokens is None else np.asarray(tokens, dtype=np.float64)
+    busy = base.astype(np.float64).copy()
+    held = np.zeros(num_ranks)
     for rank, rank_items in enumerate(given):
-        loads[rank] += float(np.sum(np.asarray(weights)[rank_items])) if rank_items else 0.0
+        if rank_items:
+            busy[rank] += float(weights[rank_items].sum())
+            held[rank] = float(tokens[rank_items].sum())
+    cost = cost or PipelineCost(1, 1, np.zeros(num_ranks, dtype=np.int64))
+    loads = busy.copy() if cost.pp_size == 1 else np.array([cost(r, busy[r], held[r]) for r in range(num_ranks)])
+    state = _State(busy, held, loads, tokens, cost)
     sorted_items: dict[int, list[tuple[float, int]]] = {}  # built for the ranks the search touches
 
     def items(rank: int) -> list[tuple[float, int]]:
@@ -41,44 +79,63 @@ def refine_local(
             sorted_items[rank] = sorted((float(weights[i]), i) for i in given[rank])
         return sorted_items[rank]
 
-    eps = 1e-12 * max(1.0, float(loads.max(initial=0.0)))
     for _ in range(max_steps):
         hi = int(np.argmax(loads))
         partners = np.argpartition(loads, min(candidates, num_ranks - 1))[: candidates + 1]
         partners = sorted((float(loads[r]), int(r)) for r in partners if r != hi)
         for _, lo in partners:
-            if _improve(items(hi), items(lo), loads, hi, lo, eps):
+            if _improve(items(hi), items(lo), state, hi, lo):
                 break
         else:
             break
     return [[i for _, i in sorted_items[r]] if r in sorted_items else list(given[r]) for r in range(num_ranks)]
 
 
-def _improve(
-    source: list[tuple[float, int]], target: list[tuple[float, int]], loads: np.ndarray, hi: int, lo: int, eps: float
-) -> bool:
+@dataclass
+class _State:
+    busy: np.ndarray
+    held: np.ndarray
+    loads: np.ndarray
+    tokens: np.ndarray
+    cost: PipelineCost
+
+    def after(self, rank: int, weight: float, tokens: float) -> float:
+        """The rank's cost after adding `weight` seconds and `tokens` tokens (negative: removing)."""
+        return self.cost(rank, self.busy[rank] + weight, self.held[rank] + tokens)
+
+    def apply(self, rank: int, weight: float, tokens: float) -> None:
+        self.busy[rank] += weight
+        self.held[rank] += tokens
+        self.loads[rank] = self.cost(rank, self.busy[rank], self.held[rank])
+
+
+def _improve(source: list[tuple[float, int]], target: list[tuple[float, int]], state: _State, hi: int, lo: int) -> bool:
     """Best single move or swap from rank `hi` (items `source`) to rank `lo` (items `target`), applied if it
-    lowers max(load_hi, load_lo); the item lists are (weight, item), sorted."""
-    diff = loads[hi] - loads[lo]
-    if diff <= eps:
+    lowers max(cost_hi, cost_lo); the item lists are (weight, item), sorted by weight."""
+    loads, tokens = state.loads, state.tokens
+    eps = 1e-12 * max(1.0, float(loads[hi]))
+    diff = state.busy[hi] - state.busy[lo]
+    if loads[hi] - loads[lo] <= eps or diff <= 0:
         return False
     half = diff / 2
-    best = (loads[hi] - eps, None, None)  # (new max of the pair, item from hi, item from lo)
-    # move: the item of hi closest to half the difference
+    best = (loads[hi] - eps, None, None)  # (new max of the pair, index in source, index in target)
+    # move: the items of hi closest to half the busy-time difference
     at = bisect.bisect_left(source, (half, -1))
     for j in (at - 1, at):
         if 0 <= j < len(source) and 0 < source[j][0] < diff:
-            pair = max(loads[hi] - source[j][0], loads[lo] + source[j][0])
+            w, t = source[j][0], tokens[source[j][1]]
+            pair = max(state.after(hi, -w, -t), state.after(lo, w, t))
             if pair < best[0]:
                 best = (pair, j, None)
-    # swap: for each item a of hi, the item b of lo with w_a - w_b closest to half the difference
-    for j, (wa, _) in enumerate(source):
+    # swap: for each item a of hi, the items b of lo with w_a - w_b closest to half the difference
+    for j, (wa, a) in enumerate(source):
         at = bisect.bisect_left(target, (wa - half, -1))
         for m in (at - 1, at):
             if 0 <= m < len(target):
                 delta = wa - target[m][0]
                 if 0 < delta < diff:
-                    pair = max(loads[hi] - delta, loads[lo] + delta)
+                    dt = tokens[a] - tokens[target[m][1]]
+                    pair = max(state.after(hi, -delta, -dt), state.after(lo, delta, dt))
                     if pair < best[0]:
                         best = (pair, j, m)
     _, j, m = best
@@ -87,12 +144,12 @@ def _improve(
     moved = source.pop(j)
     back = target.pop(m) if m is not None else None
     bisect.insort(target, moved)
-    loads[hi] -= moved[0]
-    loads[lo] += moved[0]
+    state.apply(hi, -moved[0], -tokens[moved[1]])
+    state.apply(lo, moved[0], tokens[moved[1]])
     if back is not None:
         bisect.insort(source, back)
-        loads[hi] += back[0]
-        loads[lo] -= back[0]
+        state.apply(hi, back[0], tokens[back[1]])
+        state.apply(lo, -back[0], -tokens[back[1]])
     return True
 
 

@@ -113,21 +113,17 @@ def min_ring_size(
             k = max(1, min(no_offload, math.ceil(length / max(t_max, 1.0)) - 1))
     # Scan up with the optimistic ceil(s/k) (a lower bound of the member tokens), then confirm with the
     # exact zigzag maximum: the first k passing both is the smallest feasible one.
-    while True:
-        while not fits(cost_model, seq_len=length, ring_size=k, num_tokens=-(-length // k), capacity=capacity,
-                       max_offload_ratio=max_offload_ratio, pp_size=pp_size):
-            k += 1
-        held = max_member_tokens(length, k)
-        if fits(cost_model, seq_len=length, ring_size=k, num_tokens=held, capacity=capacity,
-                max_offload_ratio=max_offload_ratio, pp_size=pp_size):
-            break
+    common = dict(seq_len=length, capacity=capacity, max_offload_ratio=max_offload_ratio, pp_size=pp_size)
+    while k <= num_ranks:
+        if fits(cost_model, ring_size=k, num_tokens=-(-length // k), **common):
+            held = max_member_tokens(length, k)
+            if fits(cost_model, ring_size=k, num_tokens=held, **common):
+                return k, needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
         k += 1
-    if k > num_ranks:
-        raise ValueError(
-            f"sequence {seq} of length {length} needs {k} ranks of capacity {capacity} tokens even with "
-            f"offload ratio <= {max_offload_ratio:g}, but the HDP domain has only {num_ranks} ranks"
-        )
-    return k, needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
+    raise ValueError(
+        f"sequence {seq} of length {length} does not fit even on all {num_ranks} ranks of the HDP domain "
+        f"(capacity {capacity} tokens per rank, offload ratio <= {max_offload_ratio:g})"
+    )
 
 
 def shard_sequences(
