@@ -245,3 +245,24 @@ def test_an_sft_loss_mask_reaches_the_micro_batches():
         # position p counts exactly when its label, raw token p + 1, is a target
         assert sorted(counted) == sorted((d, p) for d in per_rank[0].sample_ids.tolist()
                                          for p in range(dataset.lengths[d] - 1) if p + 1 >= dataset.lengths[d] // 2)
+
+
+def test_worker_processes_and_synchronous_mode_yield_the_threads_steps(corpus):
+    prefix, _ = corpus
+    threaded = [(s.plan.digest(), s.sample_ids.tolist(), [mb.tokens for mb in s.microbatches], s.read_tokens(0, 0, 2))
+                for s in _loader(prefix, 2)]
+    for options in ({"workers": 2}, {"workers": 1, "prefetch": 2}, {"prefetch": 0}):
+        with _loader(prefix, 2, **options) as loader:
+            steps = [(s.plan.digest(), s.sample_ids.tolist(), [mb.tokens for mb in s.microbatches],
+                      s.read_tokens(0, 0, 2)) for s in loader]
+        assert [s[:2] for s in steps] == [s[:2] for s in threaded], options
+        for (*_, tokens, first), (*_, expected, expected_first) in zip(steps, threaded):
+            assert all(torch.equal(a, b) for a, b in zip(tokens, expected)) and len(tokens) == len(expected)
+            np.testing.assert_array_equal(first, expected_first)  # read_tokens works in the consumer
+    loaders = [HDPDataLoader(MapStyleSource(_LyingSFT()), rank=rank, num_ranks=2, cost_model=COST_MODEL, seed=0,
+                             config=CONFIG, workers=1) for rank in range(2)]
+    with pytest.raises(ValueError, match="sample 2 has 20 'tokens' entries"):  # raised in a worker process
+        for loader in loaders:
+            next(loader)
+    for loader in loaders:
+        loader.close()

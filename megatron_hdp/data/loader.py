@@ -10,8 +10,11 @@ It replaces what Megatron's `build_pretraining_data_loader` returns (and works a
    [a, b) reads raw tokens [a, b + 1) of its document): a document split over 200 ranks is read once,
    in 200 pieces, not 200 times.
 
-Steps 1-3 for step n+1 run in a background thread (started by the first `next`) while step n trains,
-up to `prefetch` steps ahead. On the consumer side, before a step is handed out, the plan digests are
+Steps 1-3 for step n+1 run ahead while step n trains (started by the first `next`): in a background
+thread, up to `prefetch` steps ahead, or — with `workers` >= 1, e.g. Megatron's --num-workers — in
+DataLoader worker processes, which keeps the pure-Python planner from taking the GIL from the training
+loop (worker w plans steps w, w + workers, ...; they arrive in order); `prefetch=0` without workers plans
+in the consumer's thread. On the consumer side, before a step is handed out, the plan digests are
 all-gathered over the HDP domain when torch.distributed is initialized: a rank with a different
 dataset, seed or config fails loudly here instead of hanging in a ring later. `consumed_samples` advances by the documents of each handed-out step
 and is what to checkpoint; a loader built with it resumes with the same documents and plans.
@@ -29,7 +32,7 @@ import torch.distributed as dist
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.data.collate import PackedMicroBatch, collate_microbatch
-from megatron_hdp.data.prefetch import Prefetcher
+from megatron_hdp.data.prefetch import close_stream, prefetched
 from megatron_hdp.data.sampler import GlobalBatch, HDPSampler
 from megatron_hdp.data.source import DocumentSource, limit_lengths
 from megatron_hdp.plan.cost_model import CostModel
@@ -57,13 +60,21 @@ class HDPStep:
     """Time spent planning this step (in the background thread)."""
     load_seconds: float
     """Time spent reading and collating this rank's tokens (in the background thread)."""
-    read_tokens: Callable[[int, int, int], np.ndarray]
-    """read_tokens(seq, start, end): raw tokens of plan sequence `seq`, for code that collates itself
-    (`HDPTrainer.step(plan, read_tokens, read_loss_mask=...)`): this rank's ranges come from memory."""
-    read_loss_mask: Optional[Callable[[int, int, int], np.ndarray]]
-    """The dataset's loss mask of input positions [start, end) of a sequence; None when every position
-    counts (then the global batch's loss-token count is `plan.num_tokens`; with a mask, Megatron's
-    per-token loss sums the micro-batches' counts over the HDP domain)."""
+    reader: "StepReader"
+    """This step's reads (kept in memory): what `read_tokens` and `read_loss_mask` serve."""
+
+    @property
+    def read_tokens(self) -> Callable[[int, int, int], np.ndarray]:
+        """read_tokens(seq, start, end): raw tokens of plan sequence `seq`, for code that collates itself
+        (`HDPTrainer.step(plan, read_tokens, read_loss_mask=...)`): this rank's ranges come from memory."""
+        return self.reader.tokens
+
+    @property
+    def read_loss_mask(self) -> Optional[Callable[[int, int, int], np.ndarray]]:
+        """The dataset's loss mask of input positions [start, end) of a sequence; None when every position
+        counts (then the global batch's loss-token count is `plan.num_tokens`; with a mask, Megatron's
+        per-token loss sums the micro-batches' counts over the HDP domain)."""
+        return self.reader.loss_mask if self.reader.has_loss_mask else None
 
 
 def check_plan_agreement(plan: StepPlan, *, group: Any = None) -> None:
@@ -122,6 +133,10 @@ class StepReader:
         self._tokens: dict[tuple[int, int, int], np.ndarray] = {}
         self._masks: dict[tuple[int, int, int], np.ndarray] = {}
 
+    def __getstate__(self) -> dict:
+        """Sent from a worker process without the source (the consumer re-attaches its own)."""
+        return {**self.__dict__, "source": None}
+
     def tokens(self, seq: int, start: int, end: int) -> np.ndarray:
         key = (seq, start, end)
         if key not in self._tokens:
@@ -155,6 +170,7 @@ class HDPDataLoader:
         pp_size: int = 1,
         pad_to_multiple: int = 1,
         prefetch: int = 1,
+        workers: int = 0,
         group: Any = None,
         check_plans: bool = True,
     ):
@@ -186,10 +202,13 @@ class HDPDataLoader:
         self.group = group
         self.check_plans = check_plans
         self.consumed_samples = int(consumed_samples)
+        if prefetch < 0 or workers < 0:
+            raise ValueError(f"prefetch and workers must be >= 0, got {prefetch} and {workers}")
         self.prefetch = prefetch
+        self.workers = workers
         self.wait_seconds = 0.0
         """Total time the consumer waited for a step (what the background work failed to hide)."""
-        self._prefetcher: Optional[Prefetcher[HDPStep]] = None
+        self._stream: Optional[Iterator[HDPStep]] = None
         self._closed = False
 
     @staticmethod
@@ -241,8 +260,11 @@ class HDPDataLoader:
             for mb in plan.microbatches(rank)
         ]
 
-    def _steps(self) -> Iterator[HDPStep]:
-        for batch in self.sampler:
+    def _steps(self, shard: int = 0, num_shards: int = 1) -> Iterator[HDPStep]:
+        """Steps shard, shard + num_shards, ... (all of them by default), planned and loaded."""
+        for index, batch in enumerate(self.sampler):
+            if index % num_shards != shard:
+                continue
             start = time.perf_counter()
             plan = self.plan(batch)
             planned = time.perf_counter()
@@ -256,23 +278,30 @@ class HDPDataLoader:
                 consumed_samples=batch.next_consumed_samples,
                 plan_seconds=planned - start,
                 load_seconds=time.perf_counter() - planned,
-                read_tokens=reader.tokens,
-                read_loss_mask=reader.loss_mask if reader.has_loss_mask else None,
+                reader=reader,
             )
+
+    def __getstate__(self) -> dict:
+        """What a worker process needs (it runs `_steps`): no stream, no process group."""
+        state = dict(self.__dict__)
+        state.update(_stream=None, group=None)
+        return state
 
     # --- consumer side -------------------------------------------------------------------------
     def __iter__(self) -> "HDPDataLoader":
         return self
 
     def __next__(self) -> HDPStep:
-        if self._prefetcher is None:
+        if self._stream is None:
             if self._closed:
                 raise StopIteration
-            # Started on first use, so a loader that is built but never iterated costs no thread.
-            self._prefetcher = Prefetcher(self._steps, depth=self.prefetch, name=f"hdp-loader-{self.rank}")
+            # Started on first use, so a loader that is built but never iterated costs no thread or process.
+            self._stream = prefetched(self._steps, depth=self.prefetch, workers=self.workers,
+                                      name=f"hdp-loader-{self.rank}")
         start = time.perf_counter()
-        step = next(self._prefetcher)
+        step = next(self._stream)
         self.wait_seconds += time.perf_counter() - start
+        step.reader.source = self.source  # a step from a worker process arrives without it
         if self.check_plans:
             check_plan_agreement(step.plan, group=self.group)
         self.consumed_samples = step.consumed_samples
@@ -283,10 +312,11 @@ class HDPDataLoader:
         return {"consumed_samples": self.consumed_samples}
 
     def close(self) -> None:
-        """Stop the background thread (idempotent); the loader yields nothing afterwards."""
+        """Stop the background thread or worker processes (idempotent); nothing is yielded afterwards."""
         self._closed = True
-        if self._prefetcher is not None:
-            self._prefetcher.close()
+        if self._stream is not None:
+            close_stream(self._stream)
+            self._stream = None
 
     def __enter__(self) -> "HDPDataLoader":
         return self

@@ -1,11 +1,10 @@
-"""Run a generator one or two items ahead in a background thread: the loader's planning and reading for
-step n+1 happen while step n trains.
+"""Produce a stream of items ahead of its consumer: the loader's planning and reading for step n+1
+happen while step n trains.
 
-A thread rather than DataLoader worker processes: the work is numpy slicing of an mmap'd file and the
-pure-Python planner, the results are small, and a thread needs no pickling of plans or datasets. An
-exception in the producer is re-raised in the consumer at the item where it happened; `close()` (also
-on garbage collection and at interpreter exit, the thread being a daemon) stops the producer without
-leaving a thread blocked on a full queue.
+Two ways (`prefetched`): a daemon thread (`Prefetcher`: no pickling, the results are shared directly),
+or DataLoader worker processes, which keep the pure-Python planner from competing with the training
+loop for the GIL. Either way an exception in the producer is re-raised in the consumer at the item where
+it happened, and closing the stream stops the producer without leaving a thread or process blocked.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ from __future__ import annotations
 import queue
 import threading
 from typing import Callable, Generic, Iterator, TypeVar
+
+import torch.utils.data
 
 T = TypeVar("T")
 
@@ -94,3 +95,52 @@ class Prefetcher(Generic[T]):
 
     def __del__(self) -> None:
         self._stop.set()
+
+
+def _identity(item: T) -> T:
+    return item
+
+
+class _ShardedStream(torch.utils.data.IterableDataset):
+    """Worker w of W iterates make_iterator(w, W); the DataLoader interleaves the workers' items round
+    robin, which restores the order of make_iterator(0, 1) when shard w holds items w, w + W, ..."""
+
+    def __init__(self, make_iterator: Callable[[int, int], Iterator[T]]):
+        self.make_iterator = make_iterator
+
+    def __iter__(self) -> Iterator[T]:
+        info = torch.utils.data.get_worker_info()
+        return self.make_iterator(info.id, info.num_workers) if info else self.make_iterator(0, 1)
+
+
+def prefetched(
+    make_iterator: Callable[[int, int], Iterator[T]], *, depth: int = 1, workers: int = 0, name: str = "hdp-prefetch"
+) -> Iterator[T]:
+    """The items of make_iterator(0, 1), produced ahead of the consumer.
+
+    workers = 0, depth = 0: in the consumer's thread, when asked (no overlap; for timing and debugging);
+    workers = 0, depth >= 1: in a daemon thread, up to `depth` items ahead;
+    workers >= 1: in that many DataLoader worker processes, worker w producing make_iterator(w, workers)
+    (items w, w + workers, ...), up to max(depth, 1) items ahead per worker.
+    Stop it with `close_stream`.
+    """
+    if depth < 0 or workers < 0:
+        raise ValueError(f"prefetch depth and workers must be >= 0, got {depth} and {workers}")
+    if workers:
+        loader = torch.utils.data.DataLoader(
+            _ShardedStream(make_iterator), batch_size=None, num_workers=workers, prefetch_factor=max(depth, 1),
+            collate_fn=_identity,
+        )
+        return iter(loader)
+    if depth == 0:
+        return make_iterator(0, 1)
+    return Prefetcher(lambda: make_iterator(0, 1), depth=depth, name=name)
+
+
+def close_stream(stream: Iterator) -> None:
+    """Stop a stream from `prefetched`: join its thread or close its generator. A DataLoader iterator shuts
+    its workers down when the last reference to it goes (its own `__del__`), so callers drop it."""
+    if isinstance(stream, Prefetcher):
+        stream.close()
+    elif hasattr(stream, "close"):
+        stream.close()

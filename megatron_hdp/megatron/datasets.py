@@ -166,7 +166,8 @@ def build_hdp_data_loader(
 
     Reads `get_args()` (seed, global batch size, HDP flags, sequence parallelism) and the data-parallel
     group, which is the HDP domain. An `HDPDataLoader` passed as the dataset (what a datasets provider
-    returns under `--dataloader-type external`) is returned unchanged. GPT and blended datasets are already shuffled by Megatron, so they
+    returns under `--dataloader-type external`) is returned unchanged. Megatron's `--num-workers` N >= 1
+    plans and reads in N worker processes; 0 in a background thread. GPT and blended datasets are already shuffled by Megatron, so they
     are taken in order; an IndexedDataset (documents) is shuffled per epoch.
     """
     from megatron.core import parallel_state
@@ -194,5 +195,6 @@ def build_hdp_data_loader(
         shuffle=not isinstance(dataset, (GPTDataset, BlendedDataset)),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pad_to_multiple=tp if getattr(args, "sequence_parallel", False) else 1,
+        workers=getattr(args, "num_workers", 0),
         group=parallel_state.get_data_parallel_group(),
     )
