@@ -1,6 +1,7 @@
 """`megatron-hdp demo`: train a tiny Llama-style GPT (RoPE, GQA, SwiGLU) with HDP on gloo CPU ranks.
 
-The same Megatron-Core model, trainer and global batches (a long-tailed length mix) run under the HDP
+The same Megatron-Core model, trainer and global batches (documents of a Megatron indexed dataset with
+a long-tailed length mix, written to --data-dir, read by the HDP loader) run under the HDP
 `balance` plan and under the static DP x CP layout; per step it prints loss, step time, balance (slowest
 rank's compute / mean), rings and measured ring-attention bytes, side by side.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import tempfile
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default="balance,static", help="comma-separated planner policies")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are stopped")
+    parser.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "megatron_hdp_demo"),
+                        help="where the demo's Megatron indexed dataset (a seeded synthetic corpus) is written")
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -42,7 +47,9 @@ def format_rows(rows: list[dict]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Launch the ranks, print the table and the mean step time per policy."""
     from megatron_hdp.comm.launch import run_gloo
+    from megatron_hdp.megatron.build_dataset import build_demo_dataset
     from megatron_hdp.megatron.cpu_training import CpuRunSpec, train_policies
+    from megatron_hdp.megatron.exactness import VOCAB_SIZE
 
     spec = CpuRunSpec(
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
@@ -53,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.ranks < 2:
         raise ValueError(f"--ranks must be >= 2 for rings to exist, got {args.ranks}")
+    # The ranks read their shards of each batch from a real .bin/.idx through the HDP loader.
+    prefix = build_demo_dataset(args.data_dir, vocab_size=VOCAB_SIZE, max_length=spec.max_length, seed=args.seed)
+    spec = dataclasses.replace(spec, data_prefix=prefix)
     logger.info("training %d steps per policy on %d gloo ranks: %s", spec.steps, args.ranks, dataclasses.asdict(spec))
     result = run_gloo(train_policies, args.ranks, spec, timeout_s=args.timeout)[0]
     print(format_rows(result["rows"]))

@@ -10,6 +10,7 @@ then for each policy builds the model from the same seed and trains the same glo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,6 +50,10 @@ class CpuRunSpec:
     fit_repeats: int = 3
     warmup_steps: int = 1
     """Untimed steps per policy before the reported ones (first-call overheads)."""
+    data_prefix: Optional[str] = None
+    """A Megatron indexed dataset (PREFIX.bin/.idx, token ids < the model's vocabulary) to train from
+    through the HDP loader: global batches of `tokens_per_step` tokens, documents cut at `max_length`.
+    None: synthetic batches of the length mix above."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.capacity < 1 or self.tokens_per_step < 1 or self.length_scale < 1:
@@ -83,6 +88,34 @@ def global_batches(spec: CpuRunSpec) -> list[list[int]]:
         raw = sample_global_batch(spec.mix, num_tokens=spec.tokens_per_step * spec.length_scale, seed=spec.seed + step)
         batches.append([int(min(spec.max_length, max(1, -(-n // spec.length_scale)))) for n in raw])
     return batches
+
+
+def planned_batches(spec: CpuRunSpec, state, config: HDPConfig, cost_model: CostModel, policy: str):
+    """(plan, read_tokens) of each step: read from `spec.data_prefix` by the HDP loader (each rank only its
+    shards), else the synthetic `global_batches`. The same batches for every policy (same seed)."""
+    from megatron_hdp.plan.planner import make_plan
+
+    if spec.data_prefix is None:
+        from megatron_hdp.megatron.exactness import token_reader
+
+        for step, lengths in enumerate(global_batches(spec)):
+            plan = make_plan(lengths, num_ranks=state.hdp_size, config=config, cost_model=cost_model, policy=policy)
+            yield plan, token_reader(spec.seed + step, lengths)
+        return
+    from megatron_hdp.data.loader import HDPDataLoader
+    from megatron_hdp.megatron.datasets import IndexedDocumentSource
+
+    loader_config = dataclasses.replace(
+        config, hdp_policy=policy, hdp_global_batch_tokens=spec.tokens_per_step, hdp_overlong_documents="truncate"
+    )
+    # prefetch=0: plan and read before each step, outside its timing, as the synthetic path does (the
+    # demo's ranks already use every core); check_plans=False: HDPTrainer.step checks the plan digests.
+    with HDPDataLoader(IndexedDocumentSource(spec.data_prefix), rank=state.hdp_rank, num_ranks=state.hdp_size,
+                       config=loader_config, cost_model=cost_model, seed=spec.seed, max_length=spec.max_length,
+                       prefetch=0, check_plans=False) as loader:
+        for _ in range(spec.warmup_steps + spec.steps):
+            step = next(loader)
+            yield step.plan, step.read_tokens
 
 
 def _model_config(spec: CpuRunSpec):
@@ -184,21 +217,18 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
 
     Returns {"cost_model": dict, "rows": [StepRow as dict]} (rows filled on rank 0 only).
     """
-    from megatron_hdp.megatron.exactness import token_reader
     from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.plan.planner import make_plan
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
     state = initialize_hdp(seed=spec.seed)
     config = HDPConfig(hdp=True, hdp_capacity=spec.capacity, hdp_offload=False)
     model = CostModel.from_dict(cost_model) if cost_model else fit_cost_model(_build(spec, state), spec)
-    batches = global_batches(spec)
     rows = []
     for policy in spec.policies:
         trainer = _build(spec, state)
-        for step, lengths in enumerate(batches):
-            plan = make_plan(lengths, num_ranks=state.hdp_size, config=config, cost_model=model, policy=policy)
-            stats = trainer.step(plan, token_reader(spec.seed + step, lengths))
+        for step, (plan, read_tokens) in enumerate(planned_batches(spec, state, config, model, policy)):
+            lengths = plan.lengths
+            stats = trainer.step(plan, read_tokens)
             if step < spec.warmup_steps:
                 continue
             summary = plan.summary()
