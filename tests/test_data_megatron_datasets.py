@@ -123,6 +123,10 @@ def test_synthetic_corpus_is_seeded_long_tailed_and_learnable(tmp_path):
     np.testing.assert_array_equal(lengths, synthetic_lengths(4000, seed=3, median=100, max_length=4000))
     assert lengths.min() >= 2 and lengths.max() <= 4000
     assert 70 < np.median(lengths) < 140 and lengths.max() > 20 * np.median(lengths)
+    byted = synthetic_lengths(4000, seed=3, distribution="byted", max_length=65536)
+    assert byted.max() == 65536 and 0.7 < np.mean(byted <= 4096) < 0.9  # ByteScale: ~80% of samples <= 4K
+    with pytest.raises(ValueError, match="unknown distribution 'zipf'"):
+        synthetic_lengths(10, seed=0, distribution="zipf")
     prefix = build_demo_dataset(tmp_path, num_docs=50, vocab_size=64, max_length=300)
     assert build_demo_dataset(tmp_path, num_docs=50, vocab_size=64, max_length=300) == prefix  # reused
     source = IndexedDocumentSource(prefix)

@@ -2,7 +2,8 @@
 
 Inputs: a seeded synthetic corpus (the demo's and the tests'), text files or JSONL, or token files.
 
-    python -m megatron_hdp.megatron.build_dataset --out data/corpus --synthetic --num-docs 2000 --vocab 512
+    python -m megatron_hdp.megatron.build_dataset --out data/corpus --synthetic lognormal --num-docs 2000 --vocab 512
+    python -m megatron_hdp.megatron.build_dataset --out data/byted --synthetic byted --num-docs 5000 --max-length 65536
     python -m megatron_hdp.megatron.build_dataset --out data/text --text notes.txt README.md
     python -m megatron_hdp.megatron.build_dataset --out data/web --jsonl pages.jsonl
     python -m megatron_hdp.megatron.build_dataset --out data/tok --tokens ids.txt doc.npy
@@ -12,8 +13,10 @@ real tokenizer — for real data use Megatron's `tools/preprocess_data.py`, whos
 reads unchanged. A text file is one document; a JSONL line's "text" field is one document; a token
 `.npy` file is one document, and each line of whitespace-separated integers in any other file is one.
 
-The synthetic corpus has a long-tailed length distribution (most documents short, a few very long, as
-in ByteScale's web and code data) and learnable content: document d counts up from a random token in a
+The synthetic corpus has a long-tailed length distribution: `lognormal` (median --median-length, plus 1%
+of documents of max_length/4..max_length; the demo's) or ByteScale's `byted` / `github` mixes
+(`megatron_hdp.plan.lengths`, documents longer than --max-length cut to it, as a context limit would);
+and learnable content: document d counts up from a random token in a
 random stride of 1-3 (mod the vocabulary), so a model must read its context to predict the stride.
 """
 
@@ -28,9 +31,13 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
+from megatron_hdp.plan.lengths import SYNTHETIC as SYNTHETIC_MIXES
+from megatron_hdp.plan.lengths import synthetic_lengths as mix_lengths
+
 logger = logging.getLogger(__name__)
 
 BYTE_VOCAB = 256
+DISTRIBUTIONS = ("lognormal", *SYNTHETIC_MIXES)
 
 
 def write_indexed_dataset(prefix: str | Path, documents: Iterable[np.ndarray], *, vocab_size: int) -> tuple[int, int]:
@@ -60,19 +67,27 @@ def write_indexed_dataset(prefix: str | Path, documents: Iterable[np.ndarray], *
 
 
 def synthetic_lengths(
-    num_docs: int, *, seed: int, median: int = 256, sigma: float = 1.2, long_fraction: float = 0.01,
-    max_length: int = 16384,
+    num_docs: int, *, seed: int, distribution: str = "lognormal", median: int = 256, sigma: float = 1.2,
+    long_fraction: float = 0.01, max_length: int = 16384,
 ) -> np.ndarray:
-    """Raw token counts of a long-tailed corpus: lognormal around `median`, plus `long_fraction` of
-    documents drawn uniformly from [max_length / 4, max_length]; every count in [2, max_length]."""
+    """Raw token counts of a long-tailed corpus, every count in [2, max_length].
+
+    `lognormal`: lognormal around `median`, plus `long_fraction` of documents drawn uniformly from
+    [max_length / 4, max_length]. `byted` / `github`: ByteScale's published mixes, cut at `max_length`.
+    """
     if num_docs < 1:
         raise ValueError(f"num_docs must be >= 1, got {num_docs}")
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
-    rng = np.random.default_rng(seed)
-    lengths = rng.lognormal(np.log(median), sigma, num_docs)
-    long = rng.random(num_docs) < long_fraction
-    lengths[long] = rng.uniform(max_length / 4, max_length, int(long.sum()))
+    if distribution in SYNTHETIC_MIXES:
+        lengths = mix_lengths(distribution, num_sequences=num_docs, seed=seed)
+    elif distribution == "lognormal":
+        rng = np.random.default_rng(seed)
+        lengths = rng.lognormal(np.log(median), sigma, num_docs)
+        long = rng.random(num_docs) < long_fraction
+        lengths[long] = rng.uniform(max_length / 4, max_length, int(long.sum()))
+    else:
+        raise ValueError(f"unknown distribution {distribution!r}; known: {', '.join(DISTRIBUTIONS)}")
     return np.clip(lengths.astype(np.int64), 2, max_length)
 
 
@@ -132,20 +147,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output prefix: writes OUT.bin and OUT.idx")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--synthetic", action="store_true", help="a seeded long-tailed synthetic corpus")
+    source.add_argument("--synthetic", choices=DISTRIBUTIONS, help="a seeded long-tailed synthetic corpus")
     source.add_argument("--text", nargs="+", metavar="FILE", help="text files, one document each (byte-level)")
     source.add_argument("--jsonl", nargs="+", metavar="FILE", help="JSONL files, one document per line's 'text'")
     source.add_argument("--tokens", nargs="+", metavar="FILE", help=".npy files or lines of integer token ids")
     parser.add_argument("--num-docs", type=int, default=10000, help="synthetic: documents")
     parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (synthetic default 32000; text 256)")
-    parser.add_argument("--median-length", type=int, default=256, help="synthetic: median raw document length")
+    parser.add_argument("--median-length", type=int, default=256, help="synthetic lognormal: median raw length")
     parser.add_argument("--max-length", type=int, default=16384, help="synthetic: longest raw document")
     parser.add_argument("--seed", type=int, default=1234, help="synthetic: random seed")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.synthetic:
         vocab = args.vocab or 32000
-        lengths = synthetic_lengths(args.num_docs, seed=args.seed, median=args.median_length, max_length=args.max_length)
+        lengths = synthetic_lengths(args.num_docs, seed=args.seed, distribution=args.synthetic,
+                                    median=args.median_length, max_length=args.max_length)
         documents = synthetic_documents(lengths, vocab_size=vocab, seed=args.seed)
     elif args.tokens:
         if args.vocab is None:
