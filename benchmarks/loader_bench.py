@@ -14,7 +14,8 @@ Overlap: rank 0's loader produces ahead — in a background thread, or in a Data
 while the main thread runs a simulated step (1-thread matmuls for --step-seconds, which release the GIL
 like GPU work, plus --python-ops tiny tensor ops, which hold it like the Python that launches kernels);
 reported: the step's time next to its time alone (what the loader costs the step) and what `next` still
-waited for (the loader time the step did not hide). Results go to benchmarks/results/loader_bench.json with the command and the date.
+waited for (the loader time the step did not hide). Results go to benchmarks/results/loader_bench.json
+with the command and the date.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ DataLoader worker processes, which keeps the pure-Python planner from taking the
 loop (worker w plans steps w, w + workers, ...; they arrive in order); `prefetch=0` without workers plans
 in the consumer's thread. On the consumer side, before a step is handed out, the plan digests are
 all-gathered over the HDP domain when torch.distributed is initialized: a rank with a different
-dataset, seed or config fails loudly here instead of hanging in a ring later. `consumed_samples` advances by the documents of each handed-out step
-and is what to checkpoint; a loader built with it resumes with the same documents and plans.
+dataset, seed or config fails loudly here instead of hanging in a ring later. `consumed_samples`
+advances by the documents of each handed-out step and is what to checkpoint; a loader built with it
+resumes with the same documents and plans.
 """
 
 from __future__ import annotations

@@ -105,14 +105,16 @@ class GPTSampleSource:
 
     def read(self, sample_id: int, start: int, end: int) -> np.ndarray:
         """Raw tokens [start, end) of sample `sample_id`, read from the documents it spans."""
-        if not 0 <= start <= end <= self.lengths[sample_id] + 1:
-            raise ValueError(f"read [{start}, {end}) is outside sample {sample_id}'s {self.lengths[sample_id] + 1} tokens")
+        size = int(self.lengths[sample_id]) + 1
+        if not 0 <= start <= end <= size:
+            raise ValueError(f"read [{start}, {end}) is outside sample {sample_id}'s {size} tokens")
         low, high = int(self.starts[sample_id]) + start, int(self.starts[sample_id]) + end
         pos = int(np.searchsorted(self.doc_starts, low, side="right")) - 1
         pieces = []
-        while low < high:
+        while low < high:  # positions in the stream of the dataset's documents, one document at a time
+            offset = low - int(self.doc_starts[pos])
             take = min(high, int(self.doc_starts[pos + 1])) - low
-            pieces.append(self.indexed.read(int(self.document_index[pos]), low - int(self.doc_starts[pos]), low - int(self.doc_starts[pos]) + take))
+            pieces.append(self.indexed.read(int(self.document_index[pos]), offset, offset + take))
             low += take
             pos += 1
         return np.concatenate(pieces) if pieces else np.empty(0, dtype=self.indexed.dataset.index.dtype)
@@ -167,8 +169,9 @@ def build_hdp_data_loader(
     Reads `get_args()` (seed, global batch size, HDP flags, sequence parallelism) and the data-parallel
     group, which is the HDP domain. An `HDPDataLoader` passed as the dataset (what a datasets provider
     returns under `--dataloader-type external`) is returned unchanged. Megatron's `--num-workers` N >= 1
-    plans and reads in N worker processes; 0 in a background thread. GPT and blended datasets are already shuffled by Megatron, so they
-    are taken in order; an IndexedDataset (documents) is shuffled per epoch.
+    plans and reads in N worker processes; 0 in a background thread. GPT and blended datasets are
+    already shuffled by Megatron, so they are taken in order; an IndexedDataset (documents) is shuffled
+    per epoch.
     """
     from megatron.core import parallel_state
 
