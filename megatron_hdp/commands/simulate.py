@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", default=None, help="tokens per rank per micro-batch (C); default from GPU memory")
     parser.add_argument("--allreduce-bandwidth", type=float, default=None,
                         help="bytes/s per GPU of the gradient all-reduce (default: the hardware's inter-node link)")
+    parser.add_argument("--ring-bandwidth", type=float, default=None,
+                        help="bytes/s of a ring-attention link (default: the cost model's)")
     parser.add_argument("--cost-model", default=None, help="cost model JSON from `megatron-hdp calibrate`")
     parser.add_argument("--no-offload", action="store_true", help="plan without selective activation offload")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON ('-': stdout)")
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
     spec = ClusterSpec(
         model=args.model, num_gpus=args.gpus, tp_size=args.tp, pp_size=args.pp, hardware=args.hardware,
-        allreduce_bandwidth=args.allreduce_bandwidth, cost_model_path=args.cost_model,
+        allreduce_bandwidth=args.allreduce_bandwidth, ring_bandwidth=args.ring_bandwidth,
+        cost_model_path=args.cost_model,
         capacity=parse_tokens(args.capacity) if args.capacity else None,
     )
     context = parse_tokens(args.context)

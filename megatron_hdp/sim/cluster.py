@@ -7,6 +7,7 @@ from a `megatron-hdp calibrate` JSON, so measured kernel timings feed the simula
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ class ClusterSpec:
     """Preset hardware profile (`presets.HARDWARE`)."""
     allreduce_bandwidth: Optional[float] = None
     """Bytes/s of the gradient all-reduce ring per GPU; the hardware's inter-node link when unset."""
+    ring_bandwidth: Optional[float] = None
+    """Bytes/s of one ring-attention link, overriding the cost model's (hardware preset or calibrated)."""
     capacity: Optional[int] = None
     """Tokens per rank per micro-batch (C); derived from GPU memory when unset (`memory_capacity`)."""
     cost_model_path: Optional[str] = None
@@ -69,8 +72,9 @@ class ClusterSpec:
             )
         if self.shape.num_layers % self.pp_size:
             raise ValueError(f"pp_size {self.pp_size} does not divide {self.model}'s {self.shape.num_layers} layers")
-        if self.allreduce_bandwidth is not None and self.allreduce_bandwidth <= 0:
-            raise ValueError(f"allreduce_bandwidth must be > 0, got {self.allreduce_bandwidth}")
+        for name in ("allreduce_bandwidth", "ring_bandwidth"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.capacity is not None and self.capacity <= 0:
             raise ValueError(f"capacity must be a positive token count, got {self.capacity}")
         if self.cost_model_path is not None and not Path(self.cost_model_path).is_file():
@@ -99,10 +103,13 @@ class ClusterSpec:
         return self.allreduce_bandwidth or self.hardware_profile.ring_bandwidth
 
     def cost_model(self) -> CostModel:
-        """The calibrated cost model when a JSON was given, else the analytic one for this model/TP."""
+        """The calibrated cost model when a JSON was given, else the analytic one for this model/TP; with
+        `ring_bandwidth` in place of its own when set."""
         if self.cost_model_path:
-            return CostModel.from_json(self.cost_model_path)
-        return analytic_cost_model(self.shape, self.hardware_profile, tp_size=self.tp_size)
+            cost = CostModel.from_json(self.cost_model_path)
+        else:
+            cost = analytic_cost_model(self.shape, self.hardware_profile, tp_size=self.tp_size)
+        return dataclasses.replace(cost, ring_bandwidth=self.ring_bandwidth) if self.ring_bandwidth else cost
 
     def memory_capacity(self) -> int:
         """Largest power-of-two C whose activations fit beside the model states.
