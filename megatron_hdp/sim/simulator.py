@@ -201,8 +201,9 @@ def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shard
         return out
     # a pass is one forward/backward: the whole micro-batch, or (hybrid CP) each shard alone
     passes = np.arange(len(shards.tokens)) if rules.pass_per_shard else shards.microbatch
-    pass_ids, pass_of_shard = np.unique(passes, return_inverse=True)
-    mb_of_pass = shards.microbatch[np.unique(pass_of_shard, return_index=True)[1]]
+    _, first_shard, pass_of_shard = np.unique(passes, return_index=True, return_inverse=True)
+    mb_of_pass = shards.microbatch[first_shard]
+    num_passes = len(mb_of_pass)
     compute = cost.layer_compute_time(seq_len=shards.length, num_tokens=shards.tokens)
     attention = compute - cost.layer_compute_time(seq_len=0, num_tokens=shards.tokens)
     # shards of one pass on one ring share one exchange: summed tokens against summed attention
@@ -216,7 +217,6 @@ def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shard
     traffic = _per_ring_size(group_tokens, group_size,
                              lambda t, k: cost.layer_ring_comm_time(num_tokens=t, ring_size=k))
     exposed = np.maximum(0.0, traffic - group_attention)
-    num_passes = len(pass_ids)
     layer_compute = cost.g + np.bincount(pass_of_shard, weights=compute, minlength=num_passes)
     layer_comm = np.bincount(group_pass, weights=exposed, minlength=num_passes)
     copy = np.bincount(pass_of_shard, weights=shards.offload_ratio * cost.activation_bytes(shards.tokens),
