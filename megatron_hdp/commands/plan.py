@@ -79,7 +79,7 @@ def _batch(args: argparse.Namespace) -> list[int]:
     return sample_global_batch(args.dist, num_tokens=tokens, seed=args.seed)
 
 
-def summary_row(plan, *, cost_model, wall_s: float) -> dict:
+def summary_row(plan, *, cost_model, wall_s: float, max_offload_ratio: float = 1.0) -> dict:
     """One table row (and JSON record) of a plan's statistics."""
     from megatron_hdp.plan.bounds import gap
 
@@ -87,7 +87,7 @@ def summary_row(plan, *, cost_model, wall_s: float) -> dict:
     return {
         "policy": plan.policy,
         "step_s": plan.est_step_time,
-        "gap": gap(plan, cost_model=cost_model),
+        "gap": gap(plan, cost_model=cost_model, max_offload_ratio=max_offload_ratio),
         "balance": stats.balance,
         "rings": stats.num_rings,
         "max_ring": max(stats.ring_sizes, default=1),
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         cost_model = analytic_cost_model(args.model, args.hardware, tp_size=args.tp)
     lengths = _batch(args)
     bound = step_time_lower_bound(lengths, num_ranks=args.ranks, capacity=args.capacity, cost_model=cost_model,
-                                  pp_size=args.pp)
+                                  pp_size=args.pp, max_offload_ratio=config.max_offload_ratio)
     print(f"batch: {len(lengths)} sequences, {sum(lengths):,} tokens, longest {max(lengths):,}; "
           f"{args.ranks} ranks x capacity {args.capacity:,}, pp {args.pp}; step-time lower bound {bound:.3f} s")
     compared = [p.strip() for p in args.compare.split(",") if p.strip()]
@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"policy": policy, "error": str(error)})
             continue
         plans[policy] = plan
-        rows.append(summary_row(plan, cost_model=cost_model, wall_s=time.perf_counter() - start))
+        rows.append(summary_row(plan, cost_model=cost_model, wall_s=time.perf_counter() - start,
+                                max_offload_ratio=config.max_offload_ratio))
     print(format_table(rows))
     if args.json:
         if args.policy not in plans:

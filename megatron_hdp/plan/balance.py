@@ -14,8 +14,8 @@ This implementation, step by step:
 3. rings, longest first, on aligned least-loaded ranks (`placement.place_rings`); ring micro-batches
    come first on every rank, so members reach them in step;
 4. whole sequences by LPT on the ranks' loads (`placement.lpt`) — Algorithm 2's "least-loaded bucket";
-5. refinement (`refine.py`): local search (moves and swaps off the slowest rank), and an exact HiGHS MILP
-   on small instances;
+5. refinement (`refine.py`): local search (moves and swaps off the slowest rank), and on request
+   (`exact=True`) an exact HiGHS MILP on small instances;
 6. each rank's whole sequences packed best-fit into micro-batches of <= C tokens (`packing.py`).
 
 Deviation from the paper: Algorithm 2 forms micro-batches first and then assigns them; we assign
@@ -38,105 +38,11 @@ from megatron_hdp.plan.packing import best_fit
 from megatron_hdp.plan.placement import lpt, place_rings
 from megatron_hdp.plan.refine import PipelineCost, refine_exact, refine_local
 from megatron_hdp.plan.bounds import gap
-from megatron_hdp.plan.sharding import (
-    fastest_ring_size,
-    fits,
-    max_member_tokens,
-    member_times,
-    needed_offload_ratio,
-    shard_sequences,
-    shard_time,
-    whole_times,
-)
+from megatron_hdp.plan.sharding import member_times, shard_sequences
+from megatron_hdp.plan.widening import widen_rings
 from megatron_hdp.plan.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
-
-
-WIDEN_SLACK = 0.02
-"""Rings are widened until their member time is within this fraction of the step-time target."""
-
-
-def widen_rings(
-    lengths: Sequence[int],
-    ring_sizes: np.ndarray,
-    offload_ratios: np.ndarray,
-    *,
-    num_ranks: int,
-    capacity: int,
-    cost_model: CostModel,
-    max_offload_ratio: float,
-    pp_size: int = 1,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Spread long sequences whose member time would set the step time over more ranks.
-
-    Target: (1 + WIDEN_SLACK) x max(total work / D, slowest short sequence, slowest long sequence at its
-    fastest ring size). With PP (ByteScale's PP-Balance: micro-batches of a pipeline should take about
-    the same time, else the 1F1B bubbles grow) the work term is capped at the time of one full
-    micro-batch, a whole sequence of C tokens. A sequence above it gets the smallest k >= D(s) whose member time meets it; the
-    target moves with the work the wider rings add, so this repeats until the ring sizes settle (three
-    rounds at most). The slack matters: ring traffic makes a member's time flat near its minimum, and
-    e.g. a 2M-token document reaches within 1% of its fastest time on 131 ranks where the exact minimum
-    needs 314. Ring sizes stay <= min(D, s // 2) so chunks are non-empty. Returns new
-    (ring_sizes, offload_ratios); offloading is re-decided for the smaller shards.
-    """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    long_lengths = np.unique(lengths[lengths > capacity]).tolist()
-    if not long_lengths:
-        return ring_sizes, offload_ratios
-    first = {s: int(np.flatnonzero(lengths == s)[0]) for s in long_lengths}
-    base_of = {s: int(ring_sizes[first[s]]) for s in long_lengths}
-
-    def member(s: int, k: int) -> float:
-        return shard_time(cost_model, seq_len=s, num_tokens=-(-s // k), ring_size=k, pp_size=pp_size)
-
-    fastest: dict[int, int] = {}
-
-    def fastest_of(s: int) -> int:
-        if s not in fastest:
-            fastest[s] = fastest_ring_size(lambda k: member(s, k), lo=base_of[s],
-                                           hi=max(base_of[s], min(num_ranks, s // 2)))
-        return fastest[s]
-
-    # A longer sequence is slower at every ring size, so the longest one sets the floor.
-    longest = long_lengths[-1]
-    short_times = whole_times(lengths[lengths <= capacity], cost_model=cost_model, pp_size=pp_size)
-    floor = max(float(short_times.max(initial=0.0)), member(longest, fastest_of(longest)))
-    full_microbatch = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
-    sizes = ring_sizes.copy()
-    chosen = dict(base_of)
-    for _ in range(3):
-        work = float((member_times(lengths, sizes, cost_model=cost_model, pp_size=pp_size) * sizes).sum())
-        spread = work / num_ranks if pp_size == 1 else min(work / num_ranks, full_microbatch)
-        target = (1 + WIDEN_SLACK) * max(spread, floor)
-        previous = dict(chosen)
-        for s in long_lengths:
-            lo = base_of[s]
-            if member(s, lo) <= target:
-                chosen[s] = lo
-                continue
-            hi = fastest_of(s)  # the member time decreases on [D(s), fastest]
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (mid + 1, hi) if member(s, mid) > target else (lo, mid)
-            chosen[s] = lo
-        if chosen == previous:
-            break
-        sizes = ring_sizes.copy()
-        for s, k in chosen.items():
-            if k != base_of[s]:
-                sizes[lengths == s] = k
-    ratios = offload_ratios.copy()
-    for s, k in chosen.items():
-        if k == base_of[s]:
-            continue
-        held = max_member_tokens(s, k)
-        if fits(cost_model, seq_len=s, ring_size=k, num_tokens=held, capacity=capacity,
-                max_offload_ratio=max_offload_ratio, pp_size=pp_size):
-            ratios[lengths == s] = needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
-        else:
-            sizes[lengths == s] = base_of[s]
-    return sizes, ratios
 
 
 def assign_whole(
@@ -146,14 +52,16 @@ def assign_whole(
     tokens: np.ndarray,
     base: np.ndarray,
     cost: PipelineCost,
+    exact: bool = False,
     exact_limit: int = 256,
 ) -> list[list[int]]:
-    """Whole sequences to ranks: LPT, then local search, then (small instances, no PP) the exact MILP."""
+    """Whole sequences to ranks: LPT, then local search, then (if `exact`, no PP, at most `exact_limit`
+    variables) the MILP — skipped when the assignment already meets a simple lower bound."""
     loads = base.copy()
     given = lpt(order, weights=weights, loads=loads)
     given = refine_local(given, weights=weights, base=base, tokens=tokens, cost=cost)
     num_ranks = len(base)
-    if cost.pp_size == 1 and 1 < num_ranks and len(order) * num_ranks <= exact_limit:
+    if exact and cost.pp_size == 1 and 1 < num_ranks and len(order) * num_ranks <= exact_limit:
         totals = base + np.array([weights[r].sum() for r in given])
         bound = max(float(base.max()), float(totals.sum()) / num_ranks,
                     float(weights[list(order)].max(initial=0.0)) + float(base.min()))
@@ -163,9 +71,19 @@ def assign_whole(
 
 
 def plan_balance(
-    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1
+    lengths: list[int],
+    *,
+    num_ranks: int,
+    config: HDPConfig,
+    cost_model: CostModel,
+    pp_size: int = 1,
+    exact: bool = False,
 ) -> StepPlan:
-    """Plan a global batch with ByteScale's balance scheduler plus refinement (see the module doc)."""
+    """Plan a global batch with ByteScale's balance scheduler plus refinement (see the module doc).
+
+    `exact=True` adds the MILP on small instances (<= 256 sequence-rank pairs): it often shaves a few
+    percent off a tiny batch's step but can take a second, so the per-step runtime leaves it off.
+    """
     capacity = config.hdp_capacity
     sharding = shard_sequences(lengths, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
                                max_offload_ratio=config.max_offload_ratio, pp_size=pp_size)
@@ -180,7 +98,7 @@ def plan_balance(
     whole_order = whole_ids[np.lexsort((whole_ids, -weights[whole_ids]))].tolist()
     ring_counts = np.array([len(m) for m in layout.ring_microbatches], dtype=np.int64)
     given = assign_whole(whole_order, weights=weights, tokens=np.asarray(lengths, dtype=np.int64),
-                         base=layout.finish, cost=PipelineCost(pp_size, capacity, ring_counts))
+                         base=layout.finish, cost=PipelineCost(pp_size, capacity, ring_counts), exact=exact)
     rings: list[tuple[int, ...]] = [layout.rings.get(seq, ()) for seq in range(len(lengths))]
     schedule = []
     for rank in range(num_ranks):

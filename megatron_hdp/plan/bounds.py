@@ -1,18 +1,21 @@
 """A lower bound on the step time of any plan, and a plan's gap to it.
 
-No plan of a batch over D ranks, whatever its ring sizes and assignment, can take less than
+Let T_whole(s) be the cost model's time of a sequence whole on one rank, T_member(s, k) the time of a
+member holding s/k tokens of a ring of k (`sharding.shard_time` with fractional tokens; the fullest
+member holds at least that), and D(s) the fewest ranks memory allows (`sharding.min_ring_size`). A plan
+with step time T has
 
-    max( sum_s T_whole(s) / D,                      the whole work spread perfectly;
-         max_{s <= C} T_whole(s),                   a short sequence stays whole on one rank;
-         max_{s > C} min_{1<=k<=D} T_member(s, k) ) a ring member's shard of >= s/k tokens
+- T >= T_whole(s) for every short sequence (it stays whole on one rank);
+- T >= min_{D(s) <= k <= D} T_member(s, k) for every long one: the floor. The ring traffic, ~3 s
+  kv-bytes per member and layer whatever k, is why a 2M-token document is slow at any ring size;
+- each long sequence on k_s(T) ranks or more, the smallest k >= D(s) with T_member(s, k) <= T, and a
+  ring of k members does k x T_member(s, k) work, which grows with k (the whole sequence's linear and
+  attention work, or, when larger, the ring traffic, 3 (k - 1) kv-bytes per token held). So
+  D x T >= W(T) = sum of T_whole over short sequences + sum of k_s(T) x T_member(s, k_s(T)).
 
-where T_whole(s) is the cost model's time of the sequence whole on one rank and T_member(s, k) the time
-of a member holding s/k tokens of a ring of k (`sharding.shard_time` with fractional tokens). The first
-term holds because a ring does at least the whole sequence's work: k * T_member(s, k) >= T_whole(s)
-(each member's s/k queries see s/2 keys on average, plus linear work on its tokens). The third includes
-the ring traffic: a member's K/V exchange of ~3 s kv-bytes per layer does not shrink with k, which is
-what makes a 2M-token document expensive at any ring size. Micro-batch overheads, waits and the PP
-fill/drain only add to a plan's time, so the bound holds for every policy's plan.
+W(T) falls as T rises, so the smallest T meeting all three is found by bisection (`widening.settle_target`
+with no slack, the same search the planner's ring widening uses with slack). Micro-batch overheads, waits
+and the PP fill/drain only add to a plan's time, so the bound holds for every policy's plan.
 """
 
 from __future__ import annotations
@@ -22,30 +25,49 @@ from typing import Sequence
 import numpy as np
 
 from megatron_hdp.plan.cost_model import CostModel
-from megatron_hdp.plan.sharding import fastest_ring_size, shard_time, whole_times
+from megatron_hdp.plan.sharding import min_ring_size, whole_times
+from megatron_hdp.plan.widening import RingSizer, settle_target
 from megatron_hdp.plan.step_plan import StepPlan
 
 
 def step_time_lower_bound(
-    lengths: Sequence[int], *, num_ranks: int, capacity: int, cost_model: CostModel, pp_size: int = 1
+    lengths: Sequence[int],
+    *,
+    num_ranks: int,
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int = 1,
+    max_offload_ratio: float = 1.0,
 ) -> float:
-    """The lower bound of the module docstring, in seconds."""
+    """The lower bound of the module docstring, in seconds.
+
+    `max_offload_ratio` only tightens the bound (a ring has at least D(s) members, and more offloading
+    allows fewer); the default 1.0 gives a bound valid for every configuration.
+    """
     if num_ranks <= 0:
         raise ValueError(f"num_ranks must be positive, got {num_ranks}")
     lengths = np.asarray(lengths, dtype=np.int64)
-    whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size)
-    bound = max(float(whole.sum()) / num_ranks, float(whole[lengths <= capacity].max(initial=0.0)))
-    for s in np.unique(lengths[lengths > capacity]).tolist():
+    short = lengths <= capacity
+    whole = whole_times(lengths[short], cost_model=cost_model, pp_size=pp_size)
+    slowest = float(whole.max(initial=0.0))
+    long_lengths, counts = np.unique(lengths[~short], return_counts=True)
+    if not len(long_lengths):
+        return max(float(whole.sum()) / num_ranks, slowest)
+    fewest = {}
+    for s in long_lengths.tolist():
+        try:
+            fewest[s], _ = min_ring_size(s, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
+                                         max_offload_ratio=max_offload_ratio, pp_size=pp_size)
+        except ValueError:
+            fewest[s] = num_ranks  # no plan exists; keep the bound finite
+    sizer = RingSizer(long_lengths.tolist(), fewest, widest=lambda s: num_ranks, cost_model=cost_model,
+                      pp_size=pp_size, fractional=True)
+    return settle_target(sizer, counts=counts.tolist(), other_work=float(whole.sum()),
+                         floor=max(slowest, sizer.floor()), num_ranks=num_ranks, slack=0.0, from_below=True)
 
-        def member(k: int, s: int = s) -> float:
-            return shard_time(cost_model, seq_len=s, num_tokens=s / k, ring_size=k, pp_size=pp_size)
 
-        bound = max(bound, member(fastest_ring_size(member, lo=1, hi=num_ranks)))
-    return bound
-
-
-def gap(plan: StepPlan, *, cost_model: CostModel) -> float:
+def gap(plan: StepPlan, *, cost_model: CostModel, max_offload_ratio: float = 1.0) -> float:
     """est_step_time / lower bound - 1 for a plan (0: provably optimal under the cost model)."""
     bound = step_time_lower_bound(plan.lengths, num_ranks=plan.num_ranks, capacity=plan.capacity,
-                                  cost_model=cost_model, pp_size=plan.pp_size)
+                                  cost_model=cost_model, pp_size=plan.pp_size, max_offload_ratio=max_offload_ratio)
     return plan.est_step_time / bound - 1.0 if bound > 0 else 0.0

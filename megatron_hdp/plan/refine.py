@@ -154,7 +154,7 @@ def _improve(source: list[tuple[float, int]], target: list[tuple[float, int]], s
 
 
 def refine_exact(
-    given: list[list[int]], *, weights: Sequence[float], base: np.ndarray, node_limit: int = 2000
+    given: list[list[int]], *, weights: Sequence[float], base: np.ndarray, node_limit: int = 500
 ) -> list[list[int]]:
     """Optimal assignment of the items of `given` to ranks by MILP (see the module doc).
 

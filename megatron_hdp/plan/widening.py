@@ -1,0 +1,171 @@
+"""Ring widening: give a long sequence more than D(s) ranks when its member time would set the step time.
+
+Beyond ByteScale, which keeps every ring at D(s), the fewest ranks memory allows. A ring's member time
+falls with k until the ring traffic (~3 s kv-bytes per member and layer, whatever k) dominates, so a
+long sequence can be the slowest item of the step at D(s) yet fine at a larger k. The planner picks a
+step-time target T and gives each long sequence the smallest k >= D(s) whose member time is <= T:
+
+- T can be no lower than the floor: the slowest whole short sequence, or the longest sequence at its
+  fastest ring size (a longer sequence is slower at every k, so the longest one sets it);
+- wider rings do more work (more ring traffic), so T must also cover the work spread over all ranks
+  with some room for packing: (1 + WIDEN_SLACK) x W(T) / D <= T, where W(T) is the total work with the
+  ring sizes T implies. W falls as T rises, so the smallest such T is found by bisection;
+- with PP (ByteScale's PP-Balance: a pipeline's micro-batches should take about the same time, else
+  the 1F1B bubbles grow) T is also capped at the time of one full micro-batch, a whole C-token sequence.
+
+The floor gets no slack: when one sequence sets the step time the other ranks would idle anyway, so
+its widest useful ring costs nothing. Ring sizes stay <= min(D, s // 2) so zigzag chunks are non-empty.
+Offloading is re-decided for the smaller shards of widened rings.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable, Sequence
+
+import numpy as np
+
+from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.sharding import (
+    fastest_ring_size,
+    fits,
+    max_member_tokens,
+    needed_offload_ratio,
+    shard_time,
+    whole_times,
+)
+
+WIDEN_SLACK = 0.01
+"""Room left for packing: the target must exceed the spread-out work by this fraction."""
+
+_PRECISION = 0.002
+"""Relative precision of the bisection on the target."""
+
+
+class RingSizer:
+    """Member times of the distinct long lengths of a batch, and the ring sizes a step-time target implies.
+
+    `fractional=True` times a member as holding exactly s/k tokens (what the lower bound needs: no plan
+    does better); otherwise ceil(s/k), as the plan will. Ring sizes run from D(s) (`fewest`) to `widest(s)`.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        fewest: dict[int, int],
+        *,
+        widest: Callable[[int], int],
+        cost_model: CostModel,
+        pp_size: int,
+        fractional: bool,
+    ) -> None:
+        self.lengths = list(lengths)
+        self.fewest = fewest
+        self._widest = widest
+        self._cost_model = cost_model
+        self._pp_size = pp_size
+        self._fractional = fractional
+        self.member = lru_cache(maxsize=None)(self._member)
+        self.fastest = lru_cache(maxsize=None)(self._fastest)
+
+    def _member(self, s: int, k: int) -> float:
+        tokens = s / k if self._fractional else -(-s // k)
+        return shard_time(self._cost_model, seq_len=s, num_tokens=tokens, ring_size=k, pp_size=self._pp_size)
+
+    def _fastest(self, s: int) -> int:
+        lo = self.fewest[s]
+        return fastest_ring_size(lambda k: self.member(s, k), lo=lo, hi=max(lo, self._widest(s)))
+
+    def floor(self) -> float:
+        """The longest sequence at its fastest ring size (a longer sequence is slower at every k)."""
+        s = max(self.lengths)
+        return self.member(s, self.fastest(s))
+
+    def sizes_for(self, target: float) -> dict[int, int]:
+        """Per length, the smallest ring size whose member time is <= target (the fastest if none is)."""
+        chosen = {}
+        for s in self.lengths:
+            lo = self.fewest[s]
+            if self.member(s, lo) > target:
+                hi = self.fastest(s)  # the member time decreases on [D(s), fastest]
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid + 1, hi) if self.member(s, mid) > target else (lo, mid)
+            chosen[s] = lo
+        return chosen
+
+    def work(self, chosen: dict[int, int], counts: Sequence[int]) -> float:
+        """Total member time of all rings at the chosen sizes (`counts`: sequences per length)."""
+        return sum(c * k * self.member(s, k) for (s, k), c in zip(chosen.items(), counts))
+
+
+def settle_target(
+    sizer: RingSizer,
+    *,
+    counts: Sequence[int],
+    other_work: float,
+    floor: float,
+    num_ranks: int,
+    slack: float,
+    from_below: bool = False,
+) -> float:
+    """The smallest target T >= floor with (1 + slack) x (other_work + ring work at T) / D <= T (bisection).
+
+    The ring work falls as T rises (looser targets need fewer ranks), so the condition is monotone. The
+    bisection stops within `_PRECISION`; `from_below=True` returns the end below the true T (for a lower
+    bound), else the end above it (a target that holds).
+    """
+
+    def holds(target: float) -> bool:
+        work = other_work + sizer.work(sizer.sizes_for(target), counts)
+        return (1 + slack) * work / num_ranks <= target
+
+    if holds(floor):
+        return floor
+    lo, hi = floor, 2 * floor
+    while not holds(hi):  # terminates: a target above every D(s) time leaves the work fixed
+        lo, hi = hi, 2 * hi
+    while hi - lo > _PRECISION * lo:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    return lo if from_below else hi
+
+
+def widen_rings(
+    lengths: Sequence[int],
+    ring_sizes: np.ndarray,
+    offload_ratios: np.ndarray,
+    *,
+    num_ranks: int,
+    capacity: int,
+    cost_model: CostModel,
+    max_offload_ratio: float,
+    pp_size: int = 1,
+) -> tuple[np.ndarray, np.ndarray]:
+    """New (ring_sizes, offload_ratios) with long sequences widened to the step-time target (module doc)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    long_mask = lengths > capacity
+    long_lengths, counts = np.unique(lengths[long_mask], return_counts=True)
+    if not len(long_lengths):
+        return ring_sizes, offload_ratios
+    long_lengths, counts = long_lengths.tolist(), counts.tolist()
+    fewest = {s: int(ring_sizes[np.argmax(lengths == s)]) for s in long_lengths}
+    sizer = RingSizer(long_lengths, fewest, widest=lambda s: min(num_ranks, s // 2), cost_model=cost_model,
+                      pp_size=pp_size, fractional=False)
+    short = whole_times(lengths[~long_mask], cost_model=cost_model, pp_size=pp_size)
+    floor = max(float(short.max(initial=0.0)), sizer.floor())
+    target = settle_target(sizer, counts=counts, other_work=float(short.sum()), floor=floor, num_ranks=num_ranks,
+                           slack=WIDEN_SLACK)
+    if pp_size > 1:
+        full_microbatch = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
+        target = max(floor, min(target, full_microbatch))
+    sizes, ratios = ring_sizes.copy(), offload_ratios.copy()
+    for s, k in sizer.sizes_for(target).items():
+        if k == fewest[s]:
+            continue
+        held = max_member_tokens(s, k)
+        if fits(cost_model, seq_len=s, ring_size=k, num_tokens=held, capacity=capacity,
+                max_offload_ratio=max_offload_ratio, pp_size=pp_size):
+            sizes[lengths == s] = k
+            ratios[lengths == s] = needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
+    return sizes, ratios

@@ -1,0 +1,185 @@
+"""The balance scheduler: lower bound, refinement against brute force, ring placement, widening, PP,
+and the comparison with the baselines on skewed batches."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from megatron_hdp.config import HDPConfig
+from megatron_hdp.plan.assemble import step_time
+from megatron_hdp.plan.balance import plan_balance
+from megatron_hdp.plan.bounds import gap, step_time_lower_bound
+from megatron_hdp.plan.placement import lpt, place_rings
+from megatron_hdp.plan.planner import make_plan
+from megatron_hdp.plan.presets import analytic_cost_model
+from megatron_hdp.plan.refine import PipelineCost, refine_exact, refine_local
+from megatron_hdp.plan.sharding import min_ring_size, shard_time, whole_times
+
+CM = analytic_cost_model("llama-7b")
+
+
+def brute_force_makespan(weights, base):
+    """Optimal max load over every assignment of items to ranks (tiny inputs only)."""
+    best = float("inf")
+    for assignment in itertools.product(range(len(base)), repeat=len(weights)):
+        loads = np.array(base, dtype=float)
+        for item, rank in enumerate(assignment):
+            loads[rank] += weights[item]
+        best = min(best, loads.max())
+    return best
+
+
+def makespan(given, weights, base):
+    return max(b + sum(weights[i] for i in items) for b, items in zip(base, given))
+
+
+def test_exact_refinement_reaches_the_brute_force_optimum():
+    rng = np.random.default_rng(3)
+    for _ in range(12):
+        num_ranks, num_items = int(rng.integers(2, 4)), int(rng.integers(2, 8))
+        weights = rng.random(num_items) * 10
+        base = rng.random(num_ranks) * 3
+        order = np.argsort(-weights).tolist()
+        given = lpt(order, weights=weights, loads=base.copy())
+        local = refine_local(given, weights=weights, base=base)
+        exact = refine_exact(local, weights=weights, base=base)
+        optimum = brute_force_makespan(weights, base)
+        assert sorted(i for r in exact for i in r) == list(range(num_items))
+        assert makespan(local, weights, base) <= makespan(given, weights, base) + 1e-12
+        assert makespan(exact, weights, base) == pytest.approx(optimum, rel=1e-9)
+
+
+def test_local_search_fixes_a_bad_assignment_and_the_milp_finishes_the_job():
+    weights = np.array([5.0, 4.0, 3.0, 3.0, 3.0, 2.0])
+    base = np.zeros(2)
+    given = [[0, 1, 2, 3, 4, 5], []]  # 20 | 0
+    better = refine_local(given, weights=weights, base=base)
+    assert makespan(better, weights, base) == pytest.approx(11.0)  # a local optimum of moves and 1-1 swaps
+    best = refine_exact(better, weights=weights, base=base)
+    assert makespan(best, weights, base) == pytest.approx(brute_force_makespan(weights, base)) == 10.0
+
+
+def test_pipeline_cost_counts_the_fill_and_drain():
+    cost = PipelineCost(pp_size=4, capacity=100, ring_microbatches=np.array([1, 0]))
+    assert cost(0, 10.0, 250) == pytest.approx(10 + 3 * 10 / 4)  # 1 ring + 3 packed micro-batches
+    assert cost(1, 10.0, 0) == pytest.approx(10 + 3 * 10)
+    assert PipelineCost(1, 100, np.zeros(2, dtype=int))(0, 7.0, 999) == 7.0
+
+
+def test_rings_are_aligned_and_start_together():
+    ring_sizes = np.array([3, 3, 2, 2, 2, 1])
+    weights = np.array([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
+    layout = place_rings([0, 1, 2, 3, 4], ring_sizes=ring_sizes, weights=weights, num_ranks=4)
+    for seq in range(5):
+        members = layout.rings[seq]
+        assert len(members) == ring_sizes[seq]
+        assert len({layout.ring_microbatches[r].index(seq) for r in members}) == 1  # same micro-batch index
+    # 3 + 3 > 4 ranks: the second ring can only stack on the first one's ranks (rank 3 alone is not an
+    # aligned group of 3), and the 2-rings follow on two of them
+    assert layout.rings[0] == layout.rings[1] == (0, 1, 2)
+    np.testing.assert_allclose(layout.finish, [15.0, 15.0, 9.0, 0.0])
+    with pytest.raises(AssertionError, match="non-increasing"):
+        place_rings([2, 0], ring_sizes=ring_sizes, weights=weights, num_ranks=4)
+
+
+def test_step_time_waits_for_the_slowest_ring_member():
+    # rank 0 runs 1 s then the ring; rank 1 runs 3 s then the ring (2 s): both finish the ring at 5 s
+    times = [[1.0, 2.0], [3.0, 2.0], [0.5]]
+    assert step_time(times, rings=[(0, 1)], ring_index={0: 1}) == pytest.approx(5.0)
+    assert step_time(times, rings=[(0, 1)], ring_index={}) == pytest.approx(5.0)  # no ring: rank 1 alone
+    assert step_time([[1.0, 2.0], [0.5, 2.0]], rings=[(0, 1)], ring_index={0: 1}) == pytest.approx(3.0)
+    assert step_time([[1.0, 1.0]], rings=[], ring_index={}, pp_size=3) == pytest.approx(2.0 + 2 * 1.0)
+
+
+def test_lower_bound_with_one_ring_matches_a_scan_over_ring_sizes():
+    """One long sequence: the bound is min over k of max(member time, (short work + ring work) / D)."""
+    capacity, num_ranks = 4096, 64
+    lengths = [150_000] + [3000] * 100
+    short = whole_times([3000] * 100, cost_model=CM).sum()
+    fewest, _ = min_ring_size(150_000, capacity=capacity, num_ranks=num_ranks, cost_model=CM, max_offload_ratio=0.0)
+    candidates = []
+    for k in range(fewest, num_ranks + 1):
+        member = shard_time(CM, seq_len=150_000, num_tokens=150_000 / k, ring_size=k)
+        candidates.append(max(member, (short + k * member) / num_ranks))
+    bound = step_time_lower_bound(lengths, num_ranks=num_ranks, capacity=capacity, cost_model=CM,
+                                  max_offload_ratio=0.0)
+    assert bound == pytest.approx(min(candidates), rel=5e-3)
+    assert bound <= min(candidates) * (1 + 1e-9) + 1e-12
+
+
+def test_lower_bound_terms():
+    lengths = [100, 100, 5000]
+    capacity = 1000
+    whole = whole_times(lengths, cost_model=CM)
+    bound = step_time_lower_bound(lengths, num_ranks=64, capacity=capacity, cost_model=CM)
+    best_member = min(shard_time(CM, seq_len=5000, num_tokens=5000 / k, ring_size=k) for k in range(1, 65))
+    assert bound == pytest.approx(max(whole.sum() / 64, whole[0], best_member))
+    assert step_time_lower_bound([10] * 8, num_ranks=2, capacity=100, cost_model=CM) == pytest.approx(
+        whole_times([10], cost_model=CM)[0] * 4)
+
+
+@pytest.mark.parametrize("num_ranks", [4, 7, 16])
+def test_balance_is_at_most_a_little_above_the_optimum_on_small_batches(num_ranks):
+    """Whole sequences only: the optimum is brute-forced; balance is within 5% of it."""
+    rng = np.random.default_rng(num_ranks)
+    lengths = rng.integers(100, 4000, size=min(9, num_ranks + 3)).tolist()
+    config = HDPConfig(hdp_capacity=4096)
+    plan = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=CM, policy="balance")
+    overhead = CM.microbatch_time([])
+    if num_ranks ** len(lengths) <= 5 * 10**5:
+        optimum = brute_force_makespan(whole_times(lengths, cost_model=CM), np.zeros(num_ranks))
+        assert plan.est_step_time <= 1.05 * optimum + 4 * overhead
+    exact = plan_balance(lengths, num_ranks=num_ranks, config=config, cost_model=CM, exact=True).validate()
+    assert exact.est_step_time <= plan.est_step_time * (1 + 1e-9)
+
+
+def test_balance_beats_the_baselines_on_a_skewed_batch():
+    rng = np.random.default_rng(0)
+    lengths = [60_000, 40_000] + rng.integers(200, 4000, size=300).tolist()
+    config = HDPConfig(hdp_capacity=8192)
+    plans = {p: make_plan(lengths, num_ranks=32, config=config, cost_model=CM, policy=p)
+             for p in ("balance", "naive", "static")}
+    assert plans["balance"].est_step_time < 0.8 * plans["naive"].est_step_time
+    assert plans["balance"].est_step_time < 0.8 * plans["static"].est_step_time
+    assert gap(plans["balance"], cost_model=CM) < 0.05
+    counts = [len(r.microbatches) for r in plans["balance"].ranks]
+    assert max(counts) > min(counts)  # DP-Balance: ranks run different numbers of micro-batches
+    assert plans["static"].summary(CM).attention_bytes > plans["balance"].summary(CM).attention_bytes
+
+
+def test_a_sequence_slower_than_the_mean_is_widened():
+    # one 200K document over 64 ranks: at D(s) = 25 ranks its member time far exceeds the mean rank time
+    lengths = [200_000] + [2000] * 200
+    config = HDPConfig(hdp_capacity=8192, hdp_offload=False)
+    plan = make_plan(lengths, num_ranks=64, config=config, cost_model=CM, policy="balance")
+    naive = make_plan(lengths, num_ranks=64, config=config, cost_model=CM, policy="naive")
+    assert len(naive.sequences[0].ring) == 25
+    assert len(plan.sequences[0].ring) > 25
+    assert plan.est_step_time < naive.est_step_time
+    assert gap(plan, cost_model=CM) < 0.05
+
+
+def test_pipeline_balance_keeps_microbatches_comparable():
+    rng = np.random.default_rng(2)
+    lengths = [100_000] + rng.integers(500, 6000, size=120).tolist()
+    config = HDPConfig(hdp_capacity=8192)
+    for pp in (1, 4):
+        plan = make_plan(lengths, num_ranks=16, config=config, cost_model=CM, pp_size=pp, policy="balance")
+        naive = make_plan(lengths, num_ranks=16, config=config, cost_model=CM, pp_size=pp, policy="naive")
+        assert plan.est_step_time < naive.est_step_time
+    full = whole_times([8192], cost_model=CM, pp_size=4)[0]
+    floor = step_time_lower_bound([100_000], num_ranks=16, capacity=8192, cost_model=CM, pp_size=4)
+    ring_mb = max(mb.est_time for r in plan.ranks for mb in r.microbatches if len(mb.shards) == 1
+                  and len(plan.sequences[mb.shards[0].seq].ring) > 1)
+    # PP-Balance: ring micro-batches no slower than a full whole one, unless the ring cannot be faster
+    assert ring_mb <= 1.1 * max(full, floor) + CM.microbatch_time([], pp_size=4)
+
+
+def test_plans_are_deterministic():
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 50_000, size=200).tolist()
+    config = HDPConfig(hdp_capacity=8192)
+    first = make_plan(lengths, num_ranks=24, config=config, cost_model=CM, policy="balance")
+    second = make_plan(lengths, num_ranks=24, config=config, cost_model=CM, policy="balance")
+    assert first.digest() == second.digest()
