@@ -1,10 +1,12 @@
 """Planner benchmark: every policy on the same 32M-token global batches over 1,024 and 12,288 ranks.
 
-    python benchmarks/plan_bench.py [--tokens 32M] [--ranks 1024,12288] [--capacity 16K] [--model llama-7b]
+    python benchmarks/plan_bench.py [--tokens 32M] [--ranks 1024,12288] [--capacity 16K] [--models llama-7b,llama3-8b]
         [--mixes byted,github,wikipedia,prolong,wlbllm] [--policies balance,naive,static,megatron-hybrid-cp]
         [--repeats 3] [--out benchmarks/results/plan_bench.json]
 
-For each mix one batch is sampled (seeded) and planned by every policy at every rank count. Reported
+For each mix one batch is sampled (seeded) and planned by every policy at every rank count, under the
+analytic cost model of each model: LLaMA-7B (the paper's; MHA, so a long document's ring traffic is
+heavy) and Llama-3-8B (GQA, a quarter of the K/V bytes). Reported
 per plan: the predicted step time, its gap to `bounds.step_time_lower_bound`, balance (max / mean
 predicted rank time), the lower bound's own balance (lower bound / mean: no plan's balance can be
 better when one sequence alone is slower than the mean), rings and ring-attention traffic, and planner
@@ -103,11 +105,11 @@ def measure(policy: str, lengths: list[int], *, num_ranks: int, config: HDPConfi
 
 
 def table(records: list[dict]) -> str:
-    header = (f"{'mix':<10}{'ranks':>6} {'policy':<19}{'step s':>9}{'vs LB':>8}{'bal':>7}{'bal LB':>7}"
+    header = (f"{'model':<10}{'mix':<10}{'ranks':>6} {'policy':<19}{'step s':>9}{'vs LB':>8}{'bal':>7}{'bal LB':>7}"
               f"{'rings':>6}{'ring TB':>9}{'wall ms':>9}{'cpu ms':>8}{'asm ms':>8}{'val ms':>8}")
     lines = [header, "-" * len(header)]
     for r in records:
-        head = f"{r['mix']:<10}{r['ranks']:>6} {r['policy']:<19}"
+        head = f"{r['model']:<10}{r['mix']:<10}{r['ranks']:>6} {r['policy']:<19}"
         if "error" in r:
             lines.append(head + f"n/a: {r['error'][:70]}")
             continue
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=parse_count, default=parse_count("32M"))
     parser.add_argument("--ranks", default="1024,12288")
     parser.add_argument("--capacity", type=parse_count, default=parse_count("16K"))
-    parser.add_argument("--model", default="llama-7b")
+    parser.add_argument("--models", default="llama-7b,llama3-8b")
     parser.add_argument("--hardware", default="h100")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--mixes", default=",".join(DISTRIBUTIONS))
@@ -132,16 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(HERE / "results" / "plan_bench.json"))
     args = parser.parse_args(argv)
 
-    cost_model = analytic_cost_model(args.model, args.hardware, tp_size=args.tp)
+    models = args.models.split(",")
+    cost_models = {m: analytic_cost_model(m, args.hardware, tp_size=args.tp) for m in models}
     config = HDPConfig(hdp=True, hdp_capacity=args.capacity)
     load_before = os.getloadavg()
     records = []
-    for mix in args.mixes.split(","):
+    for model, mix in ((m, x) for m in models for x in args.mixes.split(",")):
+        cost_model = cost_models[model]
         lengths = sample_global_batch(mix, num_tokens=args.tokens, seed=args.seed)
         for num_ranks in (int(r) for r in args.ranks.split(",")):
             for policy in args.policies.split(","):
-                record = {"mix": mix, "ranks": num_ranks, "policy": policy, "sequences": len(lengths),
-                          "tokens": int(sum(lengths)), "longest": int(max(lengths))}
+                record = {"model": model, "mix": mix, "ranks": num_ranks, "policy": policy,
+                          "sequences": len(lengths), "tokens": int(sum(lengths)), "longest": int(max(lengths))}
                 try:
                     record.update(measure(policy, lengths, num_ranks=num_ranks, config=config, cost_model=cost_model,
                                           repeats=args.repeats if policy == "balance" else 1))
@@ -157,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/plan_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg(),
                     "python": platform.python_version(), "numpy": np.__version__},
-        "setup": {"tokens": args.tokens, "capacity": args.capacity, "model": args.model, "hardware": args.hardware,
-                  "tp": args.tp, "seed": args.seed, "cost_model": cost_model.to_dict()},
+        "setup": {"tokens": args.tokens, "capacity": args.capacity, "hardware": args.hardware, "tp": args.tp,
+                  "seed": args.seed, "cost_models": {m: cm.to_dict() for m, cm in cost_models.items()}},
         "records": records,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
