@@ -120,6 +120,24 @@ def test_random_mixes_validate(num_ranks, capacity, data, offload, policy):
                 assert len(seq.ring) >= k
 
 
+@SETTINGS
+@given(
+    num_ranks=st.integers(1, 12),
+    capacity=st.integers(1, 5000),
+    data=st.data(),
+    policy=st.sampled_from(OURS),
+)
+def test_random_impossible_batches_raise(num_ranks, capacity, data, policy):
+    """A sequence longer than all D ranks hold (no offload) is refused by every policy, by name."""
+    fine = data.draw(st.lists(st.integers(1, num_ranks * capacity), max_size=10))
+    too_long = data.draw(st.integers(num_ranks * capacity + 1, num_ranks * capacity * 3 + 1))
+    at = data.draw(st.integers(0, len(fine)))
+    lengths = fine[:at] + [too_long] + fine[at:]
+    config = HDPConfig(hdp_capacity=capacity, hdp_offload=False)
+    with pytest.raises(ValueError, match=str(too_long)):
+        make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=CM, policy=policy)
+
+
 @pytest.mark.skipif(not hybrid_cp_available(), reason="megatron-hybrid-cp adapter or Megatron-Core not importable")
 def test_megatron_hybrid_cp_on_adversarial_mixes():
     for name, lengths in adversarial_batches(8, 64).items():
