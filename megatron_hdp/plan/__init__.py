@@ -1,1 +1,15 @@
-"""Hybrid Data Parallelism planner: pure Python + numpy, never imports torch or Megatron."""
+"""Hybrid Data Parallelism planner: pure Python + numpy, never imports torch or Megatron.
+
+Entry point: `planner.make_plan(lengths, num_ranks=, config=, cost_model=, pp_size=, policy=)` -> a
+validated `step_plan.StepPlan`. Modules, one job each:
+
+- `cost_model`, `presets`: T(s), Act(s), ring traffic, offload overlap; analytic coefficients.
+- `sharding`: D(s) and the selective-offload ratio (ByteScale Eq. 3), shard and whole-sequence times.
+- `widening`: ring sizes above D(s) when a long sequence would set the step time.
+- `placement`: aligned ring placement and LPT; `packing`: best-fit micro-batches; `refine`: local search
+  and MILP; `assemble`: decisions -> timed StepPlan (the one timing path of every policy).
+- `balance` (policy `balance`), `baselines` (`static`, `naive`); `megatron-hybrid-cp` lives in
+  `megatron_hdp/megatron/hybrid_cp_policy.py` and is loaded lazily by `planner`.
+- `bounds`: a lower bound on any plan's step time, and a plan's gap to it.
+- `lengths`: the shared real length lists, ByteScale-like synthetic mixes, global-batch sampling.
+"""

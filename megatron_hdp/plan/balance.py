@@ -1,27 +1,32 @@
 """The `balance` policy: ByteScale's balance scheduler (Algorithm 2) plus a refinement pass.
 
 ByteScale (arXiv 2502.21231) Sec. 6 observes that ranks only meet at the gradient all-reduce, so they may
-run *different numbers* of micro-batches: the scheduler sorts sequences by compute and gives each to the
-least-loaded rank(s), so a rank holding a 1M-token shard runs one micro-batch while its neighbours run
-many short ones (DP-Balance). With PP (PP-Balance) the HDP ranks are pipelines; a pipeline's time is its
-micro-batches' time plus the 1F1B fill/drain, which the plan models as (pp - 1) x its mean micro-batch
-time (see `assemble.py`), and the same greedy balances pipelines on that time.
+run *different numbers* of micro-batches. Algorithm 2 sorts sequences by length, groups them into
+buckets of similar compute, and greedily gives each bucket to the rank with the most idle time, so a
+rank holding a 1M-token shard runs one micro-batch while its neighbours run many short ones
+(DP-Balance); ranks that compute together (a ring) should run micro-batches of similar time. With PP
+(PP-Balance) the HDP ranks are pipelines and a pipeline's micro-batches should take similar times, or
+the 1F1B bubbles grow; the plan models a pipeline's time as its micro-batches' time plus
+(pp - 1) x their mean (`assemble.py`).
 
 This implementation, step by step:
 1. sharding: D(s) and offload ratio per sequence (`sharding.py`, Eq. 3);
-2. widening (beyond the paper): a ring whose member time alone exceeds the ideal per-rank time W/D is
-   spread over more ranks (k in [D(s), D], no more than needed), else it alone would set the step time;
-3. rings, longest first, on aligned least-loaded ranks (`placement.place_rings`); ring micro-batches
-   come first on every rank, so members reach them in step;
-4. whole sequences by LPT on the ranks' loads (`placement.lpt`) — Algorithm 2's "least-loaded bucket";
-5. refinement (`refine.py`): local search (moves and swaps off the slowest rank), and on request
-   (`exact=True`) an exact HiGHS MILP on small instances;
+2. widening (beyond the paper, `widening.py`): a ring whose member time would set the step time gets
+   more than D(s) ranks — the fewest that meet a step-time target settled against the total work;
+   with PP the target is also capped at one full micro-batch's time, so micro-batches stay comparable;
+3. rings, most ranks first, on aligned least-loaded ranks (`placement.place_rings`); ring micro-batches
+   come first on every rank and members start them together;
+4. whole sequences, heaviest first, each to the least-loaded rank (`placement.lpt`);
+5. refinement (`refine.py`): local search (moves and swaps off the slowest rank; with PP on the
+   pipeline time), and on request (`exact=True`) an exact HiGHS MILP on small instances;
 6. each rank's whole sequences packed best-fit into micro-batches of <= C tokens (`packing.py`).
 
-Deviation from the paper: Algorithm 2 forms micro-batches first and then assigns them; we assign
-sequences to ranks first and pack per rank, which gives the same "different micro-batch counts" result
-with finer granularity. `bounds.step_time_lower_bound` bounds any plan from below; `bounds.gap` reports
-how far a plan is from it.
+Deviations from the paper: Algorithm 2 forms buckets (micro-batches) first and then assigns them; we
+assign sequences to ranks first and pack per rank, which gives the same "different micro-batch counts"
+result at finer granularity. PP-Balance clusters similar lengths into one pipeline; here uniform
+micro-batch times come from widening and packing, and the pipeline time model (mean-based bubble) does
+not reward clustering further. `bounds.step_time_lower_bound` bounds any plan from below; `bounds.gap`
+reports how far a plan is from it.
 """
 
 from __future__ import annotations
