@@ -1,0 +1,199 @@
+"""ByteScale's end-to-end comparison (Fig. 17/18 structure), reproduced on the simulator.
+
+    python benchmarks/paper_table.py                      # every model, 256K..2M, GitHub- and Byted-like
+    python benchmarks/paper_table.py --models llama-7b --steps 1
+
+Models x context (256K, 512K, 1M, 2M) x length mix (ByteScale's GitHub and Byted statistics, see
+`megatron_hdp/plan/lengths.py`): tokens/s of static DP x CP (Megatron's mesh), and the speedup over it
+of Megatron-Core's Hybrid-CP scheduler (`megatron-hybrid-cp`, called for real), ByteScale's naive HDP
+and our `balance` planner, all planned on the same sampled batches and timed by the same simulator
+(`megatron_hdp/sim`). Writes benchmarks/results/paper_table.json (with the command and the date) and the
+markdown tables between the paper_table markers of benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from megatron_hdp.sim.cluster import ClusterSpec, format_tokens
+from megatron_hdp.sim.compare import DEFAULT_POLICIES, compare_policies
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "paper_table.json"
+README = HERE / "README.md"
+BEGIN, END = "<!-- paper_table:begin -->", "<!-- paper_table:end -->"
+
+CONTEXTS = (256 * 1024, 512 * 1024, 1024 * 1024, 2048 * 1024)
+DISTRIBUTIONS = ("github", "byted")
+PUBLISHED_2M = {"github": 7.89, "byted": 4.26}
+"""ByteScale's largest speedups over the static mesh at 2M context (our brief quotes them)."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One model on one cluster (all H100-class, TP inside a node of 8)."""
+
+    model: str
+    num_gpus: int
+    tp_size: int = 8
+    pp_size: int = 1
+
+    def spec(self) -> ClusterSpec:
+        return ClusterSpec(self.model, num_gpus=self.num_gpus, tp_size=self.tp_size, pp_size=self.pp_size)
+
+
+SETUPS = (
+    Setup("llama-7b", 1024),
+    Setup("llama-13b", 1024),
+    Setup("llama-30b", 2048),
+    Setup("llama-70b", 4096),
+    Setup("mixtral-8x7b", 2048),
+    Setup("mixtral-8x22b", 4096, pp_size=4),
+)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(s.model for s in SETUPS), help="comma-separated subset")
+    parser.add_argument("--steps", type=int, default=2, help="sampled global batches per cell")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-readme", action="store_true", help="do not rewrite benchmarks/README.md")
+    parser.add_argument("--sensitivity", action=argparse.BooleanOptionalAction, default=True,
+                        help="also vary ring bandwidth and C for llama-7b at 2M")
+    return parser.parse_args(argv)
+
+
+def run_cells(setups: list[Setup], *, steps: int, seed: int) -> list[dict]:
+    """Every (setup, mix, context) cell: the compare_policies result as a dict."""
+    cells = []
+    grid = [(s, d, c) for s in setups for d in DISTRIBUTIONS for c in CONTEXTS]
+    for setup, dist, context in tqdm(grid, desc="paper table", unit="cell"):
+        started = time.perf_counter()
+        result = compare_policies(setup.spec(), context=context, distribution=dist, policies=DEFAULT_POLICIES,
+                                  steps=steps, seed=seed, progress=False)
+        cell = result.to_dict()
+        cell["wall_seconds"] = time.perf_counter() - started
+        cells.append(cell)
+    return cells
+
+
+def _speedup(cell: dict, policy: str) -> str:
+    stats = cell["policies"][policy]
+    if stats["error"]:
+        return "n/a"
+    return f"{stats['speedup']:.2f}x"
+
+
+def _floor(cell: dict) -> str:
+    return "n/a" if cell["floor_speedup"] is None else f"{cell['floor_speedup']:.2f}x"
+
+
+def _idle(stats: dict) -> str:
+    return "n/a" if stats["error"] else f"{stats['idle_fraction']:.0%}"
+
+
+def markdown(cells: list[dict]) -> str:
+    """One table per length mix: rows model x context, columns the policies."""
+    parts = []
+    for dist in DISTRIBUTIONS:
+        rows = [f"**{dist.capitalize()}-like mix** (ByteScale's best at 2M: {PUBLISHED_2M[dist]}x over static)", "",
+                "| model | GPUs (TP x PP x HDP) | C | context | static tokens/s | megatron-hybrid-cp | naive | balance "
+                "| compute floor | balance / hybrid-cp | idle static / hybrid-cp / balance |",
+                "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for cell in (c for c in cells if c["setup"]["distribution"] == dist):
+            setup, stats = cell["setup"], cell["policies"]
+            hybrid, balance = stats["megatron-hybrid-cp"], stats["balance"]
+            ratio = ("n/a" if hybrid["error"] or balance["error"]
+                     else f"{balance['tokens_per_second'] / hybrid['tokens_per_second']:.2f}")
+            static = stats["static"]["tokens_per_second"]
+            rows.append(
+                f"| {setup['model']} | {setup['num_gpus']} ({setup['tp_size']}x{setup['pp_size']}x{setup['num_ranks']}) "
+                f"| {format_tokens(setup['capacity'])} | {format_tokens(setup['context'])} "
+                f"| {'n/a' if math.isnan(static) else f'{static:,.0f}'} | {_speedup(cell, 'megatron-hybrid-cp')} "
+                f"| {_speedup(cell, 'naive')} | {_speedup(cell, 'balance')} | {_floor(cell)} | {ratio} "
+                f"| {' / '.join(_idle(stats[p]) for p in ('static', 'megatron-hybrid-cp', 'balance'))} |")
+        parts.append("\n".join(rows))
+    return "\n\n".join(parts)
+
+
+SENSITIVITY = (
+    ("as in the table", {}),
+    ("ring links 25 GB/s", {"ring_bandwidth": 25e9}),
+    ("ring links 12.5 GB/s", {"ring_bandwidth": 12.5e9}),
+    ("C = 32K (static CP 64)", {"capacity": 32 * 1024}),
+)
+"""What moves static's loss (and so every speedup): LLaMA-7B, 1024 GPUs, 2M context."""
+
+
+def run_sensitivity(*, steps: int, seed: int) -> list[dict]:
+    """The SENSITIVITY settings for llama-7b at 2M on both mixes."""
+    cells = []
+    grid = [(name, change, dist) for name, change in SENSITIVITY for dist in DISTRIBUTIONS]
+    for name, change, dist in tqdm(grid, desc="sensitivity", unit="cell"):
+        spec = replace(SETUPS[0].spec(), **change)
+        result = compare_policies(spec, context=CONTEXTS[-1], distribution=dist, policies=DEFAULT_POLICIES,
+                                  steps=steps, seed=seed, progress=False)
+        cells.append({"setting": name, **result.to_dict()})
+    return cells
+
+
+def sensitivity_markdown(cells: list[dict]) -> str:
+    rows = ["| mix | setting | static tokens/s | static: exposed comm / idle | megatron-hybrid-cp | balance "
+            "| compute floor |", "|---|---|---:|---:|---:|---:|---:|"]
+    for cell in cells:
+        static = cell["policies"]["static"]
+        rows.append(f"| {cell['setup']['distribution']} | {cell['setting']} | {static['tokens_per_second']:,.0f} "
+                    f"| {static['comm_fraction']:.0%} / {static['idle_fraction']:.0%} "
+                    f"| {_speedup(cell, 'megatron-hybrid-cp')} | {_speedup(cell, 'balance')} | {_floor(cell)} |")
+    return "\n".join(rows)
+
+
+def write_readme(table: str, command: str) -> None:
+    """Replace the text between the paper_table markers of benchmarks/README.md."""
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{README} has no {BEGIN} ... {END} section to fill")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    body = f"{BEGIN}\n_Generated by `{command}` on {datetime.date.today()}._\n\n{table}\n{END}"
+    README.write_text(head + body + tail)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    wanted = [m.strip() for m in args.models.split(",") if m.strip()]
+    setups = [s for s in SETUPS if s.model in wanted]
+    unknown = sorted(set(wanted) - {s.model for s in setups})
+    if unknown:
+        raise ValueError(f"no paper-table setup for {unknown}; known: {[s.model for s in SETUPS]}")
+    command = "python benchmarks/paper_table.py " + " ".join(argv)
+    cells = run_cells(setups, steps=args.steps, seed=args.seed)
+    sensitivity = run_sensitivity(steps=args.steps, seed=args.seed) if args.sensitivity else []
+    table = markdown(cells)
+    if sensitivity:
+        table += ("\n\n**What static's loss depends on** (llama-7b, 1024 GPUs, 2M context; speedups over "
+                  "static in the same setting)\n\n" + sensitivity_markdown(sensitivity))
+    print(table)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "command": command.strip(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": platform.platform(), "published_speedup_2m": PUBLISHED_2M, "cells": cells,
+        "sensitivity": sensitivity,
+    }, indent=2) + "\n")
+    if not args.no_readme:
+        write_readme(table, command.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
