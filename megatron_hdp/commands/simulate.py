@@ -21,11 +21,12 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SWEEP_CONTEXTS = ("256K", "512K", "1M", "2M")
+SWEEP_CONTEXTS = tuple(k * 1024 for k in (256, 512, 1024, 2048))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the simulate subcommand."""
+    from megatron_hdp.commands.plan import parse_count
     from megatron_hdp.plan.lengths import DISTRIBUTIONS
     from megatron_hdp.sim.compare import DEFAULT_POLICIES
 
@@ -34,14 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--hardware", default="h100", help="hardware preset (plan/presets.py HARDWARE)")
-    parser.add_argument("--context", default="2M", help="context length: the longest sequence (e.g. 256K, 2M)")
+    parser.add_argument("--context", type=parse_count, default="2M", help="context length: the longest sequence (e.g. 256K, 2M)")
     parser.add_argument("--dist", default="byted", choices=DISTRIBUTIONS, help="sequence-length mix")
-    parser.add_argument("--global-batch-tokens", default=None,
+    parser.add_argument("--global-batch-tokens", type=parse_count, default=None,
                         help="tokens per global batch (e.g. 32M); default 4 full micro-batches per HDP rank")
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policies")
     parser.add_argument("--steps", type=int, default=2, help="global batches to simulate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled batches")
-    parser.add_argument("--capacity", default=None, help="tokens per rank per micro-batch (C); default from GPU memory")
+    parser.add_argument("--capacity", type=parse_count, default=None, help="tokens per rank per micro-batch (C); default from GPU memory")
     parser.add_argument("--allreduce-bandwidth", type=float, default=None,
                         help="bytes/s per GPU of the gradient all-reduce (default: the hardware's inter-node link)")
     parser.add_argument("--ring-bandwidth", type=float, default=None,
@@ -55,17 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Simulate, print the table, write the JSON and plots asked for."""
-    from megatron_hdp.sim.cluster import ClusterSpec, format_tokens, parse_tokens
+    from megatron_hdp.sim.cluster import ClusterSpec, format_tokens
     from megatron_hdp.sim.compare import compare_policies, format_table, throughput_sweep
 
     spec = ClusterSpec(
         model=args.model, num_gpus=args.gpus, tp_size=args.tp, pp_size=args.pp, hardware=args.hardware,
         allreduce_bandwidth=args.allreduce_bandwidth, ring_bandwidth=args.ring_bandwidth,
         cost_model_path=args.cost_model,
-        capacity=parse_tokens(args.capacity) if args.capacity else None,
+        capacity=args.capacity,
     )
-    context = parse_tokens(args.context)
-    budget = parse_tokens(args.global_batch_tokens) if args.global_batch_tokens else None
+    context, budget = args.context, args.global_batch_tokens
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     options = dict(distribution=args.dist, global_batch_tokens=budget, policies=policies, steps=args.steps,
                    seed=args.seed, offload=not args.no_offload)
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
         plot_gantt(comparison.timelines, args.plot)
         pool = spec.rank_capacity * spec.num_ranks
-        contexts = [parse_tokens(c) for c in SWEEP_CONTEXTS if parse_tokens(c) <= pool]
+        contexts = [c for c in SWEEP_CONTEXTS if c <= pool]
         curve_path = str(Path(args.plot).with_name(Path(args.plot).stem + "-throughput.png"))
         curves = throughput_sweep(spec, contexts=contexts, **options)
         plot_throughput(contexts, curves, curve_path,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -22,18 +21,8 @@ MEMORY_RESERVE = 0.10
 """Fraction of GPU memory kept free for the allocator, communication buffers and the LM head's logits."""
 
 
-def parse_tokens(text: str | int) -> int:
-    """'256K' -> 262144, '2M' -> 2097152 (binary suffixes, as in ByteScale's 2048K), '4096' -> 4096."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)\s*", str(text).upper())
-    if not match:
-        raise ValueError(f"cannot read token count {text!r}; use e.g. 4096, 256K, 2M")
-    return int(float(match.group(1)) * _SUFFIX[match.group(2)])
-
-
 def format_tokens(tokens: int) -> str:
-    """262144 -> '256K', 2097152 -> '2M'."""
+    """262144 -> '256K', 2097152 -> '2M' (binary suffixes, as `megatron-hdp plan`'s parse_count reads)."""
     for suffix in ("G", "M", "K"):
         if tokens % _SUFFIX[suffix] == 0:
             return f"{tokens // _SUFFIX[suffix]}{suffix}"
