@@ -16,7 +16,7 @@ from typing import Optional
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.presets import HardwareProfile, ModelShape, analytic_cost_model, hardware_profile, model_shape
 
-_SUFFIX = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+_SUFFIX = {"K": 1024, "M": 1024**2, "G": 1024**3}
 MEMORY_RESERVE = 0.10
 """Fraction of GPU memory kept free for the allocator, communication buffers and the LM head's logits."""
 
