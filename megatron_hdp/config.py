@@ -55,8 +55,11 @@ class HDPConfig:
     """Steps between HDP statistics lines (balance, rings, attention bytes, offload)."""
 
     hdp_overlong_documents: OverlongDocuments = "error"
-    """A document longer than the whole HDP pool can hold: error (stop, naming the document) or truncate
-    (keep its first tokens that fit)."""
+    """A document longer than this run can train: error (stop, naming the document and the limit) or
+    truncate (keep its first tokens that fit). The limit is the smaller of two: the model's maximum
+    sequence length (Megatron's --seq-length, which the loader gets as max_length; RoPE tables and
+    position embeddings are sized by it) and the longest document the whole HDP pool can hold
+    (hdp_capacity x the pool's ranks, stretched by the offload ratio the cost model lets hide)."""
 
     def __post_init__(self) -> None:
         if self.hdp_capacity <= 0:
