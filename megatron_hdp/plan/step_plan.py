@@ -11,11 +11,17 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterator
 
 from megatron_hdp.plan.layout import Interval, zigzag_chunks
 
 PLAN_VERSION = 1
+
+
+def _as_tuples(chunks) -> tuple[Interval, ...]:
+    """Chunks as a tuple of (start, end) tuples, whatever sequence types they were built from."""
+    return tuple(tuple(c) for c in chunks)
 
 
 @dataclass(frozen=True)
@@ -25,7 +31,7 @@ class Shard:
     seq: int
     chunks: tuple[Interval, ...]
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
         return sum(end - start for start, end in self.chunks)
 
@@ -38,7 +44,7 @@ class MicroBatch:
     capacity: int
     est_time: float = 0.0
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
         return sum(shard.num_tokens for shard in self.shards)
 
@@ -77,6 +83,36 @@ class PlanSummary:
     """max / mean of the predicted per-rank times (1.0 is perfect balance)."""
     attention_bytes: float
     """Ring-attention bytes sent by all ranks in the step (0 when no cost model was given)."""
+
+
+def _validate_sequence(seq: SequencePlacement, held: list[tuple[int, int, Shard]]) -> None:
+    """Check that exactly the ring members hold `seq`, in one micro-batch index, in zigzag layout."""
+    k = len(seq.ring)
+    if k == 1 and len(held) == 1:
+        rank, _, shard = held[0]
+        if rank != seq.ring[0]:
+            raise ValueError(f"sequence {seq.id} is held by ranks [{rank}] but its ring is {seq.ring}")
+        if shard.chunks != ((0, seq.length),) and _as_tuples(shard.chunks) != ((0, seq.length),):
+            raise ValueError(f"whole sequence {seq.id} (length {seq.length}) is held as {shard.chunks}")
+        return
+    by_rank = {rank: (index, shard) for rank, index, shard in held}
+    if len(by_rank) != len(held):
+        raise ValueError(f"sequence {seq.id} is held more than once by one rank: {sorted(r for r, _, _ in held)}")
+    if set(by_rank) != set(seq.ring):
+        raise ValueError(f"sequence {seq.id} is held by ranks {sorted(by_rank)} but its ring is {seq.ring}")
+    if len({index for _, index, _ in held}) != 1:
+        raise ValueError(
+            f"sequence {seq.id} ring members hold it in different micro-batches "
+            f"{ {r: i for r, i, _ in held} }"
+        )
+    for position, rank in enumerate(seq.ring):
+        chunks = by_rank[rank][1].chunks
+        expected = zigzag_chunks(seq.length, k, position)
+        if chunks != expected and _as_tuples(chunks) != expected:
+            raise ValueError(
+                f"sequence {seq.id} (length {seq.length}) at ring position {position} (rank {rank}) "
+                f"holds {chunks}, expected {expected}"
+            )
 
 
 @dataclass(frozen=True)
@@ -137,42 +173,23 @@ class StepPlan:
                 raise ValueError(f"sequence {seq.id} ring {seq.ring} names a rank outside 0..{self.num_ranks - 1}")
             if not 0.0 <= seq.offload_ratio <= 1.0:
                 raise ValueError(f"sequence {seq.id} offload ratio {seq.offload_ratio} is outside [0, 1]")
-        holders: dict[int, dict[int, tuple[int, Shard]]] = {seq.id: {} for seq in self.sequences}
-        for rank, index, shard in self.iter_shards():
-            if shard.seq not in holders:
-                raise ValueError(f"rank {rank} holds unknown sequence {shard.seq}")
-            if rank in holders[shard.seq]:
-                raise ValueError(f"rank {rank} holds sequence {shard.seq} in more than one shard")
-            holders[shard.seq][rank] = (index, shard)
+        # One pass over every shard: (rank, micro-batch index, shard) of each sequence, and capacities.
+        holders: list[list[tuple[int, int, Shard]]] = [[] for _ in self.sequences]
+        num_sequences = len(holders)
         for schedule in self.ranks:
+            rank = schedule.rank
             for index, mb in enumerate(schedule.microbatches):
+                for shard in mb.shards:
+                    if not 0 <= shard.seq < num_sequences:
+                        raise ValueError(f"rank {rank} holds unknown sequence {shard.seq}")
+                    holders[shard.seq].append((rank, index, shard))
                 if mb.num_tokens > mb.capacity:
                     raise ValueError(
-                        f"rank {schedule.rank} micro-batch {index} holds {mb.num_tokens} tokens "
-                        f"> its capacity {mb.capacity}"
+                        f"rank {rank} micro-batch {index} holds {mb.num_tokens} tokens > its capacity {mb.capacity}"
                     )
-        for seq in self.sequences:
-            self._validate_sequence(seq, holders[seq.id])
+        for seq, held in zip(self.sequences, holders):
+            _validate_sequence(seq, held)
         return self
-
-    @staticmethod
-    def _validate_sequence(seq: SequencePlacement, held: dict[int, tuple[int, Shard]]) -> None:
-        if set(held) != set(seq.ring):
-            raise ValueError(f"sequence {seq.id} is held by ranks {sorted(held)} but its ring is {seq.ring}")
-        if len({index for index, _ in held.values()}) != 1:
-            raise ValueError(
-                f"sequence {seq.id} ring members hold it in different micro-batches "
-                f"{ {r: i for r, (i, _) in held.items()} }"
-            )
-        k = len(seq.ring)
-        for position, rank in enumerate(seq.ring):
-            chunks = held[rank][1].chunks
-            expected = ((0, seq.length),) if k == 1 else zigzag_chunks(seq.length, k, position)
-            if tuple(tuple(c) for c in chunks) != tuple(expected):
-                raise ValueError(
-                    f"sequence {seq.id} (length {seq.length}) at ring position {position} (rank {rank}) "
-                    f"holds {chunks}, expected {expected}"
-                )
 
     # --- statistics ----------------------------------------------------------------------------
     def summary(self, cost_model: Any = None) -> PlanSummary:
