@@ -1,6 +1,7 @@
 """Misuse fails with a clear ValueError on every rank — never a hang — and the ranks can go on training.
 
-One 4-rank launch: plans that differ across ranks (digest check), a plan for another domain size, a
+One 4-rank launch: plans that differ across ranks (the data layer's digest check, which the trainer
+shares), a plan for another domain size (on every rank, then on one rank only: its peers name it), a
 sequence beyond what the pool can hold, and settings that cannot work together; then a valid step runs.
 """
 
@@ -22,11 +23,13 @@ def _errors(rank, world_size):
     from megatron_hdp.plan.planner import make_plan
     from megatron_hdp.plan.presets import analytic_cost_model, model_shape
 
+    from megatron_hdp.data.loader import PlanMismatchError
+
     def message(fn):
         try:
             fn()
         except ValueError as err:
-            return str(err)
+            return f"{type(err).__name__}: {err}"
         return None
 
     out = {"bad_sizes": message(lambda: initialize_hdp(tensor_model_parallel_size=3))}
@@ -39,6 +42,9 @@ def _errors(rank, world_size):
     mine = random_plan(lengths, num_ranks=4, seed=1 if rank == 0 else 2)
     out["mismatch"] = message(lambda: trainer.step(mine, reader))
     out["wrong_domain"] = message(lambda: trainer.step(random_plan(lengths, num_ranks=2, seed=0), reader))
+    # only rank 1 holds a plan for another domain size: it says why, its peers name it as the rejecting rank
+    odd = random_plan(lengths, num_ranks=2 if rank == 1 else 4, seed=0)
+    out["one_rejects"] = message(lambda: trainer.step(odd, reader))
     config = HDPConfig(hdp=True, hdp_capacity=8, hdp_offload=False)
     cost = analytic_cost_model(model_shape("llama-7b"))
     out["too_long"] = message(lambda: make_plan([8 * 4 + 1], num_ranks=4, config=config, cost_model=cost))
@@ -60,10 +66,16 @@ class _Proxy:
 
 def test_misuse_raises_value_error_on_every_rank_without_hanging():
     results = run_gloo(_errors, 4, timeout_s=240)
-    for out in results:
+    for rank, out in enumerate(results):
         assert "not divisible by TP x PP" in out["bad_sizes"]
-        assert "plans differ across ranks" in out["mismatch"]
+        # the trainer's check is the loader's check_plan_agreement: same error type, message naming the ranks
+        assert out["mismatch"].startswith("PlanMismatchError: step plans differ across ranks")
+        assert "ranks planned different global batches" in out["mismatch"] and "[0]" in out["mismatch"]
         assert "plan is for 2 HDP ranks" in out["wrong_domain"]
+        if rank == 1:
+            assert out["one_rejects"].startswith("ValueError: the plan is for 2 HDP ranks")
+        else:
+            assert out["one_rejects"].startswith("PlanMismatchError") and "'rejected': [1]" in out["one_rejects"]
         assert out["too_long"] is not None and "33" in out["too_long"]
         assert "calculate_per_token_loss" in out["no_token_loss"]
         assert "get_gpt_layer_with_hdp_spec" in out["no_hdp_spec"]

@@ -2,8 +2,9 @@
 
 One step, on every rank (the order matters; every check that can fail comes before the first collective
 that could hang):
-1. check the plan: valid, sized for this HDP domain, and identical on every rank (all-gather of its
-   SHA-256 digest — the first collective, and one every rank reaches);
+1. check the plan: valid, sized for this HDP domain, and identical on every rank (the data layer's
+   `check_plan_agreement`: an all-gather of its SHA-256 digest — the first collective, and one every
+   rank reaches);
 2. collate this rank's micro-batches from the plan; pad with empty micro-batches where collectives bind
    ranks together: the ranks of one expert-parallel group run the same count (MoE all-to-all in every
    layer), and with PP every pipeline runs the domain's largest count, so that the 1F1B order of every
@@ -29,6 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hdp.comm.traffic import count_traffic
 from megatron_hdp.data.collate import MaskReader, PackedMicroBatch, TokenReader, collate_microbatch, empty_microbatch
+from megatron_hdp.data.loader import check_plan_agreement
 from megatron_hdp.megatron.forward_step import make_forward_step
 from megatron_hdp.megatron.initialize import HDPState
 from megatron_hdp.plan.step_plan import StepPlan
@@ -78,30 +80,20 @@ def check_model_config(config: TransformerConfig, *, state: HDPState) -> None:
 
 
 def check_plan(plan: StepPlan, *, state: HDPState) -> None:
-    """ValueError on every rank unless `plan` is valid for this domain and the same on every rank."""
-    error = None
-    try:
+    """ValueError on every rank unless `plan` is valid for this domain and the same on every rank.
+
+    The data layer's `check_plan_agreement` over all ranks (every TP rank and PP stage must run the same
+    plan too), with this domain's checks as its local check: a rank that rejects the plan still joins the
+    digest all-gather, so no peer hangs in it."""
+
+    def fits_domain(plan: StepPlan) -> None:
         plan.validate()
         if plan.num_ranks != state.hdp_size:
             raise ValueError(f"the plan is for {plan.num_ranks} HDP ranks but the HDP domain has {state.hdp_size}")
         if plan.pp_size != state.pp_size:
             raise ValueError(f"the plan was made for pp_size={plan.pp_size} but PP is {state.pp_size}")
-        digest = bytes.fromhex(plan.digest())
-    except ValueError as err:
-        error, digest = err, bytes(32)  # still join the collective below, so no peer hangs on it
-    mine = torch.tensor(list(digest), dtype=torch.uint8)
-    digests = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(digests, mine)
-    if error is not None:
-        raise error
-    if any(not torch.equal(d, digests[0]) for d in digests):
-        different = [r for r, d in enumerate(digests) if not torch.equal(d, mine)]
-        bad = [r for r, d in enumerate(digests) if not d.any()]
-        raise ValueError(
-            f"step plans differ across ranks (digest mismatch with global ranks {different}"
-            + (f"; ranks {bad} rejected the plan" if bad else "")
-            + "): every rank must plan the same global batch with the same policy and inputs"
-        )
+
+    check_plan_agreement(plan, check=fits_domain)
 
 
 def num_microbatches_to_run(plan: StepPlan, *, state: HDPState) -> int:
