@@ -3,7 +3,8 @@
 Same tiny GPT, same indexed dataset (megatron-core's GPTDataset over a synthetic corpus), same seed. The
 HDP run's capacity (24 tokens) is below the sample length (64), so every sample is split over a ring of
 ranks and runs ring attention inside Megatron's own layers. The reference is the plain Megatron run:
-the first step's loss (before any update) must be equal, and HDP's loss must go down.
+the first step's loss (before any update) must be equal, and HDP's loss must go down. The HDP run sets
+its batch as a token budget, and Megatron's consumed_train_samples must count HDP's documents (resume).
 """
 
 import os
@@ -26,7 +27,9 @@ TINY = (
     "--use-cpu-initialization --distributed-backend gloo --calculate-per-token-loss "
     "--log-interval 1 --eval-iters 0 --eval-interval 1000"
 ).split()
-HDP = ["--hdp", "--hdp-capacity", "24", "--no-hdp-offload"]
+# The same 8 samples a step, as a token budget; Megatron's nominal --global-batch-size is lowered to 4, so
+# its own per-step increment of consumed_train_samples (4) differs from the 8 documents HDP consumes.
+HDP = ["--hdp", "--hdp-capacity", "24", "--no-hdp-offload", "--hdp-global-batch-tokens", "512", "--global-batch-size", "4"]
 
 
 def _pretrain(rank: int, world_size: int, argv: list[str]) -> dict:
@@ -40,7 +43,7 @@ def _pretrain(rank: int, world_size: int, argv: list[str]) -> dict:
 
     import pretrain_gpt_hdp
 
-    losses, stats = [], []
+    losses, stats, consumed = [], [], []
     original = training.training_log
 
     def recording_training_log(loss_dict, *args, **kwargs):
@@ -49,11 +52,12 @@ def _pretrain(rank: int, world_size: int, argv: list[str]) -> dict:
         from megatron_hdp.megatron.training_install import hdp_statistics
 
         stats.append(hdp_statistics())
+        consumed.append(training.get_args().consumed_train_samples)  # after Megatron's per-step increment
         return original(loss_dict, *args, **kwargs)
 
     training.training_log = recording_training_log
     pretrain_gpt_hdp.main(argv)
-    return {"losses": losses, "stats": stats}
+    return {"losses": losses, "stats": stats, "consumed": consumed}
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +86,9 @@ def test_pretrain_with_hdp_matches_megatron_and_learns(data_prefix, tmp_path):
     assert first["hdp/sequences"] == 8 and first["hdp/tokens"] == 8 * 64
     assert first["hdp/rings"] == 8
     assert plain[0]["stats"][0] == {}
+
+    # resume accounting: Megatron's consumed_train_samples (what it checkpoints and resumes the loader
+    # from) counts the documents HDP consumed, not --global-batch-size per step
+    assert plain[0]["consumed"] == [8, 16, 24, 32]
+    documents = [int(s["hdp/sequences"]) for s in hdp[0]["stats"]]
+    assert all(run["consumed"] == [sum(documents[: i + 1]) for i in range(4)] == [8, 16, 24, 32] for run in hdp)

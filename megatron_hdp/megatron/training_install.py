@@ -122,6 +122,29 @@ def _build_data_loader(original):
     return build_pretraining_data_loader
 
 
+def _account_consumed_samples(step: Any) -> None:
+    """Make Megatron's `args.consumed_train_samples` equal the loader's count once this training step ends.
+
+    Megatron's train() adds dp x micro-batch size x micro-batches (= --global-batch-size) to it right after
+    each train_step (megatron/training/training.py 0.19: `args.consumed_train_samples +=
+    iteration_sequences`), but an HDP step consumes `step.consumed_samples` - (previous count) documents:
+    a token budget (--hdp-global-batch-tokens) or the short last batch of an epoch. Setting the counter
+    here, before that increment, to the loader's count minus exactly what Megatron is about to add leaves
+    it equal to `step.consumed_samples` after every step: the value Megatron logs, checkpoints and passes
+    back to build_pretraining_data_loader on resume, so a resumed run continues with the same documents.
+    The other way, patching the increment itself, would mean replacing train()'s whole loop. The
+    increment is computed as Megatron's LR-scheduler step computes it (same file, train_step).
+    """
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.training import get_args
+
+    args = get_args()
+    increment = (
+        get_num_microbatches() * args.micro_batch_size * args.data_parallel_size * getattr(args, "gtp_weight_remat_size", 1)
+    )
+    args.consumed_train_samples = step.consumed_samples - increment
+
+
 def _forward_backward(schedule):
     """Megatron's schedule, run on one HDP step: this rank's micro-batches, its own count, HDP's forward."""
     from megatron.training import get_args
@@ -139,6 +162,8 @@ def _forward_backward(schedule):
                 "so use --tensor-model-parallel-size 1 or our entry point)"
             )
         step = next(data_iterator)
+        if not kwargs.get("forward_only", False):  # evaluation steps consume validation documents
+            _account_consumed_samples(step)
         state = hdp_state()
         # A rank with nothing planned still runs one loss-free padding micro-batch: it must take part in
         # the step's gradient reduction (and, with MoE, its expert all-to-alls).
