@@ -58,8 +58,8 @@ def test_hand_case():
     assert [s.ring for s in plan.sequences] == [(0, 1, 2, 3), (0, 1), (2,), (3,)]
     assert [len(r.microbatches) for r in plan.ranks] == [2, 2, 2, 2]
     assert plan.ranks[0].microbatches[0].shards[0].chunks == ((0, 500), (3500, 4000))
-    whole_4000 = COST.microbatch_time([(4000, 1000, 4)])
-    group_1 = max(COST.microbatch_time([(1000, 500, 2)]), COST.microbatch_time([(1000, 1000, 1)]))
+    whole_4000 = COST.microbatch_time([(4000, 1000, (0, 1, 2, 3))])
+    group_1 = max(COST.microbatch_time([(1000, 500, (0, 1))]), COST.microbatch_time([(1000, 1000, (2,))]))
     assert plan.est_step_time == pytest.approx(whole_4000 + group_1)
 
 

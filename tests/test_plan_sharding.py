@@ -97,7 +97,7 @@ def test_whole_times_is_the_cost_model():
         vector = whole_times(lengths, cost_model=LLAMA, pp_size=pp)
         scalar = [shard_time(LLAMA, seq_len=s, num_tokens=s, ring_size=1, pp_size=pp) for s in lengths]
         np.testing.assert_allclose(vector, scalar, rtol=1e-12)
-        mb = [LLAMA.microbatch_time([(s, s, 1)], pp_size=pp) - LLAMA.microbatch_time([], pp_size=pp) for s in lengths]
+        mb = [LLAMA.microbatch_time([(s, s, ())], pp_size=pp) - LLAMA.microbatch_time([], pp_size=pp) for s in lengths]
         np.testing.assert_allclose(vector, mb, rtol=1e-9)
 
 

@@ -102,7 +102,7 @@ def plan_megatron_hybrid_cp(
                 shard = Shard(sample, tuple(chunks))
                 shards.append(shard)
                 # one forward/backward pass per sub-sample, as Megatron runs them
-                est_time += cost_model.microbatch_time([(length, shard.num_tokens, k)])
+                est_time += cost_model.microbatch_time([(length, shard.num_tokens, ring)])
             tokens = sum(s.num_tokens for s in shards)
             microbatches.append(MicroBatch(tuple(shards), max(capacity, tokens), est_time))
         schedules.append(RankSchedule(rank, tuple(microbatches), sum(mb.est_time for mb in microbatches)))

@@ -3,7 +3,8 @@
 Every policy (balance, naive, static) ends here, so their plans are timed by the one cost model the same
 way and can be compared side by side:
 
-- a micro-batch's time is `cost_model.microbatch_time` of its shards on one pipeline stage;
+- a micro-batch's time is `cost_model.microbatch_time` of its shards on one pipeline stage (documents on
+  one ring share one ring exchange, as at run time);
 - a rank's `est_time` is its busy time, the sum of its micro-batch times, plus with PP the 1F1B fill and
   drain modelled as (pp_size - 1) x its mean micro-batch time (a uniform 1F1B pipeline of m micro-batches
   of time t takes (m + pp - 1) t);
@@ -70,7 +71,7 @@ def assemble_plan(
                     if k > 1:
                         ring_index.setdefault(seq, index)
                     shards.append(Shard(seq, chunks))
-                    costs.append((lengths[seq], sum(end - start for start, end in chunks), k))
+                    costs.append((lengths[seq], sum(end - start for start, end in chunks), rings[seq] if k > 1 else ()))
                 shards = tuple(shards)
                 held = sum(c[1] for c in costs)
                 time = cost_model.microbatch_time(costs, pp_size=pp_size)

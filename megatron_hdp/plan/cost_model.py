@@ -9,7 +9,9 @@ A rank holding t tokens of a document of s tokens split over a ring of k ranks (
 does the same causal work) computes a1 * s * t + b1 * t: its t queries see on average s/2 keys, and
 a1 * s^2 is the cost of the whole document's s^2/2 causal pairs. Ring attention sends, per layer and per
 member, k-1 K/V blocks in the forward and k-1 K/V + dK/dV blocks in the backward (3 (k-1) t kv-bytes),
-overlapped with that member's attention compute, so only the excess is exposed.
+overlapped with that member's attention compute, so only the excess is exposed. Documents that share a
+ring in one micro-batch share its exchange (one message per ring step carries all of them): their tokens
+and their attention are summed before the overlap (`microbatch_time`).
 
 Coefficients come from a model shape and a hardware profile (analytic FLOPs; see `presets.py`) or from
 a JSON written by `megatron-hdp calibrate`.
@@ -21,7 +23,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -89,20 +91,32 @@ class CostModel:
         return self.a2 * num_tokens + self.b2
 
     # --- whole micro-batches -------------------------------------------------------------------
-    def microbatch_time(self, shards: list[tuple[int, int, int]], *, pp_size: int = 1) -> float:
+    def microbatch_time(self, shards: Sequence[tuple[int, int, tuple[int, ...]]], *, pp_size: int = 1) -> float:
         """Seconds of one micro-batch on one pipeline stage.
 
-        `shards` holds (seq_len, num_tokens, ring_size) for each document piece in the micro-batch.
+        `shards` holds (seq_len, num_tokens, ring) for each document piece in the micro-batch, `ring` the
+        ranks holding that document (one rank: it is whole). Pieces on the same ring of k > 1 ranks share
+        one ring exchange, as the runtime's ring-attention call runs all of them together: per layer that
+        ring costs b1 * sum(t) + max(sum(a1 * s * t), 3 (k-1) (kv_bytes * sum(t) / bw + latency)).
         """
-        per_layer = self.g + sum(
-            self.layer_shard_time(seq_len=s, num_tokens=t, ring_size=k) for s, t, k in shards
-        )
+        per_layer = self.g
+        rings: dict[tuple[int, ...], list[float]] = {}
+        for seq_len, num_tokens, ring in shards:
+            if len(ring) <= 1:
+                per_layer += self.layer_compute_time(seq_len=seq_len, num_tokens=num_tokens)
+                continue
+            summed = rings.setdefault(tuple(ring), [0.0, 0.0])
+            summed[0] += num_tokens
+            summed[1] += self.a1 * seq_len * num_tokens
+        for ring, (num_tokens, attention) in rings.items():
+            comm = self.layer_ring_comm_time(num_tokens=num_tokens, ring_size=len(ring))
+            per_layer += self.b1 * num_tokens + max(attention, comm)
         return per_layer * self.num_layers / pp_size
 
     def sequence_time(self, seq_len: int, *, ring_size: int = 1, pp_size: int = 1) -> float:
         """Seconds one ring member spends on a document split evenly over `ring_size` ranks."""
         tokens = -(-seq_len // ring_size)
-        return self.microbatch_time([(seq_len, tokens, ring_size)], pp_size=pp_size)
+        return self.microbatch_time([(seq_len, tokens, tuple(range(ring_size)))], pp_size=pp_size)
 
     def ring_bytes(self, *, num_tokens: int, ring_size: int, pp_size: int = 1) -> float:
         """Attention bytes one ring member sends in one step (all layers of a stage, fwd + bwd)."""

@@ -6,8 +6,8 @@ What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding n
   shard, ring traffic hidden under attention and only the excess exposed. Shards of one micro-batch on
   the *same* ring (static CP packs many documents on one CP ring) share one ring exchange per step, as a
   THD ring-attention call over all of them does: traffic and message latency are those of their summed
-  tokens, overlapped with their summed attention. This is `CostModel.microbatch_time` when every shard
-  has its own ring. One pass per micro-batch (Megatron's hybrid CP runs one pass per sub-sample, see
+  tokens, overlapped with their summed attention: `CostModel.microbatch_time`, on arrays
+  (test_plan_sim_agreement checks they agree). One pass per micro-batch (Megatron's hybrid CP runs one pass per sub-sample, see
   `POLICY_RULES`).
 - Offload: a shard of a sequence with offload ratio r copies r * Act(t) per layer to the host and back.
   Following the cost model's overlap rule (ByteScale Eq. 3: r * Act / B_d2h <= the layer's compute), a

@@ -1,0 +1,65 @@
+"""One cost path: the planner's per-rank times are what the simulator computes for the same plan.
+
+The simulator (`megatron_hdp.sim.simulator`) evaluates the cost model on arrays of shards with its own
+grouping code (one ring exchange per ring per forward/backward pass); the planner times micro-batches
+with `CostModel.microbatch_time`. With PP = 1 a rank's busy time in the simulator is the sum of its
+micro-batch times, so it must equal the plan's `est_time` for every rank of every policy. Megatron's
+Hybrid-CP runs one pass per sub-sample (its adapter charges the micro-batch overhead per sub-sample), so
+its plans are compared under its own execution rules, `POLICY_RULES["megatron-hybrid-cp"]`. The
+planner's offload ratios hide their copies under compute (ByteScale Eq. 3), so the simulator's exposed
+offload is zero and does not separate the two either.
+"""
+
+import numpy as np
+import pytest
+
+from megatron_hdp.config import HDPConfig
+from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.planner import POLICIES, make_plan
+from megatron_hdp.plan.presets import analytic_cost_model
+from megatron_hdp.sim.simulator import POLICY_RULES, PolicyRules, simulate_step
+
+CM = analytic_cost_model("llama-7b", tp_size=8)
+# a slow ring link, so that ring traffic is exposed for short documents and sharing an exchange matters
+SLOW_RING = CostModel.from_dict({**CM.to_dict(), "ring_bandwidth": 2e9, "ring_latency": 1e-4})
+
+
+def _batches():
+    rng = np.random.default_rng(3)
+    yield "short docs on static rings", [300] * 40 + [8000], 8, 2048, False
+    yield "mixed, offloading", rng.integers(50, 6000, size=60).tolist() + [20000, 12000, 40000], 16, 4096, True
+    yield "one long", [30000] + rng.integers(100, 2000, size=30).tolist(), 16, 4096, False
+
+
+def _policies():
+    for name in POLICIES:
+        if name == "megatron-hybrid-cp":
+            pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
+        yield name
+
+
+@pytest.mark.parametrize("cost_model", [CM, SLOW_RING], ids=["h100", "slow-ring"])
+def test_planner_rank_times_equal_simulated_busy_time(cost_model):
+    for name, lengths, num_ranks, capacity, offload in _batches():
+        for policy in _policies():
+            config = HDPConfig(hdp_capacity=capacity, hdp_offload=offload)
+            plan = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model, policy=policy)
+            rules = POLICY_RULES.get(policy, PolicyRules())
+            timeline = simulate_step(plan, cost_model, rules=rules, grad_bytes=0)
+            planned = np.array([r.est_time for r in plan.ranks])
+            np.testing.assert_allclose(planned, timeline.busy, rtol=1e-9, err_msg=f"{policy} on {name}")
+
+
+def test_shards_on_one_ring_share_one_exchange():
+    """Hand case: two documents on ring (0, 1) in one micro-batch pay one exchange of their summed tokens."""
+    ring = (0, 1)
+    one = SLOW_RING.microbatch_time([(400, 200, ring), (600, 300, ring)])
+    kv, bw, lat = SLOW_RING.kv_bytes_per_token, SLOW_RING.ring_bandwidth, SLOW_RING.ring_latency
+    attention = SLOW_RING.a1 * (400 * 200 + 600 * 300)
+    per_layer = SLOW_RING.g + SLOW_RING.b1 * 500 + max(attention, 3 * (kv * 500 / bw + lat))
+    assert one == pytest.approx(per_layer * SLOW_RING.num_layers)
+    # two different rings each pay their own exchange; whole documents have none
+    two = SLOW_RING.microbatch_time([(400, 200, (0, 1)), (600, 300, (0, 2)), (50, 50, ())])
+    separate = sum(SLOW_RING.layer_shard_time(seq_len=s, num_tokens=t, ring_size=k)
+                   for s, t, k in ((400, 200, 2), (600, 300, 2), (50, 50, 1)))
+    assert two == pytest.approx((SLOW_RING.g + separate) * SLOW_RING.num_layers)
