@@ -64,6 +64,94 @@ class StepStats:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class BusyTimes:
+    """CPU seconds this rank spent in each phase of its last step (process time: the compute thread and
+    gloo's threads; a rank blocked in a gloo wait uses none, measured). On a host whose ranks share cores,
+    this is what each phase would take with a core of its own; `megatron_hdp.sim.replay` composes them
+    into the step time of such a cluster."""
+
+    before: float
+    """Plan check and collation, before the first micro-batch."""
+    forward: tuple[float, ...]
+    """Each micro-batch's forward (with its loss), in run order (padding included)."""
+    backward: tuple[float, ...]
+    """Each micro-batch's backward (and Megatron's work up to the next forward)."""
+    after: float
+    """Gradient reduction (finalize_model_grads) and the optimizer step."""
+
+
+def _busy_times(stamps: list[float]) -> BusyTimes:
+    """BusyTimes from process-time stamps: start, [forward entry, loss done] per micro-batch, finalize
+    start, end."""
+    assert len(stamps) % 2 == 1 and len(stamps) >= 5, f"{len(stamps)} stamps"
+    marks = stamps[1:-1]  # F0 entry, F0 end, F1 entry, ..., finalize start
+    return BusyTimes(
+        before=marks[0] - stamps[0],
+        forward=tuple(marks[i + 1] - marks[i] for i in range(0, len(marks) - 1, 2)),
+        backward=tuple(marks[i + 2] - marks[i + 1] for i in range(0, len(marks) - 1, 2)),
+        after=stamps[-1] - marks[-1],
+    )
+
+
+def _stamped(forward_step: Callable, stamps: list[float]) -> Callable:
+    """`forward_step` that stamps the process time when it starts and when its loss is computed."""
+
+    def timed_forward_step(data_iterator, model):
+        stamps.append(time.process_time())
+        output, loss_func = forward_step(data_iterator, model)
+
+        def timed_loss(output_tensor):
+            result = loss_func(output_tensor)
+            stamps.append(time.process_time())
+            return result
+
+        return output, timed_loss
+
+    return timed_forward_step
+
+
+def check_model_config(config: TransformerConfig, *, state: HDPState) -> None:
+    """ValueError for Megatron settings HDP cannot train with (checked on every rank, before any collective)."""
+    if not config.calculate_per_token_loss:
+        raise ValueError(
+            "HDP needs calculate_per_token_loss=True: ranks run different numbers of micro-batches, so "
+            "only a token-level loss is exact"
+        )
+    if config.context_parallel_size != 1:
+        raise ValueError(f"context_parallel_size={config.context_parallel_size}: HDP replaces it; set it to 1")
+    if state.pp_size > 1 and not config.variable_seq_lengths:
+        raise ValueError("HDP with pipeline parallelism needs variable_seq_lengths=True (micro-batch sizes vary)")
+    if config.sequence_parallel and state.tp_size == 1:
+        raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1")
+
+
+def check_plan(plan: StepPlan, *, state: HDPState) -> None:
+    """ValueError on every rank unless `plan` is valid for this domain and the same on every rank.
+
+    The data layer's `check_plan_agreement` over all ranks (every TP rank and PP stage must run the same
+    plan too), with this domain's checks as its local check: a rank that rejects the plan still joins the
+    digest all-gather, so no peer hangs in it."""
+
+    def fits_domain(plan: StepPlan) -> None:
+        plan.validate()
+        if plan.num_ranks != state.hdp_size:
+            raise ValueError(f"the plan is for {plan.num_ranks} HDP ranks but the HDP domain has {state.hdp_size}")
+        if plan.pp_size != state.pp_size:
+            raise ValueError(f"the plan was made for pp_size={plan.pp_size} but PP is {state.pp_size}")
+
+    check_plan_agreement(plan, check=fits_domain)
+
+
+def num_microbatches_to_run(plan: StepPlan, *, state: HDPState) -> int:
+    """Micro-batches this rank runs: its own, raised to its EP group's largest, to the domain's largest
+    with PP, and at least one (every rank takes part in the gradient reduction)."""
+    counts = [len(r.microbatches) for r in plan.ranks]
+    if state.pp_size > 1:
+        return max(1, max(counts))
+    return max(1, max(counts[r] for r in state.ep_hdp_ranks))
+
+
 def check_model_config(config: TransformerConfig, *, state: HDPState) -> None:
     """ValueError for Megatron settings HDP cannot train with (checked on every rank, before any collective)."""
     if not config.calculate_per_token_loss:
@@ -126,12 +214,16 @@ class HDPTrainer:
         check_model_config(self.config, state=state)
         self.pad_to_multiple = state.tp_size if self.config.sequence_parallel else 1
         self._finalize_start = 0.0
+        self._stamps: list[float] = []
+        self.last_busy: Optional[BusyTimes] = None
+        """This rank's `BusyTimes` of the last step (local, not gathered)."""
         self.config.finalize_model_grads_func = self._finalize
         self.config.no_sync_func = model.no_sync
         self.config.grad_sync_func = None
 
     def _finalize(self, *args: Any, **kwargs: Any) -> None:
         self._finalize_start = time.perf_counter()
+        self._stamps.append(time.process_time())
         finalize_model_grads(*args, **kwargs)
 
     def collate(
@@ -160,6 +252,7 @@ class HDPTrainer:
     ) -> StepStats:
         """One training step of the global batch `plan` describes (the same plan on every rank)."""
         start = time.perf_counter()
+        self._stamps = [time.process_time()]
         check_plan(plan, state=self.state)
         batches = self.collate(plan, read_tokens, read_loss_mask)
         offload = None
@@ -173,7 +266,7 @@ class HDPTrainer:
         self.optimizer.zero_grad()
         with count_traffic() as traffic:
             losses = get_forward_backward_func()(
-                forward_step_func=forward_step,
+                forward_step_func=_stamped(forward_step, self._stamps),
                 data_iterator=iter(batches),
                 model=[self.model],
                 num_microbatches=len(batches),
@@ -185,6 +278,8 @@ class HDPTrainer:
         ok, grad_norm, _ = self.optimizer.step()
         assert ok, "the fp32 optimizer step cannot be skipped"
         step_time = time.perf_counter() - start
+        self._stamps.append(time.process_time())
+        self.last_busy = _busy_times(self._stamps)
         return self._gather_stats(plan, batches, losses, compute_time, step_time, traffic.bytes_sent, grad_norm)
 
     def _gather_stats(self, plan, batches, losses, compute_time, step_time, bytes_sent, grad_norm) -> StepStats:
