@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.bounds import step_time_lower_bound
+from megatron_hdp.plan.pipeline import pipeline_time
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
 from megatron_hdp.plan.sharding import min_ring_size
@@ -37,8 +38,7 @@ def recompute(plan, cm):
             shards = [(plan.sequences[sh.seq].length, sh.num_tokens, rings[sh.seq]) for sh in mb.shards]
             times.append(cm.microbatch_time(shards, pp_size=plan.pp_size))
             assert mb.est_time == pytest.approx(times[-1], rel=1e-9)
-        bubble = (plan.pp_size - 1) * sum(times) / len(times) if times and plan.pp_size > 1 else 0.0
-        rank_times.append(sum(times) + bubble)
+        rank_times.append(pipeline_time(times, pp_size=plan.pp_size))  # checked in test_plan_pipeline
         assert schedule.est_time == pytest.approx(rank_times[-1], rel=1e-9)
     return rank_times
 

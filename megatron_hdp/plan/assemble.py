@@ -5,9 +5,9 @@ way and can be compared side by side:
 
 - a micro-batch's time is `cost_model.microbatch_time` of its shards on one pipeline stage (documents on
   one ring share one ring exchange, as at run time);
-- a rank's `est_time` is its busy time, the sum of its micro-batch times, plus with PP the 1F1B fill and
-  drain modelled as (pp_size - 1) x its mean micro-batch time (a uniform 1F1B pipeline of m micro-batches
-  of time t takes (m + pp - 1) t);
+- a rank's `est_time` is its busy time, the sum of its micro-batch times; with PP it is the makespan of
+  its 1F1B pipeline (`pipeline.pipeline_time`: (m + pp - 1) t for m equal micro-batches of time t, set
+  by the heaviest micro-batches when they differ);
 - `est_step_time` is the time the last rank reaches the gradient all-reduce, from a timeline in which a
   ring micro-batch starts only when every member has finished its previous micro-batch (members that
   arrive early wait). A plan whose rings start in step has est_step_time = max est_time.
@@ -21,6 +21,7 @@ import numpy as np
 
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.layout import zigzag_chunks
+from megatron_hdp.plan.pipeline import pipeline_time
 from megatron_hdp.plan.sharding import whole_times
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
 
@@ -78,24 +79,13 @@ def assemble_plan(
             rank_times.append(time)
             built.append(MicroBatch(shards, max(capacity, held), time))
         times.append(rank_times)
-        ranks.append(RankSchedule(rank, tuple(built), _rank_time(rank_times, pp_size)))
+        ranks.append(RankSchedule(rank, tuple(built), pipeline_time(rank_times, pp_size=pp_size)))
     step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size)
     ratios = [float(r) for r in offload_ratios]
     sequences = tuple([SequencePlacement(seq, lengths[seq], ring, ratios[seq]) for seq, ring in enumerate(rings)])
     assert len(ranks) == num_ranks
     return StepPlan(policy=policy, num_ranks=num_ranks, capacity=capacity, sequences=sequences,
                     ranks=tuple(ranks), est_step_time=step, pp_size=pp_size)
-
-
-def _bubble(times: Sequence[float], pp_size: int) -> float:
-    """1F1B fill + drain of one pipeline: (pp_size - 1) x its mean micro-batch time."""
-    if pp_size == 1 or not times:
-        return 0.0
-    return (pp_size - 1) * sum(times) / len(times)
-
-
-def _rank_time(times: Sequence[float], pp_size: int) -> float:
-    return sum(times) + _bubble(times, pp_size)
 
 
 def step_time(
@@ -131,6 +121,5 @@ def step_time(
         end = np.where(index < counts, start + matrix[:, index], end)
     bubble = np.zeros(num_ranks)
     if pp_size > 1:
-        busy = matrix.sum(axis=1)
-        bubble = np.divide((pp_size - 1) * busy, counts, out=bubble, where=counts > 0)
+        bubble = np.array([pipeline_time(t, pp_size=pp_size) - sum(t) for t in times])
     return float((end + bubble).max())

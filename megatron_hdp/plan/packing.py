@@ -44,3 +44,44 @@ def best_fit(sizes: Sequence[int], *, capacity: int, order: str = "decreasing") 
         if room - size > 0:
             bisect.insort(free, (room - size, index))
     return bins
+
+
+PIPELINE_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16)
+"""With PP, the token budgets tried for whole-sequence micro-batches: C divided by these."""
+
+
+def pack_for_pipeline(
+    sizes: Sequence[int],
+    times: Sequence[float],
+    *,
+    capacity: int,
+    leading: Sequence[float],
+    overhead: float,
+    pp_size: int,
+) -> list[list[int]]:
+    """Bins of whole sequences for one pipeline rank: the packing whose 1F1B makespan is smallest.
+
+    ByteScale's PP-Balance: a pipeline's bubble is set by its heaviest micro-batches, so its micro-batches
+    should be small and alike. Best-fit decreasing is tried with token budgets C / n for n in
+    PIPELINE_BUDGETS (more, smaller micro-batches shrink the fill/drain at `overhead` seconds each); the
+    micro-batches run after the rank's `leading` ones (its ring micro-batches, times given). `times` are
+    the sequences' stage times. With pp_size = 1 it is plain best-fit decreasing at C.
+    """
+    from megatron_hdp.plan.pipeline import pipeline_time  # packing stays importable on its own
+
+    if pp_size == 1 or not sizes:
+        return best_fit(sizes, capacity=capacity)
+    best: tuple[float, list[list[int]]] | None = None
+    tried = set()
+    for parts in PIPELINE_BUDGETS:
+        budget = max(1, capacity // parts)
+        if budget in tried:
+            continue
+        tried.add(budget)
+        bins = best_fit(sizes, capacity=budget)
+        bin_times = [overhead + sum(times[i] for i in b) for b in bins]
+        bin_times.sort(reverse=True)  # heaviest first: the light ones fill the drain
+        makespan = pipeline_time(list(leading) + bin_times, pp_size=pp_size)
+        if best is None or makespan < best[0] * (1 - 1e-12):
+            best = (makespan, sorted(bins, key=lambda b: -sum(times[i] for i in b)))
+    return best[1]

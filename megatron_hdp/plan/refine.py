@@ -31,7 +31,8 @@ class PipelineCost:
     """A rank's predicted time from its busy time S and whole-sequence tokens T, with PP.
 
     S + (pp - 1) x S / n, n = its ring micro-batches + ceil(T / C) (the micro-batches packing will make,
-    at best): the 1F1B fill/drain model of `assemble.py`. With pp_size = 1 it is S.
+    at best): `pipeline.pipeline_time` for n equal micro-batches, a cheap guide for the search (the plan
+    is timed exactly afterwards). With pp_size = 1 it is S.
     """
 
     pp_size: int

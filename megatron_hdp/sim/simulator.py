@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.pipeline import FORWARD_SHARE, one_f_one_b_order
 from megatron_hdp.plan.step_plan import MicroBatch, StepPlan
 
-FORWARD_SHARE = 1.0 / 3.0
-"""Fraction of a micro-batch's time spent in the forward pass (backward = 2x forward)."""
 
 
 @dataclass(frozen=True)
@@ -231,16 +230,6 @@ def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shard
     return out
 
 
-def _one_f_one_b(num_microbatches: int, pp_size: int, stage: int) -> list[tuple[str, int]]:
-    """The 1F1B op order of one stage: warm-up forwards, alternating F/B, cool-down backwards."""
-    warmup = min(pp_size - 1 - stage, num_microbatches)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(num_microbatches - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    order += [("B", i) for i in range(num_microbatches - warmup, num_microbatches)]
-    return order
-
-
 def _coupling(plan: StepPlan, rules: PolicyRules, shards: _Shards) -> dict[tuple[int, int], int]:
     """(rank, micro-batch index) -> id of the group of ranks that must run that index together."""
     parent: dict[tuple[int, int], tuple[int, int]] = {}
@@ -302,7 +291,7 @@ def simulate_step(
     for (rank, _), gid in coupled.items():
         members.setdefault(gid, []).append(rank)
 
-    orders = [[_one_f_one_b(len(costs[r]), p, s) for s in range(p)] for r in range(n)]
+    orders = [[one_f_one_b_order(len(costs[r]), p, s) for s in range(p)] for r in range(n)]
     ops: list[list[list[Op]]] = [[[] for _ in range(p)] for _ in range(n)]
     released: dict[tuple[int, int, str, int], float] = {}  # (rank, stage, kind, mb) -> release time
     arrived: dict[tuple[int, str, int], dict[int, float]] = {}  # (gid, stage, kind) -> rank -> ready
