@@ -10,6 +10,7 @@ from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.assemble import step_time
 from megatron_hdp.plan.balance import plan_balance
 from megatron_hdp.plan.bounds import gap, step_time_lower_bound
+from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.placement import lpt, place_rings
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
@@ -183,3 +184,29 @@ def test_plans_are_deterministic():
     first = make_plan(lengths, num_ranks=24, config=config, cost_model=CM, policy="balance")
     second = make_plan(lengths, num_ranks=24, config=config, cost_model=CM, policy="balance")
     assert first.digest() == second.digest()
+
+
+def test_rings_that_strand_a_rank_are_widened_when_that_is_faster():
+    """Eight 64-token documents, C = 24, 4 ranks, no offload: D(64) = 3, and members of a ring share a
+    micro-batch index, so 3-rank rings (one shard per micro-batch) leave one rank idle in every slot:
+    8 slots of T(64, 3), balance 4/3. With a compute-bound cost model (no latency, no launch overhead) a
+    ring of 4 does the same work per document split four ways: 8 slots of T(64, 4) = 16/22 of that, every
+    rank busy. Two 40-token documents at C = 16 are the same story with two 3-rank rings on 4 ranks."""
+    compute_bound = CostModel.from_dict({**CM.to_dict(), "ring_latency": 0.0, "g": 0.0})
+    for lengths, capacity in (([64] * 8, 24), ([40] * 2, 16)):
+        config = HDPConfig(hdp_capacity=capacity, hdp_offload=False)
+        plan = make_plan(lengths, num_ranks=4, config=config, cost_model=compute_bound, policy="balance")
+        balanced = len(lengths) * compute_bound.sequence_time(lengths[0], ring_size=4)
+        assert plan.est_step_time <= balanced * (1 + 1e-9)
+        assert plan.summary().balance <= 1.05
+
+
+def test_stranding_is_kept_when_it_is_faster():
+    """Same 64-token batch under LLaMA-7B's cost model: ring messages are latency-bound, a 4-rank ring is
+    slower per member than a 3-rank one (9 vs 6 latencies per layer), and 8 x T(64, 3) < 8 x T(64, 4):
+    the planner minimises the step, not max/mean, so it keeps the 3-rank rings."""
+    config = HDPConfig(hdp_capacity=24, hdp_offload=False)
+    plan = make_plan([64] * 8, num_ranks=4, config=config, cost_model=CM, policy="balance")
+    wide = 8 * CM.sequence_time(64, ring_size=4)
+    assert CM.sequence_time(64, ring_size=4) > CM.sequence_time(64, ring_size=3)
+    assert plan.est_step_time <= wide

@@ -6,26 +6,30 @@ buckets of similar compute, and greedily gives each bucket to the rank with the 
 rank holding a 1M-token shard runs one micro-batch while its neighbours run many short ones
 (DP-Balance); ranks that compute together (a ring) should run micro-batches of similar time. With PP
 (PP-Balance) the HDP ranks are pipelines and a pipeline's micro-batches should take similar times, or
-the 1F1B bubbles grow; the plan models a pipeline's time as its micro-batches' time plus
-(pp - 1) x their mean (`assemble.py`).
+the 1F1B bubbles grow; the plan times a pipeline by its exact 1F1B makespan (`pipeline.py`), which a
+heavy micro-batch dominates.
 
 This implementation, step by step:
 1. sharding: D(s) and offload ratio per sequence (`sharding.py`, Eq. 3);
 2. widening (beyond the paper, `widening.py`): a ring whose member time would set the step time gets
    more than D(s) ranks — the fewest that meet a step-time target settled against the total work;
-   with PP the target is also capped at one full micro-batch's time, so micro-batches stay comparable;
+   with PP the target is also capped at one full micro-batch's time, so micro-batches stay comparable.
+   Alternative ring sizes (lower targets; with PP lower caps) are planned too when the first plan leaves
+   ranks idle (ring members share a micro-batch index, which can strand ranks) or PP is on, and the
+   plan of least predicted step time is kept;
 3. rings, most ranks first, on aligned least-loaded ranks (`placement.place_rings`); ring micro-batches
    come first on every rank and members start them together;
 4. whole sequences, heaviest first, each to the least-loaded rank (`placement.lpt`);
 5. refinement (`refine.py`): local search (moves and swaps off the slowest rank; with PP on the
    pipeline time), and on request (`exact=True`) an exact HiGHS MILP on small instances;
-6. each rank's whole sequences packed best-fit into micro-batches of <= C tokens (`packing.py`).
+6. each rank's whole sequences packed best-fit into micro-batches of <= C tokens (`packing.py`); with PP
+   the token budget (C / n) whose 1F1B makespan is smallest, heaviest micro-batches first.
 
 Deviations from the paper: Algorithm 2 forms buckets (micro-batches) first and then assigns them; we
 assign sequences to ranks first and pack per rank, which gives the same "different micro-batch counts"
-result at finer granularity. PP-Balance clusters similar lengths into one pipeline; here uniform
-micro-batch times come from widening and packing, and the pipeline time model (mean-based bubble) does
-not reward clustering further. `bounds.step_time_lower_bound` bounds any plan from below; `bounds.gap`
+result at finer granularity. PP-Balance clusters similar lengths into one pipeline; here each pipeline's
+micro-batches are made alike by ring widening (ring micro-batches no heavier than a full one, lighter
+caps tried) and by packing to the budget that minimises the exact 1F1B makespan. `bounds.step_time_lower_bound` bounds any plan from below; `bounds.gap`
 reports how far a plan is from it.
 """
 
@@ -39,15 +43,18 @@ import numpy as np
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.assemble import assemble_plan
 from megatron_hdp.plan.cost_model import CostModel
-from megatron_hdp.plan.packing import best_fit
+from megatron_hdp.plan.packing import pack_for_pipeline
 from megatron_hdp.plan.placement import lpt, place_rings
 from megatron_hdp.plan.refine import PipelineCost, refine_exact, refine_local
 from megatron_hdp.plan.bounds import gap
 from megatron_hdp.plan.sharding import member_times, shard_sequences
-from megatron_hdp.plan.widening import widen_rings
+from megatron_hdp.plan.widening import widening_options
 from megatron_hdp.plan.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
+
+RETRY_IMBALANCE = 1.02
+"""A plan whose step exceeds the mean rank time by more than this tries the alternative ring sizes."""
 
 
 def assign_whole(
@@ -92,9 +99,35 @@ def plan_balance(
     capacity = config.hdp_capacity
     sharding = shard_sequences(lengths, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
                                max_offload_ratio=config.max_offload_ratio, pp_size=pp_size)
-    ring_sizes, offload_ratios = widen_rings(
+    options = widening_options(
         lengths, sharding.ring_sizes, sharding.offload_ratios, num_ranks=num_ranks, capacity=capacity,
-        cost_model=cost_model, max_offload_ratio=config.max_offload_ratio, pp_size=pp_size)
+        cost_model=cost_model, max_offload_ratio=config.max_offload_ratio, pp_size=pp_size, alternatives=True)
+    common = dict(num_ranks=num_ranks, capacity=capacity, cost_model=cost_model, pp_size=pp_size, exact=exact)
+    plan = _build(lengths, *options[0], **common)
+    mean = sum(r.est_time for r in plan.ranks) / num_ranks
+    if pp_size > 1 or plan.est_step_time > RETRY_IMBALANCE * mean:
+        for ring_sizes, offload_ratios in options[1:]:
+            candidate = _build(lengths, ring_sizes, offload_ratios, **common)
+            if candidate.est_step_time < plan.est_step_time * (1 - 1e-9):
+                plan = candidate
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("balance plan: step %.4g s, gap to the lower bound %.2f%%", plan.est_step_time,
+                     100 * gap(plan, cost_model=cost_model))
+    return plan
+
+
+def _build(
+    lengths: list[int],
+    ring_sizes: np.ndarray,
+    offload_ratios: np.ndarray,
+    *,
+    num_ranks: int,
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int,
+    exact: bool,
+) -> StepPlan:
+    """Steps 3-6 of the module doc for one choice of ring sizes."""
     weights = member_times(lengths, ring_sizes, cost_model=cost_model, pp_size=pp_size)
     long_ids = np.flatnonzero(ring_sizes > 1)
     order = long_ids[np.lexsort((long_ids, -weights[long_ids], -ring_sizes[long_ids]))].tolist()
@@ -105,16 +138,15 @@ def plan_balance(
     given = assign_whole(whole_order, weights=weights, tokens=np.asarray(lengths, dtype=np.int64),
                          base=layout.finish, cost=PipelineCost(pp_size, capacity, ring_counts), exact=exact)
     rings: list[tuple[int, ...]] = [layout.rings.get(seq, ()) for seq in range(len(lengths))]
+    overhead = cost_model.microbatch_time([], pp_size=pp_size)
     schedule = []
     for rank in range(num_ranks):
         items = given[rank]
         for seq in items:
             rings[seq] = (rank,)
-        bins = best_fit([lengths[i] for i in items], capacity=capacity)
+        leading = [overhead + weights[seq] for seq in layout.ring_microbatches[rank]]
+        bins = pack_for_pipeline([lengths[i] for i in items], [float(weights[i]) for i in items],
+                                 capacity=capacity, leading=leading, overhead=overhead, pp_size=pp_size)
         schedule.append([[seq] for seq in layout.ring_microbatches[rank]] + [[items[j] for j in b] for b in bins])
-    plan = assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
+    return assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
                          schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("balance plan: step %.4g s, gap to the lower bound %.2f%%", plan.est_step_time,
-                     100 * gap(plan, cost_model=cost_model))
-    return plan

@@ -131,7 +131,14 @@ def settle_target(
     return lo if from_below else hi
 
 
-def widen_rings(
+LADDER = 0.85
+"""Alternative targets step down from the settled one by this factor (`widening_options`)."""
+
+PIPELINE_CAPS = (1, 2, 4, 8)
+"""With PP, ring member times are capped at one full micro-batch's time divided by these."""
+
+
+def widening_options(
     lengths: Sequence[int],
     ring_sizes: np.ndarray,
     offload_ratios: np.ndarray,
@@ -141,13 +148,23 @@ def widen_rings(
     cost_model: CostModel,
     max_offload_ratio: float,
     pp_size: int = 1,
-) -> tuple[np.ndarray, np.ndarray]:
-    """New (ring_sizes, offload_ratios) with long sequences widened to the step-time target (module doc)."""
+    alternatives: bool = False,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(ring_sizes, offload_ratios) with long sequences widened to a step-time target (module doc).
+
+    The first option is the settled target's (with PP capped at one full micro-batch's time). With
+    `alternatives`, distinct further options follow, for a caller that builds and compares plans:
+    - lower targets, LADDER^i x the settled one down to the floor: the settled target assumes perfect
+      spreading, but ring members must share a micro-batch index, so e.g. two 3-rank rings on 4 ranks
+      strand a rank that a ring of 4 would use;
+    - with PP, caps of a full micro-batch's time / PIPELINE_CAPS (PP-Balance: a ring micro-batch much
+      heavier than the pipeline's others sets the 1F1B bubble; wider rings make it lighter).
+    """
     lengths = np.asarray(lengths, dtype=np.int64)
     long_mask = lengths > capacity
     long_lengths, counts = np.unique(lengths[long_mask], return_counts=True)
     if not len(long_lengths):
-        return ring_sizes, offload_ratios
+        return [(ring_sizes, offload_ratios)]
     long_lengths, counts = long_lengths.tolist(), counts.tolist()
     fewest = {s: int(ring_sizes[np.argmax(lengths == s)]) for s in long_lengths}
     sizer = RingSizer(long_lengths, fewest, widest=lambda s: min(num_ranks, s // 2), cost_model=cost_model,
@@ -156,16 +173,34 @@ def widen_rings(
     floor = max(float(short.max(initial=0.0)), sizer.floor())
     target = settle_target(sizer, counts=counts, other_work=float(short.sum()), floor=floor, num_ranks=num_ranks,
                            slack=WIDEN_SLACK)
+    full_microbatch = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
     if pp_size > 1:
-        full_microbatch = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
         target = max(floor, min(target, full_microbatch))
-    sizes, ratios = ring_sizes.copy(), offload_ratios.copy()
-    for s, k in sizer.sizes_for(target).items():
-        if k == fewest[s]:
+    targets = [target]
+    if alternatives:
+        lowest = sizer.floor()
+        step = target * LADDER
+        while step > lowest:
+            targets.append(step)
+            step *= LADDER
+        targets.append(lowest)
+        if pp_size > 1:
+            targets += [max(lowest, min(target, full_microbatch / parts)) for parts in PIPELINE_CAPS]
+    options, seen = [], set()
+    for goal in targets:
+        chosen = sizer.sizes_for(goal)
+        key = tuple(chosen.values())
+        if key in seen:
             continue
-        held = max_member_tokens(s, k)
-        if fits(cost_model, seq_len=s, ring_size=k, num_tokens=held, capacity=capacity,
-                max_offload_ratio=max_offload_ratio, pp_size=pp_size):
-            sizes[lengths == s] = k
-            ratios[lengths == s] = needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
-    return sizes, ratios
+        seen.add(key)
+        sizes, ratios = ring_sizes.copy(), offload_ratios.copy()
+        for s, k in chosen.items():
+            if k == fewest[s]:
+                continue
+            held = max_member_tokens(s, k)
+            if fits(cost_model, seq_len=s, ring_size=k, num_tokens=held, capacity=capacity,
+                    max_offload_ratio=max_offload_ratio, pp_size=pp_size):
+                sizes[lengths == s] = k
+                ratios[lengths == s] = needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
+        options.append((sizes, ratios))
+    return options
