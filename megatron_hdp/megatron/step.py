@@ -152,45 +152,32 @@ def num_microbatches_to_run(plan: StepPlan, *, state: HDPState) -> int:
     return max(1, max(counts[r] for r in state.ep_hdp_ranks))
 
 
-def check_model_config(config: TransformerConfig, *, state: HDPState) -> None:
-    """ValueError for Megatron settings HDP cannot train with (checked on every rank, before any collective)."""
-    if not config.calculate_per_token_loss:
-        raise ValueError(
-            "HDP needs calculate_per_token_loss=True: ranks run different numbers of micro-batches, so "
-            "only a token-level loss is exact"
-        )
-    if config.context_parallel_size != 1:
-        raise ValueError(f"context_parallel_size={config.context_parallel_size}: HDP replaces it; set it to 1")
-    if state.pp_size > 1 and not config.variable_seq_lengths:
-        raise ValueError("HDP with pipeline parallelism needs variable_seq_lengths=True (micro-batch sizes vary)")
-    if config.sequence_parallel and state.tp_size == 1:
-        raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1")
+def pad_microbatches(
+    plan: StepPlan, batches: list[PackedMicroBatch], *, state: HDPState, pad_to_multiple: int = 1
+) -> list[PackedMicroBatch]:
+    """`batches` (this rank's collated micro-batches of `plan`) followed by the empty micro-batches that
+    make up the count `num_microbatches_to_run` asks for: an idle rank runs one, an EP group's or (with
+    PP) the domain's ranks run the same count.
+
+    A padding micro-batch is a real forward and backward through the whole model, with a loss mask of
+    zeros: its loss is exactly 0 and adds nothing to the token-level sum, yet every parameter gets a
+    (zero) gradient from it. So on every rank Megatron DDP's per-parameter gradient hooks fire once in
+    the last micro-batch, as `--overlap-grad-reduce` needs before it issues each bucket's reduction, the
+    rank joins the gradient reduction, and with MoE it joins every layer's expert all-to-all.
+    """
+    num_padding = num_microbatches_to_run(plan, state=state) - len(batches)
+    assert num_padding >= 0, f"{len(batches)} micro-batches for a rank the plan gives fewer"
+    return batches + [empty_microbatch(rank=state.hdp_rank, num_tokens=pad_to_multiple) for _ in range(num_padding)]
 
 
-def check_plan(plan: StepPlan, *, state: HDPState) -> None:
-    """ValueError on every rank unless `plan` is valid for this domain and the same on every rank.
-
-    The data layer's `check_plan_agreement` over all ranks (every TP rank and PP stage must run the same
-    plan too), with this domain's checks as its local check: a rank that rejects the plan still joins the
-    digest all-gather, so no peer hangs in it."""
-
-    def fits_domain(plan: StepPlan) -> None:
-        plan.validate()
-        if plan.num_ranks != state.hdp_size:
-            raise ValueError(f"the plan is for {plan.num_ranks} HDP ranks but the HDP domain has {state.hdp_size}")
-        if plan.pp_size != state.pp_size:
-            raise ValueError(f"the plan was made for pp_size={plan.pp_size} but PP is {state.pp_size}")
-
-    check_plan_agreement(plan, check=fits_domain)
-
-
-def num_microbatches_to_run(plan: StepPlan, *, state: HDPState) -> int:
-    """Micro-batches this rank runs: its own, raised to its EP group's largest, to the domain's largest
-    with PP, and at least one (every rank takes part in the gradient reduction)."""
-    counts = [len(r.microbatches) for r in plan.ranks]
-    if state.pp_size > 1:
-        return max(1, max(counts))
-    return max(1, max(counts[r] for r in state.ep_hdp_ranks))
+def offload_ratios(plan: StepPlan, *, rank: int, num_microbatches: int) -> list[float]:
+    """The activation-offload ratio of each of the `num_microbatches` micro-batches rank `rank` runs: the
+    largest planned ratio of its sequences (the planner sized the micro-batch with it), 0 for padding."""
+    ratios = [
+        max((plan.sequences[sh.seq].offload_ratio for sh in mb.shards), default=0.0) for mb in plan.microbatches(rank)
+    ]
+    assert len(ratios) <= num_microbatches
+    return ratios + [0.0] * (num_microbatches - len(ratios))
 
 
 class HDPTrainer:
@@ -237,15 +224,7 @@ class HDPTrainer:
             )
             for mb in plan.microbatches(rank)
         ]
-        num_padding = num_microbatches_to_run(plan, state=self.state) - len(batches)
-        batches += [empty_microbatch(rank=rank, num_tokens=self.pad_to_multiple) for _ in range(num_padding)]
-        return batches
-
-    def _offload_ratios(self, plan: StepPlan) -> list[float]:
-        ratios = []
-        for mb in plan.microbatches(self.state.hdp_rank):
-            ratios.append(max((plan.sequences[sh.seq].offload_ratio for sh in mb.shards), default=0.0))
-        return ratios
+        return pad_microbatches(plan, batches, state=self.state, pad_to_multiple=self.pad_to_multiple)
 
     def step(
         self, plan: StepPlan, read_tokens: TokenReader, *, read_loss_mask: Optional[MaskReader] = None
@@ -257,8 +236,8 @@ class HDPTrainer:
         batches = self.collate(plan, read_tokens, read_loss_mask)
         offload = None
         if self.offloader is not None:
-            ratios = self._offload_ratios(plan)
-            offload = (self.offloader, iter(ratios + [0.0] * (len(batches) - len(ratios))))
+            ratios = offload_ratios(plan, rank=self.state.hdp_rank, num_microbatches=len(batches))
+            offload = (self.offloader, iter(ratios))
         forward_step = make_forward_step(
             hdp_global_ranks=self.state.hdp_global_ranks, backend=self.backend, offload_ratios=offload
         )
