@@ -6,15 +6,20 @@ the flags. With `--hdp` it changes five names, each in `megatron.training.traini
 a thin wrapper around Megatron's own function (the whole monkeypatch surface, in call order):
 
 1. `args.spec`: the GPT layer spec is Megatron's with `HDPCoreAttention` as its `core_attention` leaf.
-2. `get_model`: after Megatron builds (and DDP-wraps) the model, `prepare_model_for_hdp` moves RoPE into
-   the HDP core attention of each chunk.
+2. `setup_model_and_optimizer`: after Megatron builds (and DDP-wraps) the model, `prepare_model_for_hdp`
+   moves RoPE into the HDP core attention of each chunk; with `--hdp-offload` an `ActivationOffloader`
+   is attached to the chunk's transformer layers. (Not `get_model`: `pretrain` with a config container,
+   as `examples/pretrain_gpt_hdp.py` calls it, builds through the model builder and never calls it.)
 3. `build_pretraining_data_loader`: the HDP loader (our sampler + planner + THD collation) over the same
    Megatron dataset; it yields one `HDPStep` per training step.
 4. `get_forward_backward_func`: the schedule is called with this rank's micro-batches of the step and
-   its own micro-batch count (from the plan), and with HDP's forward step (token-level loss; Megatron's
-   `calculate_per_token_loss` divides by the global batch's token count, summed over the HDP domain).
+   its own micro-batch count (from the plan, padded as `step.pad_microbatches` says), and with HDP's
+   forward step (token-level loss; Megatron's `calculate_per_token_loss` divides by the global batch's
+   token count, summed over the HDP domain; each micro-batch offloads the ratio its plan gives); it also
+   keeps `args.consumed_train_samples` equal to the documents the loader consumed.
 5. `training_log`: HDP statistics (balance, rings, ring-attention bytes, micro-batch counts, loader
-   wait) in Megatron's log line and its TensorBoard writer, every `--hdp-log-interval` steps.
+   wait, offloaded bytes) in Megatron's log line and its TensorBoard writer, every `--hdp-log-interval`
+   steps.
 
 Anything else Megatron does (optimizer, DDP gradient reduction over the data-parallel group = the HDP
 domain, checkpoints, LR schedule) is unchanged.
@@ -41,9 +46,17 @@ class _Installed:
     cost_model: Any
     last_step: Any = None
     loaders: list = field(default_factory=list)
+    offloader: Any = None
+    """The model chunk's ActivationOffloader (--hdp-offload), built by the setup_model_and_optimizer wrapper."""
+    last_offload: Any = None
+    """OffloadStats of the last training step on this rank."""
 
 
 _STATE: Optional[_Installed] = None
+
+OFFLOAD_CONFIG: Any = None
+"""The `OffloadConfig` of the offloader install() attaches with --hdp-offload (None: its defaults); set
+it before the model is built to tune what moves (e.g. min_tensor_bytes=0 in tests of tiny models)."""
 
 
 def hdp_layer_spec(config: Any) -> Any:
@@ -89,19 +102,25 @@ def _cost_model(args: Namespace, config: HDPConfig) -> Any:
 
 
 # --- the wrappers (see the module docstring for what each replaces) ----------------------------------
-def _get_model(original):
+def _setup_model_and_optimizer(original):
     @functools.wraps(original)
-    def get_model(*args: Any, **kwargs: Any):
+    def setup_model_and_optimizer(*args: Any, **kwargs: Any):
         from megatron.core.utils import unwrap_model
 
         from megatron_hdp.megatron.layer_spec import prepare_model_for_hdp
 
-        model = original(*args, **kwargs)
+        model, optimizer, scheduler = original(*args, **kwargs)
         for chunk in model:
             prepare_model_for_hdp(unwrap_model(chunk))
-        return model
+        assert _STATE is not None
+        layers = unwrap_model(model[0]).decoder.layers  # one chunk: virtual pipelining is rejected
+        if _STATE.config.hdp_offload and len(layers):
+            from megatron_hdp.offload import ActivationOffloader
 
-    return get_model
+            _STATE.offloader = ActivationOffloader(layers=layers, config=OFFLOAD_CONFIG)
+        return model, optimizer, scheduler
+
+    return setup_model_and_optimizer
 
 
 def _build_data_loader(original):
@@ -139,9 +158,8 @@ def _account_consumed_samples(step: Any) -> None:
     from megatron.training import get_args
 
     args = get_args()
-    increment = (
-        get_num_microbatches() * args.micro_batch_size * args.data_parallel_size * getattr(args, "gtp_weight_remat_size", 1)
-    )
+    dp = args.data_parallel_size * getattr(args, "gtp_weight_remat_size", 1)
+    increment = get_num_microbatches() * args.micro_batch_size * dp
     args.consumed_train_samples = step.consumed_samples - increment
 
 
@@ -149,9 +167,9 @@ def _forward_backward(schedule):
     """Megatron's schedule, run on one HDP step: this rank's micro-batches, its own count, HDP's forward."""
     from megatron.training import get_args
 
-    from megatron_hdp.data.collate import empty_microbatch
     from megatron_hdp.megatron.forward_step import make_forward_step
     from megatron_hdp.megatron.initialize import hdp_state
+    from megatron_hdp.megatron.step import offload_ratios, pad_microbatches
 
     def forward_backward(*, forward_step_func, data_iterator, num_microbatches, **kwargs: Any):
         assert _STATE is not None
@@ -162,21 +180,27 @@ def _forward_backward(schedule):
                 "so use --tensor-model-parallel-size 1 or our entry point)"
             )
         step = next(data_iterator)
-        if not kwargs.get("forward_only", False):  # evaluation steps consume validation documents
+        training = not kwargs.get("forward_only", False)  # evaluation consumes validation documents
+        if training:
             _account_consumed_samples(step)
         state = hdp_state()
-        # A rank with nothing planned still runs one loss-free padding micro-batch: it must take part in
-        # the step's gradient reduction (and, with MoE, its expert all-to-alls).
         pad = get_args().tensor_model_parallel_size if get_args().sequence_parallel else 1
-        microbatches = step.microbatches or [empty_microbatch(rank=state.hdp_rank, num_tokens=pad)]
+        microbatches = pad_microbatches(step.plan, list(step.microbatches), state=state, pad_to_multiple=pad)
+        offload = None
+        if training and _STATE.offloader is not None:
+            ratios = offload_ratios(step.plan, rank=state.hdp_rank, num_microbatches=len(microbatches))
+            offload = (_STATE.offloader, iter(ratios))
         _STATE.last_step = step
-        forward = make_forward_step(hdp_global_ranks=state.hdp_global_ranks)
-        return schedule(
+        forward = make_forward_step(hdp_global_ranks=state.hdp_global_ranks, offload_ratios=offload)
+        result = schedule(
             forward_step_func=forward,
             data_iterator=iter(microbatches),
             num_microbatches=len(microbatches),
             **kwargs,
         )
+        if offload is not None:  # every backward of the step has run when the schedule returns
+            _STATE.last_offload = _STATE.offloader.pop_step_stats()
+        return result
 
     return forward_backward
 
@@ -207,6 +231,18 @@ def hdp_statistics() -> dict[str, float]:
         "hdp/est-step-time-s": float(summary.est_step_time),
         "hdp/plan-s": float(step.plan_seconds),
         "hdp/loader-wait-s": float(sum(loader.wait_seconds for loader in _STATE.loaders)),
+        **_offload_statistics(_STATE.last_offload),
+    }
+
+
+def _offload_statistics(stats: Any) -> dict[str, float]:
+    """This rank's activation offloading in the last step (nothing without --hdp-offload)."""
+    if stats is None:
+        return {}
+    return {
+        "hdp/offload-GB": stats.bytes_offloaded / 1e9,
+        "hdp/prefetch-GB": stats.bytes_prefetched / 1e9,
+        "hdp/offload-exposed-s": float(stats.exposed_wait_s),
     }
 
 
@@ -234,7 +270,7 @@ def _training_log(original):
 
 
 _PATCHES = {
-    "get_model": _get_model,
+    "setup_model_and_optimizer": _setup_model_and_optimizer,
     "build_pretraining_data_loader": _build_data_loader,
     "get_forward_backward_func": _get_forward_backward_func,
     "training_log": _training_log,
