@@ -46,23 +46,45 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def summarize(rows: list[dict], policies: list[str]) -> dict[str, dict]:
-    """Mean measured and predicted times, prediction error, ring bytes per policy."""
+    """Medians per policy over its reported steps: dedicated-core and wall step time, prediction and its
+    error, balance, rings, ring bytes."""
     out = {}
     for policy in policies:
         mine = [r for r in rows if r["policy"] == policy]
-        step = statistics.mean(r["step_time"] for r in mine)
-        compute = statistics.mean(r["max_compute_time"] for r in mine)
-        predicted = statistics.mean(r["predicted_time"] for r in mine)
+
+        def median(key: str) -> float:
+            return statistics.median(r[key] for r in mine)
+
         out[policy] = {
-            "step_time_s": step,
-            "compute_time_s": compute,
-            "predicted_time_s": predicted,
-            "prediction_error": (predicted - compute) / compute,
-            "balance": statistics.mean(r["balance"] for r in mine),
-            "rings_per_step": statistics.mean(r["num_rings"] for r in mine),
-            "attention_mib_per_step": statistics.mean(r["attention_bytes"] for r in mine) / 2**20,
+            "step_time_s": median("step_time"),
+            "wall_time_s": median("wall_time"),
+            "max_busy_time_s": median("max_busy_time"),
+            "predicted_time_s": median("predicted_time"),
+            "prediction_error": statistics.median((r["predicted_time"] - r["step_time"]) / r["step_time"] for r in mine),
+            "planner_time_s": median("planner_time"),
+            "balance": median("balance"),
+            "microbatches_max": statistics.median(max(r["num_microbatches"]) for r in mine),
+            "rings_per_step": median("num_rings"),
+            "attention_mib_per_step": median("attention_bytes") / 2**20,
         }
     return out
+
+
+def format_table(summary: dict[str, dict]) -> str:
+    """The results table, with the speedup over `static` of the dedicated-core step time."""
+    base = summary.get("static", {}).get("step_time_s")
+    header = (f"{'policy':<20} {'step s':>8} {'pred s':>8} {'pred err':>9} {'wall s':>8} {'busy s':>8} "
+              f"{'balance':>8} {'max mb':>7} {'rings':>6} {'attn MiB':>9} {'vs static':>10}")
+    lines = [header, "-" * len(header)]
+    for policy, s in summary.items():
+        speedup = f"{base / s['step_time_s']:.2f}x" if base else "-"
+        lines.append(
+            f"{policy:<20} {s['step_time_s']:>8.3f} {s['predicted_time_s']:>8.3f} {s['prediction_error']:>+9.1%} "
+            f"{s['wall_time_s']:>8.3f} {s['max_busy_time_s']:>8.3f} {s['balance']:>8.2f} "
+            f"{s['microbatches_max']:>7.0f} {s['rings_per_step']:>6.1f} {s['attention_mib_per_step']:>9.2f} "
+            f"{speedup:>10}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
@@ -74,20 +96,15 @@ def main(argv: list[str]) -> int:
     )
     result = run_gloo(train_policies, args.ranks, spec, timeout_s=1800)[0]
     summary = summarize(result["rows"], policies)
-    base = summary.get("static", {}).get("step_time_s")
-    print(f"{'policy':<20} {'step s':>8} {'compute s':>10} {'pred s':>8} {'pred err':>9} {'balance':>8} "
-          f"{'rings':>6} {'attn MiB':>9} {'vs static':>10}")
-    for policy, s in summary.items():
-        speedup = f"{base / s['step_time_s']:.2f}x" if base else "-"
-        print(f"{policy:<20} {s['step_time_s']:>8.3f} {s['compute_time_s']:>10.3f} {s['predicted_time_s']:>8.3f} "
-              f"{s['prediction_error']:>+9.1%} {s['balance']:>8.2f} {s['rings_per_step']:>6.1f} "
-              f"{s['attention_mib_per_step']:>9.2f} {speedup:>10}")
+    print(format_table(summary))
     record = {
         "command": "python benchmarks/step_bench.py " + " ".join(argv),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "ranks": args.ranks},
         "spec": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(spec).items()},
         "cost_model": result["cost_model"],
+        "grad_bytes": result["grad_bytes"],
+        "allreduce_bandwidth": result["allreduce_bandwidth"],
         "summary": summary,
         "rows": result["rows"],
     }

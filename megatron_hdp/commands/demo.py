@@ -4,6 +4,10 @@ The same Megatron-Core model, trainer and global batches (documents of a Megatro
 a long-tailed length mix, written to --data-dir, read by the HDP loader) run under the HDP
 `balance` plan and under the static DP x CP layout; per step it prints loss, step time, balance (slowest
 rank's compute / mean), rings and measured ring-attention bytes, side by side.
+
+Step time is that of a cluster with one core per rank (each rank's measured CPU seconds composed through
+the plan's ring waits, as `benchmarks/step_bench.py` measures it, see `megatron_hdp.megatron.cpu_training`);
+wall time, next to it, is the total work of all ranks on this host's shared cores.
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def format_rows(rows: list[dict]) -> str:
     """The per-step table, policies side by side for each step."""
-    header = f"{'step':>4} {'policy':<20} {'loss':>8} {'step s':>8} {'pred s':>8} {'balance':>8} {'rings':>6} {'ring sizes':<16} {'attn MiB':>9}"
+    header = (f"{'step':>4} {'policy':<20} {'loss':>8} {'step s':>8} {'pred s':>8} {'wall s':>8} {'balance':>8} "
+              f"{'rings':>6} {'ring sizes':<16} {'attn MiB':>9}")
     lines = [header, "-" * len(header)]
     for row in sorted(rows, key=lambda r: (r["step"], r["policy"])):
         sizes = ",".join(f"{k}x{v}" for k, v in sorted(row["ring_sizes"].items(), key=lambda kv: int(kv[0]))) or "-"
         lines.append(
             f"{row['step']:>4} {row['policy']:<20} {row['loss']:>8.4f} {row['step_time']:>8.3f} "
-            f"{row['predicted_time']:>8.3f} {row['balance']:>8.2f} {row['num_rings']:>6} {sizes:<16} "
+            f"{row['predicted_time']:>8.3f} {row['wall_time']:>8.3f} {row['balance']:>8.2f} {row['num_rings']:>6} {sizes:<16} "
             f"{row['attention_bytes'] / 2**20:>9.2f}"
         )
     return "\n".join(lines)
@@ -66,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
     logger.info("training %d steps per policy on %d gloo ranks: %s", spec.steps, args.ranks, dataclasses.asdict(spec))
     result = run_gloo(train_policies, args.ranks, spec, timeout_s=args.timeout)[0]
     print(format_rows(result["rows"]))
-    print()
+    print("\nstep s: one core per rank (measured CPU time + ring waits); pred s: simulator; wall s: this host")
     for policy in spec.policies:
-        times = [r["step_time"] for r in result["rows"] if r["policy"] == policy]
-        print(f"{policy:<20} mean step time {sum(times) / len(times):.3f} s")
+        rows = [r for r in result["rows"] if r["policy"] == policy]
+        step = sum(r["step_time"] for r in rows) / len(rows)
+        wall = sum(r["wall_time"] for r in rows) / len(rows)
+        print(f"{policy:<20} mean step time {step:.3f} s (wall {wall:.3f} s)")
     return 0

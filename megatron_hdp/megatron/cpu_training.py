@@ -1,18 +1,31 @@
 """Train the tiny Llama-style GPT with HDP on gloo CPU ranks, policy against policy: the demo and the bench.
 
 Every rank runs `train_policies` (through `megatron_hdp.comm.launch.run_gloo`): it initializes HDP,
-fits the cost model of *this* model on *this* machine (a quick sweep of whole documents timed on all
-ranks at once, so the fit sees the same CPU sharing as the steps; ring bandwidth from a timed exchange),
-then for each policy builds the model from the same seed and trains the same global batches, planned by
-`make_plan`. Rows of statistics come back from rank 0. Synthetic documents follow ByteScale's long-tailed
-"byted" mix, scaled down (`length_scale`) and clipped to `max_length` so that a CPU can train them.
+fits the cost model of *this* model on *this* machine, then for each policy builds the model from the same
+seed and trains the same global batches, planned by `make_plan`. Rows of statistics come back from rank 0.
+Synthetic documents follow ByteScale's long-tailed "byted" mix, scaled down (`length_scale`) and clipped to
+`max_length` so that a CPU can train them.
+
+Times mean "a cluster where each rank has a core of its own", which a host with fewer cores than ranks can
+only measure indirectly: a rank blocked in a gloo wait uses no CPU (checked: a 2 s wait costs < 5 ms of
+process time), so each rank's *process CPU time* of each phase of a step is what that phase takes on a
+dedicated core, and `megatron_hdp.sim.replay.dedicated_step_time` adds the waits the plan implies (ring
+members run a ring micro-batch together; the all-reduce waits for the last rank). The cost model is
+fitted in the same currency: CPU seconds of whole documents through the real model (T(s) per layer =
+a1 s^2 + b1 s + g), the ring link from a ping-pong between two ranks while the others are blocked, the
+gradient all-reduce from CPU seconds of an all-reduce of the gradient buffer. The prediction of each step
+is `simulate_step(plan, cost_model, rules=PolicyRules())`: our runtime runs every policy's plan, the
+Megatron hybrid-CP one included, with one pass per micro-batch and no barrier between micro-batches.
+Wall time is reported too; it measures the total work of all ranks on the shared cores.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -68,8 +81,15 @@ class StepRow:
     step: int
     loss: float
     step_time: float
-    max_compute_time: float
+    """Seconds a cluster with one core per rank would take (measured busy time + the plan's waits)."""
+    wall_time: float
+    """Wall seconds of the step on this host (ranks share its cores: the total work, not the slowest)."""
+    max_busy_time: float
+    """CPU seconds of the busiest rank (a lower bound of `step_time`: no waits)."""
     predicted_time: float
+    """The simulator's step time for this plan and the fitted cost model (our runtime's rules)."""
+    planner_time: float
+    """The planner's own estimate (`plan.est_step_time`)."""
     balance: float
     num_rings: int
     ring_sizes: dict = field(default_factory=dict)
@@ -77,6 +97,9 @@ class StepRow:
     num_microbatches: list = field(default_factory=list)
     num_sequences: int = 0
     num_tokens: int = 0
+    per_rank: dict = field(default_factory=dict)
+    """Per HDP rank: measured CPU seconds of micro-batches ("compute"), of the phases before and after
+    them, and the simulator's busy seconds ("predicted_compute"): where a prediction error comes from."""
 
 
 def global_batches(spec: CpuRunSpec) -> list[list[int]]:
@@ -141,106 +164,185 @@ def _build(spec: CpuRunSpec, state):
     return HDPTrainer(model=ddp, optimizer=optimizer, state=state)
 
 
-def _time_whole_document(trainer, length: int, repeats: int) -> float:
-    """Fastest forward + backward seconds of one whole document of `length` tokens on this rank."""
-    from megatron_hdp.data.collate import collate_microbatch
+def _microbatch_seconds(trainer, lengths: list[int], rings: list[tuple[int, ...]], *, capacity: int,
+                        repeats: int) -> float:
+    """Fewest CPU seconds (forward + backward) of this rank's first micro-batch over `repeats` HDP steps of
+    the hand plan (`lengths` on `rings`, all in micro-batch 0), after one untimed step: the runtime's own
+    path (collation, Megatron's schedule, DDP hooks), as the measured steps take it."""
     from megatron_hdp.megatron.exactness import token_reader
-    from megatron_hdp.megatron.forward_step import make_forward_step
     from megatron_hdp.megatron.hand_plan import plan_from_rings
 
-    rank = trainer.state.hdp_rank
-    plan = plan_from_rings([length], [(rank,)], [0], num_ranks=trainer.state.hdp_size, capacity=length)
-    batch = collate_microbatch(plan, plan.microbatches(rank)[0], token_reader(0, [length]), rank=rank)
-    forward_step = make_forward_step(hdp_global_ranks=trainer.state.hdp_global_ranks)
+    plan = plan_from_rings(lengths, rings, [0] * len(lengths), num_ranks=trainer.state.hdp_size, capacity=capacity)
     best = float("inf")
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        output, loss_func = forward_step(iter([batch]), trainer.model)
-        loss_func(output)[0].backward()
-        best = min(best, time.perf_counter() - start)
-    trainer.model.zero_grad_buffer()
+    for repeat in range(repeats + 1):
+        trainer.step(plan, token_reader(0, lengths))
+        if repeat:
+            best = min(best, trainer.last_busy.forward[0] + trainer.last_busy.backward[0])
     return best
 
 
-def _ring_bandwidth(num_bytes: int = 8 << 20) -> tuple[float, float]:
-    """(bytes/s, latency s) of a gloo exchange between rank pairs (2i, 2i + 1), the ring's link."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    peer = rank ^ 1
+def _median_over_ranks(value: float, ranks: Optional[list[int]] = None) -> float:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return float(np.median([gathered[r] for r in (ranks if ranks is not None else range(len(gathered)))]))
+
+
+def _ring_link(num_bytes: int = 1 << 20, repeats: int = 5) -> tuple[float, float]:
+    """(bytes/s, latency s) of one gloo exchange, ranks 0 and 1 alone (the others blocked in a barrier use
+    no CPU): wall seconds, as on a dedicated link."""
+    rank = dist.get_rank()
     results = []
     for size in (4, num_bytes):
         send = torch.zeros(size // 4, dtype=torch.float32)
         recv = torch.empty_like(send)
         best = float("inf")
-        for _ in range(3):
-            dist.barrier()
-            start = time.perf_counter()
-            if peer < world:
-                ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+        for _ in range(repeats):
+            if rank < 2:
+                start = time.perf_counter()
+                ops = [dist.P2POp(dist.isend, send, 1 - rank), dist.P2POp(dist.irecv, recv, 1 - rank)]
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
-            best = min(best, time.perf_counter() - start)
+                best = min(best, time.perf_counter() - start)
+        dist.barrier()
         results.append(best)
-    latency, big = results
-    times = torch.tensor([latency, big], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    times = torch.tensor(results, dtype=torch.float64)
+    dist.broadcast(times, src=0)
     latency, big = times.tolist()
     return num_bytes / max(big - latency, 1e-9), latency
 
 
+def grad_buffer_bytes(trainer) -> int:
+    """Bytes of the gradients the step all-reduces (Megatron DDP's buffers)."""
+    return sum(p.numel() * p.main_grad.element_size() for p in trainer.model.parameters() if p.requires_grad)
+
+
+def measure_allreduce_bandwidth(num_bytes: int, *, repeats: int = 5) -> float:
+    """Bytes/s that `sim.simulator.allreduce_time` needs to give the measured all-reduce of `num_bytes`:
+    2 (n-1)/n * bytes / (the busiest rank's fewest CPU seconds of one gloo all-reduce)."""
+    world = dist.get_world_size()
+    buffer = torch.zeros(max(1, num_bytes // 4), dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.process_time()
+        dist.all_reduce(buffer)
+        best = min(best, time.process_time() - start)
+    seconds = torch.tensor([best], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return 2.0 * (world - 1) / world * num_bytes / max(float(seconds), 1e-9)
+
+
 def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
-    """Per-layer T(s) = a1 s^2 + b1 s + g fitted (non-negative least squares, relative error) to whole
-    documents of `spec.fit_lengths` timed on every rank at once; same coefficients on every rank."""
+    """The cost model of this model on this CPU, in CPU seconds of the runtime's own micro-batches (median
+    over ranks, which run them at once):
+
+    - per layer T(s) = a1 s^2 + b1 s + g: non-negative least squares (relative error) over whole documents
+      of `spec.fit_lengths`, one per rank;
+    - ring link: bandwidth from `_ring_link`; the per-message cost `ring_latency` from one document of
+      k * C tokens on rings of k = 2, 4, 8 ranks (those the domain holds): the latency that makes the
+      simulator's exposed ring time (3 (k-1) messages, hidden under attention) match the measured excess
+      over T, median over k. On a CPU this is mostly software cost per ring step (message posting, one
+      kernel call per block, the merge), which is why it is fitted, not taken from the ping-pong.
+    """
     from scipy.optimize import nnls
 
-    seconds = []
-    for length in spec.fit_lengths:
-        dist.barrier()
-        seconds.append(_time_whole_document(trainer, length, spec.fit_repeats))
-    measured = torch.tensor(seconds, dtype=torch.float64)
-    dist.all_reduce(measured, op=dist.ReduceOp.MAX)  # the slowest rank's time: what a step waits for
+    world, rank = trainer.state.hdp_size, trainer.state.hdp_rank
+    alone = [(r,) for r in range(world)]
+    measured = np.array([
+        _median_over_ranks(_microbatch_seconds(trainer, [s] * world, alone, capacity=s, repeats=spec.fit_repeats))
+        for s in spec.fit_lengths
+    ])
     s = np.asarray(spec.fit_lengths, dtype=np.float64)
-    t = measured.numpy() / spec.num_layers
+    t = measured / spec.num_layers
     design = np.stack([s**2, s, np.ones_like(s)], axis=1) / t[:, None]
     (a1, b1, g), _ = nnls(design, np.ones_like(s))
-    bandwidth, latency = _ring_bandwidth()
+    bandwidth, link_latency = _ring_link()
     kv_channels = spec.hidden_size // spec.num_attention_heads * spec.num_query_groups
+    kv_bytes = 4 * 2 * kv_channels
+    latencies = []
+    for k in (k for k in (2, 4, 8) if k <= world):
+        rings = [tuple(range(i, i + k)) for i in range(0, world - k + 1, k)]
+        length = k * spec.capacity
+        mine = _microbatch_seconds(trainer, [length] * len(rings), rings, capacity=spec.capacity,
+                                   repeats=spec.fit_repeats)
+        members = [r for ring in rings for r in ring]
+        per_layer = _median_over_ranks(mine if rank in members else 0.0, members) / spec.num_layers
+        tokens = spec.capacity
+        attention = a1 * length * tokens
+        exposed = per_layer - (g + b1 * tokens + attention)
+        steps = 3 * (k - 1)
+        latencies.append((exposed + attention) / steps - kv_bytes * tokens / bandwidth)
+    latency = max(float(np.median(latencies)), link_latency) if latencies else link_latency
     return CostModel(
         a1=float(a1), b1=float(b1), g=float(g),
         a2=float(4 * (6 * spec.hidden_size + 2 * kv_channels + 4 * spec.ffn_hidden_size)), b2=0.0,
-        kv_bytes_per_token=float(4 * 2 * kv_channels), num_layers=spec.num_layers,
-        ring_bandwidth=float(bandwidth), ring_latency=float(latency),
+        kv_bytes_per_token=float(kv_bytes), num_layers=spec.num_layers,
+        ring_bandwidth=float(bandwidth), ring_latency=latency,
+    )
+
+
+def silence_megatron_warnings() -> None:
+    """Ignore the warnings Megatron-Core raises from its own modules on a CPU gloo run (missing Transformer
+    Engine / Apex / NVTX, deprecations); warnings from our code and from torch still show."""
+    warnings.filterwarnings("ignore", module=r"megatron\.core(\.|$)")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
+def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, model: CostModel, grad_bytes: int,
+                  allreduce_bandwidth: float) -> StepRow:
+    from megatron_hdp.sim.replay import dedicated_step_time
+    from megatron_hdp.sim.simulator import PolicyRules, simulate_step
+
+    dedicated = dedicated_step_time(
+        plan,
+        before=[b.before for b in busy_by_rank],
+        forward=[b.forward for b in busy_by_rank],
+        backward=[b.backward for b in busy_by_rank],
+        after=[b.after for b in busy_by_rank],
+    )
+    busy = [b.before + sum(b.forward) + sum(b.backward) + b.after for b in busy_by_rank]
+    timeline = simulate_step(plan, model, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth,
+                             rules=PolicyRules())
+    compute = [sum(b.forward) + sum(b.backward) for b in busy_by_rank]
+    per_rank = {
+        "compute": compute, "before": [b.before for b in busy_by_rank], "after": [b.after for b in busy_by_rank],
+        "predicted_compute": timeline.busy.tolist(),
+    }
+    return StepRow(
+        policy=policy, step=step, loss=stats.loss, step_time=dedicated, wall_time=stats.step_time,
+        max_busy_time=max(busy), predicted_time=timeline.step_time, planner_time=plan.est_step_time,
+        balance=max(compute) / statistics.mean(compute), num_rings=stats.num_rings,
+        ring_sizes=plan.summary().ring_sizes, attention_bytes=stats.attention_bytes,
+        num_microbatches=stats.num_microbatches, num_sequences=len(plan.lengths), num_tokens=sum(plan.lengths),
+        per_rank=per_rank,
     )
 
 
 def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Optional[dict] = None) -> dict:
     """Per rank: fit (or take) the cost model, then train `spec.steps` steps under each policy.
 
-    Returns {"cost_model": dict, "rows": [StepRow as dict]} (rows filled on rank 0 only).
+    Returns {"cost_model": dict, "grad_bytes": int, "allreduce_bandwidth": float, "rows": [StepRow as
+    dict]} (rows filled on rank 0 only).
     """
+    silence_megatron_warnings()
     from megatron_hdp.megatron.initialize import initialize_hdp
 
-    logging.getLogger("megatron").setLevel(logging.ERROR)
     state = initialize_hdp(seed=spec.seed)
     config = HDPConfig(hdp=True, hdp_capacity=spec.capacity, hdp_offload=False)
-    model = CostModel.from_dict(cost_model) if cost_model else fit_cost_model(_build(spec, state), spec)
+    first = _build(spec, state)
+    model = CostModel.from_dict(cost_model) if cost_model else fit_cost_model(first, spec)
+    grad_bytes = grad_buffer_bytes(first)
+    allreduce_bandwidth = measure_allreduce_bandwidth(grad_bytes)
     rows = []
     for policy in spec.policies:
         trainer = _build(spec, state)
         for step, (plan, read_tokens) in enumerate(planned_batches(spec, state, config, model, policy)):
-            lengths = plan.lengths
             stats = trainer.step(plan, read_tokens)
-            if step < spec.warmup_steps:
-                continue
-            summary = plan.summary()
-            rows.append(
-                asdict(
-                    StepRow(
-                        policy=policy, step=step - spec.warmup_steps, loss=stats.loss, step_time=stats.step_time,
-                        max_compute_time=max(stats.compute_times), predicted_time=plan.est_step_time,
-                        balance=stats.balance, num_rings=stats.num_rings, ring_sizes=summary.ring_sizes,
-                        attention_bytes=stats.attention_bytes, num_microbatches=stats.num_microbatches,
-                        num_sequences=len(lengths), num_tokens=sum(lengths),
-                    )
-                )
-            )
-    return {"cost_model": model.to_dict(), "rows": rows if rank == 0 else []}
+            busy_by_rank = [None] * world_size
+            dist.all_gather_object(busy_by_rank, trainer.last_busy)
+            if step >= spec.warmup_steps and rank == 0:
+                row = _measured_row(policy, step - spec.warmup_steps, plan, stats, busy_by_rank, model,
+                                    grad_bytes, allreduce_bandwidth)
+                rows.append(asdict(row))
+    return {"cost_model": model.to_dict(), "grad_bytes": grad_bytes, "allreduce_bandwidth": allreduce_bandwidth,
+            "rows": rows}
