@@ -46,15 +46,16 @@ from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.packing import pack_for_pipeline
 from megatron_hdp.plan.placement import lpt, place_rings
 from megatron_hdp.plan.refine import PipelineCost, refine_exact, refine_local
-from megatron_hdp.plan.bounds import gap
+from megatron_hdp.plan.bounds import gap, step_time_lower_bound
 from megatron_hdp.plan.sharding import member_times, shard_sequences
 from megatron_hdp.plan.widening import widening_options
 from megatron_hdp.plan.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
-RETRY_IMBALANCE = 1.02
-"""A plan whose step exceeds the mean rank time by more than this tries the alternative ring sizes."""
+RETRY_GAP = 1.02
+"""A plan whose step exceeds both the mean rank time and the lower bound by more than this factor tries
+the alternative ring sizes (an imbalance the bound shows to be inherent is not worth the extra plans)."""
 
 
 def assign_whole(
@@ -105,7 +106,10 @@ def plan_balance(
     common = dict(num_ranks=num_ranks, capacity=capacity, cost_model=cost_model, pp_size=pp_size, exact=exact)
     plan = _build(lengths, *options[0], **common)
     mean = sum(r.est_time for r in plan.ranks) / num_ranks
-    if pp_size > 1 or plan.est_step_time > RETRY_IMBALANCE * mean:
+    if pp_size > 1 or (plan.est_step_time > RETRY_GAP * mean
+                       and plan.est_step_time > RETRY_GAP * step_time_lower_bound(
+                           lengths, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
+                           max_offload_ratio=config.max_offload_ratio)):
         for ring_sizes, offload_ratios in options[1:]:
             candidate = _build(lengths, ring_sizes, offload_ratios, **common)
             if candidate.est_step_time < plan.est_step_time * (1 - 1e-9):
