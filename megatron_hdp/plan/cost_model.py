@@ -55,9 +55,14 @@ class CostModel:
     host_memory_bytes: Optional[float] = None
     """Pinned host bytes one rank may fill with offloaded activations (None: unlimited). Bounds the
     planner's offload decision: r * Act(t) * layers per stage <= host_memory_bytes."""
+    ring_block_overhead: float = 0.0
+    """Seconds per document, per extra ring step, per layer that no transfer hides: a split document costs
+    2 (k-1) more attention-kernel calls (one block per ring step, forward and backward) than a whole one.
+    About 0 where one varlen kernel call takes every document of a step; ~40 us on the CPU backend, which
+    calls the kernel per document (fitted by `benchmarks/step_bench.py`)."""
 
     def __post_init__(self) -> None:
-        for name in ("a1", "b1", "g", "a2", "b2", "kv_bytes_per_token", "ring_latency"):
+        for name in ("a1", "b1", "g", "a2", "b2", "kv_bytes_per_token", "ring_latency", "ring_block_overhead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost model coefficient {name} must be >= 0, got {getattr(self, name)}")
         for name in ("ring_bandwidth", "d2h_bandwidth", "h2d_bandwidth"):
@@ -80,6 +85,13 @@ class CostModel:
         steps = 3 * (ring_size - 1)
         return steps * (self.kv_bytes_per_token * num_tokens / self.ring_bandwidth + self.ring_latency)
 
+    def layer_ring_block_time(self, *, num_documents: int, ring_size: int) -> float:
+        """Seconds of per-block kernel overhead of `num_documents` split over one ring of `ring_size`, one
+        layer (not hidden by the ring's transfers: it is work of the same rank)."""
+        if ring_size <= 1:
+            return 0.0
+        return 2 * (ring_size - 1) * num_documents * self.ring_block_overhead
+
     def layer_shard_time(self, *, seq_len: int, num_tokens: int, ring_size: int) -> float:
         """One layer's time for one shard: linear work plus attention, ring traffic hidden under it."""
         attention = self.a1 * seq_len * num_tokens
@@ -97,7 +109,8 @@ class CostModel:
         `shards` holds (seq_len, num_tokens, ring) for each document piece in the micro-batch, `ring` the
         ranks holding that document (one rank: it is whole). Pieces on the same ring of k > 1 ranks share
         one ring exchange, as the runtime's ring-attention call runs all of them together: per layer that
-        ring costs b1 * sum(t) + max(sum(a1 * s * t), 3 (k-1) (kv_bytes * sum(t) / bw + latency)).
+        ring costs b1 * sum(t) + max(sum(a1 * s * t), 3 (k-1) (kv_bytes * sum(t) / bw + latency)), plus
+        2 (k-1) * ring_block_overhead per document on it.
         """
         per_layer = self.g
         rings: dict[tuple[int, ...], list[float]] = {}
@@ -105,12 +118,14 @@ class CostModel:
             if len(ring) <= 1:
                 per_layer += self.layer_compute_time(seq_len=seq_len, num_tokens=num_tokens)
                 continue
-            summed = rings.setdefault(tuple(ring), [0.0, 0.0])
+            summed = rings.setdefault(tuple(ring), [0.0, 0.0, 0])
             summed[0] += num_tokens
             summed[1] += self.a1 * seq_len * num_tokens
-        for ring, (num_tokens, attention) in rings.items():
+            summed[2] += 1
+        for ring, (num_tokens, attention, num_documents) in rings.items():
             comm = self.layer_ring_comm_time(num_tokens=num_tokens, ring_size=len(ring))
-            per_layer += self.b1 * num_tokens + max(attention, comm)
+            blocks = self.layer_ring_block_time(num_documents=num_documents, ring_size=len(ring))
+            per_layer += self.b1 * num_tokens + max(attention, comm) + blocks
         return per_layer * self.num_layers / pp_size
 
     def sequence_time(self, seq_len: int, *, ring_size: int = 1, pp_size: int = 1) -> float:

@@ -6,7 +6,8 @@ What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding n
   shard, ring traffic hidden under attention and only the excess exposed. Shards of one micro-batch on
   the *same* ring (static CP packs many documents on one CP ring) share one ring exchange per step, as a
   THD ring-attention call over all of them does: traffic and message latency are those of their summed
-  tokens, overlapped with their summed attention: `CostModel.microbatch_time`, on arrays
+  tokens, overlapped with their summed attention; each split document adds its per-block kernel
+  overhead (`ring_block_overhead`), not hidden: `CostModel.microbatch_time`, on arrays
   (test_plan_sim_agreement checks they agree). One pass per micro-batch (Megatron's hybrid CP runs one pass per sub-sample, see
   `POLICY_RULES`).
 - Offload: a shard of a sequence with offload ratio r copies r * Act(t) per layer to the host and back.
@@ -216,7 +217,11 @@ def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shard
     traffic = _per_ring_size(group_tokens, group_size,
                              lambda t, k: cost.layer_ring_comm_time(num_tokens=t, ring_size=k))
     exposed = np.maximum(0.0, traffic - group_attention)
+    # per-block kernel overhead of split documents: work of the rank itself, not hidden by the exchange
+    blocks = _per_ring_size(np.bincount(group_keys).astype(np.float64), group_size,
+                            lambda n, k: n * cost.layer_ring_block_time(num_documents=1, ring_size=k))
     layer_compute = cost.g + np.bincount(pass_of_shard, weights=compute, minlength=num_passes)
+    layer_compute += np.bincount(group_pass, weights=blocks, minlength=num_passes)
     layer_comm = np.bincount(group_pass, weights=exposed, minlength=num_passes)
     copy = np.bincount(pass_of_shard, weights=shards.offload_ratio * cost.activation_bytes(shards.tokens),
                        minlength=num_passes)
