@@ -258,7 +258,9 @@ class HDPTrainer:
         assert ok, "the fp32 optimizer step cannot be skipped"
         step_time = time.perf_counter() - start
         self._stamps.append(time.process_time())
-        self.last_busy = _busy_times(self._stamps)
+        # With PP only the last stage computes losses (no second stamp) and 1F1B interleaves micro-batches:
+        # the forward/backward phases are defined for the no-pipelining schedule only.
+        self.last_busy = _busy_times(self._stamps) if self.state.pp_size == 1 else None
         return self._gather_stats(plan, batches, losses, compute_time, step_time, traffic.bytes_sent, grad_norm)
 
     def _gather_stats(self, plan, batches, losses, compute_time, step_time, bytes_sent, grad_norm) -> StepStats:
