@@ -5,7 +5,10 @@ trains a tiny dense and a tiny MoE Llama-style GPT for two steps; each HDP launc
 weights, trains the same two global batches under random plans (whole documents, rings of 2..D ranks
 that overlap, uneven micro-batch counts) and must match loss and gradients after each step — the second
 step after the optimizer update. Layouts: HDP=4; TP=2 x HDP=2 (no sequence parallelism: Megatron's
-torch norms reject it without TE/Apex); PP=2 x HDP=2 (1F1B); EP=2 across HDP=4 with MoE layers.
+torch norms reject it without TE/Apex); PP=2 x HDP=2 (1F1B); EP=2 across HDP=4 with MoE layers. All but
+TP=2 run Megatron DDP with overlap_grad_reduce (several buckets) and a second plan that leaves one HDP rank
+(with PP: a whole pipeline) idle: it runs padding micro-batches only, whose zero loss must still fire
+every parameter's gradient hook, or DDP never issues that bucket's reduction.
 """
 
 import pytest
@@ -41,9 +44,23 @@ def _reference(rank, world_size):
     return out
 
 
-def _hdp(rank, world_size, tp, pp, ep, init, plan_seed):
+def _plan(lengths, *, num_ranks, seed, pp_size, idle):
+    """A random plan (`random_plan`), or with `idle` one whose random rings avoid HDP rank seed % num_ranks."""
+    import random
+
+    from megatron_hdp.megatron.hand_plan import plan_from_rings, random_plan
+
+    if not idle:
+        return random_plan(lengths, num_ranks=num_ranks, seed=seed, pp_size=pp_size)
+    rng = random.Random(seed)
+    busy = [r for r in range(num_ranks) if r != seed % num_ranks]
+    rings = [tuple(rng.sample(busy, rng.randint(1, len(busy)))) for _ in lengths]
+    slots = [rng.randrange(3) for _ in lengths]
+    return plan_from_rings(lengths, rings, slots, num_ranks=num_ranks, capacity=sum(lengths), pp_size=pp_size)
+
+
+def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap):
     from megatron_hdp.megatron.exactness import VOCAB_SIZE, load_full_weights, local_grads, token_reader
-    from megatron_hdp.megatron.hand_plan import random_plan
     from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
     from megatron_hdp.megatron.step import HDPTrainer
 
@@ -51,13 +68,15 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed):
     config = tiny_llama_config(num_moe_experts=NUM_EXPERTS if ep > 1 else None)
     model = build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)
     load_full_weights(model, init)
-    ddp, opt = wrap_for_training(model)
+    ddp, opt = wrap_for_training(model, overlap_grad_reduce=overlap, bucket_size=4000 if overlap else None)
+    assert not overlap or pp > 1 or len(ddp.bucket_groups) > 1  # Megatron gives later PP stages one bucket
     trainer = HDPTrainer(model=ddp, optimizer=opt, state=state)
     steps = []
     for step, (seed, lengths) in enumerate(BATCHES):
-        plan = random_plan(lengths, num_ranks=state.hdp_size, seed=plan_seed + step, pp_size=pp)
+        plan = _plan(lengths, num_ranks=state.hdp_size, seed=plan_seed + step, pp_size=pp, idle=overlap and step == 1)
         stats = trainer.step(plan, token_reader(seed, lengths))
-        steps.append({"loss": stats.loss, "grads": local_grads(ddp), "rings": stats.num_rings})
+        idle = [len(r.microbatches) == 0 for r in plan.ranks]
+        steps.append({"loss": stats.loss, "grads": local_grads(ddp), "rings": stats.num_rings, "idle": idle})
     return steps
 
 
@@ -77,15 +96,23 @@ def _check(reference, results):
                     torch.as_tensor(grad), expected_shard(torch.as_tensor(want["grads"][name]), info), rtol=1e-4, atol=1e-6,
                     msg=lambda m: f"step {step} grad of {name} (TP rank {info.tp_rank}): {m}",
                 )
-            assert got["rings"] > 0  # the plans really split documents
+        assert rank_steps[0]["rings"] > 0  # the plans really split documents
+
+
+def _check_idle(results):
+    """The second plan of an overlap case really left one HDP rank without a micro-batch."""
+    for rank_steps in results:
+        assert sum(rank_steps[1]["idle"]) == 1
 
 
 @pytest.mark.parametrize(
-    "tp,pp,ep,kind",
-    [(1, 1, 1, "dense"), (2, 1, 1, "dense"), (1, 2, 1, "dense"), (1, 1, 2, "moe")],
-    ids=["hdp4", "tp2xhdp2", "pp2xhdp2", "ep2-moe-hdp4"],
+    "tp,pp,ep,kind,overlap",
+    [(1, 1, 1, "dense", True), (2, 1, 1, "dense", False), (1, 2, 1, "dense", True), (1, 1, 2, "moe", True)],
+    ids=["hdp4-overlap-idle", "tp2xhdp2", "pp2xhdp2-overlap-idle", "ep2-moe-hdp4-overlap-idle"],
 )
-def test_hdp_step_matches_single_process_reference(reference, tp, pp, ep, kind):
+def test_hdp_step_matches_single_process_reference(reference, tp, pp, ep, kind, overlap):
     ref = reference[kind]
-    results = run_gloo(_hdp, 4, tp, pp, ep, ref["init"], 100 * tp + 10 * pp + ep, timeout_s=240)
+    results = run_gloo(_hdp, 4, tp, pp, ep, ref["init"], 100 * tp + 10 * pp + ep, overlap, timeout_s=240)
     _check(ref, results)
+    if overlap:
+        _check_idle(results)

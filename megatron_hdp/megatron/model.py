@@ -89,15 +89,25 @@ def build_gpt(
 
 
 def wrap_for_training(
-    model: GPTModel, *, lr: float = 1e-3, weight_decay: float = 0.0, clip_grad: float = 1.0
+    model: GPTModel,
+    *,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    clip_grad: float = 1.0,
+    overlap_grad_reduce: bool = False,
+    bucket_size: Optional[int] = None,
 ) -> tuple[DistributedDataParallel, Any]:
     """Megatron DDP (gradients reduced once per step over the data-parallel group = HDP domain, summed:
-    the per-token loss scales them) and Megatron's Adam optimizer."""
-    ddp = DistributedDataParallel(
-        model.config,
-        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
-        model,
+    the per-token loss scales them) and Megatron's Adam optimizer. `overlap_grad_reduce` starts each
+    bucket's reduction (`bucket_size` parameters, None: one bucket) as soon as its gradients are ready in
+    the last micro-batch, as Megatron's --overlap-grad-reduce does."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        bucket_size=bucket_size,
+        use_distributed_optimizer=False,
     )
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=False),
         [ddp],
