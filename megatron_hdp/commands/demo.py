@@ -51,9 +51,11 @@ def format_rows(rows: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Launch the ranks, print the table and the mean step time per policy."""
+    from megatron_hdp.megatron.cpu_training import CpuRunSpec, silence_megatron_warnings, train_policies
+
+    silence_megatron_warnings()  # before Megatron is imported here (the ranks do the same for themselves)
     from megatron_hdp.comm.launch import run_gloo
     from megatron_hdp.megatron.build_dataset import build_demo_dataset
-    from megatron_hdp.megatron.cpu_training import CpuRunSpec, train_policies
     from megatron_hdp.megatron.exactness import VOCAB_SIZE
 
     spec = CpuRunSpec(

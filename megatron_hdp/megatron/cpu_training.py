@@ -11,11 +11,12 @@ only measure indirectly: a rank blocked in a gloo wait uses no CPU (checked: a 2
 process time), so each rank's *process CPU time* of each phase of a step is what that phase takes on a
 dedicated core, and `megatron_hdp.sim.replay.dedicated_step_time` adds the waits the plan implies (ring
 members run a ring micro-batch together; the all-reduce waits for the last rank). The cost model is
-fitted in the same currency: CPU seconds of whole documents through the real model (T(s) per layer =
-a1 s^2 + b1 s + g), the ring link from a ping-pong between two ranks while the others are blocked, the
-gradient all-reduce from CPU seconds of an all-reduce of the gradient buffer. The prediction of each step
-is `simulate_step(plan, cost_model, rules=PolicyRules())`: our runtime runs every policy's plan, the
-Megatron hybrid-CP one included, with one pass per micro-batch and no barrier between micro-batches.
+fitted in the same currency, on the runtime's own micro-batches (`fit_cost_model`: T(s) per layer from
+whole documents, ring costs from ring micro-batches), the gradient all-reduce from CPU seconds of an
+all-reduce of the gradient buffer. The prediction of each step is `simulate_step(plan, cost_model,
+rules=PolicyRules())` — our runtime runs every policy's plan, the Megatron hybrid-CP one included, with
+one pass per micro-batch and no barrier between micro-batches — plus the measured per-step work the
+simulator does not model (plan check, collation, optimizer step).
 Wall time is reported too; it measures the total work of all ranks on the shared cores.
 """
 
@@ -87,7 +88,8 @@ class StepRow:
     max_busy_time: float
     """CPU seconds of the busiest rank (a lower bound of `step_time`: no waits)."""
     predicted_time: float
-    """The simulator's step time for this plan and the fitted cost model (our runtime's rules)."""
+    """The simulator's step time for this plan and the fitted cost model (our runtime's rules), plus the
+    measured per-step work it does not model (`measure_step_overhead`: plan check, collation, optimizer)."""
     planner_time: float
     """The planner's own estimate (`plan.est_step_time`)."""
     balance: float
@@ -232,17 +234,38 @@ def measure_allreduce_bandwidth(num_bytes: int, *, repeats: int = 5) -> float:
     return 2.0 * (world - 1) / world * num_bytes / max(float(seconds), 1e-9)
 
 
+def measure_step_overhead(trainer, *, grad_bytes: int, allreduce_bandwidth: float, repeats: int = 3) -> float:
+    """CPU seconds of a step outside its micro-batches and its gradient all-reduce — plan check,
+    collation, optimizer step — which `simulate_step` does not model: fewest over `repeats` steps of one
+    short whole document per rank, median over ranks, less the all-reduce the simulator charges."""
+    from megatron_hdp.megatron.exactness import token_reader
+    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.sim.simulator import allreduce_time
+
+    world = trainer.state.hdp_size
+    plan = plan_from_rings([16] * world, [(r,) for r in range(world)], [0] * world, num_ranks=world, capacity=16)
+    best = float("inf")
+    for repeat in range(repeats + 1):
+        trainer.step(plan, token_reader(0, plan.lengths))
+        if repeat:
+            best = min(best, trainer.last_busy.before + trainer.last_busy.after)
+    charged = allreduce_time(grad_bytes=grad_bytes, num_ranks=world, bandwidth=allreduce_bandwidth)
+    return max(0.0, _median_over_ranks(best) - charged)
+
+
 def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     """The cost model of this model on this CPU, in CPU seconds of the runtime's own micro-batches (median
     over ranks, which run them at once):
 
     - per layer T(s) = a1 s^2 + b1 s + g: non-negative least squares (relative error) over whole documents
       of `spec.fit_lengths`, one per rank;
-    - ring link: bandwidth from `_ring_link`; the per-message cost `ring_latency` from one document of
-      k * C tokens on rings of k = 2, 4, 8 ranks (those the domain holds): the latency that makes the
-      simulator's exposed ring time (3 (k-1) messages, hidden under attention) match the measured excess
-      over T, median over k. On a CPU this is mostly software cost per ring step (message posting, one
-      kernel call per block, the merge), which is why it is fitted, not taken from the ping-pong.
+    - ring link: bandwidth from `_ring_link`; the rest from ring micro-batches, each member holding C
+      tokens: `ring_block_overhead` from n = 8 documents of k C / n tokens against one of k C on the
+      widest ring k (the extra 2 (k-1) (n-1) kernel calls; ring transfers are the same), then
+      `ring_latency` from one document of k C on rings of k = 2, 4, 8: the per-message cost that makes
+      the simulator's exposed ring time (3 (k-1) messages, hidden under attention) match the measured
+      excess over T, median over k. On a CPU both are mostly software cost per ring step (message posting,
+      one kernel call per block, the merge), which is why they are fitted, not taken from the ping-pong.
     """
     from scipy.optimize import nnls
 
@@ -259,25 +282,35 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     bandwidth, link_latency = _ring_link()
     kv_channels = spec.hidden_size // spec.num_attention_heads * spec.num_query_groups
     kv_bytes = 4 * 2 * kv_channels
-    latencies = []
-    for k in (k for k in (2, 4, 8) if k <= world):
+    tokens = spec.capacity
+
+    def ring_layer_seconds(k: int, num_documents: int) -> float:
+        """Median member's CPU seconds per layer: `num_documents` of k C / n tokens on rings of k ranks."""
         rings = [tuple(range(i, i + k)) for i in range(0, world - k + 1, k)]
-        length = k * spec.capacity
-        mine = _microbatch_seconds(trainer, [length] * len(rings), rings, capacity=spec.capacity,
-                                   repeats=spec.fit_repeats)
+        length = k * tokens // num_documents
+        lengths = [length] * (num_documents * len(rings))
+        mine = _microbatch_seconds(trainer, lengths, [ring for ring in rings for _ in range(num_documents)],
+                                   capacity=tokens + num_documents, repeats=spec.fit_repeats)
         members = [r for ring in rings for r in ring]
-        per_layer = _median_over_ranks(mine if rank in members else 0.0, members) / spec.num_layers
-        tokens = spec.capacity
-        attention = a1 * length * tokens
-        exposed = per_layer - (g + b1 * tokens + attention)
-        steps = 3 * (k - 1)
-        latencies.append((exposed + attention) / steps - kv_bytes * tokens / bandwidth)
+        return _median_over_ranks(mine if rank in members else 0.0, members) / spec.num_layers
+
+    ring_sizes = [k for k in (2, 4, 8) if k <= world]
+    one = {k: ring_layer_seconds(k, 1) for k in ring_sizes}
+    block_overhead = 0.0
+    if ring_sizes:
+        k, n = ring_sizes[-1], 8
+        block_overhead = max(0.0, (ring_layer_seconds(k, n) - one[k]) / (2 * (k - 1) * (n - 1)))
+    latencies = []
+    for k, per_layer in one.items():
+        attention = a1 * k * tokens * tokens
+        exposed = per_layer - (g + b1 * tokens + attention + 2 * (k - 1) * block_overhead)
+        latencies.append((exposed + attention) / (3 * (k - 1)) - kv_bytes * tokens / bandwidth)
     latency = max(float(np.median(latencies)), link_latency) if latencies else link_latency
     return CostModel(
         a1=float(a1), b1=float(b1), g=float(g),
         a2=float(4 * (6 * spec.hidden_size + 2 * kv_channels + 4 * spec.ffn_hidden_size)), b2=0.0,
         kv_bytes_per_token=float(kv_bytes), num_layers=spec.num_layers,
-        ring_bandwidth=float(bandwidth), ring_latency=latency,
+        ring_bandwidth=float(bandwidth), ring_latency=latency, ring_block_overhead=block_overhead,
     )
 
 
@@ -289,7 +322,7 @@ def silence_megatron_warnings() -> None:
 
 
 def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, model: CostModel, grad_bytes: int,
-                  allreduce_bandwidth: float) -> StepRow:
+                  allreduce_bandwidth: float, step_overhead: float) -> StepRow:
     from megatron_hdp.sim.replay import dedicated_step_time
     from megatron_hdp.sim.simulator import PolicyRules, simulate_step
 
@@ -310,7 +343,7 @@ def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, model: Cost
     }
     return StepRow(
         policy=policy, step=step, loss=stats.loss, step_time=dedicated, wall_time=stats.step_time,
-        max_busy_time=max(busy), predicted_time=timeline.step_time, planner_time=plan.est_step_time,
+        max_busy_time=max(busy), predicted_time=timeline.step_time + step_overhead, planner_time=plan.est_step_time,
         balance=max(compute) / statistics.mean(compute), num_rings=stats.num_rings,
         ring_sizes=plan.summary().ring_sizes, attention_bytes=stats.attention_bytes,
         num_microbatches=stats.num_microbatches, num_sequences=len(plan.lengths), num_tokens=sum(plan.lengths),
@@ -321,8 +354,8 @@ def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, model: Cost
 def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Optional[dict] = None) -> dict:
     """Per rank: fit (or take) the cost model, then train `spec.steps` steps under each policy.
 
-    Returns {"cost_model": dict, "grad_bytes": int, "allreduce_bandwidth": float, "rows": [StepRow as
-    dict]} (rows filled on rank 0 only).
+    Returns {"cost_model": dict, "grad_bytes": int, "allreduce_bandwidth": float, "step_overhead": float,
+    "rows": [StepRow as dict]} (rows filled on rank 0 only).
     """
     silence_megatron_warnings()
     from megatron_hdp.megatron.initialize import initialize_hdp
@@ -333,6 +366,7 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     model = CostModel.from_dict(cost_model) if cost_model else fit_cost_model(first, spec)
     grad_bytes = grad_buffer_bytes(first)
     allreduce_bandwidth = measure_allreduce_bandwidth(grad_bytes)
+    step_overhead = measure_step_overhead(first, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth)
     rows = []
     for policy in spec.policies:
         trainer = _build(spec, state)
@@ -342,7 +376,7 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
             dist.all_gather_object(busy_by_rank, trainer.last_busy)
             if step >= spec.warmup_steps and rank == 0:
                 row = _measured_row(policy, step - spec.warmup_steps, plan, stats, busy_by_rank, model,
-                                    grad_bytes, allreduce_bandwidth)
+                                    grad_bytes, allreduce_bandwidth, step_overhead)
                 rows.append(asdict(row))
     return {"cost_model": model.to_dict(), "grad_bytes": grad_bytes, "allreduce_bandwidth": allreduce_bandwidth,
-            "rows": rows}
+            "step_overhead": step_overhead, "rows": rows}
