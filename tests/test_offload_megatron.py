@@ -1,6 +1,7 @@
 """Activation offloading on a Megatron-Core GPTModel (CPU, one gloo rank) driven by Megatron's own
 forward_backward_no_pipelining: each micro-batch's forward runs inside `offloader.microbatch(ratio=...)`,
-its backward runs later in the schedule, and loss and gradients equal those without offloading."""
+its backward runs later in the schedule, and loss and gradients equal those without offloading. Then the
+same inside a whole HDP step (HDPTrainer on 4 gloo ranks, ring attention, the plan's per-sequence ratios)."""
 
 from megatron_hdp.comm.launch import run_gloo
 
@@ -87,3 +88,56 @@ def test_megatron_gpt_offload_matches_reference_under_megatron_schedule():
     assert stats.num_microbatches == MICROBATCHES and stats.num_tensors > 0
     assert stats.bytes_offloaded == stats.bytes_prefetched > 0
     assert stats.num_late_fetches == 0  # Megatron's layer outputs carry the prefetch hooks
+
+
+# --- inside an HDP step ------------------------------------------------------------------------------
+# Sequence 0 is split over a ring of 3 ranks, the others stay whole; rank 1 and rank 3 run two micro-batches.
+LENGTHS, RINGS, SLOTS = [40, 24, 9, 13], [(0, 1, 2), (3,), (3,), (1,)], [0, 0, 1, 1]
+RATIOS = [0.5, 1.0, 0.0, 0.25]
+
+
+def _hdp_step_offload_vs_plain(rank, world_size):
+    from megatron_hdp.megatron.exactness import VOCAB_SIZE, full_weights, load_full_weights, local_grads, token_reader
+    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.megatron.step import HDPTrainer
+    from megatron_hdp.offload import ActivationOffloader, OffloadConfig
+
+    state = initialize_hdp(seed=5)
+    plan = plan_from_rings(
+        LENGTHS, RINGS, SLOTS, num_ranks=4, capacity=sum(LENGTHS), offload_ratios=RATIOS
+    )
+    out = {}
+    init = None
+    for name in ("plain", "offload"):
+        # own TransformerConfig per model: a trainer hooks its finalize/no_sync functions into the config
+        model = build_gpt(tiny_llama_config(num_layers=4), vocab_size=VOCAB_SIZE, max_sequence_length=64)
+        init = init or full_weights(model)
+        load_full_weights(model, init)
+        ddp, opt = wrap_for_training(model)
+        offloader = None
+        if name == "offload":
+            offloader = ActivationOffloader(layers=model.decoder.layers, config=OffloadConfig(min_tensor_bytes=0))
+        trainer = HDPTrainer(model=ddp, optimizer=opt, state=state, offloader=offloader)
+        stats = trainer.step(plan, token_reader(9, LENGTHS))
+        out[name] = {"loss": stats.loss, "grads": local_grads(ddp), "offload": stats.offload, "rings": stats.num_rings}
+    return out
+
+
+def test_offload_inside_hdp_step_matches_the_step_without_offload():
+    import numpy as np
+
+    results = run_gloo(_hdp_step_offload_vs_plain, 4, timeout_s=240)
+    for rank, out in enumerate(results):
+        plain, offload = out["plain"], out["offload"]
+        assert plain["rings"] == offload["rings"] == 1 and plain["offload"] is None
+        assert offload["loss"] == plain["loss"] and np.isfinite(plain["loss"])
+        for name, (_, grad) in plain["grads"].items():
+            np.testing.assert_array_equal(offload["grads"][name][1], grad, err_msg=f"rank {rank} grad of {name}")
+        stats = offload["offload"]
+        assert stats.num_microbatches == (2 if rank in (1, 3) else 1)
+        assert stats.bytes_offloaded == stats.bytes_prefetched > 0, f"rank {rank}: {stats}"
+        assert stats.num_late_fetches == 0
+    # rank 3 offloads all of sequence 1 (ratio 1.0, 24 tokens), rank 2 half of its 40 / 3 share of sequence 0
+    assert results[3]["offload"]["offload"].bytes_offloaded > results[2]["offload"]["offload"].bytes_offloaded

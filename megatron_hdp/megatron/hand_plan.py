@@ -7,7 +7,7 @@ torch, no Megatron import) despite living next to the runtime that consumes the 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from megatron_hdp.plan.layout import zigzag_chunks
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
@@ -22,12 +22,18 @@ def plan_from_rings(
     capacity: int,
     pp_size: int = 1,
     policy: str = "hand",
+    offload_ratios: Optional[Sequence[float]] = None,
 ) -> StepPlan:
     """Sequence i of `lengths[i]` tokens lives on `rings[i]` (zigzag when > 1 rank) in micro-batch slot
-    `slots[i]` of every member (slot = micro-batch index). A rank runs slots 0..its highest used slot;
-    a slot it leaves unused becomes an empty micro-batch, so that a later ring still lines up."""
-    if not len(lengths) == len(rings) == len(slots):
-        raise ValueError(f"lengths, rings and slots differ in length: {len(lengths)}, {len(rings)}, {len(slots)}")
+    `slots[i]` of every member (slot = micro-batch index), offloading `offload_ratios[i]` of its
+    activations (default 0). A rank runs slots 0..its highest used slot; a slot it leaves unused becomes
+    an empty micro-batch, so that a later ring still lines up."""
+    ratios = [0.0] * len(lengths) if offload_ratios is None else list(offload_ratios)
+    if not len(lengths) == len(rings) == len(slots) == len(ratios):
+        raise ValueError(
+            f"lengths, rings, slots and offload_ratios differ in length: {len(lengths)}, {len(rings)}, "
+            f"{len(slots)}, {len(ratios)}"
+        )
     per_rank: list[dict[int, list[Shard]]] = [{} for _ in range(num_ranks)]
     for seq, (length, ring, slot) in enumerate(zip(lengths, rings, slots)):
         for position, rank in enumerate(ring):
@@ -43,7 +49,9 @@ def plan_from_rings(
         num_ranks=num_ranks,
         capacity=capacity,
         pp_size=pp_size,
-        sequences=tuple(SequencePlacement(i, int(n), tuple(r)) for i, (n, r) in enumerate(zip(lengths, rings))),
+        sequences=tuple(
+            SequencePlacement(i, int(n), tuple(r), float(x)) for i, (n, r, x) in enumerate(zip(lengths, rings, ratios))
+        ),
         ranks=tuple(ranks),
     ).validate()
 
