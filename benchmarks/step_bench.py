@@ -41,6 +41,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--policies", default="balance,static,megatron-hybrid-cp")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timing-repeats", type=int, default=2,
+                        help="runs of each step; each phase keeps its fewest CPU seconds (as the fit)")
     parser.add_argument("--output", default=str(RESULTS))
     return parser.parse_args(argv)
 
@@ -92,7 +94,7 @@ def main(argv: list[str]) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     spec = CpuRunSpec(
         policies=tuple(policies), steps=args.steps, capacity=args.capacity, tokens_per_step=args.tokens_per_step,
-        max_length=args.max_length, seed=args.seed,
+        max_length=args.max_length, seed=args.seed, timing_repeats=args.timing_repeats,
     )
     result = run_gloo(train_policies, args.ranks, spec, timeout_s=1800)[0]
     summary = summarize(result["rows"], policies)

@@ -64,14 +64,18 @@ class CpuRunSpec:
     fit_repeats: int = 3
     warmup_steps: int = 1
     """Untimed steps per policy before the reported ones (first-call overheads)."""
+    timing_repeats: int = 1
+    """Runs of each reported step on its batch (the optimizer steps each time). Each phase of each rank
+    keeps its fewest CPU seconds over the runs, as the cost-model fit does, so that other processes on the
+    host inflate neither; loss and the other statistics are the first run's."""
     data_prefix: Optional[str] = None
     """A Megatron indexed dataset (PREFIX.bin/.idx, token ids < the model's vocabulary) to train from
     through the HDP loader: global batches of `tokens_per_step` tokens, documents cut at `max_length`.
     None: synthetic batches of the length mix above."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.capacity < 1 or self.tokens_per_step < 1 or self.length_scale < 1:
-            raise ValueError(f"steps, capacity, tokens_per_step, length_scale must be >= 1: {self}")
+        if min(self.steps, self.capacity, self.tokens_per_step, self.length_scale, self.timing_repeats) < 1:
+            raise ValueError(f"steps, capacity, tokens_per_step, length_scale, timing_repeats must be >= 1: {self}")
 
 
 @dataclass
@@ -351,6 +355,18 @@ def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, model: Cost
     )
 
 
+def _fastest(runs: list) -> "BusyTimes":
+    """Each phase's fewest CPU seconds over `runs` (BusyTimes of the same plan)."""
+    from megatron_hdp.megatron.step import BusyTimes
+
+    return BusyTimes(
+        before=min(r.before for r in runs),
+        forward=tuple(map(min, zip(*(r.forward for r in runs)))),
+        backward=tuple(map(min, zip(*(r.backward for r in runs)))),
+        after=min(r.after for r in runs),
+    )
+
+
 def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Optional[dict] = None) -> dict:
     """Per rank: fit (or take) the cost model, then train `spec.steps` steps under each policy.
 
@@ -372,8 +388,13 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
         trainer = _build(spec, state)
         for step, (plan, read_tokens) in enumerate(planned_batches(spec, state, config, model, policy)):
             stats = trainer.step(plan, read_tokens)
+            runs = [trainer.last_busy]
+            for _ in range(spec.timing_repeats - 1 if step >= spec.warmup_steps else 0):
+                wall = trainer.step(plan, read_tokens).step_time
+                runs.append(trainer.last_busy)
+                stats = dataclasses.replace(stats, step_time=min(stats.step_time, wall))
             busy_by_rank = [None] * world_size
-            dist.all_gather_object(busy_by_rank, trainer.last_busy)
+            dist.all_gather_object(busy_by_rank, _fastest(runs))
             if step >= spec.warmup_steps and rank == 0:
                 row = _measured_row(policy, step - spec.warmup_steps, plan, stats, busy_by_rank, model,
                                     grad_bytes, allreduce_bandwidth, step_overhead)
