@@ -14,7 +14,7 @@ from megatron_hdp.megatron.cpu_training import CpuRunSpec, train_policies
 
 SPEC = CpuRunSpec(
     policies=("balance", "static"), steps=1, warmup_steps=0, capacity=128, tokens_per_step=1024, max_length=256,
-    num_layers=1, fit_lengths=(32, 64, 128, 256), fit_repeats=1,
+    num_layers=1, fit_lengths=(32, 64, 128, 256), fit_repeats=1, timing_repeats=2,
 )
 
 

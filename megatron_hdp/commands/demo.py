@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     logger.info("training %d steps per policy on %d gloo ranks: %s", spec.steps, args.ranks, dataclasses.asdict(spec))
     result = run_gloo(train_policies, args.ranks, spec, timeout_s=args.timeout)[0]
     print(format_rows(result["rows"]))
-    print("\nstep s: one core per rank (measured CPU time + ring waits); pred s: simulator; wall s: this host")
+    print("\nstep s: one core per rank (measured CPU time + ring waits); wall s: this host's shared cores;\n"
+          "pred s: simulator + the measured step overhead it does not model (plan check, collation, optimizer)")
     for policy in spec.policies:
         rows = [r for r in result["rows"] if r["policy"] == policy]
         step = sum(r["step_time"] for r in rows) / len(rows)
