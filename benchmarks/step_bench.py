@@ -28,6 +28,7 @@ from pathlib import Path
 
 from megatron_hdp.comm.launch import run_gloo
 from megatron_hdp.megatron.cpu_training import CpuRunSpec, train_policies
+from megatron_hdp.plan.cost_model import CostModel
 
 RESULTS = Path(__file__).resolve().parent / "results" / "step_bench.json"
 
@@ -43,6 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timing-repeats", type=int, default=2,
                         help="runs of each step; each phase keeps its fewest CPU seconds (as the fit)")
+    parser.add_argument("--cost-model", default=None,
+                        help="CostModel JSON (`megatron-hdp calibrate --output`) to plan and predict with instead of "
+                             "the in-run fit, e.g. kernel timings calibrated on the model's shape")
     parser.add_argument("--output", default=str(RESULTS))
     return parser.parse_args(argv)
 
@@ -96,7 +100,8 @@ def main(argv: list[str]) -> int:
         policies=tuple(policies), steps=args.steps, capacity=args.capacity, tokens_per_step=args.tokens_per_step,
         max_length=args.max_length, seed=args.seed, timing_repeats=args.timing_repeats,
     )
-    result = run_gloo(train_policies, args.ranks, spec, timeout_s=1800)[0]
+    cost_model = CostModel.from_json(args.cost_model).to_dict() if args.cost_model else None
+    result = run_gloo(train_policies, args.ranks, spec, cost_model, timeout_s=1800)[0]
     summary = summarize(result["rows"], policies)
     print(format_table(summary))
     record = {
