@@ -66,7 +66,9 @@ def summarize(rows: list[dict], policies: list[str]) -> dict[str, dict]:
             "wall_time_s": median("wall_time"),
             "max_busy_time_s": median("max_busy_time"),
             "predicted_time_s": median("predicted_time"),
-            "prediction_error": statistics.median((r["predicted_time"] - r["step_time"]) / r["step_time"] for r in mine),
+            "prediction_error": statistics.median(
+                (r["predicted_time"] - r["step_time"]) / r["step_time"] for r in mine
+            ),
             "planner_time_s": median("planner_time"),
             "balance": median("balance"),
             "microbatches_max": statistics.median(max(r["num_microbatches"]) for r in mine),

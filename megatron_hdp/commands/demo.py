@@ -43,7 +43,8 @@ def format_rows(rows: list[dict]) -> str:
         sizes = ",".join(f"{k}x{v}" for k, v in sorted(row["ring_sizes"].items(), key=lambda kv: int(kv[0]))) or "-"
         lines.append(
             f"{row['step']:>4} {row['policy']:<20} {row['loss']:>8.4f} {row['step_time']:>8.3f} "
-            f"{row['predicted_time']:>8.3f} {row['wall_time']:>8.3f} {row['balance']:>8.2f} {row['num_rings']:>6} {sizes:<16} "
+            f"{row['predicted_time']:>8.3f} {row['wall_time']:>8.3f} {row['balance']:>8.2f} {row['num_rings']:>6} "
+            f"{sizes:<16} "
             f"{row['attention_bytes'] / 2**20:>9.2f}"
         )
     return "\n".join(lines)
