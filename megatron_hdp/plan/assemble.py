@@ -15,7 +15,9 @@ way and can be compared side by side:
 
 from __future__ import annotations
 
-from typing import Sequence
+import gc
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -24,6 +26,24 @@ from megatron_hdp.plan.layout import zigzag_chunks
 from megatron_hdp.plan.pipeline import pipeline_time
 from megatron_hdp.plan.sharding import whole_times
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a plan is built, restoring its previous state after.
+
+    A 32M-token plan is ~100K small objects (shards, micro-batches, placements, heap entries) created in
+    one go; with the collector on, every 700 allocations trigger a scan and the older generations are
+    rescanned as the plan grows — a third of the planning time. None of these objects form reference
+    cycles, so reference counting frees them all without the collector.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def assemble_plan(
@@ -43,6 +63,22 @@ def assemble_plan(
     ring position p holds zigzag chunks p and 2k-1-p. The micro-batch capacity is C, or the tokens held
     when offloading lets a member hold more.
     """
+    with gc_paused():
+        return _assemble(policy=policy, lengths=lengths, rings=rings, offload_ratios=offload_ratios,
+                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
+
+
+def _assemble(
+    *,
+    policy: str,
+    lengths: Sequence[int],
+    rings: Sequence[tuple[int, ...]],
+    offload_ratios: Sequence[float],
+    schedule: Sequence[Sequence[Sequence[int]]],
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int,
+) -> StepPlan:
     num_ranks = len(schedule)
     lengths = [int(n) for n in lengths]
     positions: dict[int, dict[int, int]] = {
@@ -82,7 +118,8 @@ def assemble_plan(
         ranks.append(RankSchedule(rank, tuple(built), pipeline_time(rank_times, pp_size=pp_size)))
     step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size)
     ratios = [float(r) for r in offload_ratios]
-    sequences = tuple([SequencePlacement(seq, lengths[seq], ring, ratios[seq]) for seq, ring in enumerate(rings)])
+    sequences = tuple([SequencePlacement(seq, length, ring, ratio)
+                       for seq, (length, ring, ratio) in enumerate(zip(lengths, rings, ratios))])
     assert len(ranks) == num_ranks
     return StepPlan(policy=policy, num_ranks=num_ranks, capacity=capacity, sequences=sequences,
                     ranks=tuple(ranks), est_step_time=step, pp_size=pp_size)

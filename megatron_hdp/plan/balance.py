@@ -41,7 +41,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.plan.assemble import assemble_plan
+from megatron_hdp.plan.assemble import assemble_plan, gc_paused
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.packing import pack_for_pipeline
 from megatron_hdp.plan.placement import lpt, place_rings
@@ -97,6 +97,20 @@ def plan_balance(
     `exact=True` adds the MILP on small instances (<= 256 sequence-rank pairs): it often shaves a few
     percent off a tiny batch's step but can take a second, so the per-step runtime leaves it off.
     """
+    with gc_paused():  # the whole build allocates ~100K short-lived objects (see `assemble.gc_paused`)
+        return _plan_balance(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model,
+                             pp_size=pp_size, exact=exact)
+
+
+def _plan_balance(
+    lengths: list[int],
+    *,
+    num_ranks: int,
+    config: HDPConfig,
+    cost_model: CostModel,
+    pp_size: int,
+    exact: bool,
+) -> StepPlan:
     capacity = config.hdp_capacity
     sharding = shard_sequences(lengths, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
                                max_offload_ratio=config.max_offload_ratio, pp_size=pp_size)
@@ -143,13 +157,14 @@ def _build(
                          base=layout.finish, cost=PipelineCost(pp_size, capacity, ring_counts), exact=exact)
     rings: list[tuple[int, ...]] = [layout.rings.get(seq, ()) for seq in range(len(lengths))]
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
+    seconds = weights.tolist()  # Python floats: indexing them per item is far cheaper than the array
     schedule = []
     for rank in range(num_ranks):
         items = given[rank]
         for seq in items:
             rings[seq] = (rank,)
-        leading = [overhead + weights[seq] for seq in layout.ring_microbatches[rank]]
-        bins = pack_for_pipeline([lengths[i] for i in items], [float(weights[i]) for i in items],
+        leading = [overhead + seconds[seq] for seq in layout.ring_microbatches[rank]]
+        bins = pack_for_pipeline([lengths[i] for i in items], [seconds[i] for i in items],
                                  capacity=capacity, leading=leading, overhead=overhead, pp_size=pp_size)
         schedule.append([[seq] for seq in layout.ring_microbatches[rank]] + [[items[j] for j in b] for b in bins])
     return assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
