@@ -46,6 +46,7 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+@gc_paused()
 def assemble_plan(
     *,
     policy: str,
@@ -63,22 +64,6 @@ def assemble_plan(
     ring position p holds zigzag chunks p and 2k-1-p. The micro-batch capacity is C, or the tokens held
     when offloading lets a member hold more.
     """
-    with gc_paused():
-        return _assemble(policy=policy, lengths=lengths, rings=rings, offload_ratios=offload_ratios,
-                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
-
-
-def _assemble(
-    *,
-    policy: str,
-    lengths: Sequence[int],
-    rings: Sequence[tuple[int, ...]],
-    offload_ratios: Sequence[float],
-    schedule: Sequence[Sequence[Sequence[int]]],
-    capacity: int,
-    cost_model: CostModel,
-    pp_size: int,
-) -> StepPlan:
     num_ranks = len(schedule)
     lengths = [int(n) for n in lengths]
     positions: dict[int, dict[int, int]] = {
