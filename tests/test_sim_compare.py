@@ -11,7 +11,7 @@ from megatron_hdp.config import HDPConfig
 from megatron_hdp.megatron.hand_plan import plan_from_rings
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.sim.cluster import ClusterSpec, format_tokens
-from megatron_hdp.sim.compare import compare_policies
+from megatron_hdp.sim.compare import compare_policies, compute_floor
 from megatron_hdp.sim.plots import plot_gantt, plot_plans, plot_throughput
 from megatron_hdp.sim.simulator import simulate_step
 
@@ -102,6 +102,17 @@ def test_compare_policies_same_batches_and_reports_unsupported():
     # no policy beats 1/n of the batch's compute (each shard of L tokens on a ring costs a1 L t + b1 t, and
     # a ring's shards sum to the whole sequence's a1 L^2 + b1 L)
     assert all(s.tokens_per_second <= result.floor_tokens_per_second for s in stats.values() if not s.error)
+
+
+def test_compute_floor_with_pp_is_set_by_one_long_document():
+    cost = ClusterSpec("llama-7b", num_gpus=64, tp_size=8).cost_model()
+    whole_model = [cost.num_layers * (cost.a1 * n * n + cost.b1 * n) for n in (200_000, 1_000, 1_000)]
+    # PP = 1: 1/n of the whole batch's compute; PP = 4: the long document alone, spread over all 8 pipelines
+    assert compute_floor([200_000, 1_000, 1_000], cost, num_ranks=8, pp_size=1) == pytest.approx(sum(whole_model) / 8)
+    assert compute_floor([200_000, 1_000, 1_000], cost, num_ranks=8, pp_size=4) == pytest.approx(whole_model[0] / 8)
+    assert whole_model[0] / 8 > sum(whole_model) / 32  # the PP limit is the binding one here
+    # many equal documents: the PP term is 1/pp of the batch term and never binds
+    assert compute_floor([1_000] * 64, cost, num_ranks=8, pp_size=4) == pytest.approx(64 * whole_model[1] / 32)
 
 
 def _check_png(path):

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 from tqdm import tqdm
 
 from megatron_hdp.config import HDPConfig
+from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.lengths import sample_global_batch
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.step_plan import StepPlan
@@ -63,8 +64,7 @@ class Comparison:
     steps: int
     stats: dict[str, PolicyStats]
     floor_tokens_per_second: float
-    """Tokens/s if every rank did exactly 1/n of the batch's compute, with no ring traffic, offload, waits
-    or bubbles, plus the all-reduce: no placement can beat it under this cost model."""
+    """Tokens/s of `compute_floor` plus the all-reduce: no placement can beat it under this cost model."""
     plans: dict[str, StepPlan] = field(repr=False)
     timelines: dict[str, StepTimeline] = field(repr=False)
 
@@ -85,6 +85,19 @@ class Comparison:
             "floor_tokens_per_second": self.floor_tokens_per_second,
             "floor_speedup": self.floor_speedup,
         }
+
+
+def compute_floor(lengths: Sequence[int], cost_model: CostModel, *, num_ranks: int, pp_size: int) -> float:
+    """Seconds of compute no plan of this batch can go below, whatever its placement.
+
+    Every GPU does at most 1/(pp x HDP ranks) of the batch's compute (attention and linear work, which no
+    placement changes), with no ring traffic, offload, waits or bubbles. With PP one more limit holds: a
+    micro-batch passes the stages one after another, so a document spread over all HDP ranks (rings
+    span at most that many pipelines) still keeps its pipelines busy for 1/HDP of its whole-model
+    compute. One long document can therefore set the floor on its own when PP > 1.
+    """
+    per_document = [cost_model.layer_compute_time(seq_len=n, num_tokens=n) * cost_model.num_layers for n in lengths]
+    return max(sum(per_document) / (pp_size * num_ranks), max(per_document, default=0.0) / num_ranks)
 
 
 def _failed(policy: str, error: str) -> PolicyStats:
@@ -130,9 +143,8 @@ def compare_policies(
                                bandwidth=spec.grad_allreduce_bandwidth)
     for step in tqdm(range(steps), desc=f"simulate {distribution} {context} tokens", disable=not progress, unit="step"):
         lengths = sample_global_batch(distribution, num_tokens=budget, seed=seed + step, max_length=context)
-        compute = sum(cost_model.layer_compute_time(seq_len=n, num_tokens=n) for n in lengths) * cost_model.num_layers
         floor["tokens"] += sum(lengths)
-        floor["time"] += compute / (spec.pp_size * spec.num_ranks) + allreduce
+        floor["time"] += compute_floor(lengths, cost_model, num_ranks=spec.num_ranks, pp_size=spec.pp_size) + allreduce
         for policy in policies:
             if policy in errors:
                 continue
