@@ -1,14 +1,18 @@
 """CUDA kernels behind the backend interface, against the float64 reference (skipped without a GPU).
 
 Each available CUDA backend runs the local varlen path and the in-process ring (whose block backward
-takes the merged out/lse, the part a kernel's own autograd never exercises).
+takes the merged out/lse, the part a kernel's own autograd never exercises), causal and not, and its
+forward's lse is checked directly (for te_fused that is the conversion of cuDNN's softmax statistics).
+Where Transformer Engine 2.x is installed, te_fused must be among the available backends, so a wrong
+version or capability check cannot quietly leave it untested.
 """
 
 import pytest
 import torch
 from attention_reference import reference_with_grads
 
-from megatron_hdp.attention import available_backends, local_varlen_attention, simulated_ring_attention
+from megatron_hdp.attention import available_backends, get_backend, local_varlen_attention, simulated_ring_attention
+from megatron_hdp.attention.backends import Segments, te_fused
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,7 +26,8 @@ def _cases():
     """(dtype, backend) for every CUDA backend available here (none without a GPU)."""
     if not torch.cuda.is_available():
         return []
-    return [(dtype, name) for dtype in (torch.bfloat16, torch.float32) for name in available_backends("cuda", dtype)]
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    return [(dtype, name) for dtype in dtypes for name in available_backends("cuda", dtype)]
 
 
 def _inputs(dtype):
@@ -31,20 +36,54 @@ def _inputs(dtype):
     return [torch.randn(total, h, 64, generator=gen, device="cuda", dtype=dtype) for h in (8, 2, 2, 8)]
 
 
+def _tol(dtype):
+    return dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype,backend", _cases())
-@pytest.mark.parametrize("ring_size", [1, 3, 4])
-def test_cuda_backend_local_and_ring(dtype, backend, ring_size):
+@pytest.mark.parametrize("ring_size,causal", [(1, True), (3, True), (4, True), (1, False), (3, False)])
+def test_cuda_backend_local_and_ring(dtype, backend, ring_size, causal):
     q, k, v, dout = _inputs(dtype)
-    want = reference_with_grads(q, k, v, dout, SEQLENS, causal=True, scale=0.125)
+    want = reference_with_grads(q, k, v, dout, SEQLENS, causal=causal, scale=0.125)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     if ring_size == 1:
-        out = local_varlen_attention(*leaves, seqlens=SEQLENS, softmax_scale=0.125, backend=backend)
+        out = local_varlen_attention(*leaves, seqlens=SEQLENS, causal=causal, softmax_scale=0.125, backend=backend)
     else:
         out = simulated_ring_attention(
-            *leaves, seqlens=SEQLENS, ring_size=ring_size, softmax_scale=0.125, backend=backend
+            *leaves, seqlens=SEQLENS, ring_size=ring_size, causal=causal, softmax_scale=0.125, backend=backend
         )
     got = [out, *torch.autograd.grad(out, leaves, dout)]
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert g.dtype == dtype
-        torch.testing.assert_close(g.double(), w, **tol, msg=lambda m: f"{backend} {name}: {m}")
+        torch.testing.assert_close(g.double(), w, **_tol(dtype), msg=lambda m: f"{backend} {name}: {m}")
+
+
+@pytest.mark.parametrize("dtype,backend", _cases())
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_backend_lse(dtype, backend, causal):
+    """The forward's lse [Hq, T] against the float64 log-sum-exp, q and kv segments of different lengths."""
+    q, k, v, _ = _inputs(dtype)
+    lengths_k = SEQLENS if causal else SEQLENS[::-1]
+    segments = Segments(tuple(SEQLENS), tuple(lengths_k), q.device)
+    kernel = get_backend(backend, device="cuda", dtype=dtype)
+    out, lse = kernel.forward(q, k, v, segments=segments, causal=causal, scale=0.125)
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    group = q.shape[1] // k.shape[1]
+    want = []
+    for q0, q1, k0, k1 in zip(segments.cu_q, segments.cu_q[1:], segments.cu_k, segments.cu_k[1:]):
+        kk = k[k0:k1].double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].double(), kk) * 0.125
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
+        want.append(scores.logsumexp(-1))
+    torch.testing.assert_close(lse.double(), torch.cat(want, 1), **_tol(dtype), msg=lambda m: f"{backend}: {m}")
+
+
+def test_te_fused_is_available_where_te_2x_is_installed():
+    if te_fused.installed_te_version() is None:
+        pytest.skip("Transformer Engine is not installed")
+    if torch.cuda.get_device_capability()[0] < 8:
+        pytest.skip("cuDNN fused attention needs compute capability 8.0 or newer")
+    assert te_fused.te_version_problem() is None, te_fused.te_version_problem()
+    for dtype in (torch.bfloat16, torch.float16):
+        assert available_backends("cuda", dtype)[0] == "te_fused"

@@ -1,0 +1,225 @@
+"""Transformer Engine's cuDNN fused attention (`pip install transformer-engine[pytorch]`), when installed.
+
+TE's public `DotProductAttention` returns no log-sum-exp and its backward takes no external out/lse, so,
+like TE's own ring attention (`AttnFuncWithCPAndKVP2P` in
+`transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py`), this backend calls
+the low-level `fused_attn_fwd` / `fused_attn_bwd` of `transformer_engine.pytorch.cpp_extensions.fused_attn`
+with the cuDNN sub-backend "F16_arbitrary_seqlen": layout "thd_thd_thd" (separate packed q, k, v),
+cu_seqlens without padding (the padded offsets are the cu_seqlens themselves, as TE's
+DotProductAttention passes for THD), GQA by head counts, no dropout, no bias.
+
+Masks. Ragged (THD) input needs a padding mask type in cuDNN, so a causal block is "padding_causal"
+and a full block (the off-diagonal ring steps, q and kv lengths differ) is "padding". The ring asks
+for causal only on blocks with as many q as kv rows, where the top-left diagonal is the plain one.
+
+Softmax statistics. The first aux tensor is the natural-log log-sum-exp of the scaled scores in one
+of two layouts, chosen inside TE's C++ (`fused_attn_f16_arbitrary_seqlen.cu`: ragged stats when the
+cuDNN runtime is >= 9.6 and, from TE 2.14, the GPU is not sm120): packed [T, H, 1] or padded
+[B, H, max_seqlen_q, 1]. TE's ring predicts it from the cuDNN version; this backend reads it from the
+shape the forward returns (3-d: packed), which cannot disagree with the kernel, and remembers it per
+device for the backward, which must get the statistics back in the same layout. Our layout is
+[H, T] float32: packed is one transpose, padded is a gather (scatter back) of each segment's rows.
+
+API versions. TE 2.x only (the releases Megatron-Core 0.19 is written against; 1.x had another
+signature): all arguments go by keyword, and the two call shapes of 2.x are told apart by the
+parameters `fused_attn_bwd` has: up to 2.14 it takes a `dqkv_dtype`; from 2.15 it takes
+`o_format` / `do_format` / `dqkv_layout` instead (which default to "sbhd", so "thd" must be passed).
+Another major version is refused, with the installed version in the message. Not run in this
+repository's CI (no GPU there): `tests/test_attention_gpu.py` checks it against the float64
+reference wherever TE and a GPU are present.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import inspect
+import logging
+import re
+from typing import Callable
+
+import torch
+
+from megatron_hdp.attention.backends.base import AttentionBackend, Segments
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MAJOR = 2
+"""The TE major version whose `fused_attn_fwd` / `fused_attn_bwd` signatures this file is written for."""
+_DTYPES = (torch.float16, torch.bfloat16)
+_RAGGED_STATS: dict[str, bool] = {}
+"""Per device: whether the forward returned packed [T, H, 1] statistics (the backward needs the same)."""
+
+
+def installed_te_version() -> str | None:
+    """The installed transformer_engine version string, without importing it; None when absent."""
+    try:
+        return importlib.metadata.version("transformer_engine")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def te_version_problem() -> str | None:
+    """Why the installed TE cannot be used by this backend (None: it can). Warns once when installed."""
+    version = installed_te_version()
+    if version is None:
+        return "transformer_engine is not installed (pip install transformer-engine[pytorch])"
+    match = re.match(r"(\d+)\.", version)
+    if match is None or int(match.group(1)) != SUPPORTED_MAJOR:
+        problem = (
+            f"transformer_engine {version} is installed, but the te_fused backend supports TE "
+            f"{SUPPORTED_MAJOR}.x only (its fused_attn_fwd/fused_attn_bwd signatures)"
+        )
+        logger.warning("%s; other attention backends will be used", problem)
+        return problem
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _TeApi:
+    """TE's two fused-attention entry points and what differs between the 2.x call shapes."""
+
+    fwd: Callable
+    bwd: Callable
+    sub_backend: object
+    """FusedAttnBackend["F16_arbitrary_seqlen"]: cuDNN's fp16/bf16 kernels for any sequence length."""
+    te_dtypes: dict | None
+    """TE 2.0 - 2.14: torch dtype -> TE dtype for the bwd's `dqkv_dtype`; None from 2.15."""
+
+    def fwd_kwargs(self) -> dict:
+        return {} if self.te_dtypes is not None else {"o_format": "thd"}
+
+    def bwd_kwargs(self, dtype: torch.dtype) -> dict:
+        if self.te_dtypes is not None:
+            return {"dqkv_dtype": self.te_dtypes[dtype]}
+        return {"o_format": "thd", "do_format": "thd", "dqkv_layout": "thd_thd_thd"}
+
+
+@functools.cache
+def _te_api() -> _TeApi:
+    from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend, fused_attn_bwd, fused_attn_fwd
+
+    te_dtypes = None
+    if "dqkv_dtype" in inspect.signature(fused_attn_bwd).parameters:  # TE 2.0 - 2.14
+        from transformer_engine.pytorch.constants import TE_DType
+
+        te_dtypes = TE_DType
+    return _TeApi(fused_attn_fwd, fused_attn_bwd, FusedAttnBackend["F16_arbitrary_seqlen"], te_dtypes)
+
+
+@functools.lru_cache(maxsize=256)
+def _padded_rows(segments: Segments, max_seqlen: int) -> torch.Tensor:
+    """For each packed q row, its index b * max_seqlen + i in padded [B, max_seqlen] statistics."""
+    device = segments.device
+    lengths = torch.tensor(segments.seqlens_q, device=device)
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    starts = torch.tensor(segments.cu_q[:-1], device=device)
+    return segment * max_seqlen + torch.arange(segments.cu_q[-1], device=device) - starts[segment]
+
+
+def stats_to_lse(stats: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """TE's softmax statistics ([T, H, 1] packed or [B, H, S, 1] padded) as our lse [H, T], float32."""
+    if stats.dim() == 3:
+        assert stats.shape[0] == segments.cu_q[-1], (tuple(stats.shape), segments.seqlens_q)
+        return stats.squeeze(-1).t().float().contiguous()
+    batch, heads, max_seqlen, _ = stats.shape
+    assert batch == segments.num_segments, (tuple(stats.shape), segments.seqlens_q)
+    flat = stats.squeeze(-1).transpose(0, 1).reshape(heads, batch * max_seqlen)
+    return flat.index_select(1, _padded_rows(segments, max_seqlen)).float()
+
+
+def lse_to_stats(lse: torch.Tensor, segments: Segments, *, ragged: bool) -> torch.Tensor:
+    """Our lse [H, T] in the layout TE's backward reads: [T, H, 1], or [B, H, max_q, 1] (padding 0)."""
+    lse = lse.float()
+    if ragged:
+        return lse.t().contiguous().unsqueeze(-1)
+    heads, batch, max_seqlen = lse.shape[0], segments.num_segments, segments.max_q
+    flat = lse.new_zeros(heads, batch * max_seqlen)
+    flat.index_copy_(1, _padded_rows(segments, max_seqlen), lse)
+    return flat.view(heads, batch, max_seqlen).transpose(0, 1).contiguous().unsqueeze(-1)
+
+
+def _mask(causal: bool) -> str:
+    return "padding_causal" if causal else "padding"
+
+
+class TeFusedBackend(AttentionBackend):
+    """One TE fused-attention (cuDNN) call per block, all segments at once."""
+
+    name = "te_fused"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot run on `device` with `dtype` (None: it can)."""
+        if device.type != "cuda":
+            return "it needs a CUDA device"
+        if dtype not in _DTYPES:
+            return "it takes float16 or bfloat16 only"
+        problem = te_version_problem()
+        if problem is not None:
+            return problem
+        if torch.cuda.get_device_capability(device)[0] < 8:
+            return "cuDNN fused attention needs compute capability 8.0 or newer"
+        return None
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        return cls.unsupported_reason(device, dtype) is None
+
+    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
+        api = _te_api()
+        out, aux = api.fwd(
+            is_training=True,
+            max_seqlen_q=segments.max_q,
+            max_seqlen_kv=segments.max_k,
+            cu_seqlens_q=segments.cu_seqlens_q,
+            cu_seqlens_kv=segments.cu_seqlens_k,
+            q=q.contiguous(),
+            k=k.contiguous(),
+            v=v.contiguous(),
+            fake_dtype=q.dtype,
+            fused_attention_backend=api.sub_backend,
+            cu_seqlens_q_padded=segments.cu_seqlens_q,
+            cu_seqlens_kv_padded=segments.cu_seqlens_k,
+            attn_scale=scale,
+            dropout=0.0,
+            qkv_layout="thd_thd_thd",
+            attn_bias_type="no_bias",
+            attn_mask_type=_mask(causal),
+            **api.fwd_kwargs(),
+        )[:2]
+        stats = aux[0]
+        _RAGGED_STATS[str(q.device)] = stats.dim() == 3
+        return out, stats_to_lse(stats, segments)
+
+    def backward(self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float):
+        api = _te_api()
+        ragged = _RAGGED_STATS.get(str(q.device))
+        assert ragged is not None, f"te_fused backward on {q.device} before any forward there"
+        rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: never read
+        dq, dk, dv = api.bwd(
+            max_seqlen_q=segments.max_q,
+            max_seqlen_kv=segments.max_k,
+            cu_seqlens_q=segments.cu_seqlens_q,
+            cu_seqlens_kv=segments.cu_seqlens_k,
+            q=q.contiguous(),
+            k=k.contiguous(),
+            v=v.contiguous(),
+            o=out.contiguous(),
+            d_o=dout.contiguous(),
+            fake_dtype=q.dtype,
+            aux_ctx_tensors=[lse_to_stats(lse, segments, ragged=ragged), rng_state],
+            fused_attention_backend=api.sub_backend,
+            cu_seqlens_q_padded=segments.cu_seqlens_q,
+            cu_seqlens_kv_padded=segments.cu_seqlens_k,
+            attn_scale=scale,
+            dropout=0.0,
+            qkv_layout="thd_thd_thd",
+            attn_bias_type="no_bias",
+            attn_mask_type=_mask(causal),
+            deterministic=False,
+            **api.bwd_kwargs(q.dtype),
+        )[:3]
+        return dq, dk, dv
