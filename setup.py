@@ -16,7 +16,7 @@ setup(
     install_requires=["torch", "megatron-core>=0.19", "numpy", "scipy", "tqdm"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis"],
-        "te": ["transformer-engine[pytorch]"],
+        "te": ["transformer-engine[pytorch]>=2.0,<3"],  # te_fused attention backend: TE 2.x API
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["megatron-hdp=megatron_hdp.cli:main"]},
