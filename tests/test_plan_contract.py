@@ -1,11 +1,16 @@
 """StepPlan contract: JSON round trip, digest, and validate() catching each broken invariant."""
 
+import copy
 import dataclasses
+import random
 
 import pytest
 
+from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.layout import zigzag_chunks
-from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
+from megatron_hdp.plan.planner import make_plan
+from megatron_hdp.plan.presets import analytic_cost_model
+from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, _all_valid
 
 
 def _two_rank_plan(length=10, capacity=8):
@@ -57,3 +62,80 @@ def test_validate_catches(mutate, message):
 def test_capacity_is_enforced():
     with pytest.raises(ValueError, match="capacity"):
         _two_rank_plan(length=10, capacity=4).validate()
+
+
+def _mutations(plan_dict: dict, rng: random.Random) -> dict:
+    """One random edit of a plan's JSON form: the kinds of mistakes a planner could make."""
+    data = copy.deepcopy(plan_dict)
+    slots = [(r, i) for r, rank in enumerate(data["ranks"]) for i in range(len(rank["microbatches"]))]
+    holding = [(r, i, j) for r, i in slots for j in range(len(data["ranks"][r]["microbatches"][i]["shards"]))]
+    r, i, j = rng.choice(holding)
+    mb = data["ranks"][r]["microbatches"][i]
+    shard = mb["shards"][j]
+    seq = data["sequences"][rng.randrange(len(data["sequences"]))]
+    kind = rng.randrange(10)
+    if kind == 0:  # a chunk boundary off by one
+        chunk = rng.choice(shard["chunks"])
+        chunk[rng.randrange(2)] += rng.choice((-1, 1))
+    elif kind == 1:  # a shard moved to another micro-batch (maybe of another rank)
+        del mb["shards"][j]
+        r2, i2 = rng.choice(slots)
+        data["ranks"][r2]["microbatches"][i2]["shards"].append(shard)
+    elif kind == 2:  # a shard dropped or held twice
+        if rng.random() < 0.5:
+            del mb["shards"][j]
+        else:
+            r2, i2 = rng.choice(slots)
+            data["ranks"][r2]["microbatches"][i2]["shards"].append(copy.deepcopy(shard))
+    elif kind == 3:  # a capacity one token short (or one token more: still valid)
+        held = sum(b - a for s in mb["shards"] for a, b in s["chunks"])
+        mb["capacity"] = held + rng.choice((-1, 1))
+    elif kind == 4:  # a ring member replaced or the ring reordered
+        ring = seq["ring"]
+        if len(ring) > 1 and rng.random() < 0.5:
+            ring.reverse()
+        else:
+            ring[rng.randrange(len(ring))] = rng.randrange(data["num_ranks"] + 1)
+    elif kind == 5:  # a length off by one
+        seq["length"] += rng.choice((-1, 1))
+    elif kind == 6:  # an offload ratio outside [0, 1] (or inside: valid)
+        seq["offload_ratio"] = rng.choice((-0.1, 1.5, 0.5, float("nan")))
+    elif kind == 7:  # a shard naming an unknown sequence
+        shard["seq"] = rng.choice((-1, len(data["sequences"])))
+    elif kind == 8:  # a chunk split in two (same tokens) or given a third bound
+        chunk = shard["chunks"][0]
+        if chunk[1] - chunk[0] > 1 and rng.random() < 0.5:
+            middle = (chunk[0] + chunk[1]) // 2
+            shard["chunks"][0:1] = [[chunk[0], middle], [middle, chunk[1]]]
+        else:
+            chunk.append(chunk[1])
+    else:  # a sequence id or a length of the wrong type
+        seq[rng.choice(("id", "length"))] = float(seq["length"])
+    return data
+
+
+def test_vectorised_validate_is_never_laxer_than_the_per_sequence_check():
+    """`validate` trusts `_all_valid` (array checks) and runs `_check_each` (the per-sequence reference)
+    only when it cannot prove a plan valid: on hundreds of corrupted plans, whenever the fast path says
+    valid the reference agrees, and on the uncorrupted plans the fast path does prove them valid."""
+    rng = random.Random(0)
+    config = HDPConfig(hdp_capacity=256)
+    cm = analytic_cost_model("llama-7b")
+    outcomes = {"both valid": 0, "fast rejects, reference accepts": 0, "both reject": 0}
+    for trial in range(12):
+        num_ranks = rng.choice((2, 3, 5, 8))
+        lengths = [rng.randint(1, 256 * rng.choice((1, 1, num_ranks))) for _ in range(rng.randint(2, 30))]
+        plan = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=cm,
+                         pp_size=rng.choice((1, 2)), policy=rng.choice(("balance", "naive")))
+        assert _all_valid(plan)
+        for _ in range(40):
+            bad = StepPlan.from_dict(_mutations(plan.to_dict(), rng))
+            try:
+                bad._check_each()
+                reference = True
+            except (ValueError, TypeError):
+                reference = False
+            fast = _all_valid(bad)
+            assert reference or not fast, f"fast path accepted a plan the reference rejects: {bad.to_dict()}"
+            outcomes["both valid" if fast else "both reject" if not reference else "fast rejects, reference accepts"] += 1
+    assert outcomes["both reject"] > 200 and outcomes["both valid"] > 10, outcomes
