@@ -18,6 +18,10 @@ POLICIES: tuple[str, ...] = get_args(PolicyName)
 OverlongDocuments = Literal["error", "truncate"]
 OVERLONG_DOCUMENTS: tuple[str, ...] = get_args(OverlongDocuments)
 
+AttentionBackendName = Literal["auto", "te_fused", "flash_attn", "torch_varlen", "flex", "cpu_flash"]
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackendName)
+"""`megatron_hdp.attention.backends.BACKENDS` by name, plus auto (named here: the config imports no torch)."""
+
 
 @dataclass
 class HDPConfig:
@@ -61,6 +65,11 @@ class HDPConfig:
     position embeddings are sized by it) and the longest document the whole HDP pool can hold
     (hdp_capacity x the pool's ranks, stretched by the offload ratio the cost model lets hide)."""
 
+    hdp_attention_backend: AttentionBackendName = "auto"
+    """Local attention kernel of HDP's attention (each ring step and each whole document): auto takes
+    the fastest one installed for the device and dtype (logged once); naming one pins it, e.g. to
+    compare kernels or to avoid one."""
+
     def __post_init__(self) -> None:
         if self.hdp_capacity <= 0:
             raise ValueError(f"hdp_capacity must be a positive token count, got {self.hdp_capacity}")
@@ -74,6 +83,10 @@ class HDPConfig:
             raise ValueError(f"hdp_max_offload_ratio must be in [0, 1], got {self.hdp_max_offload_ratio}")
         if self.hdp_global_batch_tokens is not None and self.hdp_global_batch_tokens <= 0:
             raise ValueError(f"hdp_global_batch_tokens must be positive, got {self.hdp_global_batch_tokens}")
+        if self.hdp_attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"hdp_attention_backend {self.hdp_attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
+            )
         if self.hdp_log_interval <= 0:
             raise ValueError(f"hdp_log_interval must be positive, got {self.hdp_log_interval}")
 

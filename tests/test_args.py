@@ -7,6 +7,7 @@ from argparse import ArgumentParser
 
 import pytest
 
+from megatron_hdp.attention.backends import BACKENDS
 from megatron_hdp.config import POLICIES, HDPConfig
 from megatron_hdp.megatron.args import add_hdp_args, parse_and_check, validate_hdp_args
 
@@ -27,6 +28,7 @@ def test_every_field_is_a_flag_with_its_docstring_as_help():
         assert "--" + field.name.replace("_", "-") in action.option_strings
         assert action.help, field.name
     assert set(by_dest["hdp_policy"].choices) == set(POLICIES)
+    assert set(by_dest["hdp_attention_backend"].choices) == {"auto", *BACKENDS}  # the config names every kernel
     assert by_dest["hdp_offload"].option_strings == ["--hdp-offload", "--no-hdp-offload"]
 
 
@@ -36,14 +38,14 @@ def test_good_flags_parse_into_the_config(tmp_path):
     argv = TINY + HDP + [
         "--hdp-capacity", "512", "--hdp-policy", "naive", "--no-hdp-offload", "--hdp-max-offload-ratio", "0.5",
         "--hdp-cost-model", str(cost), "--hdp-global-batch-tokens", "4096", "--hdp-log-interval", "7",
-        "--hdp-overlong-documents", "truncate",
+        "--hdp-overlong-documents", "truncate", "--hdp-attention-backend", "flash_attn",
     ]
     args, config = parse_and_check(argv, world_size=4)
     assert args.data_parallel_size == 4
     assert config == HDPConfig(
         hdp=True, hdp_capacity=512, hdp_policy="naive", hdp_offload=False, hdp_max_offload_ratio=0.5,
         hdp_cost_model=str(cost), hdp_global_batch_tokens=4096, hdp_log_interval=7,
-        hdp_overlong_documents="truncate",
+        hdp_overlong_documents="truncate", hdp_attention_backend="flash_attn",
     )
     assert config.max_offload_ratio == 0.0
 

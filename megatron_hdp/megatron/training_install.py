@@ -191,7 +191,8 @@ def _forward_backward(schedule):
             ratios = offload_ratios(step.plan, rank=state.hdp_rank, num_microbatches=len(microbatches))
             offload = (_STATE.offloader, iter(ratios))
         _STATE.last_step = step
-        forward = make_forward_step(hdp_global_ranks=state.hdp_global_ranks, offload_ratios=offload)
+        forward = make_forward_step(hdp_global_ranks=state.hdp_global_ranks, offload_ratios=offload,
+                                    backend=_STATE.config.hdp_attention_backend)
         result = schedule(
             forward_step_func=forward,
             data_iterator=iter(microbatches),
