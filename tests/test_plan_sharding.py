@@ -138,3 +138,38 @@ def test_best_fit_packs_within_capacity_and_near_optimal():
 def test_best_fit_gives_oversize_items_their_own_bin():
     bins = best_fit([30, 4, 5], capacity=10)
     assert [0] in bins and sorted(map(sorted, bins)) == [[0], [1, 2]]
+
+
+def _best_fit_by_definition(sizes, capacity, decreasing):
+    """Best fit written from its definition: scan every open bin for the least room that still fits
+    (ties: the earliest bin); items of at least the capacity get a bin of their own."""
+    order = range(len(sizes))
+    if decreasing:
+        order = sorted(order, key=lambda i: (-sizes[i], i))
+    bins, rooms = [], []
+    for item in order:
+        if sizes[item] >= capacity:
+            bins.append([item])
+            rooms.append(0)
+            continue
+        fits = [b for b in range(len(bins)) if 0 < rooms[b] and sizes[item] <= rooms[b]]
+        if fits:
+            b = min(fits, key=lambda b: (rooms[b], b))
+        else:
+            b = len(bins)
+            bins.append([])
+            rooms.append(capacity)
+        bins[b].append(item)
+        rooms[b] -= sizes[item]
+    return bins
+
+
+def test_best_fit_matches_its_definition_exactly():
+    """Same bins, same order, same tie-breaking as the O(items x bins) definition (many equal sizes)."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        capacity = int(rng.integers(1, 60))
+        sizes = rng.integers(1, int(rng.choice([4, capacity + 1, 2 * capacity + 2])), size=int(rng.integers(0, 40))).tolist()
+        for order in ("decreasing", "given"):
+            assert best_fit(sizes, capacity=capacity, order=order) == _best_fit_by_definition(
+                sizes, capacity, order == "decreasing")

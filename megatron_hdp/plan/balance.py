@@ -155,16 +155,19 @@ def _build(
     ring_counts = np.array([len(m) for m in layout.ring_microbatches], dtype=np.int64)
     given = assign_whole(whole_order, weights=weights, tokens=np.asarray(lengths, dtype=np.int64),
                          base=layout.finish, cost=PipelineCost(pp_size, capacity, ring_counts), exact=exact)
-    rings: list[tuple[int, ...]] = [layout.rings.get(seq, ()) for seq in range(len(lengths))]
+    rings: list[tuple[int, ...]] = [()] * len(lengths)
+    for seq, ring in layout.rings.items():
+        rings[seq] = ring
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     seconds = weights.tolist()  # Python floats: indexing them per item is far cheaper than the array
     schedule = []
     for rank in range(num_ranks):
         items = given[rank]
+        whole = (rank,)  # one tuple shared by all the rank's whole sequences
         for seq in items:
-            rings[seq] = (rank,)
+            rings[seq] = whole
         leading = [overhead + seconds[seq] for seq in layout.ring_microbatches[rank]]
-        bins = pack_for_pipeline([lengths[i] for i in items], [seconds[i] for i in items],
+        bins = pack_for_pipeline(list(map(lengths.__getitem__, items)), list(map(seconds.__getitem__, items)),
                                  capacity=capacity, leading=leading, overhead=overhead, pp_size=pp_size)
         schedule.append([[seq] for seq in layout.ring_microbatches[rank]] + [[items[j] for j in b] for b in bins])
     return assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,

@@ -25,24 +25,27 @@ def best_fit(sizes: Sequence[int], *, capacity: int, order: str = "decreasing") 
     if order not in ("decreasing", "given"):
         raise ValueError(f"order must be 'decreasing' or 'given', got {order!r}")
     items = range(len(sizes))
-    if order == "decreasing":
-        items = sorted(items, key=lambda i: -sizes[i])
+    if order == "decreasing":  # a stable sort: equal sizes keep their input order, reverse=True included
+        items = sorted(items, key=sizes.__getitem__, reverse=True)
     bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (free room, bin index), sorted
+    # Each open bin as one int, free room * scale + bin index: sorted by room, then by index, and cheaper
+    # to bisect than (room, index) tuples (a 32M-token plan packs ~35K items).
+    scale = len(sizes) + 1
+    free: list[int] = []
     for item in items:
         size = sizes[item]
         if size >= capacity:
             bins.append([item])
             continue
-        at = bisect.bisect_left(free, (size, -1))
+        at = bisect.bisect_left(free, size * scale)  # the bin of least room >= size, lowest index first
         if at < len(free):
-            room, index = free.pop(at)
+            room, index = divmod(free.pop(at), scale)
         else:
             room, index = capacity, len(bins)
             bins.append([])
         bins[index].append(item)
-        if room - size > 0:
-            bisect.insort(free, (room - size, index))
+        if room > size:
+            bisect.insort(free, (room - size) * scale + index)
     return bins
 
 
