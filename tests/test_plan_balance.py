@@ -210,3 +210,33 @@ def test_stranding_is_kept_when_it_is_faster():
     wide = 8 * CM.sequence_time(64, ring_size=4)
     assert CM.sequence_time(64, ring_size=4) > CM.sequence_time(64, ring_size=3)
     assert plan.est_step_time <= wide
+
+
+def _lpt_by_definition(order, weights, loads):
+    """The greedy from its definition: each item to the rank of least (load, rank), scanning all ranks."""
+    loads = [float(x) for x in loads]
+    given = [[] for _ in loads]
+    for item in order:
+        rank = min(range(len(loads)), key=lambda r: (loads[r], r))
+        loads[rank] += float(weights[item])
+        given[rank].append(item)
+    return given, loads
+
+
+def test_lpt_rounds_reproduce_the_item_by_item_greedy_exactly():
+    """`lpt` hands out items in rounds over sorted ranks and falls back to a heap; the assignment and the
+    final loads must be exactly those of the one-at-a-time greedy, with ties (equal loads, equal integer
+    weights) going to the lowest rank, for heaviest-first orders (long rounds) and unsorted ones (heap)."""
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        num_ranks, num_items = int(rng.integers(1, 40)), int(rng.integers(0, 400))
+        weights = rng.integers(1, 6, size=num_items).astype(float) if trial % 2 else rng.random(num_items) * 10
+        base = rng.choice([0.0, 0.0, 3.0, 7.5], size=num_ranks) if trial % 3 else rng.random(num_ranks) * 50
+        order = rng.permutation(num_items)
+        if trial % 4:
+            order = order[np.argsort(-weights[order], kind="stable")]
+        loads = base.copy()
+        given = lpt(order.tolist(), weights=weights, loads=loads)
+        expected, expected_loads = _lpt_by_definition(order.tolist(), weights, base)
+        assert given == expected
+        assert loads.tolist() == expected_loads

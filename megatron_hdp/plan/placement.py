@@ -94,21 +94,58 @@ def place_rings(
 
 
 def lpt(order: Sequence[int], *, weights: Sequence[float], loads: np.ndarray) -> list[list[int]]:
-    """Longest-processing-time greedy: each item of `order` to the currently least-loaded rank.
+    """Longest-processing-time greedy: each item of `order` to the currently least-loaded rank (ties: the
+    lowest rank).
 
-    `loads` (per rank) is updated in place; returns the items given to each rank. (A heap: ~1 us per
-    item; vectorised shortcuts that hand a round of items to all ranks at once overfill the ranks
-    already loaded with rings and cost more in refinement than they save.)
+    `loads` (per rank) is updated in place; returns the items given to each rank, in the order given.
+    Exactly the one-item-at-a-time greedy, computed in rounds: with the ranks sorted by (load, rank), the
+    next m items go to the first m ranks in that order as long as every rank served in the round ends
+    strictly above the next rank's load (so each item still meets the least-loaded rank; an exact tie
+    ends the round). A round is one sort and a few array operations, and heaviest-first items over a
+    32M-token batch take ~40 rounds for ~33K items. When a round serves few ranks (items light against
+    the spread of the loads) the next `len(loads)` items go through the heap (~0.5 us an item), so the
+    rounds never cost much more than the heap alone.
+    (Vectorised shortcuts that do *not* reproduce the greedy overfill the ranks already loaded with
+    rings and cost more in refinement than they save.)
     """
-    heap = [(float(load), rank) for rank, load in enumerate(loads)]
+    num_ranks, num_items = len(loads), len(order)
+    assert num_ranks > 0 or not num_items, "items but no ranks"
+    items = np.asarray(order, dtype=np.int64)
+    w = np.asarray(weights, dtype=np.float64)[items]
+    current = np.asarray(loads, dtype=np.float64).copy()
+    owner = np.empty(num_items, dtype=np.int64)  # the rank each item goes to
+    rank_ids = np.arange(num_ranks)
+    done = 0
+    while done < num_items:
+        by_load = np.lexsort((rank_ids, current))
+        m = min(num_ranks, num_items - done)
+        start = current[by_load[:m]]
+        end = start + w[done : done + m]
+        stays_least = np.minimum.accumulate(end[:-1]) > start[1:]
+        if not stays_least.all():
+            m = int(np.argmin(stays_least)) + 1
+        current[by_load[:m]] = end[:m]
+        owner[done : done + m] = by_load[:m]
+        done += m
+        if m < num_ranks // 4 and done < num_items:
+            done = _lpt_heap(current, w, owner, done, min(num_items, done + num_ranks))
+    loads[:] = current
+    by_rank = items[np.argsort(owner, kind="stable")].tolist()
+    bounds = np.cumsum(np.bincount(owner, minlength=num_ranks)).tolist()
+    return [by_rank[a:b] for a, b in zip([0] + bounds[:-1], bounds)]
+
+
+def _lpt_heap(current: np.ndarray, w: np.ndarray, owner: np.ndarray, first: int, stop: int) -> int:
+    """Items first..stop-1 (weights `w`) by the heap greedy from the loads `current` (both updated)."""
+    heap = [(load, rank) for rank, load in enumerate(current.tolist())]
     heapq.heapify(heap)
-    given: list[list[int]] = [[] for _ in range(len(loads))]
-    w = np.asarray(weights, dtype=np.float64).tolist()
     replace = heapq.heapreplace
-    for item in order:
+    served = []
+    for weight in w[first:stop].tolist():
         load, rank = heap[0]
-        replace(heap, (load + w[item], rank))
-        given[rank].append(item)
+        replace(heap, (load + weight, rank))
+        served.append(rank)
+    owner[first:stop] = served
     for load, rank in heap:
-        loads[rank] = load
-    return given
+        current[rank] = load
+    return stop

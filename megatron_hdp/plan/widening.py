@@ -162,11 +162,13 @@ def widening_options(
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     long_mask = lengths > capacity
-    long_lengths, counts = np.unique(lengths[long_mask], return_counts=True)
+    long_ids = np.flatnonzero(long_mask)
+    long_lengths, inverse, counts = np.unique(lengths[long_ids], return_inverse=True, return_counts=True)
     if not len(long_lengths):
         return [(ring_sizes, offload_ratios)]
     long_lengths, counts = long_lengths.tolist(), counts.tolist()
-    fewest = {s: int(ring_sizes[np.argmax(lengths == s)]) for s in long_lengths}
+    holders = {s: long_ids[inverse == j] for j, s in enumerate(long_lengths)}  # the sequences of each length
+    fewest = {s: int(ring_sizes[holders[s][0]]) for s in long_lengths}
     sizer = RingSizer(long_lengths, fewest, widest=lambda s: min(num_ranks, s // 2), cost_model=cost_model,
                       pp_size=pp_size, fractional=False)
     short = whole_times(lengths[~long_mask], cost_model=cost_model, pp_size=pp_size)
@@ -200,7 +202,7 @@ def widening_options(
             held = max_member_tokens(s, k)
             if fits(cost_model, seq_len=s, ring_size=k, num_tokens=held, capacity=capacity,
                     max_offload_ratio=max_offload_ratio, pp_size=pp_size):
-                sizes[lengths == s] = k
-                ratios[lengths == s] = needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
+                sizes[holders[s]] = k
+                ratios[holders[s]] = needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
         options.append((sizes, ratios))
     return options
