@@ -10,7 +10,7 @@ from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.layout import zigzag_chunks
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
-from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, _all_valid
+from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, _all_valid, build_many
 
 
 def _two_rank_plan(length=10, capacity=8):
@@ -139,3 +139,22 @@ def test_vectorised_validate_is_never_laxer_than_the_per_sequence_check():
             assert reference or not fast, f"fast path accepted a plan the reference rejects: {bad.to_dict()}"
             outcomes["both valid" if fast else "both reject" if not reference else "fast rejects, reference accepts"] += 1
     assert outcomes["both reject"] > 200 and outcomes["both valid"] > 10, outcomes
+
+
+def test_build_many_gives_the_instances_the_constructor_gives():
+    """assemble_plan builds shards and placements column-wise; they must be indistinguishable from
+    constructed ones: equal, same hash and repr, frozen, usable with dataclasses.replace and pickle."""
+    import pickle
+
+    built = build_many(SequencePlacement, range(3), [5, 7, 9], [(0,), (1, 2), (2,)], [0.0, 0.5, 1.0])
+    made = [SequencePlacement(0, 5, (0,)), SequencePlacement(1, 7, (1, 2), 0.5), SequencePlacement(2, 9, (2,), 1.0)]
+    assert built == made and [hash(b) for b in built] == [hash(m) for m in made]
+    assert [repr(b) for b in built] == [repr(m) for m in made]
+    assert pickle.loads(pickle.dumps(built)) == made
+    assert dataclasses.replace(built[1], ring=(2, 1)) == SequencePlacement(1, 7, (2, 1), 0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built[0].length = 6
+    shards = build_many(Shard, [4, 8], [((0, 3),), ((0, 1), (5, 6))])
+    assert shards == [Shard(4, ((0, 3),)), Shard(8, ((0, 1), (5, 6)))] and shards[1].num_tokens == 2
+    with pytest.raises(AssertionError, match="fields"):
+        build_many(Shard, [1])

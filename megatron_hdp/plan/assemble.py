@@ -25,7 +25,7 @@ from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.layout import zigzag_chunks
 from megatron_hdp.plan.pipeline import pipeline_time
 from megatron_hdp.plan.sharding import whole_times
-from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
+from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, build_many
 
 
 @contextmanager
@@ -78,8 +78,17 @@ def assemble_plan(
     """
     num_ranks = len(schedule)
     lengths = list(map(int, lengths))
-    ring_seqs = np.flatnonzero(np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1).tolist()
-    positions: dict[int, dict[int, int]] = {seq: {rank: p for p, rank in enumerate(rings[seq])} for seq in ring_seqs}
+    in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
+    positions: dict[int, dict[int, int]] = {
+        seq: {rank: p for p, rank in enumerate(rings[seq])} for seq in np.flatnonzero(in_ring).tolist()
+    }
+    # The one shard of each whole sequence, built in one go (see `build_many`) and indexed by sequence.
+    whole_ids = np.flatnonzero(~in_ring).tolist()
+    whole_shards = build_many(Shard, whole_ids, [((0, lengths[seq]),) for seq in whole_ids])
+    if len(whole_ids) < len(lengths):
+        by_seq = np.empty(len(lengths), dtype=object)
+        by_seq[whole_ids] = whole_shards
+        whole_shards = by_seq.tolist()
     # A micro-batch of whole sequences takes the micro-batch overhead plus each sequence's whole time
     # (the cost model is additive over shards); micro-batches with ring shards go through the cost model.
     whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size).tolist()
@@ -92,9 +101,8 @@ def assemble_plan(
         rank_times: list[float] = []
         for index, seqs in enumerate(microbatches):
             if positions.keys().isdisjoint(seqs):  # whole sequences only
-                held_by = list(map(lengths.__getitem__, seqs))
-                shards = tuple(map(Shard, seqs, [((0, n),) for n in held_by]))
-                held = sum(held_by)
+                shards = tuple(map(whole_shards.__getitem__, seqs))
+                held = sum(map(lengths.__getitem__, seqs))
                 time = overhead + sum(map(whole.__getitem__, seqs))
             else:
                 shards, costs = [], []
@@ -115,7 +123,7 @@ def assemble_plan(
         ranks.append(RankSchedule(rank, tuple(built), pipeline_time(rank_times, pp_size=pp_size)))
     step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size)
     ratios = np.asarray(offload_ratios, dtype=np.float64).tolist()
-    sequences = tuple(map(SequencePlacement, range(len(lengths)), lengths, rings, ratios))
+    sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios))
     assert len(ranks) == num_ranks
     return StepPlan(policy=policy, num_ranks=num_ranks, capacity=capacity, sequences=sequences,
                     ranks=tuple(ranks), est_step_time=step, pp_size=pp_size)

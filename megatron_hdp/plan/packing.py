@@ -38,14 +38,20 @@ def best_fit(sizes: Sequence[int], *, capacity: int, order: str = "decreasing") 
             bins.append([item])
             continue
         at = bisect.bisect_left(free, size * scale)  # the bin of least room >= size, lowest index first
-        if at < len(free):
-            room, index = divmod(free.pop(at), scale)
+        if at == len(free):
+            if capacity > size:
+                bisect.insort(free, (capacity - size) * scale + len(bins))
+            bins.append([item])
+            continue
+        key = free[at] - size * scale
+        bins[key % scale].append(item)
+        if key < scale:  # the bin is full
+            del free[at]
+        elif at and free[at - 1] > key:  # it now has less room than a bin before it
+            del free[at]
+            bisect.insort(free, key)
         else:
-            room, index = capacity, len(bins)
-            bins.append([])
-        bins[index].append(item)
-        if room > size:
-            bisect.insort(free, (room - size) * scale + index)
+            free[at] = key
     return bins
 
 
@@ -70,10 +76,10 @@ def pack_for_pipeline(
     micro-batches run after the rank's `leading` ones (its ring micro-batches, times given). `times` are
     the sequences' stage times. With pp_size = 1 it is plain best-fit decreasing at C.
     """
-    from megatron_hdp.plan.pipeline import pipeline_time  # packing stays importable on its own
-
     if pp_size == 1 or not sizes:
         return best_fit(sizes, capacity=capacity)
+    from megatron_hdp.plan.pipeline import pipeline_time  # packing stays importable on its own
+
     best: tuple[float, list[list[int]]] | None = None
     tried = set()
     for parts in PIPELINE_BUDGETS:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -65,11 +66,17 @@ def refine_local(
     weights = np.asarray(weights, dtype=np.float64)
     tokens = np.zeros(len(weights)) if tokens is None else np.asarray(tokens, dtype=np.float64)
     busy = base.astype(np.float64).copy()
-    held = np.zeros(num_ranks)
-    for rank, rank_items in enumerate(given):
-        if rank_items:
-            busy[rank] += float(weights[rank_items].sum())
-            held[rank] = float(tokens[rank_items].sum())
+    counts = [len(rank_items) for rank_items in given]
+    flat = np.fromiter(chain.from_iterable(given), dtype=np.int64, count=sum(counts))
+    # Token counts are integers, so their sums are exact in any order; busy times are summed per rank by
+    # numpy's own (pairwise) sum over each rank's slice, exactly as a per-rank weights[items].sum().
+    held = np.bincount(np.repeat(np.arange(num_ranks), counts), weights=tokens[flat], minlength=num_ranks)
+    grouped = weights[flat]
+    start = 0
+    for rank, count in enumerate(counts):
+        if count:
+            busy[rank] += float(grouped[start : start + count].sum())
+            start += count
     cost = cost or PipelineCost(1, 1, np.zeros(num_ranks, dtype=np.int64))
     loads = busy.copy() if cost.pp_size == 1 else np.array([cost(r, busy[r], held[r]) for r in range(num_ranks)])
     state = _State(busy, held, loads, tokens, cost)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
-from itertools import chain
-from typing import Any, Iterator
+from collections import deque
+from dataclasses import dataclass, field, fields
+from itertools import chain, repeat
+from typing import Any, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -20,25 +21,23 @@ from megatron_hdp.plan.layout import Interval, zigzag_chunks
 
 PLAN_VERSION = 1
 
+_Plain = TypeVar("_Plain")
+
 
 def _as_tuples(chunks) -> tuple[Interval, ...]:
     """Chunks as a tuple of (start, end) tuples, whatever sequence types they were built from."""
     return tuple(tuple(c) for c in chunks)
 
 
-# The four classes below exist ~35K times each in a 32M-token plan, so they are slotted (no per-instance
-# __dict__: less memory, and one GC-tracked object per instance instead of two) and compute their token
-# counts on demand instead of caching them.
-@dataclass(frozen=True, slots=True, init=False)
+# A 32M-token plan holds ~35K shards and sequence placements, so the four classes below are slotted (no
+# per-instance __dict__: less memory, one GC-tracked object per instance instead of two) and compute their
+# token counts on demand instead of caching them; `build_many` builds many of them at once.
+@dataclass(frozen=True, slots=True)
 class Shard:
     """The token intervals of one sequence that one rank holds in one micro-batch."""
 
     seq: int
     chunks: tuple[Interval, ...]
-
-    def __init__(self, seq: int, chunks: tuple[Interval, ...]) -> None:
-        _SET_SHARD_SEQ(self, seq)  # through the slots: see _SET_SHARD_SEQ
-        _SET_SHARD_CHUNKS(self, chunks)
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +66,7 @@ class RankSchedule:
     est_time: float = 0.0
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class SequencePlacement:
     """Where one sequence of the global batch lives: its ring (one rank when whole) and offload ratio."""
 
@@ -76,21 +75,24 @@ class SequencePlacement:
     ring: tuple[int, ...]
     offload_ratio: float = 0.0
 
-    def __init__(self, id: int, length: int, ring: tuple[int, ...], offload_ratio: float = 0.0) -> None:
-        _SET_PLACEMENT_ID(self, id)  # through the slots: see _SET_SHARD_SEQ
-        _SET_PLACEMENT_LENGTH(self, length)
-        _SET_PLACEMENT_RING(self, ring)
-        _SET_PLACEMENT_OFFLOAD_RATIO(self, offload_ratio)
 
+def build_many(cls: type[_Plain], *columns: Sequence[Any]) -> list[_Plain]:
+    """Instances of the plan class `cls` built column by column: `columns[i]` holds every instance's value
+    of field i, in field order (every field given, no defaults).
 
-# Shard and SequencePlacement write their fields straight through the slot descriptors: the __init__ a
-# frozen dataclass generates goes through object.__setattr__ per field (to get past the class's own
-# __setattr__, which raises), ~1.8x slower, and a 32M-token plan builds ~35K of each. Same signature,
-# same defaults, and the instances stay frozen (assignment still raises FrozenInstanceError).
-_SET_SHARD_SEQ, _SET_SHARD_CHUNKS = Shard.seq.__set__, Shard.chunks.__set__
-_SET_PLACEMENT_ID, _SET_PLACEMENT_LENGTH = SequencePlacement.id.__set__, SequencePlacement.length.__set__
-_SET_PLACEMENT_RING = SequencePlacement.ring.__set__
-_SET_PLACEMENT_OFFLOAD_RATIO = SequencePlacement.offload_ratio.__set__
+    What unpickling does — object.__new__, then each field stored through its slot — done as C-level
+    passes over the columns: ~1.4x faster than calling the class, whose frozen __init__ routes every
+    field through object.__setattr__ in Python. The instances are the same (equal, frozen, hashable); like the
+    constructor, nothing is validated here.
+    """
+    names = [f.name for f in fields(cls)]
+    assert len(columns) == len(names), f"{cls.__name__} has fields {names}, got {len(columns)} columns"
+    count = len(columns[0])
+    instances = list(map(object.__new__, repeat(cls, count)))
+    for name, column in zip(names, columns):
+        assert len(column) == count, f"column {name} has {len(column)} values, not {count}"
+        deque(map(getattr(cls, name).__set__, instances, column), maxlen=0)
+    return instances
 
 
 @dataclass(frozen=True)
