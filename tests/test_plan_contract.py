@@ -73,7 +73,7 @@ def _mutations(plan_dict: dict, rng: random.Random) -> dict:
     mb = data["ranks"][r]["microbatches"][i]
     shard = mb["shards"][j]
     seq = data["sequences"][rng.randrange(len(data["sequences"]))]
-    kind = rng.randrange(10)
+    kind = rng.randrange(12)
     if kind == 0:  # a chunk boundary off by one
         chunk = rng.choice(shard["chunks"])
         chunk[rng.randrange(2)] += rng.choice((-1, 1))
@@ -109,8 +109,12 @@ def _mutations(plan_dict: dict, rng: random.Random) -> dict:
             shard["chunks"][0:1] = [[chunk[0], middle], [middle, chunk[1]]]
         else:
             chunk.append(chunk[1])
-    else:  # a sequence id or a length of the wrong type
+    elif kind == 9:  # a sequence id or a length of the wrong type
         seq[rng.choice(("id", "length"))] = float(seq["length"])
+    elif kind == 10:  # a rank's micro-batches in another order (ring members then meet at different indices)
+        rng.shuffle(data["ranks"][r]["microbatches"])
+    else:  # an extra empty chunk: the same tokens, but not the layout
+        shard["chunks"].append([0, 0])
     return data
 
 
@@ -158,3 +162,33 @@ def test_build_many_gives_the_instances_the_constructor_gives():
     assert shards == [Shard(4, ((0, 3),)), Shard(8, ((0, 1), (5, 6)))] and shards[1].num_tokens == 2
     with pytest.raises(AssertionError, match="fields"):
         build_many(Shard, [1])
+
+
+def test_validate_catches_a_member_holding_a_tiny_ring_twice():
+    """Length 1 over a ring of 3: positions 1 and 2 both hold ((0, 0), (0, 0)), so only the count of
+    holders per (sequence, rank) tells rank 1 holding it twice from ranks 1 and 2 holding it once."""
+    chunks = {p: zigzag_chunks(1, 3, p) for p in range(3)}
+    assert chunks[1] == chunks[2]
+    held = {0: [chunks[0]], 1: [chunks[1], chunks[2]], 2: []}
+    plan = StepPlan(policy="test", num_ranks=3, capacity=4, sequences=(SequencePlacement(0, 1, (0, 1, 2)),),
+                    ranks=tuple(RankSchedule(r, (MicroBatch(tuple(Shard(0, c) for c in held[r]), 4),))
+                                for r in range(3)))
+    with pytest.raises(ValueError, match="more than once"):
+        plan.validate()
+
+
+def test_validate_catches_a_ring_shard_on_a_rank_outside_the_ring():
+    """Ring (0, 2) over 3 ranks, with rank 1 holding what rank 2 should: right chunks, wrong rank."""
+    shards = {p: Shard(0, zigzag_chunks(10, 2, p)) for p in range(2)}
+    held = {0: (shards[0],), 1: (shards[1],), 2: ()}
+    plan = StepPlan(policy="test", num_ranks=3, capacity=8, sequences=(SequencePlacement(0, 10, (0, 2)),),
+                    ranks=tuple(RankSchedule(r, (MicroBatch(held[r], 8),)) for r in range(3)))
+    with pytest.raises(ValueError, match="held by ranks"):
+        plan.validate()
+
+
+def test_validate_catches_a_ring_sequence_nobody_holds():
+    plan = StepPlan(policy="test", num_ranks=2, capacity=8, sequences=(SequencePlacement(0, 10, (0, 1)),),
+                    ranks=(RankSchedule(0, ()), RankSchedule(1, ())))
+    with pytest.raises(ValueError, match="held by ranks"):
+        plan.validate()

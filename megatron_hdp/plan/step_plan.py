@@ -153,10 +153,11 @@ def _ints(values: list) -> np.ndarray:
 def _all_valid(plan: "StepPlan") -> bool:
     """Whether `plan` passes `StepPlan._check_each`, decided with array operations over all shards at once.
 
-    Whole sequences (a ring of one rank) are checked as arrays: held by exactly one shard, on their ring's
-    rank, as the single chunk (0, length); the few ring sequences go through `_validate_sequence`. Any
-    doubt — a failed check, a value of an unexpected type — answers False and `validate` then runs the
-    per-sequence check, which names the problem: this function may be stricter than it, never laxer.
+    Whole sequences (a ring of one rank): held by exactly one shard, on their ring's rank, as the single
+    chunk (0, length). Ring sequences: one shard per ring member, all at one micro-batch index, each the
+    member's two zigzag chunks. Any doubt — a failed check, a value of an unexpected type — answers
+    False and `validate` then runs the per-sequence check, which names the problem: this function may be
+    stricter than it, never laxer.
     """
     sequences, num_ranks = plan.sequences, plan.num_ranks
     num_sequences = len(sequences)
@@ -171,7 +172,7 @@ def _all_valid(plan: "StepPlan") -> bool:
             return False
         if (ids != np.arange(num_sequences)).any() or (lengths < 1).any() or (ring_sizes < 1).any():
             return False
-        if members.size and (members.min() < 0 or members.max() >= num_ranks):
+        if members.size and (members.min() < 0 or members.max() >= num_ranks):  # (keeps the keys below unique)
             return False
         # Every shard with its rank and micro-batch index, flattened rank by rank, micro-batch by micro-batch.
         per_rank = [r.microbatches for r in plan.ranks]
@@ -208,14 +209,43 @@ def _all_valid(plan: "StepPlan") -> bool:
             return False
         if (starts[at] != 0).any() or (ends[at] != lengths[held]).any():
             return False
-        # Ring sequences, one by one (a few hundred at most).
+        # Ring sequences: each ring member holds one shard, all in one micro-batch index, in zigzag layout.
+        if whole.all():
+            return True
+        ring_seq = seqs[~on_whole]
+        k = ring_sizes[ring_seq]
+        if int(lengths.max()) * 2 * int(ring_sizes.max()) >= 2**62:  # keep the bound arithmetic exact
+            return False
+        if (np.bincount(ring_seq, minlength=num_sequences) != np.where(whole, 0, ring_sizes)).any():
+            return False
+        # The ring position of each shard's rank: (sequence, rank) keys of every ring membership, searched.
+        first_member = np.cumsum(ring_sizes) - ring_sizes
+        member_at = np.flatnonzero(np.repeat(~whole, ring_sizes))
+        keys = np.repeat(np.arange(num_sequences), ring_sizes)[member_at] * num_ranks + members[member_at]
+        order = np.argsort(keys, kind="stable")
+        shard_keys = ring_seq * num_ranks + shard_rank[~on_whole]
+        found = np.searchsorted(keys[order], shard_keys)
+        if (found >= keys.size).any() or (keys[order][np.minimum(found, keys.size - 1)] != shard_keys).any():
+            return False
+        if np.unique(shard_keys).size != shard_keys.size:  # a rank holding the sequence twice
+            return False
+        position = member_at[order][found] - first_member[ring_seq]
+        # One micro-batch index per ring sequence.
         mb_index = np.arange(len(microbatches)) - np.repeat(np.cumsum(counts) - counts, counts)
-        shard_index = np.repeat(mb_index, num_shards)
-        holders: dict[int, list[tuple[int, int, Shard]]] = {int(seq): [] for seq in np.flatnonzero(~whole)}
-        for i in np.flatnonzero(~on_whole).tolist():
-            holders[int(seqs[i])].append((int(shard_rank[i]), int(shard_index[i]), shards[i]))
-        for seq, held_by in holders.items():
-            _validate_sequence(sequences[seq], held_by)
+        ring_index = np.repeat(mb_index, num_shards)[~on_whole]
+        index_of_seq = np.zeros(num_sequences, dtype=np.int64)
+        index_of_seq[ring_seq] = ring_index
+        if (index_of_seq[ring_seq] != ring_index).any():
+            return False
+        # Chunks p and 2k-1-p of 2k: chunk j spans [j L // 2k, (j + 1) L // 2k).
+        if (num_chunks[~on_whole] != 2).any():
+            return False
+        at = first_chunk[~on_whole]
+        length, parts = lengths[ring_seq], 2 * k
+        mirror = parts - 1 - position
+        if ((starts[at] != position * length // parts) | (ends[at] != (position + 1) * length // parts)
+                | (starts[at + 1] != mirror * length // parts) | (ends[at + 1] != (mirror + 1) * length // parts)).any():
+            return False
     except (TypeError, ValueError, IndexError, OverflowError):
         return False
     return True
