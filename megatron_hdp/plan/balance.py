@@ -112,17 +112,19 @@ def _plan_balance(
     exact: bool,
 ) -> StepPlan:
     capacity = config.hdp_capacity
-    sharding = shard_sequences(lengths, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
+    tokens = np.asarray(lengths, dtype=np.int64)  # once: the array steps below would each convert the list
+    sharding = shard_sequences(tokens, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
                                max_offload_ratio=config.max_offload_ratio, pp_size=pp_size)
     options = widening_options(
-        lengths, sharding.ring_sizes, sharding.offload_ratios, num_ranks=num_ranks, capacity=capacity,
+        tokens, sharding.ring_sizes, sharding.offload_ratios, num_ranks=num_ranks, capacity=capacity,
         cost_model=cost_model, max_offload_ratio=config.max_offload_ratio, pp_size=pp_size, alternatives=True)
-    common = dict(num_ranks=num_ranks, capacity=capacity, cost_model=cost_model, pp_size=pp_size, exact=exact)
+    common = dict(tokens=tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                  exact=exact)
     plan = _build(lengths, *options[0], **common)
     mean = sum(r.est_time for r in plan.ranks) / num_ranks
     if pp_size > 1 or (plan.est_step_time > RETRY_GAP * mean
                        and plan.est_step_time > RETRY_GAP * step_time_lower_bound(
-                           lengths, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
+                           tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
                            max_offload_ratio=config.max_offload_ratio)):
         for ring_sizes, offload_ratios in options[1:]:
             candidate = _build(lengths, ring_sizes, offload_ratios, **common)
@@ -139,21 +141,22 @@ def _build(
     ring_sizes: np.ndarray,
     offload_ratios: np.ndarray,
     *,
+    tokens: np.ndarray,
     num_ranks: int,
     capacity: int,
     cost_model: CostModel,
     pp_size: int,
     exact: bool,
 ) -> StepPlan:
-    """Steps 3-6 of the module doc for one choice of ring sizes."""
-    weights = member_times(lengths, ring_sizes, cost_model=cost_model, pp_size=pp_size)
+    """Steps 3-6 of the module doc for one choice of ring sizes (`tokens`: the lengths as an array)."""
+    weights = member_times(tokens, ring_sizes, cost_model=cost_model, pp_size=pp_size)
     long_ids = np.flatnonzero(ring_sizes > 1)
     order = long_ids[np.lexsort((long_ids, -weights[long_ids], -ring_sizes[long_ids]))].tolist()
     layout = place_rings(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks)
     whole_ids = np.flatnonzero(ring_sizes == 1)
     whole_order = whole_ids[np.lexsort((whole_ids, -weights[whole_ids]))].tolist()
     ring_counts = np.array([len(m) for m in layout.ring_microbatches], dtype=np.int64)
-    given = assign_whole(whole_order, weights=weights, tokens=np.asarray(lengths, dtype=np.int64),
+    given = assign_whole(whole_order, weights=weights, tokens=tokens,
                          base=layout.finish, cost=PipelineCost(pp_size, capacity, ring_counts), exact=exact)
     rings: list[tuple[int, ...]] = [()] * len(lengths)
     for seq, ring in layout.rings.items():

@@ -189,6 +189,7 @@ def widening_options(
         if pp_size > 1:
             targets += [max(lowest, min(target, full_microbatch / parts)) for parts in PIPELINE_CAPS]
     options, seen = [], set()
+    widened: dict[tuple[int, int], float | None] = {}  # (s, k) -> offload ratio, None if k does not fit
     for goal in targets:
         chosen = sizer.sizes_for(goal)
         key = tuple(chosen.values())
@@ -199,10 +200,13 @@ def widening_options(
         for s, k in chosen.items():
             if k == fewest[s]:
                 continue
-            held = max_member_tokens(s, k)
-            if fits(cost_model, seq_len=s, ring_size=k, num_tokens=held, capacity=capacity,
-                    max_offload_ratio=max_offload_ratio, pp_size=pp_size):
+            if (s, k) not in widened:  # options share most (length, ring size) pairs
+                held = max_member_tokens(s, k)
+                widened[s, k] = (needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
+                                 if fits(cost_model, seq_len=s, ring_size=k, num_tokens=held, capacity=capacity,
+                                         max_offload_ratio=max_offload_ratio, pp_size=pp_size) else None)
+            if widened[s, k] is not None:
                 sizes[holders[s]] = k
-                ratios[holders[s]] = needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
+                ratios[holders[s]] = widened[s, k]
         options.append((sizes, ratios))
     return options
