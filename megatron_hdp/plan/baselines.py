@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.plan.assemble import assemble_plan
+from megatron_hdp.plan.assemble import assemble_plan, gc_paused
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.layout import zigzag_chunk_bounds
 from megatron_hdp.plan.packing import best_fit
@@ -60,6 +60,7 @@ def _member_tokens(lengths: np.ndarray, cp: int) -> np.ndarray:
     return size(position) + size(2 * cp - 1 - position)
 
 
+@gc_paused()  # like `balance`: the whole build, not only its assembly (see `assemble.gc_paused`)
 def plan_static(
     lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1
 ) -> StepPlan:
@@ -93,6 +94,7 @@ def plan_static(
                          schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
 
 
+@gc_paused()
 def plan_naive(
     lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1
 ) -> StepPlan:
