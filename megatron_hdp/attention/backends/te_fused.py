@@ -145,6 +145,29 @@ def _mask(causal: bool) -> str:
     return "padding_causal" if causal else "padding"
 
 
+def _call_kwargs(q, k, v, *, segments: Segments, causal: bool, scale: float, sub_backend) -> dict:
+    """The keyword arguments `fused_attn_fwd` and `fused_attn_bwd` share: packed THD tensors without
+    padding, the mask, the scale, no dropout and no bias."""
+    return dict(
+        max_seqlen_q=segments.max_q,
+        max_seqlen_kv=segments.max_k,
+        cu_seqlens_q=segments.cu_seqlens_q,
+        cu_seqlens_kv=segments.cu_seqlens_k,
+        q=q.contiguous(),
+        k=k.contiguous(),
+        v=v.contiguous(),
+        fake_dtype=q.dtype,
+        fused_attention_backend=sub_backend,
+        cu_seqlens_q_padded=segments.cu_seqlens_q,
+        cu_seqlens_kv_padded=segments.cu_seqlens_k,
+        attn_scale=scale,
+        dropout=0.0,
+        qkv_layout="thd_thd_thd",
+        attn_bias_type="no_bias",
+        attn_mask_type=_mask(causal),
+    )
+
+
 class TeFusedBackend(AttentionBackend):
     """One TE fused-attention (cuDNN) call per block, all segments at once."""
 
@@ -172,22 +195,7 @@ class TeFusedBackend(AttentionBackend):
         api = _te_api()
         out, aux = api.fwd(
             is_training=True,
-            max_seqlen_q=segments.max_q,
-            max_seqlen_kv=segments.max_k,
-            cu_seqlens_q=segments.cu_seqlens_q,
-            cu_seqlens_kv=segments.cu_seqlens_k,
-            q=q.contiguous(),
-            k=k.contiguous(),
-            v=v.contiguous(),
-            fake_dtype=q.dtype,
-            fused_attention_backend=api.sub_backend,
-            cu_seqlens_q_padded=segments.cu_seqlens_q,
-            cu_seqlens_kv_padded=segments.cu_seqlens_k,
-            attn_scale=scale,
-            dropout=0.0,
-            qkv_layout="thd_thd_thd",
-            attn_bias_type="no_bias",
-            attn_mask_type=_mask(causal),
+            **_call_kwargs(q, k, v, segments=segments, causal=causal, scale=scale, sub_backend=api.sub_backend),
             **api.fwd_kwargs(),
         )[:2]
         stats = aux[0]
@@ -200,26 +208,11 @@ class TeFusedBackend(AttentionBackend):
         assert ragged is not None, f"te_fused backward on {q.device} before any forward there"
         rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: never read
         dq, dk, dv = api.bwd(
-            max_seqlen_q=segments.max_q,
-            max_seqlen_kv=segments.max_k,
-            cu_seqlens_q=segments.cu_seqlens_q,
-            cu_seqlens_kv=segments.cu_seqlens_k,
-            q=q.contiguous(),
-            k=k.contiguous(),
-            v=v.contiguous(),
             o=out.contiguous(),
             d_o=dout.contiguous(),
-            fake_dtype=q.dtype,
             aux_ctx_tensors=[lse_to_stats(lse, segments, ragged=ragged), rng_state],
-            fused_attention_backend=api.sub_backend,
-            cu_seqlens_q_padded=segments.cu_seqlens_q,
-            cu_seqlens_kv_padded=segments.cu_seqlens_k,
-            attn_scale=scale,
-            dropout=0.0,
-            qkv_layout="thd_thd_thd",
-            attn_bias_type="no_bias",
-            attn_mask_type=_mask(causal),
             deterministic=False,
+            **_call_kwargs(q, k, v, segments=segments, causal=causal, scale=scale, sub_backend=api.sub_backend),
             **api.bwd_kwargs(q.dtype),
         )[:3]
         return dq, dk, dv
