@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence, TypeVar
 
 import numpy as np
 
-from megatron_hdp.plan.layout import Interval, zigzag_chunks
+from megatron_hdp.plan.layout import Interval, zigzag_chunk_bounds, zigzag_chunks
 
 PLAN_VERSION = 1
 
@@ -238,14 +238,15 @@ def _all_valid(plan: "StepPlan") -> bool:
         index_of_seq[ring_seq] = ring_index
         if (index_of_seq[ring_seq] != ring_index).any():
             return False
-        # Chunks p and 2k-1-p of 2k: chunk j spans [j L // 2k, (j + 1) L // 2k).
+        # Chunks p and 2k-1-p of 2k (`zigzag_chunk_bounds` is integer arithmetic, so it takes arrays too).
         if (num_chunks[~on_whole] != 2).any():
             return False
         at = first_chunk[~on_whole]
-        length, parts = lengths[ring_seq], 2 * k
-        mirror = parts - 1 - position
-        if ((starts[at] != position * length // parts) | (ends[at] != (position + 1) * length // parts)
-                | (starts[at + 1] != mirror * length // parts) | (ends[at + 1] != (mirror + 1) * length // parts)).any():
+        length = lengths[ring_seq]
+        first_start, first_end = zigzag_chunk_bounds(length, k, position)
+        second_start, second_end = zigzag_chunk_bounds(length, k, 2 * k - 1 - position)
+        if ((starts[at] != first_start) | (ends[at] != first_end)
+                | (starts[at + 1] != second_start) | (ends[at + 1] != second_end)).any():
             return False
     except (TypeError, ValueError, IndexError, OverflowError):
         return False
