@@ -75,6 +75,7 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        context_parallel_size=args.context_parallel_size,  # SFTDataset reads it
     )
     if args.sft:
         from megatron.training.datasets.sft_dataset import SFTDataset
