@@ -67,11 +67,12 @@ class HDPConfig:
     """Steps between HDP statistics lines (balance, rings, attention bytes, offload)."""
 
     hdp_overlong_documents: OverlongDocuments = "error"
-    """A document longer than this run can train: error (stop, naming the document and the limit) or
+    """A sequence longer than this run can train: error (stop, naming the document and the limit) or
     truncate (keep its first tokens that fit). The limit is the smaller of two: the model's maximum
     sequence length (Megatron's --seq-length, which the loader gets as max_length; RoPE tables and
     position embeddings are sized by it) and the longest document the whole HDP pool can hold
-    (hdp_capacity x the pool's ranks, stretched by the offload ratio the cost model lets hide)."""
+    (hdp_capacity x the pool's ranks, stretched by the offload ratio the cost model lets hide). GPT,
+    blended and mock documents are already cut at --seq-length; SFT conversations are not."""
 
     hdp_attention_backend: AttentionBackendName = "auto"
     """Local attention kernel of HDP's attention (each ring step and each whole document): auto takes
