@@ -2,6 +2,7 @@
 against megatron-core's own readers and index."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -206,20 +207,28 @@ def _megatron_rank(rank, world_size, prefix):
 
     initialize_hdp()
     set_args(SimpleNamespace(seed=5, global_batch_size=6, sequence_parallel=False, hdp=True, hdp_capacity=64,
-                             hdp_offload=False, hdp_policy="balance", hdp_global_batch_tokens=None))
+                             hdp_offload=False, hdp_policy="balance", hdp_global_batch_tokens=None,
+                             reset_attention_mask=True, reset_position_ids=True))
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("megatron_hdp.megatron.datasets").addHandler(handler)
+    build_hdp_data_loader(prefix, 0, cost_model=analytic_cost_model("llama-7b")).close()  # e.g. validation
     loader = build_hdp_data_loader(prefix, 0, cost_model=analytic_cost_model("llama-7b"))
     steps = [next(loader) for _ in range(2)]
     loader.close()
     destroy_hdp()
-    return [(s.plan.digest(), s.sample_ids.tolist(), s.consumed_samples,
-             sorted(t for mb in s.microbatches for t in mb.tokens[mb.loss_mask > 0].tolist())) for s in steps]
+    return said, [(s.plan.digest(), s.sample_ids.tolist(), s.consumed_samples,
+                   sorted(t for mb in s.microbatches for t in mb.tokens[mb.loss_mask > 0].tolist())) for s in steps]
 
 
 def test_build_hdp_data_loader_reads_megatrons_args_and_parallel_state(tmp_path):
     docs = [np.arange(n) + 1000 * d for d, n in enumerate(np.random.default_rng(4).integers(2, 120, 20))]
     prefix = str(tmp_path / "docs")
     write_indexed_dataset(prefix, docs, vocab_size=20_000)
-    ranks = run_gloo(_megatron_rank, 2, prefix, timeout_s=240)
+    said, ranks = zip(*run_gloo(_megatron_rank, 2, prefix, timeout_s=240))
+    # document boundaries replace --reset-attention-mask/--reset-position-ids: said once per process
+    assert all(len(messages) == 1 and "no effect with --hdp" in messages[0] for messages in said)
     for index, (r0, r1) in enumerate(zip(*ranks)):
         assert r0[:3] == r1[:3] and r0[2] == 6 * (index + 1)  # same plan, 6 documents a step
         expected = np.random.default_rng((5, 0)).permutation(20)[6 * index: 6 * index + 6]  # seed 5, epoch 0
