@@ -7,7 +7,8 @@
 - `PlannedPiecesDataset`: the reference for document-level HDP. It reads plans saved with
   `--hdp-save-plans` and yields, step after step, each planned sequence as its own Megatron sample: the
   piece's tokens (by its `source`: document, offset, length, read from the indexed dataset directly),
-  padded to --seq-length with loss mask 0 on the padding. Causal attention keeps the padding at the end
+  padded to --seq-length with loss mask 0 on the padding (and, with --eod-mask-loss, on input positions
+  holding the tokenizer's EOD, as Megatron masks them). Causal attention keeps the padding at the end
   invisible to the real positions, so a plain run with --global-batch-size = the documents of a step
   computes each document as its own sequence: HDP's loss, by an independent path.
 - `expected_pieces(raw_lengths, seq_length)`: (document, offset, length) of every piece of every
@@ -57,11 +58,13 @@ def read_saved_plans(directory: str | Path) -> list[dict]:
 class PlannedPiecesDataset:
     """Each planned sequence of the saved plans as one padded Megatron sample (module docstring)."""
 
-    def __init__(self, plans_dir: str, data_prefix: str, seq_length: int):
+    def __init__(self, plans_dir: str, data_prefix: str, seq_length: int, *, eod: Optional[int] = None):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         self.indexed = IndexedDataset(data_prefix)
         self.seq_length = seq_length
+        self.eod = eod
+        """With --eod-mask-loss: input positions holding this token do not count (Megatron's rule)."""
         self.pieces = [
             (entry["source"]["document"], entry["source"]["offset"], entry["length"])
             for plan in read_saved_plans(plans_dir)
@@ -80,15 +83,20 @@ class PlannedPiecesDataset:
         labels = torch.zeros(self.seq_length, dtype=torch.int64)
         loss_mask = torch.zeros(self.seq_length, dtype=torch.float32)
         tokens[:length], labels[:length], loss_mask[:length] = raw[:-1], raw[1:], 1.0
+        if self.eod is not None:
+            loss_mask[:length][raw[:-1] == self.eod] = 0.0
         causal = torch.triu(torch.ones(self.seq_length, self.seq_length, dtype=torch.bool), diagonal=1)
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
                 "position_ids": torch.arange(self.seq_length), "attention_mask": causal.unsqueeze(0)}
 
 
 def _planned_pieces_provider(plans_dir: str, data_prefix: str, train_val_test_num_samples, vp_stage=None):
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
     from megatron.training import get_args
 
-    return PlannedPiecesDataset(plans_dir, data_prefix, get_args().seq_length), None, None
+    args = get_args()
+    eod = build_tokenizer(args).eod if args.eod_mask_loss else None
+    return PlannedPiecesDataset(plans_dir, data_prefix, args.seq_length, eod=eod), None, None
 
 
 def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: Optional[tuple[str, str]] = None,

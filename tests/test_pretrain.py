@@ -7,7 +7,8 @@ attention inside Megatron's own layers, offloading part of their activations) sa
 --seq-length), one epoch's documents appear exactly once, each sequence's saved source names its piece,
 and every step's loss equals an independent reference: plain single-process Megatron (no --hdp, same
 model, seed and initial weights) trained on each saved piece as its own padded sample
-(tests/pretrain_harness.PlannedPiecesDataset), the same documents per step.
+(tests/pretrain_harness.PlannedPiecesDataset), the same documents per step. Both runs use
+--eod-mask-loss: HDP's mask comes from its document source, the reference's from Megatron's rule.
 """
 
 import numpy as np
@@ -25,7 +26,8 @@ STEPS = 4
 # shuffled on its own: its first 32 pieces are exactly one epoch.
 RAW_LENGTHS = [*np.random.default_rng(7).integers(3, 65, 24).tolist(), 200, 129, 66]
 COMMON = TINY + ["--seq-length", str(SEQ_LENGTH), "--global-batch-size", str(DOCS_PER_STEP),
-                 "--train-iters", str(STEPS)]
+                 "--train-iters", str(STEPS), "--eod-mask-loss"]
+EOD = 255  # NullTokenizer's EOD: --vocab-size - 1; the counting documents hold it inside some documents
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,12 @@ def test_pretrain_plans_documents_and_matches_each_document_as_its_own_sequence(
     for document in range(len(RAW_LENGTHS)):  # a long document's pieces come one after another
         offsets = [offset for doc, offset, _ in planned if doc == document]
         assert offsets == sorted(offsets)
+
+    # --eod-mask-loss has something to mask: some planned input positions hold the EOD token
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    indexed = IndexedDataset(data_prefix)
+    assert any((indexed.get(doc, offset=offset, length=length) == EOD).any() for doc, offset, length in planned)
 
     reference = run_gloo(pretrain_rank, 1, COMMON + data, (plans_dir, data_prefix), timeout_s=240,
                          env={"LOCAL_RANK": "0", "WORLD_SIZE": "1"})[0]
