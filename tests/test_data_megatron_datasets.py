@@ -123,6 +123,17 @@ def test_blended_source_honours_the_weights_by_tokens(gpt_datasets):
     assert blend.lengths.size < len(members[0].lengths) + len(members[1].lengths)
 
 
+def test_blend_without_size_takes_every_document_of_every_member(gpt_datasets):
+    gpt, blended = gpt_datasets
+    whole = BlendedDataset(blended.datasets, [len(member) for member in blended.datasets], None, blended.config)
+    blend = document_source(whole)
+    members = [document_source(member) for member in blended.datasets]
+    # Megatron's size-less blend uses every member fully: by tokens, every piece once, so each member's
+    # share of the epoch's tokens is exactly its share of the data
+    np.testing.assert_array_equal(np.bincount(blend.dataset_index), [len(m.lengths) for m in members])
+    assert blend.lengths.sum() == sum(m.lengths.sum() for m in members)
+
+
 def test_token_blend_order_is_exact_when_pieces_allow_it():
     lengths = [np.full(30, 10), np.full(20, 5)]
     member, sample = token_blend_order(lengths, np.array([3.0, 1.0]))
