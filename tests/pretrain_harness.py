@@ -1,0 +1,134 @@
+"""Harness for `megatron.training.pretrain` runs through examples/pretrain_gpt_hdp.py in test processes.
+
+- `TINY`: a tiny GPT's Megatron flags (CPU, gloo, per-token loss, no fusions) without data flags.
+- `pretrain_rank(rank, world_size, argv, reference_plans=None)`: one rank of a run (for `run_gloo`);
+  returns the losses, HDP statistics and consumed-sample counts Megatron logged per step. With
+  `reference_plans=(plans_dir, data_prefix)` the run trains plain Megatron on `PlannedPiecesDataset`.
+- `PlannedPiecesDataset`: the reference for document-level HDP. It reads plans saved with
+  `--hdp-save-plans` and yields, step after step, each planned sequence as its own Megatron sample: the
+  piece's tokens (by its `source`: document, offset, length, read from the indexed dataset directly),
+  padded to --seq-length with loss mask 0 on the padding (and, with --eod-mask-loss, on input positions
+  holding the tokenizer's EOD, as Megatron masks them). Causal attention keeps the padding at the end
+  invisible to the real positions, so a plain run with --global-batch-size = the documents of a step
+  computes each document as its own sequence: HDP's loss, by an independent path.
+- `expected_pieces(raw_lengths, seq_length)`: (document, offset, length) of every piece of every
+  document, by the documented cutting rule, written out independently of the package.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --max-position-embeddings 256 "
+    "--micro-batch-size 1 --lr 3e-3 --lr-decay-style constant "
+    "--tokenizer-type NullTokenizer --vocab-size 256 --split 100,0,0 --num-workers 0 --seed 1234 "
+    "--transformer-impl local --no-gradient-accumulation-fusion --no-bias-dropout-fusion --no-rope-fusion "
+    "--no-masked-softmax-fusion --no-persist-layer-norm --attention-dropout 0 --hidden-dropout 0 "
+    "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+    "--use-cpu-initialization --distributed-backend gloo --calculate-per-token-loss "
+    "--log-interval 1 --eval-iters 0 --eval-interval 1000"
+).split()
+
+
+def expected_pieces(raw_lengths: list[int], seq_length: int) -> list[tuple[int, int, int]]:
+    """(document, offset, length) of each piece: a document of n raw tokens has n - 1 positions, cut
+    into consecutive runs of at most seq_length."""
+    pieces = []
+    for document, raw in enumerate(raw_lengths):
+        for offset in range(0, raw - 1, seq_length):
+            pieces.append((document, offset, min(seq_length, raw - 1 - offset)))
+    return pieces
+
+
+def read_saved_plans(directory: str | Path) -> list[dict]:
+    """The saved plans in iteration order."""
+    return [json.loads(path.read_text()) for path in sorted(Path(directory).glob("iter_*.json"))]
+
+
+class PlannedPiecesDataset:
+    """Each planned sequence of the saved plans as one padded Megatron sample (module docstring)."""
+
+    def __init__(self, plans_dir: str, data_prefix: str, seq_length: int, *, eod: Optional[int] = None):
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        self.indexed = IndexedDataset(data_prefix)
+        self.seq_length = seq_length
+        self.eod = eod
+        """With --eod-mask-loss: input positions holding this token do not count (Megatron's rule)."""
+        self.pieces = [
+            (entry["source"]["document"], entry["source"]["offset"], entry["length"])
+            for plan in read_saved_plans(plans_dir)
+            for entry in sorted(plan["sequences"], key=lambda entry: entry["id"])
+        ]
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def __getitem__(self, index: int) -> dict:
+        import torch
+
+        document, offset, length = self.pieces[index]
+        raw = torch.from_numpy(self.indexed.get(document, offset=offset, length=length + 1).astype(np.int64))
+        tokens = torch.zeros(self.seq_length, dtype=torch.int64)
+        labels = torch.zeros(self.seq_length, dtype=torch.int64)
+        loss_mask = torch.zeros(self.seq_length, dtype=torch.float32)
+        tokens[:length], labels[:length], loss_mask[:length] = raw[:-1], raw[1:], 1.0
+        if self.eod is not None:
+            loss_mask[:length][raw[:-1] == self.eod] = 0.0
+        causal = torch.triu(torch.ones(self.seq_length, self.seq_length, dtype=torch.bool), diagonal=1)
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+                "position_ids": torch.arange(self.seq_length), "attention_mask": causal.unsqueeze(0)}
+
+
+def _planned_pieces_provider(plans_dir: str, data_prefix: str, train_val_test_num_samples, vp_stage=None):
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training import get_args
+
+    args = get_args()
+    eod = build_tokenizer(args).eod if args.eod_mask_loss else None
+    return PlannedPiecesDataset(plans_dir, data_prefix, args.seq_length, eod=eod), None, None
+
+
+def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: Optional[tuple[str, str]] = None,
+                  offload_min_tensor_bytes: Optional[int] = 0) -> dict:
+    """Run examples/pretrain_gpt_hdp.main(argv) on this rank; return what Megatron logged per step."""
+    os.environ["RANK"] = str(rank)  # Megatron's parse_args reads RANK and WORLD_SIZE from the environment
+    sys.path.insert(0, str(ROOT / "examples"))
+    from megatron_hdp.megatron.training_compat import require_megatron_training
+
+    require_megatron_training()
+    from megatron.training import training
+
+    import pretrain_gpt_hdp
+
+    from megatron_hdp.megatron import training_install
+    from megatron_hdp.offload import OffloadConfig
+
+    if offload_min_tensor_bytes is not None:  # the tiny model's tensors move too
+        training_install.OFFLOAD_CONFIG = OffloadConfig(min_tensor_bytes=offload_min_tensor_bytes)
+    if reference_plans is not None:
+        pretrain_gpt_hdp.datasets_provider = functools.partial(_planned_pieces_provider, *reference_plans)
+
+    losses, stats, consumed = [], [], []
+    original = training.training_log
+
+    def recording_training_log(loss_dict, *args, **kwargs):
+        if "lm loss" in loss_dict:
+            losses.append(float(loss_dict["lm loss"]))
+        stats.append(training_install.hdp_statistics())
+        consumed.append(training.get_args().consumed_train_samples)  # after Megatron's per-step increment
+        return original(loss_dict, *args, **kwargs)
+
+    training.training_log = recording_training_log
+    pretrain_gpt_hdp.main(argv)
+    return {"losses": losses, "stats": stats, "consumed": consumed}
