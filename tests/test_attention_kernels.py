@@ -133,7 +133,9 @@ def test_backend_choice():
         get_backend("torch_varlen", device=CPU, dtype=torch.float16)
     with pytest.raises(ValueError, match="no attention backend supports"):
         get_backend("auto", device=CPU, dtype=torch.int32)
-    assert get_backend("auto", device=CPU, dtype=torch.float32).name == "cpu_flash"
+    auto = get_backend("auto", device=CPU, dtype=torch.float32)
+    q = torch.randn(5, 2, 8)
+    assert type(auto.kernel_for(q, q, Segments((5,), (5,), CPU))).__name__ == "CpuFlashBackend"
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -188,13 +190,14 @@ def test_simulated_ring_matches_reference(seqlens, ring_size, heads, causal, see
     _check_simulated_ring(seqlens, ring_size, *heads, causal, seed)
 
 
-def test_auto_choice_is_logged_once(caplog):
-    from megatron_hdp.attention.backends import _resolve
+def test_auto_choice_is_logged_once_per_shape(caplog):
+    from megatron_hdp.attention.backends import _kernel_for
 
-    _resolve.cache_clear()
+    _kernel_for.cache_clear()
     with caplog.at_level(logging.INFO, logger="megatron_hdp.attention.backends"):
-        for _ in range(3):
-            get_backend("auto", device=CPU, dtype=torch.float64)
+        for seqlens in ([5, 6], [7], [8, 1]):  # one length bucket: (4, 8]
+            q = torch.randn(sum(seqlens), 2, 8, dtype=torch.float64)
+            local_varlen_attention(q, q, q, seqlens=seqlens, backend="auto")
     assert sum("cpu_flash" in r.getMessage() for r in caplog.records) == 1
 
 
