@@ -13,14 +13,12 @@ import types
 
 import pytest
 import torch
-from attention_reference import reference_with_grads
-from kernel_stand_ins import with_signature
+from kernel_stand_ins import check_backend_in_ring, cleared_caches, segment_attention, with_signature
 
-from megatron_hdp.attention import get_backend, simulated_ring_attention
-from megatron_hdp.attention.backends import Segments, _kernel_for, _resolve, flash_attn_varlen, grads_by_recompute
+from megatron_hdp.attention import get_backend
+from megatron_hdp.attention.backends import Segments, flash_attn_varlen, grads_by_recompute
 
 CUDA = torch.device("cuda")
-TOL = dict(rtol=1e-4, atol=1e-4)
 
 _FWD_REQUIRED = ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p"]
 _FWD_REQUIRED += ["softmax_scale", "causal"]
@@ -44,26 +42,14 @@ SIGNATURES = {  # (forward required, optional), (backward required, optional), f
 SIGNATURES["2.8.3"] = SIGNATURES["2.7.4"]  # unchanged between these tags
 
 
-def _attention(q, k, v, segments, causal, scale):
-    """Differentiable (out, lse [H, T]) over packed segments in plain torch."""
-    group, outs, lses = q.shape[1] // k.shape[1], [], []
-    for q0, q1, k0, k1 in zip(segments.cu_q, segments.cu_q[1:], segments.cu_k, segments.cu_k[1:]):
-        kk, vv = (x[k0:k1].repeat_interleave(group, 1) for x in (k, v))
-        scores = torch.einsum("qhd,khd->hqk", q[q0:q1], kk) * scale
-        if causal:
-            scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
-        lses.append(scores.logsumexp(-1))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
-    return torch.cat(outs), torch.cat(lses, 1)
-
-
 def fake_flash_attn(version: str) -> dict[str, types.ModuleType]:
     """sys.modules entries of a stand-in flash-attn `version`."""
     (fwd_sig, bwd_sig, num_results) = SIGNATURES[version]
 
     def segments_of(kw):
         cu_q, cu_k = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
-        segments = Segments(tuple(b - a for a, b in zip(cu_q, cu_q[1:])), tuple(b - a for a, b in zip(cu_k, cu_k[1:])), CPU)
+        lengths_q, lengths_k = (tuple(b - a for a, b in zip(cu, cu[1:])) for cu in (cu_q, cu_k))
+        segments = Segments(lengths_q, lengths_k, CPU)
         assert (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (segments.max_q, segments.max_k)
         window = kw.get("window_size", (-1, -1)) if num_results == 8 else (
             kw.get("window_size_left", -1), kw.get("window_size_right", -1))  # the defaults, where there are
@@ -71,7 +57,7 @@ def fake_flash_attn(version: str) -> dict[str, types.ModuleType]:
         return segments
 
     def fwd(**kw):
-        out, lse = _attention(kw["q"], kw["k"], kw["v"], segments_of(kw), kw["causal"], kw["softmax_scale"])
+        out, lse = segment_attention(kw["q"], kw["k"], kw["v"], segments_of(kw), kw["causal"], kw["softmax_scale"])
         rng_state = torch.zeros(2, dtype=torch.int64)
         if num_results == 8:  # out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state
             return out, kw["q"], kw["k"], kw["v"], out, lse, None, rng_state
@@ -80,7 +66,7 @@ def fake_flash_attn(version: str) -> dict[str, types.ModuleType]:
     def bwd(**kw):
         segments = segments_of(kw)
         grads = grads_by_recompute(
-            lambda q, k, v: _attention(q, k, v, segments, kw["causal"], kw["softmax_scale"]),
+            lambda q, k, v: segment_attention(q, k, v, segments, kw["causal"], kw["softmax_scale"]),
             kw["dout"], kw["q"], kw["k"], kw["v"], kw["out"], kw["softmax_lse"],
         )
         for target, grad in zip((kw["dq"], kw["dk"], kw["dv"]), grads):
@@ -102,12 +88,8 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def fresh_caches():
-    caches = (_resolve, _kernel_for, flash_attn_varlen._flash_api, flash_attn_varlen.flash_attn_problem)
-    for cache in caches:
-        cache.cache_clear()
-    yield
-    for cache in caches:
-        cache.cache_clear()
+    with cleared_caches(flash_attn_varlen._flash_api, flash_attn_varlen.flash_attn_problem):
+        yield
 
 
 def install(monkeypatch, modules: dict, version: str | None, capability=(9, 0)):
@@ -125,19 +107,7 @@ def test_flash_attn_calls_against_reference(monkeypatch, fresh_caches, version):
     monkeypatch.setattr(
         flash_attn_varlen.FlashAttnVarlenBackend, "supports", classmethod(lambda cls, device, dtype: True)
     )
-    seqlens = [1, 5, 12, 23]
-    gen = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(sum(seqlens), h, 8, generator=gen) for h in (4, 2, 2, 4))
-    for causal in (True, False):
-        want = reference_with_grads(q, k, v, dout, seqlens, causal=causal, scale=0.3)
-        for ring_size in (1, 3):
-            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-            out = simulated_ring_attention(
-                *leaves, seqlens=seqlens, ring_size=ring_size, causal=causal, softmax_scale=0.3, backend="flash_attn"
-            )
-            got = [out, *torch.autograd.grad(out, leaves, dout)]
-            for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-                torch.testing.assert_close(g.double(), w, **TOL, msg=lambda m: f"{version} causal={causal} {name}: {m}")
+    check_backend_in_ring("flash_attn", version)
 
 
 def _namespace_flash_attn() -> dict:
@@ -180,10 +150,11 @@ def test_flash_attn_local_call_unpacks_each_release(monkeypatch, fresh_caches):
     """The forward's (out, lse) for both result layouts, compared directly with the math."""
     segments = Segments((3, 6), (3, 6), CPU)
     q, k, v = (torch.randn(9, h, 8, dtype=torch.float64) for h in (4, 2, 2))
-    want_out, want_lse = _attention(q, k, v, segments, True, 0.5)
+    want_out, want_lse = segment_attention(q, k, v, segments, True, 0.5)
     for version in SIGNATURES:
         flash_attn_varlen._flash_api.cache_clear()
         install(monkeypatch, fake_flash_attn(version), version)
-        out, lse = flash_attn_varlen.FlashAttnVarlenBackend().forward(q, k, v, segments=segments, causal=True, scale=0.5)
+        backend = flash_attn_varlen.FlashAttnVarlenBackend()
+        out, lse = backend.forward(q, k, v, segments=segments, causal=True, scale=0.5)
         torch.testing.assert_close(out, want_out)
         torch.testing.assert_close(lse, want_lse)

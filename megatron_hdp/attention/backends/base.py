@@ -142,6 +142,23 @@ class AttentionBackend(abc.ABC):
         """(dq, dk, dv) of this block, in the dtypes of q, k, v, for the rows' final `out` and `lse`."""
 
 
+def half_precision_cuda_problem(
+    device: torch.device, dtype: torch.dtype, library_problem: Callable[[], str | None], kernel: str
+) -> str | None:
+    """Why a library's fp16/bf16 CUDA kernel (TE, flash-attn) cannot run on `device` with `dtype`: not
+    CUDA, another dtype, the library's own problem (absent, wrong version), or compute capability < 8.0."""
+    if device.type != "cuda":
+        return "it needs a CUDA device"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "it takes float16 or bfloat16 only"
+    problem = library_problem()
+    if problem is not None:
+        return problem
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return f"{kernel} needs compute capability 8.0 or newer"
+    return None
+
+
 def grads_by_recompute(
     forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     dout: torch.Tensor,

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, Segments
+from megatron_hdp.attention.backends.base import AttentionBackend, Segments, half_precision_cuda_problem
 
 logger = logging.getLogger(__name__)
 
@@ -105,16 +105,7 @@ class FlashAttnVarlenBackend(AttentionBackend):
     @classmethod
     def unsupported_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why this backend cannot run on `device` with `dtype` (None: it can)."""
-        if device.type != "cuda":
-            return "it needs a CUDA device"
-        if dtype not in (torch.float16, torch.bfloat16):
-            return "it takes float16 or bfloat16 only"
-        problem = flash_attn_problem()
-        if problem is not None:
-            return problem
-        if torch.cuda.get_device_capability(device)[0] < 8:
-            return "FlashAttention-2 needs compute capability 8.0 or newer"
-        return None
+        return half_precision_cuda_problem(device, dtype, flash_attn_problem, "FlashAttention-2")
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:

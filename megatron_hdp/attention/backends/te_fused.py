@@ -54,13 +54,12 @@ from typing import Callable
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, KernelShape, Segments
+from megatron_hdp.attention.backends.base import AttentionBackend, KernelShape, Segments, half_precision_cuda_problem
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MAJOR = 2
 """The TE major version whose `fused_attn_fwd` / `fused_attn_bwd` signatures this file is written for."""
-_DTYPES = (torch.float16, torch.bfloat16)
 _STATS_LAYOUT: dict[str, str] = {}
 """Per device, the statistics layout the forward returned (the backward needs the same): "tokens"
 [T, H, 1], "max_tokens" [get_max_tokens(T), H, 1] or "segments" [B, H, max_seqlen_q, 1]."""
@@ -264,16 +263,7 @@ class TeFusedBackend(AttentionBackend):
     @classmethod
     def unsupported_reason(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why this backend cannot run on `device` with `dtype` (None: it can)."""
-        if device.type != "cuda":
-            return "it needs a CUDA device"
-        if dtype not in _DTYPES:
-            return "it takes float16 or bfloat16 only"
-        problem = te_version_problem()
-        if problem is not None:
-            return problem
-        if torch.cuda.get_device_capability(device)[0] < 8:
-            return "cuDNN fused attention needs compute capability 8.0 or newer"
-        return None
+        return half_precision_cuda_problem(device, dtype, te_version_problem, "cuDNN fused attention")
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
