@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron_hdp.cli import main
-from megatron_hdp.commands.plan import parse_count
+from megatron_hdp.commands.arguments import parse_count
 from megatron_hdp.plan.step_plan import StepPlan
 
 
