@@ -38,11 +38,12 @@ class PlanEstimate:
 
     def refusal(self, *, max_shards: int, max_seconds: float) -> str | None:
         """Why this plan is not attempted under the limits (naming the flag that raises them), or None."""
-        size = f"~{self.num_shards:,} shards (~{self.gigabytes:.1f} GB), ~{self.seconds:.0f} s to plan"
+        size = f"~{self.num_shards:,} shards (~{self.gigabytes:.1f} GB) and ~{self.seconds:.0f} s"
         if self.num_shards > max_shards:
-            return f"skipped: its plan would hold {size} > --max-shards {max_shards:,}; plan fewer --tokens"
+            return f"skipped: its plan is estimated at {size}, over --max-shards {max_shards:,}; plan fewer --tokens"
         if self.seconds > max_seconds:
-            return f"skipped: its plan would take {size} > --max-plan-seconds {max_seconds:g}; plan fewer --tokens"
+            return (f"skipped: its plan is estimated at {size}, over --max-plan-seconds {max_seconds:g}; "
+                    "plan fewer --tokens")
         return None
 
 
