@@ -15,8 +15,8 @@ _SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 def parse_count(text: str) -> int:
     """'32M' -> 33554432, '4096' -> 4096 (binary suffixes K, M, G); positive."""
-    text = str(text).strip().upper()
-    scale = _SUFFIXES.get(text[-1:], 1)
+    text = str(text).strip()
+    scale = _SUFFIXES.get(text[-1:].upper(), 1)
     number = text[:-1] if scale > 1 else text
     try:
         value = int(float(number) * scale)
