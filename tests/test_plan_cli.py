@@ -116,7 +116,7 @@ def test_plan_from_saved_file_and_directory(tmp_path, capsys):
     picture = tmp_path / "step.png"
     assert main(["plan", "--from", str(paths[0]), "--plot", str(picture)]) == 0
     text = capsys.readouterr().out
-    assert "iter_0000001" in text and "2 datasets, 7 docs" in text and picture.stat().st_size > 10_000
+    assert "iter_0000001" in text and "2 datasets, 7 documents" in text and picture.stat().st_size > 10_000
     strip = tmp_path / "steps.png"
     assert main(["plan", "--from", str(tmp_path / "plans"), "--plot", str(strip), "--plot-steps", "2"]) == 0
     text = capsys.readouterr().out

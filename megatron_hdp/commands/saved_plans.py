@@ -50,8 +50,9 @@ def saved_row(saved: SavedPlan) -> str:
     """One step of the table: the plan's shape and where its documents came from."""
     plan, summary = saved.plan, saved.plan.summary()
     sources = [s for s in saved.sources if s]
-    origin = (f"{len({s.get('dataset') for s in sources})} datasets, {len({(s.get('dataset'), s.get('document')) for s in sources})} docs"
-              if sources else "-")
+    datasets = len({s.get("dataset") for s in sources})
+    documents = len({(s.get("dataset"), s.get("document")) for s in sources})
+    origin = f"{datasets} dataset{'s' * (datasets != 1)}, {documents} documents" if sources else "-"
     return (f"{saved.name:<16}{plan.policy:<20}{plan.num_ranks:>6}{plan.capacity:>9}{summary.num_sequences:>7}"
             f"{summary.num_tokens:>12,}{summary.num_rings:>7}{max(summary.ring_sizes, default=1):>9}"
             f"{f'{summary.min_microbatches}-{summary.max_microbatches}':>9}{summary.balance:>9.3f}"
