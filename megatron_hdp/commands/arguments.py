@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 _SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -27,12 +27,16 @@ def parse_count(text: str) -> int:
     return value
 
 
+def _converted(text: str, convert: Callable[[str], Any], what: str) -> Any:
+    try:
+        return convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _converted(text, int, "an integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
@@ -40,10 +44,7 @@ def positive_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """A finite number > 0 (seconds, bytes/s, GiB)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _converted(text, float, "a number")
     if not 0.0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
@@ -51,10 +52,7 @@ def positive_float(text: str) -> float:
 
 def fraction(text: str) -> float:
     """A number in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _converted(text, float, "a number")
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
