@@ -115,3 +115,13 @@ def test_plan_with_default_batch_at_16384_ranks_stays_bounded():
     assert "skipped:" in lines["static"] and "--max-shards" in lines["static"]
     assert "skipped:" in lines["megatron-hybrid-cp"] and "--max-plan-seconds" in lines["megatron-hybrid-cp"]
     assert "n/a" not in lines["balance"] and "n/a" not in lines["naive"]
+
+
+def test_plan_imports_megatron_and_torch_only_for_megatron_hybrid_cp():
+    code = ("import sys; from megatron_hdp.cli import main; "
+            "assert main(['plan', '--dist', 'github', '--tokens', '64K', '--ranks', '8', '--capacity', '16K', "
+            "'--compare', 'balance,naive,static']) == 0; "
+            "sys.exit(any(m.split('.')[0] in ('megatron', 'torch') for m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    assert result.returncode == 0, result.stderr
