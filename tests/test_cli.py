@@ -125,3 +125,15 @@ def test_plan_imports_megatron_and_torch_only_for_megatron_hybrid_cp():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_bug_of_ours_is_one_line_naming_its_type(monkeypatch, capsys):
+    import megatron_hdp.commands.plan as plan_command
+
+    def broken(args):
+        raise RuntimeError("something we did not foresee")
+
+    monkeypatch.setattr(plan_command, "run", broken)
+    code, _, err = _run_main(["plan", "--dist", "github", "--ranks", "8", "--capacity", "4K"], capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert "internal error (RuntimeError): something we did not foresee" in err and "--verbose" in err
