@@ -8,7 +8,7 @@
 
 The batch is either a length file (one integer per line; all of it, or a sample of --tokens tokens) or
 a mix (`--dist`: byted, github, wikipedia, prolong, wlbllm) sampled to --tokens (default 4 x ranks x
-capacity, at most 256M tokens). Each policy's row shows the predicted step time, its gap to the lower
+capacity, at most 128M tokens). Each policy's row shows the predicted step time, its gap to the lower
 bound any plan has, balance (max / mean rank time), rings, micro-batches per rank, ring-attention bytes
 (TB per step), the sequences that offload and the planner's wall time (validation included). A policy
 whose plan is estimated to exceed --max-shards or --max-plan-seconds is skipped with its reason. The
@@ -32,8 +32,8 @@ from megatron_hdp.commands.arguments import (existing_file, existing_path, fract
 logger = logging.getLogger(__name__)
 
 DEFAULT_MICROBATCHES_PER_RANK = 4
-MAX_DEFAULT_TOKENS = 256 << 20
-"""The default --dist batch: 4 full micro-batches per rank, but at most 256M tokens (~3 s of balance
+MAX_DEFAULT_TOKENS = 128 << 20
+"""The default --dist batch: 4 full micro-batches per rank, but at most 128M tokens (~2 s of balance
 planning at 16,384 ranks here; 4 x 16,384 x 16K would be 1B tokens and minutes)."""
 
 
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or a directory of iter_*.json")
     parser.add_argument("--tokens", type=parse_count, default=None,
                         help="global batch tokens to sample (default: the whole --lengths file; for --dist "
-                             "4 x ranks x capacity, at most 256M)")
+                             "4 x ranks x capacity, at most 128M)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the batch sample")
     parser.add_argument("--ranks", type=positive_int, default=None,
                         help="HDP ranks D (DP x CP of a static mesh); required with --lengths and --dist")

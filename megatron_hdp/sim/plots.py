@@ -153,7 +153,9 @@ def plot_plans(plans: Mapping[str, StepPlan], path: str) -> None:
                       else "micro-batch (grey: fill; colour: ring)")
         ax.set_ylabel("HDP rank")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        load.barh(np.arange(plan.num_ranks), grid.rank_time, height=1.0, color=COLORS["compute"])
+        edges = np.repeat(np.arange(plan.num_ranks + 1) - 0.5, 2)[1:-1]  # one polygon, whatever the rank count
+        load.fill_betweenx(edges, 0.0, np.repeat(grid.rank_time, 2), color=COLORS["compute"], lw=0)
+        load.set_xlim(left=0.0)
         load.set_ylim(plan.num_ranks - 0.5, -0.5)
         load.set_yticks([])
         load.set_xlabel("predicted s", fontsize=8)
