@@ -184,7 +184,8 @@ def build_hdp_data_loader(
         return dataset  # `--dataloader-type external`: a loader the user built is used as it is
     args = get_args()
     source = document_source(dataset)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    from megatron_hdp.megatron.args import token_multiple
+
     return HDPDataLoader(
         source,
         rank=parallel_state.get_data_parallel_rank(),
@@ -197,7 +198,7 @@ def build_hdp_data_loader(
         max_length=max_length,
         shuffle=not isinstance(dataset, (GPTDataset, BlendedDataset)),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        pad_to_multiple=tp if getattr(args, "sequence_parallel", False) else 1,
+        pad_to_multiple=token_multiple(args),
         workers=getattr(args, "num_workers", 0),
         group=parallel_state.get_data_parallel_group(),
     )

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.megatron.args import validate_hdp_args
+from megatron_hdp.megatron.args import token_multiple, validate_hdp_args
 from megatron_hdp.megatron.training_compat import require_megatron_training
 
 logger = logging.getLogger(__name__)
@@ -184,8 +184,9 @@ def _forward_backward(schedule):
         if training:
             _account_consumed_samples(step)
         state = hdp_state()
-        pad = get_args().tensor_model_parallel_size if get_args().sequence_parallel else 1
-        microbatches = pad_microbatches(step.plan, list(step.microbatches), state=state, pad_to_multiple=pad)
+        microbatches = pad_microbatches(
+            step.plan, list(step.microbatches), state=state, pad_to_multiple=token_multiple(get_args())
+        )
         offload = None
         if training and _STATE.offloader is not None:
             ratios = offload_ratios(step.plan, rank=state.hdp_rank, num_microbatches=len(microbatches))
