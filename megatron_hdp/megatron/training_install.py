@@ -25,6 +25,7 @@ Anything else Megatron does (optimizer, DDP gradient reduction over the data-par
 domain, checkpoints, LR schedule) is unchanged.
 """
 
+import contextlib
 import functools
 import logging
 from argparse import Namespace
@@ -50,6 +51,8 @@ class _Installed:
     """The model chunk's ActivationOffloader (--hdp-offload), built by the setup_model_and_optimizer wrapper."""
     last_offload: Any = None
     """OffloadStats of the last training step on this rank."""
+    telemetry: Any = None
+    """The `StepTelemetry` measuring this rank's training steps."""
 
 
 _STATE: Optional[_Installed] = None
@@ -165,6 +168,7 @@ def _account_consumed_samples(step: Any) -> None:
 
 def _forward_backward(schedule):
     """Megatron's schedule, run on one HDP step: this rank's micro-batches, its own count, HDP's forward."""
+    from megatron.core.utils import get_model_config
     from megatron.training import get_args
 
     from megatron_hdp.megatron.forward_step import make_forward_step
@@ -194,14 +198,20 @@ def _forward_backward(schedule):
         _STATE.last_step = step
         forward = make_forward_step(hdp_global_ranks=state.hdp_global_ranks, offload_ratios=offload,
                                     backend=_STATE.config.hdp_attention_backend)
-        result = schedule(
-            forward_step_func=forward,
-            data_iterator=iter(microbatches),
-            num_microbatches=len(microbatches),
-            **kwargs,
-        )
-        if offload is not None:  # every backward of the step has run when the schedule returns
-            _STATE.last_offload = _STATE.offloader.pop_step_stats()
+        measure = contextlib.nullcontext()
+        if training:
+            config = get_model_config(kwargs["model"][0])
+            measure = _STATE.telemetry.measure(get_args().curr_iteration + 1, model_config=config)
+        with measure as marks:
+            result = schedule(
+                forward_step_func=forward,
+                data_iterator=iter(microbatches),
+                num_microbatches=len(microbatches),
+                **kwargs,
+            )
+            if offload is not None:  # every backward of the step has run when the schedule returns
+                _STATE.last_offload = _STATE.offloader.pop_step_stats()
+                marks.offload_exposed = float(_STATE.last_offload.exposed_wait_s)
         return result
 
     return forward_backward
@@ -252,23 +262,37 @@ def _training_log(original):
     @functools.wraps(original)
     def training_log(*args: Any, **kwargs: Any):
         from megatron.training import get_args
-        from megatron.training.global_vars import get_tensorboard_writer
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
         from megatron.training.utils import print_rank_last
+
+        from megatron_hdp.megatron.telemetry import log_telemetry, write_stats
 
         result = original(*args, **kwargs)
         assert _STATE is not None
         iteration = get_args().curr_iteration + 1
         stats = hdp_statistics()
         if stats and iteration % _STATE.config.hdp_log_interval == 0:
-            writer = get_tensorboard_writer()
-            if writer is not None:
-                for name, value in stats.items():
-                    writer.add_scalar(name, value, iteration)
+            write_stats(iteration, stats, writer=get_tensorboard_writer(), wandb_writer=get_wandb_writer())
             line = " | ".join(f"{name[4:]}: {value:.4g}" for name, value in stats.items())
             print_rank_last(f" [HDP] iteration {iteration:8d} | {line}")
+            log_telemetry(_STATE.telemetry, iteration)
         return result
 
     return training_log
+
+
+def _consume_seqlen_stats(original):
+    @functools.wraps(original)
+    def consume_seqlen_stats_in_iteration():
+        """The real tokens and sum of squared document lengths of the last HDP step, for Megatron's FLOPs
+        (its own per-rank count would take each ring member's shard as a document of its own)."""
+        from megatron_hdp.megatron.telemetry import plan_seqlen_stats
+
+        original()  # drains Megatron's own counters (issues its all-reduce only when something filled them)
+        assert _STATE is not None
+        return plan_seqlen_stats(_STATE.last_step.plan) if _STATE.last_step is not None else (None, None)
+
+    return consume_seqlen_stats_in_iteration
 
 
 _PATCHES = {
@@ -276,6 +300,7 @@ _PATCHES = {
     "build_pretraining_data_loader": _build_data_loader,
     "get_forward_backward_func": _get_forward_backward_func,
     "training_log": _training_log,
+    "consume_seqlen_stats_in_iteration": _consume_seqlen_stats,
 }
 
 
@@ -307,7 +332,9 @@ def install(args: Optional[Namespace] = None) -> Optional[HDPConfig]:
 
     if apply_cpu_shims():
         apply_training_cpu_shims()
-    _STATE = _Installed(config=config, cost_model=_cost_model(args, config))
+    from megatron_hdp.megatron.telemetry import StepTelemetry
+
+    _STATE = _Installed(config=config, cost_model=_cost_model(args, config), telemetry=StepTelemetry())
     for name, wrap in _PATCHES.items():
         current = getattr(training, name)
         if not getattr(current, "_hdp_installed", False):
