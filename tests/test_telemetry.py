@@ -6,13 +6,14 @@ One run (module fixture) of examples/pretrain_gpt_hdp.py on 4 gloo ranks, two "n
 """
 
 import json
-import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_hdp.comm.launch import run_gloo
+from megatron_hdp.run_logs import read_scalars
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_pretrain import HDP, TINY, _pretrain  # noqa: E402
@@ -47,19 +48,6 @@ def _pretrain_recording(rank: int, world_size: int, argv: list[str], plans_dir: 
     return result
 
 
-def read_scalars(tensorboard_dir: Path) -> dict[str, dict[int, float]]:
-    """Every scalar of the event files under `tensorboard_dir`: tag -> {step: value}."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    scalars: dict[str, dict[int, float]] = {}
-    for events in sorted(tensorboard_dir.rglob("events.out.tfevents.*")):
-        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        accumulator.Reload()
-        for tag in accumulator.Tags()["scalars"]:
-            scalars.setdefault(tag, {}).update({e.step: e.value for e in accumulator.Scalars(tag)})
-    return scalars
-
-
 def _crossing_hops(run_dir: Path, step: int) -> list[bool]:
     """For every hop of every ring of a step's plan: does it go from one node of 2 ranks to the other?"""
     plan = json.loads((run_dir / "plans" / f"iter_{step:07d}.json").read_text())
@@ -81,10 +69,11 @@ def hdp_run(tmp_path_factory):
         "--hdp-log-interval", "1",
     ]
     env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": "2"}
-    ranks = run_gloo(_pretrain_recording, WORLD, argv, str(run_dir / "plans"), timeout_s=300, env=env)
+    ranks = run_gloo(_pretrain_recording, WORLD, argv, str(run_dir / "plans"), timeout_s=480, env=env)
     return run_dir, ranks, argv
 
 
+@pytest.mark.timeout(600)  # the module's one 4-rank pretrain run is set up here
 def test_telemetry_is_written_to_tensorboard_and_adds_up(hdp_run):
     run_dir, ranks, _ = hdp_run
     scalars = read_scalars(run_dir / "tensorboard")
@@ -141,3 +130,34 @@ def test_megatron_throughput_counts_the_documents_of_the_plan(hdp_run):
         assert logged == pytest.approx(expected, rel=1e-4)
         # Megatron's own default would count Megatron's nominal batch (--global-batch-size 4) of --seq-length
         assert expected != pytest.approx(num_floating_point_operations(args, 4), rel=1e-3)
+
+
+def _summary_value(summary: str, quantity: str) -> float:
+    """The number in the summary table's row for `quantity`."""
+    (row,) = [line for line in summary.splitlines() if line.startswith(f"| {quantity} |")]
+    return float(re.search(r"\| ([-0-9.e+]+)", row[len(quantity) + 3:]).group(1))
+
+
+def test_report_renders_the_run_and_its_numbers_match_the_logs(hdp_run, tmp_path):
+    from megatron_hdp.cli import main
+
+    run_dir, _, _ = hdp_run
+    assert main(["report", str(run_dir), "--output-dir", str(tmp_path)]) == 0
+    png = (tmp_path / "dashboard.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    summary = (tmp_path / "summary.md").read_text()
+    scalars = read_scalars(run_dir / "tensorboard")
+
+    def mean(tag: str) -> float:
+        return sum(scalars[tag].values()) / len(scalars[tag])
+
+    assert f"{STEPS} steps with telemetry" in summary
+    assert _summary_value(summary, "measured step time") == pytest.approx(mean("hdp/measured/step-s") * 1e3, abs=1e-3)
+    assert _summary_value(summary, "predicted step time") == pytest.approx(mean("hdp/est-step-time-s") * 1e3, abs=1e-3)
+    assert _summary_value(summary, "measured balance (max/mean compute)") == pytest.approx(
+        mean("hdp/measured/balance"), abs=1e-4)
+    assert _summary_value(summary, "idle before all-reduce (mean over ranks)") == pytest.approx(
+        mean("hdp/measured/idle-before-allreduce-s-mean") * 1e3, abs=1e-3)
+    assert _summary_value(summary, "ring bytes per step") == pytest.approx(mean("hdp/measured/ring-GB"), rel=1e-5)
+    # ring sizes come from the saved plans: every 64-token sample on a ring of 2 (see test_pretrain)
+    assert f"Ring sizes over {STEPS * 8} sequences of the saved plans (size: count): 2: {STEPS * 8}" in summary
