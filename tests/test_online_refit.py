@@ -76,3 +76,22 @@ def test_bad_input_is_refused():
         RefitSettings(max_step=1.0)
     with pytest.raises(ValueError, match="measured times"):
         OnlineRefit(TRUE).observe(_plan(0), [1.0, 2.0])
+
+
+def test_saved_refit_is_restored_and_exported_by_calibrate(tmp_path):
+    """What a checkpoint saves (`save_refit`) is what --load restores and `calibrate --from-run` exports."""
+    from megatron_hdp.cli import main
+    from megatron_hdp.plan.cost_model import CostModel
+    from megatron_hdp.plan.online_refit import load_refit, save_refit
+
+    refit = OnlineRefit(WRONG, RefitSettings(warmup_steps=0))
+    for seed in range(3):
+        plan = _plan(seed, refit.model)
+        refit.observe(plan, _true_compute(plan))
+    save_refit(refit, tmp_path / "ckpt", iteration=30)
+    assert (tmp_path / "ckpt" / "hdp_cost_model_iter_0000030.json").is_file()
+    restored = load_refit(tmp_path / "ckpt")
+    assert restored.model == refit.model and restored.steps_seen == 3 and restored.updates == 3
+    assert load_refit(tmp_path) is None
+    assert main(["calibrate", "--from-run", str(tmp_path / "ckpt"), "--output", str(tmp_path / "cm.json")]) == 0
+    assert CostModel.from_json(tmp_path / "cm.json") == refit.model

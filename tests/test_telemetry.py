@@ -8,6 +8,7 @@ One run (module fixture) of examples/pretrain_gpt_hdp.py on 4 gloo ranks, two "n
 import json
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def hdp_run(tmp_path_factory):
     argv = TINY + HDP + [
         "--data-path", prefix, "--data-cache-path", str(run_dir / "cache"),
         "--tensorboard-dir", str(run_dir / "tensorboard"), "--log-throughput", "--log-timers-to-tensorboard",
-        "--hdp-log-interval", "1",
+        "--hdp-log-interval", "1", "--hdp-online-refit", "--hdp-refit-warmup-steps", "1",
     ]
     env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": "2"}
     ranks = run_gloo(_pretrain_recording, WORLD, argv, str(run_dir / "plans"), timeout_s=480, env=env)
@@ -159,5 +160,21 @@ def test_report_renders_the_run_and_its_numbers_match_the_logs(hdp_run, tmp_path
     assert _summary_value(summary, "idle before all-reduce (mean over ranks)") == pytest.approx(
         mean("hdp/measured/idle-before-allreduce-s-mean") * 1e3, abs=1e-3)
     assert _summary_value(summary, "ring bytes per step") == pytest.approx(mean("hdp/measured/ring-GB"), rel=1e-5)
-    # ring sizes come from the saved plans: every 64-token sample on a ring of 2 (see test_pretrain)
-    assert f"Ring sizes over {STEPS * 8} sequences of the saved plans (size: count): 2: {STEPS * 8}" in summary
+    # ring sizes come from the saved plans
+    sizes = Counter(len(s["ring"]) for p in sorted((run_dir / "plans").glob("iter_*.json"))
+                    for s in json.loads(p.read_text())["sequences"])
+    listed = ", ".join(f"{k}: {n}" for k, n in sorted(sizes.items()))
+    assert f"Ring sizes over {STEPS * 8} sequences of the saved plans (size: count): {listed};" in summary
+
+
+def test_online_refit_changes_the_cost_model_after_its_warm_up(hdp_run):
+    """--hdp-online-refit --hdp-refit-warmup-steps 1: step 1 only measures; from step 2 on every step moves
+    the coefficients (toward this CPU's, far from the analytic H100 model) by at most x2 each."""
+    run_dir, _, _ = hdp_run
+    scalars = read_scalars(run_dir / "tensorboard")
+    series = {name: scalars[f"hdp/cost-model/{name}"] for name in ("a1", "b1", "g")}
+    assert all(sorted(values) == list(range(1, STEPS + 1)) for values in series.values())
+    for step in range(2, STEPS + 1):
+        ratios = [values[step] / values[step - 1] for values in series.values() if values[step - 1] > 0]
+        assert all(0.5 * (1 - 1e-6) <= r <= 2.0 * (1 + 1e-6) for r in ratios), (step, series)
+        assert any(abs(r - 1) > 0.01 for r in ratios), (step, series)

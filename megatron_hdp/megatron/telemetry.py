@@ -238,16 +238,41 @@ def plan_seqlen_stats(plan: Any) -> tuple[float, float]:
     return sum(lengths), sum(n * n for n in lengths)
 
 
-def log_telemetry(telemetry: StepTelemetry, iteration: int) -> None:
+def log_telemetry(telemetry: StepTelemetry, iteration: int) -> list[tuple[int, torch.Tensor]]:
     """Gather, summarise and write the measured steps up to `iteration` (up to the one before on CUDA:
-    its events are read one step late). Called on every rank at the same iterations (a collective)."""
+    its events are read one step late); return them as `gather_rows` does. Called on every rank at the
+    same iterations (a collective)."""
     from megatron.core import parallel_state
     from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
     from megatron.training.utils import print_rank_last
 
     lag = 1 if telemetry.use_cuda else 0
     rows = telemetry.read(iteration - lag)
-    for step, table in gather_rows(rows, group=parallel_state.get_data_parallel_group()):
+    measured = gather_rows(rows, group=parallel_state.get_data_parallel_group())
+    for step, table in measured:
         stats = summarize(table)
         write_stats(step, stats, writer=get_tensorboard_writer(), wandb_writer=get_wandb_writer())
         print_rank_last(console_line(step, stats))
+    return measured
+
+
+def learn_from_steps(refit: Any, measured: list[tuple[int, torch.Tensor]], plans: dict[int, Any]) -> Any:
+    """Feed each measured step's per-rank compute and its plan (popped from `plans`) to `refit`
+    (`plan.online_refit.OnlineRefit`); return its current cost model.
+
+    With TP or PP the step's compute is first averaged over the model-parallel group, so every rank of
+    the job learns the same model and keeps planning the same steps.
+    """
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_model_parallel_group()
+    size = dist.get_world_size(group)
+    for iteration, table in measured:
+        compute = table[:, PER_RANK_FIELDS.index("compute")].double()
+        if size > 1:
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+            compute = compute.to(device)
+            dist.all_reduce(compute, group=group)
+            compute = compute.cpu() / size
+        refit.observe(plans.pop(iteration), compute.tolist())
+    return refit.model

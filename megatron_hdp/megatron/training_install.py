@@ -2,7 +2,7 @@
 
 Call it once, after `parse_and_validate_args` and before the model config is built from `args`
 (`examples/pretrain_gpt_hdp.py` and the patched `pretrain_gpt.py` do). Without `--hdp` it only checks
-the flags. With `--hdp` it changes five names, each in `megatron.training.training`'s namespace, each
+the flags. With `--hdp` it changes seven names, each in `megatron.training.training`'s namespace, each
 a thin wrapper around Megatron's own function (the whole monkeypatch surface, in call order):
 
 1. `args.spec`: the GPT layer spec is Megatron's with `HDPCoreAttention` as its `core_attention` leaf.
@@ -18,8 +18,11 @@ a thin wrapper around Megatron's own function (the whole monkeypatch surface, in
    token count, summed over the HDP domain; each micro-batch offloads the ratio its plan gives); it also
    keeps `args.consumed_train_samples` equal to the documents the loader consumed.
 5. `training_log`: HDP statistics (balance, rings, ring-attention bytes, micro-batch counts, loader
-   wait, offloaded bytes) in Megatron's log line and its TensorBoard writer, every `--hdp-log-interval`
-   steps.
+   wait, offloaded bytes) and the measured telemetry of `telemetry.py` in Megatron's log line and its
+   TensorBoard / W&B writers, every `--hdp-log-interval` steps; with --hdp-online-refit the measured
+   steps refit the cost model the loader plans with.
+6. `consume_seqlen_stats_in_iteration`: the plan's real tokens and sum of s^2 for Megatron's FLOPs.
+7. `save_checkpoint`: with --hdp-online-refit, the learned cost model is written next to each checkpoint.
 
 Anything else Megatron does (optimizer, DDP gradient reduction over the data-parallel group = the HDP
 domain, checkpoints, LR schedule) is unchanged.
@@ -53,6 +56,10 @@ class _Installed:
     """OffloadStats of the last training step on this rank."""
     telemetry: Any = None
     """The `StepTelemetry` measuring this rank's training steps."""
+    refit: Any = None
+    """The `OnlineRefit` learning the cost model (--hdp-online-refit), else None."""
+    plans: dict = field(default_factory=dict)
+    """Plans of measured steps the refit has not seen yet, by iteration."""
 
 
 _STATE: Optional[_Installed] = None
@@ -202,6 +209,8 @@ def _forward_backward(schedule):
         if training:
             config = get_model_config(kwargs["model"][0])
             measure = _STATE.telemetry.measure(get_args().curr_iteration + 1, model_config=config)
+            if _STATE.refit is not None:
+                _STATE.plans[get_args().curr_iteration + 1] = step.plan
         with measure as marks:
             result = schedule(
                 forward_step_func=forward,
@@ -265,7 +274,7 @@ def _training_log(original):
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
         from megatron.training.utils import print_rank_last
 
-        from megatron_hdp.megatron.telemetry import log_telemetry, write_stats
+        from megatron_hdp.megatron.telemetry import learn_from_steps, log_telemetry, write_stats
 
         result = original(*args, **kwargs)
         assert _STATE is not None
@@ -275,10 +284,46 @@ def _training_log(original):
             write_stats(iteration, stats, writer=get_tensorboard_writer(), wandb_writer=get_wandb_writer())
             line = " | ".join(f"{name[4:]}: {value:.4g}" for name, value in stats.items())
             print_rank_last(f" [HDP] iteration {iteration:8d} | {line}")
-            log_telemetry(_STATE.telemetry, iteration)
+            measured = log_telemetry(_STATE.telemetry, iteration)
+            if _STATE.refit is not None:
+                _use_cost_model(learn_from_steps(_STATE.refit, measured, _STATE.plans))
         return result
 
     return training_log
+
+
+def _use_cost_model(model: Any) -> None:
+    """Plan the next steps with `model` (the online refit's) and log its coefficients."""
+    from megatron.training import get_args
+    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+    from megatron_hdp.megatron.telemetry import write_stats
+
+    assert _STATE is not None
+    _STATE.cost_model = model
+    for loader in _STATE.loaders:
+        loader.cost_model = model
+    coefficients = {f"hdp/cost-model/{name}": getattr(model, name) for name in ("a1", "b1", "g")}
+    write_stats(get_args().curr_iteration + 1, coefficients, writer=get_tensorboard_writer(),
+                wandb_writer=get_wandb_writer())
+
+
+def _save_checkpoint(original):
+    @functools.wraps(original)
+    def save_checkpoint(iteration: int, *args: Any, **kwargs: Any):
+        """Megatron's checkpoint, plus the learned cost model next to it (--hdp-online-refit)."""
+        import torch.distributed as dist
+        from megatron.training import get_args
+
+        from megatron_hdp.plan.online_refit import save_refit
+
+        result = original(iteration, *args, **kwargs)
+        assert _STATE is not None
+        if _STATE.refit is not None and get_args().save and dist.get_rank() == 0:
+            save_refit(_STATE.refit, get_args().save, iteration=iteration)
+        return result
+
+    return save_checkpoint
 
 
 def _consume_seqlen_stats(original):
@@ -301,6 +346,7 @@ _PATCHES = {
     "get_forward_backward_func": _get_forward_backward_func,
     "training_log": _training_log,
     "consume_seqlen_stats_in_iteration": _consume_seqlen_stats,
+    "save_checkpoint": _save_checkpoint,
 }
 
 
@@ -334,7 +380,14 @@ def install(args: Optional[Namespace] = None) -> Optional[HDPConfig]:
         apply_training_cpu_shims()
     from megatron_hdp.megatron.telemetry import StepTelemetry
 
-    _STATE = _Installed(config=config, cost_model=_cost_model(args, config), telemetry=StepTelemetry())
+    cost_model, refit = _cost_model(args, config), None
+    if config.hdp_online_refit:  # resumed from the checkpoint's learned model when --load has one
+        from megatron_hdp.plan.online_refit import OnlineRefit, RefitSettings, load_refit
+
+        settings = RefitSettings(warmup_steps=config.hdp_refit_warmup_steps)
+        refit = (load_refit(args.load, settings) if args.load else None) or OnlineRefit(cost_model, settings)
+        cost_model = refit.model
+    _STATE = _Installed(config=config, cost_model=cost_model, telemetry=StepTelemetry(), refit=refit)
     for name, wrap in _PATCHES.items():
         current = getattr(training, name)
         if not getattr(current, "_hdp_installed", False):

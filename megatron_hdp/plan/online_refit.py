@@ -19,7 +19,9 @@ same gathered input, so every rank plans with the same model.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -146,3 +148,25 @@ class OnlineRefit:
         refit = cls(CostModel.from_dict(state["cost_model"]), settings)
         refit.steps_seen, refit.updates = int(state["steps_seen"]), int(state["updates"])
         return refit
+
+
+REFIT_FILE = "hdp_cost_model.json"
+"""The learned cost model in a checkpoint directory (`OnlineRefit.state_dict`, rewritten at each save)."""
+
+
+def save_refit(refit: OnlineRefit, directory: str | Path, *, iteration: int) -> Path:
+    """Write the refit's state to `directory`/hdp_cost_model.json (the latest) and a copy for `iteration`."""
+    text = json.dumps({**refit.state_dict(), "iteration": iteration}, indent=2) + "\n"
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    Path(directory, f"hdp_cost_model_iter_{iteration:07d}.json").write_text(text)
+    latest = Path(directory, REFIT_FILE)
+    latest.write_text(text)
+    return latest
+
+
+def load_refit(directory: str | Path, settings: Optional[RefitSettings] = None) -> Optional[OnlineRefit]:
+    """The refit saved in `directory` by `save_refit`, or None when there is none."""
+    path = Path(directory, REFIT_FILE)
+    if not path.is_file():
+        return None
+    return OnlineRefit.from_state_dict(json.loads(path.read_text()), settings)
