@@ -178,3 +178,33 @@ def test_online_refit_changes_the_cost_model_after_its_warm_up(hdp_run):
         ratios = [values[step] / values[step - 1] for values in series.values() if values[step - 1] > 0]
         assert all(0.5 * (1 - 1e-6) <= r <= 2.0 * (1 + 1e-6) for r in ratios), (step, series)
         assert any(abs(r - 1) > 0.01 for r in ratios), (step, series)
+
+
+def test_calibrate_from_run_fits_the_measured_compute(hdp_run, tmp_path):
+    """`calibrate --from-run RUN_DIR` fits (a1, b1, g) to the run's per-rank compute: its predictions of
+    those measured times are closer than the analytic model's the run started from."""
+    import numpy as np
+
+    from megatron_hdp.cli import main
+    from megatron_hdp.plan.cost_model import CostModel
+    from megatron_hdp.plan.online_refit import compute_features
+    from megatron_hdp.plan.presets import ModelShape, analytic_cost_model
+
+    run_dir, _, _ = hdp_run
+    shape = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "4",
+             "--ffn-hidden-size", "256"]
+    assert main(["calibrate", "--from-run", str(run_dir), *shape, "--output", str(tmp_path / "cm.json")]) == 0
+    fitted = CostModel.from_json(tmp_path / "cm.json")
+    analytic = analytic_cost_model(ModelShape(2, 64, 4, 4, 256, 32000), "h100")
+    scalars = read_scalars(run_dir / "tensorboard")
+
+    def error(model: CostModel) -> float:
+        errors = []
+        for step in range(1, STEPS + 1):
+            plan = json.loads((run_dir / "plans" / f"iter_{step:07d}.json").read_text())
+            predicted = compute_features(plan, num_layers=2) @ [model.a1, model.b1, model.g]
+            measured = np.array([scalars[f"hdp/rank/compute-s/{r}"][step] for r in range(WORLD)])
+            errors.append(np.mean(np.abs(predicted - measured) / measured))
+        return float(np.mean(errors))
+
+    assert error(fitted) < 0.5 < error(analytic)
