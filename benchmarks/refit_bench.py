@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -149,6 +151,8 @@ def main() -> None:
     }
     step = converged_step(runs["refit"]["balance"], runs["calibrated"]["balance"])
     result = {
+        "command": "python benchmarks/refit_bench.py " + " ".join(sys.argv[1:]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "shape": dataclasses.asdict(SHAPE), "num_ranks": NUM_RANKS, "capacity": CAPACITY, "steps": args.steps,
         "docs_per_step": args.docs, "sigma": args.sigma, "wrong_factors": [fa1, fb1, fg], "repeats": args.repeats, "window": WINDOW, "tolerance": TOLERANCE,
         "calibrated_coefficients": {"a1": a1, "b1": b1, "g": g},
