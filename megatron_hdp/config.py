@@ -66,6 +66,13 @@ class HDPConfig:
     hdp_log_interval: int = 1
     """Steps between HDP statistics lines (balance, rings, attention bytes, offload)."""
 
+    hdp_online_refit: bool = False
+    """Refit the cost model's compute coefficients from the measured per-rank compute of every step,
+    plan with the refitted model, and save it with each checkpoint (restored by --load)."""
+
+    hdp_refit_warmup_steps: int = 2
+    """Steps measured before --hdp-online-refit first changes the cost model."""
+
     hdp_overlong_documents: OverlongDocuments = "error"
     """A sequence longer than this run can train: error (stop, naming the document and the limit) or
     truncate (keep its first tokens that fit). The limit is the smaller of two: the model's maximum
@@ -108,6 +115,8 @@ class HDPConfig:
             raise ValueError(f"hdp_mock_mix {self.hdp_mock_mix!r} is not one of {', '.join(MOCK_MIXES)}")
         if self.hdp_log_interval <= 0:
             raise ValueError(f"hdp_log_interval must be positive, got {self.hdp_log_interval}")
+        if self.hdp_refit_warmup_steps < 0:
+            raise ValueError(f"hdp_refit_warmup_steps must be >= 0, got {self.hdp_refit_warmup_steps}")
 
     @property
     def max_offload_ratio(self) -> float:
