@@ -8,8 +8,12 @@ Notation of ByteScale (arXiv 2502.21231) Eq. 3, per transformer layer on one ran
 A rank holding t tokens of a document of s tokens split over a ring of k ranks (zigzag, so every member
 does the same causal work) computes a1 * s * t + b1 * t: its t queries see on average s/2 keys, and
 a1 * s^2 is the cost of the whole document's s^2/2 causal pairs. Ring attention sends, per layer and per
-member, k-1 K/V blocks in the forward and k-1 K/V + dK/dV blocks in the backward (3 (k-1) t kv-bytes),
-overlapped with that member's attention compute, so only the excess is exposed. Documents that share a
+member, exactly what `attention.zigzag_ring` sends: k-1 K/V buffers in the forward, k-1 K/V buffers and
+k dK/dV buffers in the backward (the partials ride the ring back to their owner), K/V in the activation
+dtype and dK/dV in the accumulation dtype (fp32 for bf16/fp16 activations): per member
+(2 (k-1) + k * grad_factor) * t * kv_bytes_per_token bytes in 3k-2 messages, grad_factor = 2 in bf16 and
+1 in fp32 (`layer_ring_bytes`; tests/test_ring_traffic.py holds it against the gloo traffic counters).
+That traffic is overlapped with the member's attention compute, so only the excess is exposed. Documents that share a
 ring in one micro-batch share its exchange (one message per ring step carries all of them): their tokens
 and their attention are summed before the overlap (`microbatch_time`).
 
@@ -52,6 +56,9 @@ class CostModel:
     """Bytes/s from device to pinned host memory (activation offload)."""
     h2d_bandwidth: float = 25e9
     """Bytes/s from pinned host memory back to the device."""
+    activation_dtype_bytes: int = 2
+    """Bytes per element of the activations (bf16: 2, fp32: 4): K/V travel in it, dK/dV in the ring's
+    accumulation dtype, at least fp32 (see `kv_grad_bytes_per_token`). Old JSON without it: bf16."""
     host_memory_bytes: Optional[float] = None
     """Pinned host bytes one rank may fill with offloaded activations (None: unlimited). Bounds the
     planner's offload decision: r * Act(t) * layers per stage <= host_memory_bytes."""
@@ -70,6 +77,8 @@ class CostModel:
                 raise ValueError(f"cost model {name} must be > 0, got {getattr(self, name)}")
         if self.host_memory_bytes is not None and self.host_memory_bytes < 0:
             raise ValueError(f"cost model host_memory_bytes must be >= 0, got {self.host_memory_bytes}")
+        if self.activation_dtype_bytes not in (1, 2, 4, 8):
+            raise ValueError(f"cost model activation_dtype_bytes must be 1, 2, 4 or 8, got {self.activation_dtype_bytes}")
         if self.num_layers <= 0:
             raise ValueError(f"cost model num_layers must be > 0, got {self.num_layers}")
 
@@ -78,12 +87,29 @@ class CostModel:
         """Compute seconds of one layer for `num_tokens` of a document of `seq_len` tokens."""
         return self.a1 * seq_len * num_tokens + self.b1 * num_tokens
 
-    def layer_ring_comm_time(self, *, num_tokens: int, ring_size: int) -> float:
-        """Seconds one ring member spends sending its K/V (and dK/dV) around a ring, one layer."""
+    @property
+    def kv_grad_bytes_per_token(self) -> float:
+        """Bytes of dK and dV of one token in one layer as the ring backward sends them: the accumulation
+        dtype, max(fp32, activation dtype) (`zigzag_ring._accumulation_dtype`)."""
+        element = self.activation_dtype_bytes
+        return self.kv_bytes_per_token * max(4, element) / element
+
+    @staticmethod
+    def ring_messages(ring_size: int) -> int:
+        """Messages one member sends per layer: k-1 forward, k-1 K/V + k dK/dV backward."""
+        return 3 * ring_size - 2 if ring_size > 1 else 0
+
+    def layer_ring_bytes(self, *, num_tokens, ring_size: int):
+        """Bytes one member holding `num_tokens` sends around a ring of `ring_size`, one layer, fwd + bwd."""
         if ring_size <= 1:
             return 0.0
-        steps = 3 * (ring_size - 1)
-        return steps * (self.kv_bytes_per_token * num_tokens / self.ring_bandwidth + self.ring_latency)
+        per_token = 2 * (ring_size - 1) * self.kv_bytes_per_token + ring_size * self.kv_grad_bytes_per_token
+        return per_token * num_tokens
+
+    def layer_ring_comm_time(self, *, num_tokens, ring_size: int):
+        """Seconds one ring member spends sending its K/V (and dK/dV) around a ring, one layer."""
+        return (self.layer_ring_bytes(num_tokens=num_tokens, ring_size=ring_size) / self.ring_bandwidth
+                + self.ring_messages(ring_size) * self.ring_latency)
 
     def layer_ring_block_time(self, *, num_documents: int, ring_size: int) -> float:
         """Seconds of per-block kernel overhead of `num_documents` split over one ring of `ring_size`, one
@@ -109,7 +135,7 @@ class CostModel:
         `shards` holds (seq_len, num_tokens, ring) for each document piece in the micro-batch, `ring` the
         ranks holding that document (one rank: it is whole). Pieces on the same ring of k > 1 ranks share
         one ring exchange, as the runtime's ring-attention call runs all of them together: per layer that
-        ring costs b1 * sum(t) + max(sum(a1 * s * t), 3 (k-1) (kv_bytes * sum(t) / bw + latency)), plus
+        ring costs b1 * sum(t) + max(sum(a1 * s * t), layer_ring_comm_time(sum(t), k)), plus
         2 (k-1) * ring_block_overhead per document on it.
         """
         per_layer = self.g
@@ -135,9 +161,7 @@ class CostModel:
 
     def ring_bytes(self, *, num_tokens: int, ring_size: int, pp_size: int = 1) -> float:
         """Attention bytes one ring member sends in one step (all layers of a stage, fwd + bwd)."""
-        if ring_size <= 1:
-            return 0.0
-        return 3 * (ring_size - 1) * self.kv_bytes_per_token * num_tokens * self.num_layers / pp_size
+        return self.layer_ring_bytes(num_tokens=num_tokens, ring_size=ring_size) * self.num_layers / pp_size
 
     def hidden_offload_ratio(self, *, seq_len: int, num_tokens: int, ring_size: int) -> float:
         """Largest fraction of a layer's activations whose D2H copy hides under that layer's compute.

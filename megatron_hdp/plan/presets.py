@@ -129,6 +129,7 @@ def analytic_cost_model(
         a2=dtype_bytes * (6 * h + 2 * kv + 4 * ffn * experts) / tp_size,
         b2=0.0,
         kv_bytes_per_token=dtype_bytes * 2 * kv / tp_size,
+        activation_dtype_bytes=dtype_bytes,
         num_layers=shape.num_layers,
         ring_bandwidth=hw.ring_bandwidth,
         d2h_bandwidth=hw.d2h_bandwidth,
