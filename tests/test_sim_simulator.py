@@ -82,7 +82,8 @@ def test_ring_waits_for_its_slowest_member():
     assert timeline.step_time == pytest.approx(whole(2000) + ring)
     ring_op = [op for op in timeline.ops[1][0] if op.microbatch == 1][0]
     assert ring_op.start == pytest.approx(whole(2000))
-    assert timeline.idle_fraction == pytest.approx(whole(2000) / (2 * (whole(2000) + ring)))
+    # rank 1's slot 0 is an empty micro-batch: the runtime still runs it, at the overhead g per layer
+    assert timeline.idle_fraction == pytest.approx((whole(2000) - LAYERS * G) / (2 * (whole(2000) + ring)))
 
 
 @pytest.mark.parametrize("num_microbatches, pp", [(1, 2), (4, 2), (5, 4), (8, 4)])

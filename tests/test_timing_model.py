@@ -1,0 +1,55 @@
+"""One timing model: the planner's step time, `plan.timing` and the simulator agree on random plans.
+
+Random valid plans (`hand_plan.random_plan`: rings of any size at any micro-batch index, overlapping
+rings, uneven micro-batch counts) are timed three ways: the planner's `assemble_plan` (which times each
+micro-batch with `CostModel.microbatch_time` and composes them with `assemble.step_time`), the per-rank
+composition of `plan.timing.coupled_finish` over `CostModel.microbatch_time` written out here, and the
+vectorised simulator (`simulate_step`, pp_size 1, our runtime's rules, no offload). Rank busy times and
+the time the last rank reaches the all-reduce must agree to 1e-9.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_hdp.megatron.hand_plan import random_plan
+from megatron_hdp.plan.assemble import assemble_plan
+from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.presets import analytic_cost_model
+from megatron_hdp.plan.timing import coupled_finish, plan_groups
+from megatron_hdp.sim.simulator import PolicyRules, simulate_step
+
+H100 = analytic_cost_model("llama-7b", tp_size=8)
+SLOW_RING = CostModel.from_dict({**H100.to_dict(), "ring_bandwidth": 2e9, "ring_latency": 1e-4,
+                                 "ring_block_overhead": 3e-5})
+
+
+def _microbatch_times(plan, cost_model):
+    """[rank][index] -> CostModel.microbatch_time of that micro-batch's shards."""
+    rings = [seq.ring for seq in plan.sequences]
+    return [[cost_model.microbatch_time([(plan.lengths[s.seq], s.num_tokens, rings[s.seq] if len(rings[s.seq]) > 1
+                                          else ()) for s in mb.shards]) for mb in schedule.microbatches]
+            for schedule in plan.ranks]
+
+
+@pytest.mark.parametrize("cost_model", [H100, SLOW_RING], ids=["h100", "slow-ring"])
+def test_planner_timing_and_simulator_agree_on_random_plans(cost_model):
+    rng = np.random.default_rng(0)
+    for seed in range(60):
+        num_ranks = int(rng.integers(1, 7))
+        lengths = rng.integers(1, 20000, size=int(rng.integers(1, 12))).tolist()
+        plan = random_plan(lengths, num_ranks=num_ranks, seed=seed, max_slots=4)
+        times = _microbatch_times(plan, cost_model)
+        finish = coupled_finish([times], plan_groups(plan))
+        schedule = [[[s.seq for s in mb.shards] for mb in r.microbatches] for r in plan.ranks]
+        assembled = assemble_plan(policy="random", lengths=lengths, rings=[s.ring for s in plan.sequences],
+                                  offload_ratios=[0.0] * len(lengths), schedule=schedule, capacity=plan.capacity,
+                                  cost_model=cost_model)
+        timeline = simulate_step(plan, cost_model, rules=PolicyRules())
+        where = f"seed {seed}, {num_ranks} ranks, lengths {lengths}"
+        busy = [sum(t) for t in times]
+        np.testing.assert_allclose([r.est_time for r in assembled.ranks], busy, rtol=1e-9, err_msg=where)
+        np.testing.assert_allclose(timeline.busy, busy, rtol=1e-9, atol=1e-15, err_msg=where)
+        assert assembled.est_step_time == pytest.approx(float(finish.max()), rel=1e-9), where
+        assert timeline.compute_end == pytest.approx(float(finish.max()), rel=1e-9), where
