@@ -24,10 +24,10 @@ def brute_force_makespan(weights, base):
     """Optimal max load over every assignment of items to ranks (tiny inputs only)."""
     best = float("inf")
     for assignment in itertools.product(range(len(base)), repeat=len(weights)):
-        loads = np.array(base, dtype=float)
+        loads = list(map(float, base))
         for item, rank in enumerate(assignment):
             loads[rank] += weights[item]
-        best = min(best, loads.max())
+        best = min(best, max(loads))
     return best
 
 
@@ -120,17 +120,17 @@ def test_lower_bound_terms():
         whole_times([10], cost_model=CM)[0] * 4)
 
 
-@pytest.mark.parametrize("num_ranks", [4, 7, 16])
+@pytest.mark.parametrize("num_ranks", [3, 4, 6])
 def test_balance_is_at_most_a_little_above_the_optimum_on_small_batches(num_ranks):
-    """Whole sequences only: the optimum is brute-forced; balance is within 5% of it."""
+    """Whole sequences only: the optimum is brute-forced for every size (rings: test_plan_brute_force.py);
+    balance is within 5% of it."""
     rng = np.random.default_rng(num_ranks)
-    lengths = rng.integers(100, 4000, size=min(9, num_ranks + 3)).tolist()
+    lengths = rng.integers(100, 4000, size=min(7, num_ranks + 3)).tolist()
     config = HDPConfig(hdp_capacity=4096)
     plan = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=CM, policy="balance")
     overhead = CM.microbatch_time([])
-    if num_ranks ** len(lengths) <= 5 * 10**5:
-        optimum = brute_force_makespan(whole_times(lengths, cost_model=CM), np.zeros(num_ranks))
-        assert plan.est_step_time <= 1.05 * optimum + 4 * overhead
+    optimum = brute_force_makespan(whole_times(lengths, cost_model=CM), np.zeros(num_ranks))
+    assert plan.est_step_time <= 1.05 * optimum + 4 * overhead
     exact = plan_balance(lengths, num_ranks=num_ranks, config=config, cost_model=CM, exact=True).validate()
     assert exact.est_step_time <= plan.est_step_time * (1 + 1e-9)
 
