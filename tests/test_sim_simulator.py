@@ -96,14 +96,33 @@ def test_pipeline_bubble_uniform(num_microbatches, pp):
 
 
 def test_offload_exposed_beyond_layer_compute():
-    """Offload ratio 1 of 1000 tokens: 1e5 bytes/layer each way at 1e3 B/s is 100 s, far over compute."""
+    """Offload ratio 1 of 1000 tokens: 1e5 bytes/layer each way at 1e3 B/s is 100 s, far over compute.
+    The D2H copy hides only under the forward (1/3 of the layer), the H2D prefetch under the backward
+    (2/3): exposed 100 - layer/3 + 100 - 2 layer/3 per layer."""
     slow_host = CostModel(**{**COST.to_dict(), "d2h_bandwidth": 1e3, "h2d_bandwidth": 1e3})
     plan = plan_from_rings([1000], [(0,)], [0], num_ranks=1, capacity=1000)
     plan = dataclasses.replace(plan, sequences=(dataclasses.replace(plan.sequences[0], offload_ratio=1.0),))
     timeline = simulate_step(plan, slow_host)
     layer = G + A1 * 1e6 + B1 * 1000
-    assert timeline.offload[0] == pytest.approx(LAYERS * (100.0 - layer))
-    assert timeline.step_time == pytest.approx(LAYERS * 100.0)
+    assert timeline.offload[0] == pytest.approx(LAYERS * (200.0 - layer))
+    assert timeline.step_time == pytest.approx(LAYERS * 200.0)
+
+
+def test_offload_copies_hide_in_their_own_pass_only():
+    """Bandwidths set so that the D2H copy just fits the forward window and the H2D copy the backward one:
+    nothing exposed; a little slower D2H exposes exactly its excess over the forward (Eq. 3's windows)."""
+    layer = G + A1 * 1e6 + B1 * 1000
+    act = 100.0 * 1000  # a2 * tokens
+    fits = CostModel(**{**COST.to_dict(), "d2h_bandwidth": act / (layer / 3), "h2d_bandwidth": act / (2 * layer / 3)})
+    plan = plan_from_rings([1000], [(0,)], [0], num_ranks=1, capacity=1000)
+    plan = dataclasses.replace(plan, sequences=(dataclasses.replace(plan.sequences[0], offload_ratio=1.0),))
+    assert simulate_step(plan, fits).offload[0] == pytest.approx(0.0, abs=1e-12)
+    # the planner's bound leaves out the micro-batch overhead G (it is not the shard's): slightly stricter
+    assert fits.hidden_offload_ratio(seq_len=1000, num_tokens=1000, ring_size=1) == pytest.approx((layer - G) / layer)
+    slower = CostModel(**{**fits.to_dict(), "d2h_bandwidth": act / (layer / 2)})
+    assert simulate_step(plan, slower).offload[0] == pytest.approx(LAYERS * (layer / 2 - layer / 3))
+    assert slower.hidden_offload_ratio(seq_len=1000, num_tokens=1000, ring_size=1) == pytest.approx(
+        2 / 3 * (layer - G) / layer)
 
 
 def test_megatron_hybrid_cp_barrier():

@@ -29,6 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
+
+from megatron_hdp.plan.pipeline import FORWARD_SHARE
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -163,16 +167,31 @@ class CostModel:
         """Attention bytes one ring member sends in one step (all layers of a stage, fwd + bwd)."""
         return self.layer_ring_bytes(num_tokens=num_tokens, ring_size=ring_size) * self.num_layers / pp_size
 
-    def hidden_offload_ratio(self, *, seq_len: int, num_tokens: int, ring_size: int) -> float:
-        """Largest fraction of a layer's activations whose D2H copy hides under that layer's compute.
+    def offload_windows(self, layer_time):
+        """(forward, backward) seconds of one layer that offload copies can hide under: a layer's D2H copy
+        overlaps the forward of the layers after it, its H2D prefetch the backward of the layers after it
+        (in backward order), so each direction has one layer's share of its own pass per layer."""
+        forward = layer_time * FORWARD_SHARE
+        return forward, layer_time - forward
 
-        ByteScale Eq. 3's overlap constraint: r * Act(t) / B_d2h <= T_shard(t). Capped at 1.
+    def exposed_offload_time(self, copy_bytes, layer_time):
+        """Seconds per layer that copying `copy_bytes` out in the forward and back in the backward adds
+        beyond the windows of `offload_windows` (0 when both copies hide)."""
+        forward, backward = self.offload_windows(layer_time)
+        return (np.maximum(0.0, copy_bytes / self.d2h_bandwidth - forward)
+                + np.maximum(0.0, copy_bytes / self.h2d_bandwidth - backward))
+
+    def hidden_offload_ratio(self, *, seq_len: int, num_tokens: int, ring_size: int) -> float:
+        """Largest fraction of a layer's activations whose copies both hide (ByteScale Eq. 3, with the
+        windows it leaves implicit): r * Act(t) / B_d2h <= forward and r * Act(t) / B_h2d <= backward of
+        one layer of the shard (`offload_windows`). Capped at 1.
         """
         act = self.activation_bytes(num_tokens)
         if act <= 0:
             return 1.0
-        compute = self.layer_shard_time(seq_len=seq_len, num_tokens=num_tokens, ring_size=ring_size)
-        return min(1.0, compute * self.d2h_bandwidth / act)
+        forward, backward = self.offload_windows(
+            self.layer_shard_time(seq_len=seq_len, num_tokens=num_tokens, ring_size=ring_size))
+        return min(1.0, forward * self.d2h_bandwidth / act, backward * self.h2d_bandwidth / act)
 
     # --- persistence ---------------------------------------------------------------------------
     def to_dict(self) -> dict:

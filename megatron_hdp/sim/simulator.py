@@ -11,8 +11,9 @@ What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding n
   (test_plan_sim_agreement checks they agree). One pass per micro-batch (Megatron's hybrid CP runs one pass per sub-sample, see
   `POLICY_RULES`).
 - Offload: a shard of a sequence with offload ratio r copies r * Act(t) per layer to the host and back.
-  Following the cost model's overlap rule (ByteScale Eq. 3: r * Act / B_d2h <= the layer's compute), a
-  layer's copy in each direction overlaps that layer's compute; what exceeds it is exposed.
+  Following the cost model's overlap rule (ByteScale Eq. 3 with its windows,
+  `CostModel.exposed_offload_time`), the D2H copy overlaps one layer's forward and the H2D prefetch one
+  layer's backward; what exceeds either window is exposed.
 - Ring coupling (`plan.timing.plan_groups`, the planner's rule): the members of a ring run ring attention
   layer by layer together, so a micro-batch that shares a ring with other ranks starts when all of them
   are ready, and releases them together when the slowest is done (its busy part is its own work; the
@@ -224,8 +225,7 @@ def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shard
     layer_comm = np.bincount(group_pass, weights=exposed, minlength=num_passes)
     copy = np.bincount(pass_of_shard, weights=shards.offload_ratio * cost.activation_bytes(shards.tokens),
                        minlength=num_passes)
-    copy_time = np.maximum(copy / cost.d2h_bandwidth, copy / cost.h2d_bandwidth)
-    layer_offload = np.maximum(0.0, copy_time - layer_compute - layer_comm)
+    layer_offload = cost.exposed_offload_time(copy, layer_compute + layer_comm)
     for column, per_pass in enumerate((layer_compute, layer_comm, layer_offload)):
         out[:, column] += np.bincount(mb_of_pass, weights=per_pass * layers, minlength=num_mbs)
     ring_bytes = _per_ring_size(shards.tokens, shards.ring_size,
