@@ -41,6 +41,8 @@ def test_planner_timing_and_simulator_agree_on_random_plans(cost_model):
         lengths = rng.integers(1, 20000, size=int(rng.integers(1, 12))).tolist()
         plan = random_plan(lengths, num_ranks=num_ranks, seed=seed, max_slots=4)
         times = _microbatch_times(plan, cost_model)
+        for rank_times in times:  # a rank without micro-batches runs one empty one (the runtime's padding)
+            rank_times += [cost_model.microbatch_time([])] * (not rank_times)
         finish = coupled_finish([times], plan_groups(plan))
         schedule = [[[s.seq for s in mb.shards] for mb in r.microbatches] for r in plan.ranks]
         assembled = assemble_plan(policy="random", lengths=lengths, rings=[s.ring for s in plan.sequences],
@@ -53,3 +55,21 @@ def test_planner_timing_and_simulator_agree_on_random_plans(cost_model):
         np.testing.assert_allclose(timeline.busy, busy, rtol=1e-9, atol=1e-15, err_msg=where)
         assert assembled.est_step_time == pytest.approx(float(finish.max()), rel=1e-9), where
         assert timeline.compute_end == pytest.approx(float(finish.max()), rel=1e-9), where
+
+
+def test_pipelines_are_padded_to_the_largest_microbatch_count():
+    """PP = 2: rank 0 runs three micro-batches, rank 1 one; the runtime pads rank 1's pipeline with two
+    empty micro-batches (`megatron.step.pad_microbatches`). Planner and simulator both time them."""
+    from megatron_hdp.plan.pipeline import pipeline_time
+
+    lengths = [3000, 3000, 3000, 6000]
+    schedule = [[[0], [1], [2]], [[3]]]
+    plan = assemble_plan(policy="hand", lengths=lengths, rings=[(0,), (0,), (0,), (1,)], offload_ratios=[0.0] * 4,
+                         schedule=schedule, capacity=6000, cost_model=H100, pp_size=2)
+    own = H100.microbatch_time([(6000, 6000, ())], pp_size=2)
+    empty = H100.microbatch_time([], pp_size=2)
+    assert plan.ranks[1].est_time == pytest.approx(pipeline_time([own, empty, empty], pp_size=2))
+    assert plan.ranks[1].est_time > pipeline_time([own], pp_size=2)
+    timeline = simulate_step(plan, H100, rules=PolicyRules())
+    assert timeline.busy[1] == pytest.approx(own + 2 * empty)
+    assert timeline.compute_end == pytest.approx(plan.est_step_time)

@@ -5,7 +5,9 @@ way and can be compared side by side:
 
 - a micro-batch's time is `cost_model.microbatch_time` of its shards on one pipeline stage (documents on
   one ring share one ring exchange, as at run time);
-- a rank's `est_time` is its busy time, the sum of its micro-batch times; with PP it is the makespan of
+- a rank's `est_time` is its busy time, the sum of its micro-batch times, the runtime's padding
+  micro-batches included (`timing.runtime_microbatch_counts`: with PP every pipeline runs the largest
+  count); with PP it is the makespan of
   its 1F1B pipeline (`pipeline.pipeline_time`: (m + pp - 1) t for m equal micro-batches of time t, set
   by the heaviest micro-batches when they differ);
 - `est_step_time` is the time the last rank reaches the gradient all-reduce, from the timeline of
@@ -26,7 +28,7 @@ from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.layout import zigzag_chunks
 from megatron_hdp.plan.pipeline import pipeline_time
 from megatron_hdp.plan.sharding import whole_times
-from megatron_hdp.plan.timing import coupled_finish, link_groups
+from megatron_hdp.plan.timing import coupled_finish, link_groups, runtime_microbatch_counts
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, build_many
 
 
@@ -97,6 +99,7 @@ def assemble_plan(
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     ring_index: dict[int, int] = {}
     times: list[list[float]] = []
+    schedules: list[list[MicroBatch]] = []
     ranks: list[RankSchedule] = []
     for rank, microbatches in enumerate(schedule):
         built: list[MicroBatch] = []
@@ -121,8 +124,11 @@ def assemble_plan(
                 time = cost_model.microbatch_time(costs, pp_size=pp_size)
             rank_times.append(time)
             built.append(MicroBatch(shards, max(capacity, held), time))
+        schedules.append(built)
         times.append(rank_times)
-        ranks.append(RankSchedule(rank, tuple(built), pipeline_time(rank_times, pp_size=pp_size)))
+    for rank, count in enumerate(runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size)):
+        times[rank] += [overhead] * (count - len(times[rank]))  # the runtime's padding micro-batches
+        ranks.append(RankSchedule(rank, tuple(schedules[rank]), pipeline_time(times[rank], pp_size=pp_size)))
     step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size)
     ratios = np.asarray(offload_ratios, dtype=np.float64).tolist()
     sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios))

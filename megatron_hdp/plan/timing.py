@@ -10,7 +10,10 @@ coupling (`sim.simulator`):
   the slowest is done. Coupling is transitive: ranks linked through several rings at one index (or by a
   barrier) move as one group (`link_groups`);
 - a rank runs its micro-batches in order, each phase (forward, backward, or the whole micro-batch) of
-  index i after the previous one (`coupled_finish`).
+  index i after the previous one (`coupled_finish`);
+- padding: the runtime runs empty micro-batches after a rank's own (`megatron.step.pad_microbatches`):
+  with PP every pipeline runs the domain's largest count, and a rank without micro-batches runs one
+  (`runtime_microbatch_counts`); each costs the micro-batch overhead.
 
 tests/test_timing_model.py holds the planner's step time, this module and the simulator to 1e-9 on
 random plans.
@@ -26,6 +29,15 @@ from megatron_hdp.plan.step_plan import StepPlan
 
 Groups = dict[tuple[int, int], int]
 """(rank, micro-batch index) -> id of the group that runs that index together (coupled keys only)."""
+
+
+def runtime_microbatch_counts(counts: Sequence[int], *, pp_size: int = 1) -> list[int]:
+    """Micro-batches each rank runs for a plan giving it `counts[r]`: with PP the largest count on every
+    rank (the pipelines' schedules must line up), at least one everywhere (every rank joins the gradient
+    reduction). Mirrors `megatron.step.num_microbatches_to_run` without expert parallelism."""
+    if pp_size > 1:
+        return [max(1, max(counts, default=0))] * len(counts)
+    return [max(1, c) for c in counts]
 
 
 def link_groups(links: Iterable[tuple[int, Sequence[int]]]) -> Groups:

@@ -19,6 +19,8 @@ What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding n
   are ready, and releases them together when the slowest is done (its busy part is its own work; the
   rest is idle). Coupling is transitive: ranks linked through several rings at the same micro-batch
   index move as one group.
+- Padding: after its own micro-batches a rank runs the runtime's empty ones (with PP up to the domain's
+  largest count; an idle rank one), each at the micro-batch overhead (`plan.timing`).
 - PP: every stage runs its micro-batches in 1F1B order (warm-up of p-1-s forwards), forward = 1/3 and
   backward = 2/3 of the micro-batch time (backward does twice the forward's FLOPs and ring traffic);
   F of stage s waits for F of stage s-1, B of stage s for B of stage s+1. PP bubbles and the stalls of
@@ -40,7 +42,7 @@ import numpy as np
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.pipeline import FORWARD_SHARE, one_f_one_b_order
 from megatron_hdp.plan.step_plan import MicroBatch, StepPlan
-from megatron_hdp.plan.timing import plan_groups
+from megatron_hdp.plan.timing import plan_groups, runtime_microbatch_counts
 
 
 
@@ -260,6 +262,12 @@ def simulate_step(
     costs = [mb_costs[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]  # [rank][index] -> 4 numbers
     with_ring = np.bincount(shards.microbatch, weights=shards.ring_size > 1, minlength=len(mb_costs)) > 0
     has_ring = [with_ring[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]
+    # the runtime's padding micro-batches (empty, at the micro-batch overhead) after each rank's own
+    padding = cost_model.microbatch_time([], pp_size=p)
+    extra = np.array(runtime_microbatch_counts([len(c) for c in costs], pp_size=p)) - [len(c) for c in costs]
+    for r in range(n):
+        costs[r] += [[padding, 0.0, 0.0, 0.0]] * int(extra[r])
+        has_ring[r] += [False] * int(extra[r])
     coupled = plan_groups(plan, barrier_per_microbatch=rules.barrier_per_microbatch)
     members: dict[int, list[int]] = {}
     for (rank, _), gid in coupled.items():
@@ -321,6 +329,7 @@ def simulate_step(
     assert not stuck, f"simulation stalled at rank-stages {stuck[:4]}: the plan breaks the one-index ring rule"
     rank_of_mb = np.repeat(np.arange(n), np.diff(bounds))
     totals = np.stack([np.bincount(rank_of_mb, weights=mb_costs[:, i], minlength=n) for i in range(4)], axis=1)
+    totals[:, 0] += padding * extra
     finish = np.array([max((o.release for stage in ops[r] for o in stage), default=0.0) for r in range(n)])
     return StepTimeline(
         policy=plan.policy,
