@@ -163,8 +163,9 @@ def _build(
     plan = _finish([[[seq] for seq in ring_mbs] for ring_mbs in aligned.ring_microbatches], aligned.rings,
                    aligned.finish, whole_order, **common)
     if order:
+        nodes = None if cost_model.ranks_per_node is None else np.arange(num_ranks) // cost_model.ranks_per_node
         timed = place_rings_by_time(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
-                                    overhead=overhead)
+                                    overhead=overhead, domains=nodes)
         left = fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
         candidate = _finish(timed.leading, timed.rings, timed.finish, left, **common)
         if candidate.est_step_time < plan.est_step_time * (1 - 1e-9):

@@ -13,7 +13,9 @@ k dK/dV buffers in the backward (the partials ride the ring back to their owner)
 dtype and dK/dV in the accumulation dtype (fp32 for bf16/fp16 activations): per member
 (2 (k-1) + k * grad_factor) * t * kv_bytes_per_token bytes in 3k-2 messages, grad_factor = 2 in bf16 and
 1 in fp32 (`layer_ring_bytes`; tests/test_ring_traffic.py holds it against the gloo traffic counters).
-That traffic is overlapped with the member's attention compute, so only the excess is exposed. Documents that share a
+That traffic is overlapped with the member's attention compute, so only the excess is exposed. With a
+topology (`ranks_per_node`, `intra_node_bandwidth`) a ring runs at its slowest link: NVLink inside one
+node, the inter-node link (`ring_bandwidth`) as soon as it crosses one. Documents that share a
 ring in one micro-batch share its exchange (one message per ring step carries all of them): their tokens
 and their attention are summed before the overlap (`microbatch_time`).
 
@@ -66,6 +68,12 @@ class CostModel:
     host_memory_bytes: Optional[float] = None
     """Pinned host bytes one rank may fill with offloaded activations (None: unlimited). Bounds the
     planner's offload decision: r * Act(t) * layers per stage <= host_memory_bytes."""
+    ranks_per_node: Optional[int] = None
+    """HDP ranks per node (rank r on node r // ranks_per_node); None: topology unknown, every ring link runs
+    at `ring_bandwidth`."""
+    intra_node_bandwidth: Optional[float] = None
+    """Bytes/s of a ring link inside a node (NVLink); `ring_bandwidth` is then the link between nodes
+    (InfiniBand per GPU). None: `ring_bandwidth` everywhere. A ring runs at its slowest link."""
     ring_block_overhead: float = 0.0
     """Seconds per document, per extra ring step, per layer that no transfer hides: a split document costs
     2 (k-1) more attention-kernel calls (one block per ring step, forward and backward) than a whole one.
@@ -79,6 +87,10 @@ class CostModel:
         for name in ("ring_bandwidth", "d2h_bandwidth", "h2d_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cost model {name} must be > 0, got {getattr(self, name)}")
+        if self.intra_node_bandwidth is not None and self.intra_node_bandwidth <= 0:
+            raise ValueError(f"cost model intra_node_bandwidth must be > 0, got {self.intra_node_bandwidth}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"cost model ranks_per_node must be >= 1, got {self.ranks_per_node}")
         if self.host_memory_bytes is not None and self.host_memory_bytes < 0:
             raise ValueError(f"cost model host_memory_bytes must be >= 0, got {self.host_memory_bytes}")
         if self.activation_dtype_bytes not in (1, 2, 4, 8):
@@ -110,10 +122,35 @@ class CostModel:
         per_token = 2 * (ring_size - 1) * self.kv_bytes_per_token + ring_size * self.kv_grad_bytes_per_token
         return per_token * num_tokens
 
-    def layer_ring_comm_time(self, *, num_tokens, ring_size: int):
-        """Seconds one ring member spends sending its K/V (and dK/dV) around a ring, one layer."""
-        return (self.layer_ring_bytes(num_tokens=num_tokens, ring_size=ring_size) / self.ring_bandwidth
+    def layer_ring_comm_time(self, *, num_tokens, ring_size: int, bandwidth=None):
+        """Seconds one ring member spends sending its K/V (and dK/dV) around a ring, one layer, over links
+        of `bandwidth` (default: what a ring of this size gets when placed inside a node if it fits,
+        `size_bandwidth`)."""
+        if bandwidth is None:
+            bandwidth = self.size_bandwidth(ring_size)
+        return (self.layer_ring_bytes(num_tokens=num_tokens, ring_size=ring_size) / bandwidth
                 + self.ring_messages(ring_size) * self.ring_latency)
+
+    # --- topology ------------------------------------------------------------------------------
+    def crosses_nodes(self, ring: Sequence[int]) -> bool:
+        """Whether the ranks of `ring` sit on more than one node (always False without a topology)."""
+        if self.ranks_per_node is None or len(ring) <= 1:
+            return False
+        first = ring[0] // self.ranks_per_node
+        return any(rank // self.ranks_per_node != first for rank in ring)
+
+    def ring_link_bandwidth(self, ring: Sequence[int]) -> float:
+        """Bytes/s of the slowest link of `ring`: between nodes when it crosses one, else inside one."""
+        if self.intra_node_bandwidth is None or self.crosses_nodes(ring) or self.ranks_per_node is None:
+            return self.ring_bandwidth
+        return self.intra_node_bandwidth
+
+    def size_bandwidth(self, ring_size: int) -> float:
+        """Link bytes/s the planner assumes for a ring of `ring_size` before it is placed: inside a node
+        when it fits one (the placement keeps such rings inside a node when it can), else between nodes."""
+        if self.intra_node_bandwidth is None or self.ranks_per_node is None or ring_size > self.ranks_per_node:
+            return self.ring_bandwidth
+        return self.intra_node_bandwidth
 
     def layer_ring_block_time(self, *, num_documents: int, ring_size: int) -> float:
         """Seconds of per-block kernel overhead of `num_documents` split over one ring of `ring_size`, one
@@ -153,7 +190,8 @@ class CostModel:
             summed[1] += self.a1 * seq_len * num_tokens
             summed[2] += 1
         for ring, (num_tokens, attention, num_documents) in rings.items():
-            comm = self.layer_ring_comm_time(num_tokens=num_tokens, ring_size=len(ring))
+            comm = self.layer_ring_comm_time(num_tokens=num_tokens, ring_size=len(ring),
+                                             bandwidth=self.ring_link_bandwidth(ring))
             blocks = self.layer_ring_block_time(num_documents=num_documents, ring_size=len(ring))
             per_layer += self.b1 * num_tokens + max(attention, comm) + blocks
         return per_layer * self.num_layers / pp_size

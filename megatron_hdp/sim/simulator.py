@@ -216,8 +216,14 @@ def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shard
     group_size[group_keys] = shards.ring_size
     group_pass = np.zeros(len(group_tokens), dtype=np.int64)
     group_pass[group_keys] = pass_of_shard
-    traffic = _per_ring_size(group_tokens, group_size,
-                             lambda t, k: cost.layer_ring_comm_time(num_tokens=t, ring_size=k))
+    group_ring = np.zeros(len(group_tokens), dtype=np.int64)
+    group_ring[group_keys] = shards.ring
+    bandwidth = np.array([cost.ring_link_bandwidth(ring) for ring in shards.rings])[group_ring]
+    group_ids = np.arange(len(group_tokens))
+    traffic = _per_ring_size(group_ids.astype(np.float64), group_size,
+                             lambda ids, k: cost.layer_ring_comm_time(num_tokens=group_tokens[ids.astype(np.int64)],
+                                                                      ring_size=k,
+                                                                      bandwidth=bandwidth[ids.astype(np.int64)]))
     exposed = np.maximum(0.0, traffic - group_attention)
     # per-block kernel overhead of split documents: work of the rank itself, not hidden by the exchange
     blocks = _per_ring_size(np.bincount(group_keys).astype(np.float64), group_size,
