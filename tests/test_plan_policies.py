@@ -33,12 +33,16 @@ def recompute(plan, cm):
     """Micro-batch, rank and step times from the plan's shards alone, with the cost model directly."""
     rings = {s.id: s.ring for s in plan.sequences}
     rank_times = []
+    longest = max(len(schedule.microbatches) for schedule in plan.ranks)
     for schedule in plan.ranks:
         times = []
         for mb in schedule.microbatches:
             shards = [(plan.sequences[sh.seq].length, sh.num_tokens, rings[sh.seq]) for sh in mb.shards]
             times.append(cm.microbatch_time(shards, pp_size=plan.pp_size))
             assert mb.est_time == pytest.approx(times[-1], rel=1e-9)
+        # the runtime pads with empty micro-batches: with PP to the longest pipeline, else an idle rank to one
+        padded = longest if plan.pp_size > 1 else max(1, len(times))
+        times += [cm.microbatch_time([], pp_size=plan.pp_size)] * (padded - len(times))
         rank_times.append(pipeline_time(times, pp_size=plan.pp_size))  # checked in test_plan_pipeline
         assert schedule.est_time == pytest.approx(rank_times[-1], rel=1e-9)
     return rank_times
