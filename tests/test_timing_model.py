@@ -73,3 +73,38 @@ def test_pipelines_are_padded_to_the_largest_microbatch_count():
     timeline = simulate_step(plan, H100, rules=PolicyRules())
     assert timeline.busy[1] == pytest.approx(own + 2 * empty)
     assert timeline.compute_end == pytest.approx(plan.est_step_time)
+
+
+def test_expert_parallel_groups_couple_every_microbatch():
+    """EP = 2: the MoE all-to-all couples micro-batch i of both members; rank 1 has one micro-batch and
+    runs a padding one beside rank 0's second (`megatron.step.num_microbatches_to_run`)."""
+    ep = CostModel.from_dict({**H100.to_dict(), "expert_parallel_size": 2})
+    lengths = [3000, 1000, 6000]
+    plan = assemble_plan(policy="hand", lengths=lengths, rings=[(0,), (0,), (1,)], offload_ratios=[0.0] * 3,
+                         schedule=[[[0], [1]], [[2]]], capacity=6000, cost_model=ep)
+    a, b, c = (ep.microbatch_time([(n, n, ())]) for n in lengths)
+    empty = ep.microbatch_time([])
+    assert plan.est_step_time == pytest.approx(max(a, c) + max(b, empty))
+    assert plan.ranks[1].est_time == pytest.approx(c + empty)
+    timeline = simulate_step(plan, ep, rules=PolicyRules())
+    assert timeline.compute_end == pytest.approx(plan.est_step_time)
+    with pytest.raises(ValueError, match="expert_parallel_size 2 does not divide the 3"):
+        assemble_plan(policy="hand", lengths=lengths, rings=[(0,), (1,), (2,)], offload_ratios=[0.0] * 3,
+                      schedule=[[[0]], [[1]], [[2]]], capacity=6000, cost_model=ep)
+
+
+def test_planner_and_simulator_agree_with_expert_parallelism_on_random_plans():
+    ep = CostModel.from_dict({**SLOW_RING.to_dict(), "expert_parallel_size": 2})
+    rng = np.random.default_rng(1)
+    for seed in range(30):
+        num_ranks = 2 * int(rng.integers(1, 4))
+        lengths = rng.integers(1, 20000, size=int(rng.integers(1, 12))).tolist()
+        plan = random_plan(lengths, num_ranks=num_ranks, seed=seed, max_slots=4)
+        schedule = [[[s.seq for s in mb.shards] for mb in r.microbatches] for r in plan.ranks]
+        assembled = assemble_plan(policy="random", lengths=lengths, rings=[s.ring for s in plan.sequences],
+                                  offload_ratios=[0.0] * len(lengths), schedule=schedule, capacity=plan.capacity,
+                                  cost_model=ep)
+        timeline = simulate_step(plan, ep, rules=PolicyRules())
+        where = f"seed {seed}, {num_ranks} ranks, lengths {lengths}"
+        np.testing.assert_allclose(timeline.busy, [r.est_time for r in assembled.ranks], rtol=1e-9, err_msg=where)
+        assert timeline.compute_end == pytest.approx(assembled.est_step_time, rel=1e-9), where

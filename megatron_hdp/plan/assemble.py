@@ -28,7 +28,7 @@ from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.layout import zigzag_chunks
 from megatron_hdp.plan.pipeline import pipeline_time
 from megatron_hdp.plan.sharding import whole_times
-from megatron_hdp.plan.timing import coupled_finish, link_groups, runtime_microbatch_counts
+from megatron_hdp.plan.timing import coupled_finish, expert_links, link_groups, runtime_microbatch_counts
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, build_many
 
 
@@ -126,10 +126,12 @@ def assemble_plan(
             built.append(MicroBatch(shards, max(capacity, held), time))
         schedules.append(built)
         times.append(rank_times)
-    for rank, count in enumerate(runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size)):
+    ep_size = cost_model.expert_parallel_size
+    counts = runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size, ep_size=ep_size)
+    for rank, count in enumerate(counts):
         times[rank] += [overhead] * (count - len(times[rank]))  # the runtime's padding micro-batches
         ranks.append(RankSchedule(rank, tuple(schedules[rank]), pipeline_time(times[rank], pp_size=pp_size)))
-    step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size)
+    step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size)
     ratios = np.asarray(offload_ratios, dtype=np.float64).tolist()
     sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios))
     assert len(ranks) == num_ranks
@@ -143,10 +145,13 @@ def step_time(
     rings: Sequence[tuple[int, ...]],
     ring_index: dict[int, int],
     pp_size: int = 1,
+    ep_size: int = 1,
 ) -> float:
-    """Time the last rank finishes when ring micro-batches wait for all their members and release them
-    together (`timing.coupled_finish`), plus each rank's PP bubble."""
-    groups = link_groups((index, rings[seq]) for seq, index in ring_index.items())
+    """Time the last rank finishes when ring micro-batches (and, with `ep_size` > 1, every micro-batch
+    of an expert-parallel group; `times` padded as the runtime runs them) wait for all their members and
+    release them together (`timing.coupled_finish`), plus each rank's PP bubble."""
+    links = [(index, rings[seq]) for seq, index in ring_index.items()]
+    groups = link_groups(links + expert_links([len(t) for t in times], ep_size))
     end = coupled_finish([times], groups)
     if pp_size > 1:
         end = end + np.array([pipeline_time(t, pp_size=pp_size) - sum(t) for t in times])

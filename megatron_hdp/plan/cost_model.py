@@ -74,6 +74,9 @@ class CostModel:
     intra_node_bandwidth: Optional[float] = None
     """Bytes/s of a ring link inside a node (NVLink); `ring_bandwidth` is then the link between nodes
     (InfiniBand per GPU). None: `ring_bandwidth` everywhere. A ring runs at its slowest link."""
+    expert_parallel_size: int = 1
+    """HDP ranks per expert-parallel group (consecutive ranks, `plan.timing.expert_groups`): their MoE
+    all-to-all couples micro-batch i of every member, and each member runs its group's largest count."""
     ring_block_overhead: float = 0.0
     """Seconds per document, per extra ring step, per layer that no transfer hides: a split document costs
     2 (k-1) more attention-kernel calls (one block per ring step, forward and backward) than a whole one.
@@ -89,6 +92,8 @@ class CostModel:
                 raise ValueError(f"cost model {name} must be > 0, got {getattr(self, name)}")
         if self.intra_node_bandwidth is not None and self.intra_node_bandwidth <= 0:
             raise ValueError(f"cost model intra_node_bandwidth must be > 0, got {self.intra_node_bandwidth}")
+        if self.expert_parallel_size < 1:
+            raise ValueError(f"cost model expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"cost model ranks_per_node must be >= 1, got {self.ranks_per_node}")
         if self.host_memory_bytes is not None and self.host_memory_bytes < 0:

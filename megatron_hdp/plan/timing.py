@@ -12,8 +12,11 @@ coupling (`sim.simulator`):
 - a rank runs its micro-batches in order, each phase (forward, backward, or the whole micro-batch) of
   index i after the previous one (`coupled_finish`);
 - padding: the runtime runs empty micro-batches after a rank's own (`megatron.step.pad_microbatches`):
-  with PP every pipeline runs the domain's largest count, and a rank without micro-batches runs one
-  (`runtime_microbatch_counts`); each costs the micro-batch overhead.
+  with PP every pipeline runs the domain's largest count, with expert parallelism every member of an EP
+  group its group's largest, and a rank without micro-batches runs one (`runtime_microbatch_counts`);
+  each costs the micro-batch overhead;
+- expert parallelism: the MoE all-to-all of every layer couples micro-batch i of all members of an EP
+  group (`expert_links`), like a ring over the group at every index.
 
 tests/test_timing_model.py holds the planner's step time, this module and the simulator to 1e-9 on
 random plans.
@@ -31,13 +34,35 @@ Groups = dict[tuple[int, int], int]
 """(rank, micro-batch index) -> id of the group that runs that index together (coupled keys only)."""
 
 
-def runtime_microbatch_counts(counts: Sequence[int], *, pp_size: int = 1) -> list[int]:
+def expert_groups(num_ranks: int, ep_size: int) -> list[range]:
+    """The expert-parallel groups of an HDP domain: consecutive blocks of `ep_size` HDP ranks (Megatron
+    orders EP inside DP), whose MoE all-to-all couples micro-batch i of every member."""
+    if ep_size < 1 or num_ranks % ep_size:
+        raise ValueError(f"expert_parallel_size {ep_size} does not divide the {num_ranks} HDP ranks")
+    return [range(start, start + ep_size) for start in range(0, num_ranks, ep_size)]
+
+
+def runtime_microbatch_counts(counts: Sequence[int], *, pp_size: int = 1, ep_size: int = 1) -> list[int]:
     """Micro-batches each rank runs for a plan giving it `counts[r]`: with PP the largest count on every
-    rank (the pipelines' schedules must line up), at least one everywhere (every rank joins the gradient
-    reduction). Mirrors `megatron.step.num_microbatches_to_run` without expert parallelism."""
+    rank (the pipelines' schedules must line up), else the largest of its expert-parallel group (every
+    member joins every all-to-all), at least one everywhere (every rank joins the gradient reduction).
+    Mirrors `megatron.step.num_microbatches_to_run`."""
     if pp_size > 1:
         return [max(1, max(counts, default=0))] * len(counts)
-    return [max(1, c) for c in counts]
+    out = [0] * len(counts)
+    for group in expert_groups(len(counts), ep_size):
+        most = max(1, max(counts[r] for r in group))
+        for r in group:
+            out[r] = most
+    return out
+
+
+def expert_links(counts: Sequence[int], ep_size: int) -> list[tuple[int, Sequence[int]]]:
+    """(index, members) for every micro-batch index of every expert-parallel group of more than one rank,
+    `counts` being the padded counts the runtime runs (equal inside a group)."""
+    if ep_size <= 1:
+        return []
+    return [(index, group) for group in expert_groups(len(counts), ep_size) for index in range(counts[group[0]])]
 
 
 def link_groups(links: Iterable[tuple[int, Sequence[int]]]) -> Groups:
@@ -66,9 +91,10 @@ def link_groups(links: Iterable[tuple[int, Sequence[int]]]) -> Groups:
     return {key: gid for key, gid in groups.items() if sizes[gid] > 1}
 
 
-def plan_groups(plan: StepPlan, *, barrier_per_microbatch: bool = False) -> Groups:
+def plan_groups(plan: StepPlan, *, barrier_per_microbatch: bool = False, ep_size: int = 1) -> Groups:
     """The coupling of `plan`: each ring (k > 1) at the index its members hold it (`validate()` puts all
-    shards of a sequence at one index); with `barrier_per_microbatch` every index of all ranks holding it."""
+    shards of a sequence at one index); with `barrier_per_microbatch` every index of all ranks holding it;
+    with `ep_size` > 1 every index (padding included) of each expert-parallel group."""
     links: dict[tuple[int, tuple[int, ...]], None] = {}
     ring_of = [seq.ring for seq in plan.sequences]
     for schedule in plan.ranks:
@@ -81,7 +107,9 @@ def plan_groups(plan: StepPlan, *, barrier_per_microbatch: bool = False) -> Grou
     if barrier_per_microbatch:
         depth = max((len(s.microbatches) for s in plan.ranks), default=0)
         every += [(i, tuple(s.rank for s in plan.ranks if i < len(s.microbatches))) for i in range(depth)]
-    return link_groups(every)
+    counts = runtime_microbatch_counts([len(s.microbatches) for s in plan.ranks], pp_size=plan.pp_size,
+                                       ep_size=ep_size)
+    return link_groups(every + expert_links(counts, ep_size))
 
 
 def coupled_finish(

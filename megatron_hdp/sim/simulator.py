@@ -20,7 +20,9 @@ What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding n
   rest is idle). Coupling is transitive: ranks linked through several rings at the same micro-batch
   index move as one group.
 - Padding: after its own micro-batches a rank runs the runtime's empty ones (with PP up to the domain's
-  largest count; an idle rank one), each at the micro-batch overhead (`plan.timing`).
+  largest count, with EP its group's; an idle rank one), each at the micro-batch overhead (`plan.timing`).
+- Expert parallelism (`CostModel.expert_parallel_size`): micro-batch i of every member of an EP group is
+  coupled like a ring (the MoE all-to-all of every layer), `plan.timing.expert_links`.
 - PP: every stage runs its micro-batches in 1F1B order (warm-up of p-1-s forwards), forward = 1/3 and
   backward = 2/3 of the micro-batch time (backward does twice the forward's FLOPs and ring traffic);
   F of stage s waits for F of stage s-1, B of stage s for B of stage s+1. PP bubbles and the stalls of
@@ -270,11 +272,13 @@ def simulate_step(
     has_ring = [with_ring[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]
     # the runtime's padding micro-batches (empty, at the micro-batch overhead) after each rank's own
     padding = cost_model.microbatch_time([], pp_size=p)
-    extra = np.array(runtime_microbatch_counts([len(c) for c in costs], pp_size=p)) - [len(c) for c in costs]
+    extra = np.array(runtime_microbatch_counts([len(c) for c in costs], pp_size=p,
+                                                ep_size=cost_model.expert_parallel_size)) - [len(c) for c in costs]
     for r in range(n):
         costs[r] += [[padding, 0.0, 0.0, 0.0]] * int(extra[r])
         has_ring[r] += [False] * int(extra[r])
-    coupled = plan_groups(plan, barrier_per_microbatch=rules.barrier_per_microbatch)
+    coupled = plan_groups(plan, barrier_per_microbatch=rules.barrier_per_microbatch,
+                          ep_size=cost_model.expert_parallel_size)
     members: dict[int, list[int]] = {}
     for (rank, _), gid in coupled.items():
         members.setdefault(gid, []).append(rank)
