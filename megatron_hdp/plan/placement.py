@@ -238,17 +238,22 @@ def fill_gaps(
     """Put whole sequences of `order` (heaviest first) into filler slots whose idle time they fit (best
     fit; <= `capacity` tokens per slot), so they run while the rank waits for a ring's other members and
     delay nothing. Returns the sequences left over, in order."""
-    room = [[seconds, capacity] for _, _, seconds in layout.gaps]
+    room = {g: [seconds, capacity] for g, (_, _, seconds) in enumerate(layout.gaps) if seconds > 0}
     left = []
-    for seq in order:
+    for at, seq in enumerate(order):
+        if not room:
+            left += order[at:]
+            break
         weight, size = float(weights[seq]), int(tokens[seq])
-        fitting = [g for g, (seconds, free) in enumerate(room) if weight <= seconds and size <= free]
+        fitting = [g for g, (seconds, free) in room.items() if weight <= seconds and size <= free]
         if not fitting:
             left.append(seq)
             continue
-        g = min(fitting, key=lambda g: room[g][0])
+        g = min(fitting, key=lambda g: (room[g][0], g))
         rank, slot, _ = layout.gaps[g]
         layout.leading[rank][slot].append(seq)
         room[g][0] -= weight
         room[g][1] -= size
+        if room[g][0] <= 0 or room[g][1] <= 0:
+            del room[g]
     return left
