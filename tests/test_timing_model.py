@@ -33,6 +33,14 @@ def _microbatch_times(plan, cost_model):
             for schedule in plan.ranks]
 
 
+def _assembled(plan, cost_model):
+    """The same placement re-timed by the planner's `assemble_plan`."""
+    schedule = [[[s.seq for s in mb.shards] for mb in r.microbatches] for r in plan.ranks]
+    return assemble_plan(policy=plan.policy, lengths=plan.lengths, rings=[s.ring for s in plan.sequences],
+                         offload_ratios=[0.0] * len(plan.lengths), schedule=schedule, capacity=plan.capacity,
+                         cost_model=cost_model)
+
+
 @pytest.mark.parametrize("cost_model", [H100, SLOW_RING], ids=["h100", "slow-ring"])
 def test_planner_timing_and_simulator_agree_on_random_plans(cost_model):
     rng = np.random.default_rng(0)
@@ -44,10 +52,7 @@ def test_planner_timing_and_simulator_agree_on_random_plans(cost_model):
         for rank_times in times:  # a rank without micro-batches runs one empty one (the runtime's padding)
             rank_times += [cost_model.microbatch_time([])] * (not rank_times)
         finish = coupled_finish([times], plan_groups(plan))
-        schedule = [[[s.seq for s in mb.shards] for mb in r.microbatches] for r in plan.ranks]
-        assembled = assemble_plan(policy="random", lengths=lengths, rings=[s.ring for s in plan.sequences],
-                                  offload_ratios=[0.0] * len(lengths), schedule=schedule, capacity=plan.capacity,
-                                  cost_model=cost_model)
+        assembled = _assembled(plan, cost_model)
         timeline = simulate_step(plan, cost_model, rules=PolicyRules())
         where = f"seed {seed}, {num_ranks} ranks, lengths {lengths}"
         busy = [sum(t) for t in times]
@@ -100,10 +105,7 @@ def test_planner_and_simulator_agree_with_expert_parallelism_on_random_plans():
         num_ranks = 2 * int(rng.integers(1, 4))
         lengths = rng.integers(1, 20000, size=int(rng.integers(1, 12))).tolist()
         plan = random_plan(lengths, num_ranks=num_ranks, seed=seed, max_slots=4)
-        schedule = [[[s.seq for s in mb.shards] for mb in r.microbatches] for r in plan.ranks]
-        assembled = assemble_plan(policy="random", lengths=lengths, rings=[s.ring for s in plan.sequences],
-                                  offload_ratios=[0.0] * len(lengths), schedule=schedule, capacity=plan.capacity,
-                                  cost_model=ep)
+        assembled = _assembled(plan, ep)
         timeline = simulate_step(plan, ep, rules=PolicyRules())
         where = f"seed {seed}, {num_ranks} ranks, lengths {lengths}"
         np.testing.assert_allclose(timeline.busy, [r.est_time for r in assembled.ranks], rtol=1e-9, err_msg=where)
