@@ -59,6 +59,11 @@ class HDPConfig:
     hdp_cost_model: Optional[str] = None
     """JSON of measured cost-model coefficients (from `megatron-hdp calibrate`); analytic if unset."""
 
+    hdp_ranks_per_node: Optional[int] = None
+    """HDP ranks per node for the planner's topology: rings that fit a node are placed inside one and run
+    on its fast links (the cost model's `intra_node_bandwidth`). Unset: the local world size divided by
+    the tensor-parallel size."""
+
     hdp_global_batch_tokens: Optional[int] = None
     """Tokens per global batch; the sampler takes whole documents until this budget is reached.
     Unset: the global batch is Megatron's --global-batch-size documents."""

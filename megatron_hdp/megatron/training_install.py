@@ -91,7 +91,17 @@ def hdp_layer_spec(config: Any) -> Any:
 
 
 def _cost_model(args: Namespace, config: HDPConfig) -> Any:
-    """The planner's cost model: measured (--hdp-cost-model) or analytic from the model's shape."""
+    """The planner's cost model: measured (--hdp-cost-model) or analytic from the model's shape, with the
+    node size (--hdp-ranks-per-node, default: local world size / TP)."""
+    import dataclasses
+    import os
+
+    ranks_per_node = config.hdp_ranks_per_node or max(
+        1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // args.tensor_model_parallel_size)
+    return dataclasses.replace(_base_cost_model(args, config), ranks_per_node=ranks_per_node)
+
+
+def _base_cost_model(args: Namespace, config: HDPConfig) -> Any:
     from megatron_hdp.plan.cost_model import CostModel
     from megatron_hdp.plan.presets import ModelShape, analytic_cost_model
 
