@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -62,6 +64,12 @@ class CostModel:
     calls the kernel per document (fitted by `benchmarks/step_bench.py`)."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name == "host_memory_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"cost model {f.name} must be a finite number, got {value!r}")
         for name in ("a1", "b1", "g", "a2", "b2", "kv_bytes_per_token", "ring_latency", "ring_block_overhead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost model coefficient {name} must be >= 0, got {getattr(self, name)}")
@@ -70,8 +78,8 @@ class CostModel:
                 raise ValueError(f"cost model {name} must be > 0, got {getattr(self, name)}")
         if self.host_memory_bytes is not None and self.host_memory_bytes < 0:
             raise ValueError(f"cost model host_memory_bytes must be >= 0, got {self.host_memory_bytes}")
-        if self.num_layers <= 0:
-            raise ValueError(f"cost model num_layers must be > 0, got {self.num_layers}")
+        if not isinstance(self.num_layers, numbers.Integral) or self.num_layers <= 0:
+            raise ValueError(f"cost model num_layers must be a positive integer, got {self.num_layers!r}")
 
     # --- per layer -----------------------------------------------------------------------------
     def layer_compute_time(self, *, seq_len: int, num_tokens: int) -> float:
@@ -158,10 +166,17 @@ class CostModel:
     @classmethod
     def from_dict(cls, data: dict) -> "CostModel":
         """Build from a dict; unknown keys are an error so that a typo never goes unnoticed."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        if not isinstance(data, dict):
+            raise ValueError(f"a cost model is a JSON object of coefficients, got {type(data).__name__}")
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
+        unknown = sorted(map(str, set(data) - names))
         if unknown:
             raise ValueError(f"unknown cost model keys {unknown}; expected a subset of {sorted(names)}")
+        required = [f.name for f in fields if f.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ValueError(f"cost model keys {missing} are missing; required: {required}")
         return cls(**data)
 
     def to_json(self, path: str | Path) -> None:
