@@ -28,6 +28,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 
+RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
+"""Megatron's --recompute-granularity values, "none" for the flag left out."""
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Per-layer coefficients for one rank (TP already applied) and the links it uses."""
@@ -62,11 +66,21 @@ class CostModel:
     2 (k-1) more attention-kernel calls (one block per ring step, forward and backward) than a whole one.
     About 0 where one varlen kernel call takes every document of a step; ~40 us on the CPU backend, which
     calls the kernel per document (fitted by `benchmarks/step_bench.py`)."""
+    recompute_granularity: str = "none"
+    """Megatron's --recompute-granularity these coefficients hold for: none, full or selective.
+    Recomputation trades Act(s) for T(s) (full keeps a layer's input only and runs its forward twice), so
+    a cost model measured under another setting mis-sizes D(s) and the step times; `validate_hdp_args`
+    warns when the run's setting differs."""
 
     def __post_init__(self) -> None:
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(
+                f"cost model recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got "
+                f"{self.recompute_granularity!r}"
+            )
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None and f.name == "host_memory_bytes":
+            if (value is None and f.name == "host_memory_bytes") or f.name == "recompute_granularity":
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise ValueError(f"cost model {f.name} must be a finite number, got {value!r}")
