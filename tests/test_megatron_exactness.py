@@ -198,4 +198,11 @@ def test_more_layouts_match_single_process_reference(reference, name):
         _check_covered(reference["dense"], results)
         _check_idle(results)
     if case.get("offload"):
-        assert all(sum(rank_steps[step]["offloaded"] for rank_steps in results) > 0 for step in range(len(BATCHES)))
+        offloaded = [sum(rank_steps[step]["offloaded"] for rank_steps in results) for step in range(len(BATCHES))]
+        if case.get("recompute") == "full":
+            # full recomputation keeps only each layer's input, saved by the checkpoint outside the layer:
+            # there is nothing for the offloader to move (and the recompute in the backward runs outside
+            # any micro-batch context, so the offloader leaves it alone)
+            assert offloaded == [0] * len(BATCHES)
+        else:
+            assert all(b > 0 for b in offloaded), offloaded
