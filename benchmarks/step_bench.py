@@ -27,6 +27,7 @@ benchmarks/results/step_bench.json with the command, the date and the host's loa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -60,8 +61,62 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--predict-from", default=None,
                         help="a step_bench result JSON of another run: plan and predict with its cost model, "
                              "all-reduce bandwidth and step overhead (out-of-sample prediction)")
+    parser.add_argument("--simulate-only", action="store_true",
+                        help="no training: the simulator's breakdown of every policy on the batches of --mixes, "
+                             "with the cost model, all-reduce bandwidth and step overhead of --predict-from")
+    parser.add_argument("--mixes", default="byted,github", help="mixes of the simulated breakdown")
     parser.add_argument("--output", default=str(RESULTS))
     return parser.parse_args(argv)
+
+
+def simulated_breakdown(spec: CpuRunSpec, mixes: list[str], cost_model: CostModel, *, ranks: int, grad_bytes: int,
+                        allreduce_bandwidth: float, step_overhead: float) -> dict[str, dict[str, dict]]:
+    """Per mix and policy, medians over the steps' batches of the simulator's step time and where it goes:
+    the busiest rank's compute (kernels + per-pass overhead g), its exposed ring time, the waits (rings,
+    group barriers: step - busiest rank's work - all-reduce), passes per rank, the all-reduce. Megatron's
+    Hybrid-CP with Megatron's rules (one pass per sub-sample, a barrier per group)."""
+    from megatron_hdp.config import HDPConfig
+    from megatron_hdp.megatron.cpu_training import HYBRID_CP, global_batches, planner_policy
+    from megatron_hdp.plan.planner import make_plan
+    from megatron_hdp.sim.simulator import POLICY_RULES, PolicyRules, simulate_step
+
+    config = HDPConfig(hdp=True, hdp_capacity=spec.capacity, hdp_offload=False)
+    out: dict[str, dict[str, dict]] = {}
+    for mix in mixes:
+        batches = global_batches(dataclasses.replace(spec, mix=mix))[spec.warmup_steps:]
+        out[mix] = {}
+        for policy in spec.policies:
+            rules = POLICY_RULES[HYBRID_CP] if policy == HYBRID_CP else PolicyRules()
+            rows = []
+            for lengths in batches:
+                plan = make_plan(lengths, num_ranks=ranks, config=config, cost_model=cost_model,
+                                 policy=planner_policy(policy))
+                t = simulate_step(plan, cost_model, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth,
+                                  rules=rules)
+                slowest = int(t.busy.argmax())
+                passes = [sum(max(1, len(mb.shards)) if policy == HYBRID_CP else 1 for mb in r.microbatches)
+                          for r in plan.ranks]
+                rows.append({"step_time_s": t.step_time + step_overhead, "busiest_compute_s": float(t.compute[slowest]),
+                             "busiest_ring_exposed_s": float(t.comm[slowest]),
+                             "waits_s": t.compute_end - float(t.busy.max()), "allreduce_s": t.allreduce_time,
+                             "passes_max": max(passes), "passes_total": sum(passes)})
+            out[mix][policy] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    return out
+
+
+def format_breakdown(breakdown: dict[str, dict[str, dict]]) -> str:
+    """The simulated breakdown, one block per mix, with balance's speedup over each policy."""
+    lines = []
+    for mix, policies in breakdown.items():
+        balance = policies.get("balance", {}).get("step_time_s")
+        lines.append(f"simulated, mix {mix}: {'policy':<26} {'step s':>8} {'compute':>8} {'ring':>7} {'waits':>7} "
+                     f"{'allred':>7} {'passes':>7} {'balance x':>9}")
+        for policy, b in policies.items():
+            ratio = f"{b['step_time_s'] / balance:.2f}x" if balance else "-"
+            lines.append(f"{'':<18}{policy:<26} {b['step_time_s']:>8.3f} {b['busiest_compute_s']:>8.3f} "
+                         f"{b['busiest_ring_exposed_s']:>7.3f} {b['waits_s']:>7.3f} {b['allreduce_s']:>7.3f} "
+                         f"{b['passes_max']:>7.0f} {ratio:>9}")
+    return "\n".join(lines)
 
 
 def summarize(rows: list[dict], policies: list[str]) -> dict[str, dict]:
@@ -134,9 +189,22 @@ def main(argv: list[str]) -> int:
         measured = {k: earlier[k] for k in ("allreduce_bandwidth", "step_overhead")}
         fitted_on = {"file": args.predict_from, "mix": earlier["spec"]["mix"], "seed": earlier["spec"]["seed"],
                      "date": earlier["date"]}
-        if (fitted_on["mix"], fitted_on["seed"]) == (args.mix, args.seed):
+        if (fitted_on["mix"], fitted_on["seed"]) == (args.mix, args.seed) and not args.simulate_only:
             raise ValueError(f"--predict-from {args.predict_from} ran the same mix and seed ({args.mix}, {args.seed}): "
                              "that is not out of sample")
+    if args.simulate_only:
+        if not args.predict_from:
+            raise ValueError("--simulate-only needs --predict-from (the run whose cost model to simulate with)")
+        breakdown = simulated_breakdown(spec, [m.strip() for m in args.mixes.split(",")], CostModel.from_dict(cost_model),
+                                        ranks=args.ranks, grad_bytes=earlier["grad_bytes"], **measured)
+        print(format_breakdown(breakdown))
+        record = {"command": "python benchmarks/step_bench.py " + " ".join(argv),
+                  "date": datetime.datetime.now().isoformat(timespec="seconds"), "cost_model_from": fitted_on,
+                  "spec": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(spec).items()},
+                  "simulated_breakdown": breakdown}
+        Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.output}")
+        return 0
     load_before = os.getloadavg()
     result = run_gloo(train_policies, args.ranks, spec, cost_model, measured, timeout_s=3600)[0]
     summary = summarize(result["rows"], policies)
