@@ -200,6 +200,7 @@ def main(argv: list[str]) -> int:
         print(format_breakdown(breakdown))
         record = {"command": "python benchmarks/step_bench.py " + " ".join(argv),
                   "date": datetime.datetime.now().isoformat(timespec="seconds"), "cost_model_from": fitted_on,
+                  "cost_model": cost_model, **measured, "grad_bytes": earlier["grad_bytes"],
                   "spec": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(spec).items()},
                   "simulated_breakdown": breakdown}
         Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
