@@ -25,11 +25,10 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
 def build_sp_gpt(config, *, vocab_size: int, max_sequence_length: int):
     """The HDP GPTModel of `build_gpt`, every norm a `SequenceParallelRMSNorm`."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    from megatron_hdp.megatron.layer_spec import get_gpt_layer_with_hdp_spec, prepare_model_for_hdp
+    from megatron_hdp.megatron.layer_spec import get_gpt_layer_with_hdp_spec
+    from megatron_hdp.megatron.model import build_gpt
 
     spec = copy.deepcopy(get_gpt_layer_with_hdp_spec(normalization=config.normalization))
     spec.submodules = dataclasses.replace(
@@ -38,14 +37,5 @@ def build_sp_gpt(config, *, vocab_size: int, max_sequence_length: int):
     block = TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=SequenceParallelRMSNorm
     )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=block,
-        vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-    )
-    return prepare_model_for_hdp(model)
+    return build_gpt(config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+                     transformer_layer_spec=block)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hdp.comm.launch import _child, free_port
+from megatron_hdp.comm.launch import _child, free_port, stop
 from test_pretrain import HDP, ROOT, TINY, data_prefix  # noqa: F401 - data_prefix is a fixture
 
 KILLED_RANK, KILL_ITERATION = 3, 3
@@ -94,11 +94,7 @@ def _launch(world_size: int, argv: list[str], *, kill_at: int, timeout_s: float,
                 if all(not p.is_alive() for r, p in enumerate(procs) if r not in reports) and results.empty():
                     break
     finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        stop(procs)
     return {"reports": reports, "exitcodes": [p.exitcode for p in procs]}
 
 

@@ -69,12 +69,19 @@ def tiny_llama_config(
 
 
 def build_gpt(
-    config: TransformerConfig, *, vocab_size: int, max_sequence_length: int, hdp: bool = True
+    config: TransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    hdp: bool = True,
+    transformer_layer_spec: Any = None,
 ) -> GPTModel:
     """GPTModel for this rank's pipeline stage: with the HDP core attention (`hdp=True`) or Megatron's
-    stock local spec (the reference). RoPE either way; untied embedding and output weights."""
+    stock local spec (the reference). RoPE either way; untied embedding and output weights.
+    `transformer_layer_spec` replaces the spec (a layer or block spec, e.g. with other norms)."""
     spec_kwargs = dict(num_experts=config.num_moe_experts, normalization=config.normalization)
     spec = get_gpt_layer_with_hdp_spec(**spec_kwargs) if hdp else get_gpt_layer_local_spec(**spec_kwargs)
+    spec = transformer_layer_spec or spec
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
