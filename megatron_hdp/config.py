@@ -9,6 +9,7 @@ Pure Python: importable by the planner, which never imports torch or Megatron.
 # must be the real type (bool, int, Optional[str], Literal[...]), not its string.
 import argparse
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal, Optional, get_args
 
@@ -100,6 +101,8 @@ class HDPConfig:
     instead of Megatron's uniform 1-4095 tokens, to try HDP on realistic lengths without data."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.hdp_capacity, bool) or not isinstance(self.hdp_capacity, numbers.Integral):
+            raise ValueError(f"hdp_capacity must be an integer token count, got {self.hdp_capacity!r}")
         if self.hdp_capacity <= 0:
             raise ValueError(f"hdp_capacity must be a positive token count, got {self.hdp_capacity}")
         if self.hdp_overlong_documents not in OVERLONG_DOCUMENTS:

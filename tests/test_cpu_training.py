@@ -13,7 +13,7 @@ from megatron_hdp.comm.launch import run_gloo
 from megatron_hdp.megatron.cpu_training import CpuRunSpec, train_policies
 
 SPEC = CpuRunSpec(
-    policies=("balance", "static"), steps=1, warmup_steps=0, capacity=128, tokens_per_step=1024, max_length=256,
+    policies=("balance", "static", "megatron-hybrid-cp"), steps=1, warmup_steps=0, capacity=128, tokens_per_step=1024, max_length=256,
     num_layers=1, fit_lengths=(32, 64, 128, 256), fit_repeats=1, timing_repeats=2,
 )
 
@@ -52,9 +52,11 @@ def test_megatron_warnings_silenced(ranks) -> None:
 
 def test_rows(ranks) -> None:
     rows = {row["policy"]: row for row in ranks[0]["result"]["rows"]}
-    assert sorted(rows) == ["balance", "static"] and ranks[1]["result"]["rows"] == []
-    # same batch, same initial weights: the first step's token-level loss does not depend on the plan
+    assert sorted(rows) == ["balance", "megatron-hybrid-cp", "static"] and ranks[1]["result"]["rows"] == []
+    # same batch, same initial weights: the first step's token-level loss does not depend on the plan, nor
+    # on Megatron's Hybrid-CP execution (one pass per sub-sample, empty slots run as padding)
     assert rows["balance"]["loss"] == pytest.approx(rows["static"]["loss"], rel=1e-5)
+    assert rows["balance"]["loss"] == pytest.approx(rows["megatron-hybrid-cp"]["loss"], rel=1e-5)
     assert rows["static"]["num_rings"] > 0  # the batch has documents longer than C
     for row in rows.values():
         per_rank = row["per_rank"]
@@ -63,4 +65,5 @@ def test_rows(ranks) -> None:
         # the replayed step is at least the busiest rank's own work, and rings only add waits
         assert row["step_time"] >= row["max_busy_time"] - 1e-9
         assert 0 < row["predicted_time"] and 0 < row["wall_time"]
+        assert row["predicted_time"] == row["predicted_time_in_run_fit"]  # no cost model from outside
         assert len(per_rank["predicted_compute"]) == 2

@@ -108,9 +108,14 @@ def run_gloo(
                 raise RankFailed(f"rank {rank} failed:\n{value}")
             values[rank] = pickle.loads(value)
     finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        stop(procs)
     return [values[rank] for rank in range(world_size)]
+
+
+def stop(procs: list, grace_s: float = 5.0) -> None:
+    """Join each child process; kill the ones still running after `grace_s` seconds."""
+    for proc in procs:
+        proc.join(timeout=grace_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

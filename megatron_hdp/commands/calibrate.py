@@ -70,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="export a run's learned cost model instead of measuring: its --save directory or "
         "hdp_cost_model.json (--hdp-online-refit), or its run directory (TensorBoard telemetry + saved plans)",
     )
+    parser.add_argument(
+        "--recompute-granularity",
+        choices=("none", "full"),
+        default="none",
+        help="measure under Megatron's activation recomputation (full: only each layer's input is kept, its "
+        "forward runs twice); recorded in the JSON, and a run whose --recompute-granularity differs is warned",
+    )
     parser.add_argument("--output", default="cost_model.json", help="where the cost model JSON goes")
     parser.add_argument("--report", default=None, help="measurements JSON (default: <output>.measurements.json)")
 
@@ -138,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         bandwidth_bytes=args.bandwidth_mib << 20,
         host_memory_bytes=host_memory,
+        recompute=args.recompute_granularity,
     )
     output = Path(args.output)
     report = Path(args.report) if args.report else output.with_suffix(".measurements.json")

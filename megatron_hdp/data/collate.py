@@ -124,6 +124,8 @@ def collate_microbatch(
     reads [a, b + 1) so that labels are the next tokens. `read_loss_mask`, when given, masks input
     positions out of the loss (default: every position counts). The result has a multiple of
     `pad_to_multiple` tokens. `rank` (the HDP rank running it) is found from the plan when not given.
+    A micro-batch without shards (a slot a plan leaves empty to keep ring members aligned) packs as
+    `empty_microbatch`.
     """
     if pad_to_multiple < 1:
         raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
@@ -131,6 +133,8 @@ def collate_microbatch(
         rank = _rank_of(plan, microbatch)
     elif microbatch not in plan.microbatches(rank):
         raise ValueError(f"the micro-batch is not one of rank {rank}'s in this plan")
+    if not microbatch.shards:
+        return empty_microbatch(rank=rank, num_tokens=pad_to_multiple)
     shards = {sh.seq: sh for sh in microbatch.shards}
     inputs, labels, masks, positions = [], [], [], []
     segments: list[int] = [0]

@@ -9,9 +9,11 @@ combination stops every rank with the same ValueError instead of a hang.
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 from argparse import ArgumentParser, Namespace
+from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_hdp.config import HDPConfig
@@ -161,7 +163,28 @@ def validate_hdp_args(args: Namespace) -> Optional[HDPConfig]:
     problems = _incompatibilities(args, config)
     if problems:
         raise ValueError("--hdp cannot run with these flags:\n  - " + "\n  - ".join(problems))
+    _warn_recompute_mismatch(args, config)
     return config
+
+
+def _warn_recompute_mismatch(args: Namespace, config: HDPConfig) -> None:
+    """Warn when --hdp-cost-model was measured under another --recompute-granularity than this run's:
+    recomputation trades activation memory (Act(s), hence D(s) and the capacity) for compute time."""
+    if config.hdp_cost_model is None:
+        return
+    try:  # only the recorded setting: the coefficients are checked where the cost model is built
+        recorded = json.loads(Path(config.hdp_cost_model).read_text())
+    except ValueError:
+        return
+    measured = recorded.get("recompute_granularity", "none") if isinstance(recorded, dict) else "none"
+    running = getattr(args, "recompute_granularity", None) or "none"
+    if measured != running:
+        logger.warning(
+            "--hdp-cost-model %s was measured with recompute granularity %s but this run uses %s: the "
+            "planner's Act(s), ring sizes and step times will be off; re-run `megatron-hdp calibrate "
+            "--recompute-granularity %s`",
+            config.hdp_cost_model, measured, running, running,
+        )
 
 
 

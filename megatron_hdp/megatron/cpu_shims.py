@@ -147,6 +147,10 @@ def _patch_rng_tracker() -> None:
 
     model_parallel_cuda_manual_seed._hdp_cpu_shim = True  # type: ignore[attr-defined]
     mp_random.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed
+    # Activation recomputation (`tensor_parallel.checkpoint`) snapshots and restores the CUDA RNG state
+    # around each recomputed chunk: there is none on the CPU (the CPU state it also saves is the one used).
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mp_random._set_cuda_rng_state = lambda *args, **kwargs: None
     import megatron.core.tensor_parallel as tp
 
     tp.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed

@@ -14,8 +14,10 @@ members run a ring micro-batch together; the all-reduce waits for the last rank)
 fitted in the same currency, on the runtime's own micro-batches (`fit_cost_model`: T(s) per layer from
 whole documents, ring costs from ring micro-batches), the gradient all-reduce from CPU seconds of an
 all-reduce of the gradient buffer. The prediction of each step is `simulate_step(plan, cost_model,
-rules=PolicyRules())` — our runtime runs every policy's plan, the Megatron hybrid-CP one included, with
-one pass per micro-batch and no barrier between micro-batches — plus the measured per-step work the
+rules=PolicyRules())` — our runtime runs balance's, static's and naive's plans with one pass per
+micro-batch and no barrier between micro-batches — or, for `megatron-hybrid-cp`, which runs as Megatron
+runs it (one pass per sub-sample, a barrier per group; its replay adds those barriers), Megatron's rules
+(`POLICY_RULES`) on its grouped plan — plus the measured per-step work the
 simulator does not model (plan check, collation, optimizer step).
 Wall time is reported too; it measures the total work of all ranks on the shared cores.
 """
@@ -38,6 +40,19 @@ from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost_model import CostModel
 
 logger = logging.getLogger(__name__)
+
+HYBRID_CP = "megatron-hybrid-cp"
+"""Megatron's Hybrid-CP as Megatron executes it: its scheduler's plan run one forward/backward pass per
+sub-sample (<= C tokens per rank per pass), a barrier over all ranks after each group
+(`hybrid_cp_policy.per_subsample_plan`)."""
+HYBRID_CP_GROUPED = "megatron-hybrid-cp-grouped"
+"""Ours, not Megatron's: Megatron's grouping run through our runtime as one micro-batch per group and rank
+(up to several times C tokens per pass, no barrier): the planner policy `megatron-hybrid-cp` as is."""
+
+
+def planner_policy(policy: str) -> str:
+    """The `make_plan` policy behind a policy name of this module (`HYBRID_CP_GROUPED` is `HYBRID_CP`'s)."""
+    return HYBRID_CP if policy == HYBRID_CP_GROUPED else policy
 
 
 @dataclass(frozen=True)
@@ -93,7 +108,11 @@ class StepRow:
     """CPU seconds of the busiest rank (a lower bound of `step_time`: no waits)."""
     predicted_time: float
     """The simulator's step time for this plan and the fitted cost model (our runtime's rules), plus the
-    measured per-step work it does not model (`measure_step_overhead`: plan check, collation, optimizer)."""
+    measured per-step work it does not model (`measure_step_overhead`: plan check, collation, optimizer).
+    With a cost model given from outside the run (e.g. fitted by another run on another mix and seed),
+    that model and that run's all-reduce bandwidth and step overhead: an out-of-sample prediction."""
+    predicted_time_in_run_fit: float
+    """The same prediction with this run's own fit and measurements (in-sample)."""
     planner_time: float
     """The planner's own estimate (`plan.est_step_time`)."""
     balance: float
@@ -128,14 +147,15 @@ def planned_batches(spec: CpuRunSpec, state, config: HDPConfig, cost_model: Cost
         from megatron_hdp.megatron.exactness import token_reader
 
         for step, lengths in enumerate(global_batches(spec)):
-            plan = make_plan(lengths, num_ranks=state.hdp_size, config=config, cost_model=cost_model, policy=policy)
+            plan = make_plan(lengths, num_ranks=state.hdp_size, config=config, cost_model=cost_model,
+                             policy=planner_policy(policy))
             yield plan, token_reader(spec.seed + step, lengths)
         return
     from megatron_hdp.data.loader import HDPDataLoader
     from megatron_hdp.megatron.datasets import IndexedDocumentSource
 
     loader_config = dataclasses.replace(
-        config, hdp_policy=policy, hdp_global_batch_tokens=spec.tokens_per_step, hdp_overlong_documents="truncate"
+        config, hdp_policy=planner_policy(policy), hdp_global_batch_tokens=spec.tokens_per_step, hdp_overlong_documents="truncate"
     )
     # prefetch=0: plan and read before each step, outside its timing, as the synthetic path does (the
     # demo's ranks already use every core); check_plans=False: HDPTrainer.step checks the plan digests.
@@ -326,21 +346,46 @@ def silence_megatron_warnings() -> None:
     logging.getLogger("megatron").setLevel(logging.ERROR)
 
 
-def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, model: CostModel, grad_bytes: int,
-                  allreduce_bandwidth: float, step_overhead: float) -> StepRow:
-    from megatron_hdp.sim.replay import dedicated_step_time
-    from megatron_hdp.sim.simulator import PolicyRules, simulate_step
+def _predicted_time(policy: str, plan, model: CostModel, *, grad_bytes: int, allreduce_bandwidth: float,
+                    step_overhead: float):
+    """The simulator's timeline of `plan` (our runtime's rules for every plan it runs as planned; Megatron's
+    for the one it runs per sub-sample) and the predicted step time (+ the per-step work it does not model)."""
+    from megatron_hdp.sim.simulator import POLICY_RULES, PolicyRules, simulate_step
 
+    rules = POLICY_RULES[HYBRID_CP] if policy == HYBRID_CP else PolicyRules()
+    timeline = simulate_step(plan, model, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth,
+                             rules=rules)
+    return timeline, timeline.step_time + step_overhead
+
+
+def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, grad_bytes: int, predict: dict,
+                  in_run: dict, run_plan=None, barriers=()) -> StepRow:
+    """`plan` is the policy's plan; `run_plan` what ran (default: `plan`), with group `barriers`. Empty
+    micro-batches of a `run_plan` are slots Megatron does not run: their measured times count as zero.
+    `predict` and `in_run`: {"model", "allreduce_bandwidth", "step_overhead"} to predict with (the same
+    dict unless a cost model came from outside the run)."""
+    from megatron_hdp.sim.replay import dedicated_step_time
+
+    run_plan = run_plan or plan
+    if run_plan is not plan:
+        busy_by_rank = [
+            dataclasses.replace(b, **{
+                phase: tuple(0.0 if i < len(mbs) and not mbs[i].shards else t for i, t in enumerate(getattr(b, phase)))
+                for phase in ("forward", "backward")
+            })
+            for b, mbs in zip(busy_by_rank, (r.microbatches for r in run_plan.ranks))
+        ]
     dedicated = dedicated_step_time(
-        plan,
+        run_plan,
         before=[b.before for b in busy_by_rank],
         forward=[b.forward for b in busy_by_rank],
         backward=[b.backward for b in busy_by_rank],
         after=[b.after for b in busy_by_rank],
+        barriers_after=barriers,
     )
     busy = [b.before + sum(b.forward) + sum(b.backward) + b.after for b in busy_by_rank]
-    timeline = simulate_step(plan, model, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth,
-                             rules=PolicyRules())
+    timeline, predicted = _predicted_time(policy, plan, grad_bytes=grad_bytes, **predict)
+    _, predicted_in_run = _predicted_time(policy, plan, grad_bytes=grad_bytes, **in_run)
     compute = [sum(b.forward) + sum(b.backward) for b in busy_by_rank]
     per_rank = {
         "compute": compute, "before": [b.before for b in busy_by_rank], "after": [b.after for b in busy_by_rank],
@@ -348,7 +393,8 @@ def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, model: Cost
     }
     return StepRow(
         policy=policy, step=step, loss=stats.loss, step_time=dedicated, wall_time=stats.step_time,
-        max_busy_time=max(busy), predicted_time=timeline.step_time + step_overhead, planner_time=plan.est_step_time,
+        max_busy_time=max(busy), predicted_time=predicted, predicted_time_in_run_fit=predicted_in_run,
+        planner_time=plan.est_step_time,
         balance=max(compute) / statistics.mean(compute), num_rings=stats.num_rings,
         ring_sizes=plan.summary().ring_sizes, attention_bytes=stats.attention_bytes,
         num_microbatches=stats.num_microbatches, num_sequences=len(plan.lengths), num_tokens=sum(plan.lengths),
@@ -368,37 +414,47 @@ def _fastest(runs: list) -> "BusyTimes":
     )
 
 
-def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Optional[dict] = None) -> dict:
-    """Per rank: fit (or take) the cost model, then train `spec.steps` steps under each policy.
+def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Optional[dict] = None,
+                   measured: Optional[dict] = None) -> dict:
+    """Per rank: fit the cost model, then train `spec.steps` steps under each policy.
 
-    Returns {"cost_model": dict, "grad_bytes": int, "allreduce_bandwidth": float, "step_overhead": float,
-    "rows": [StepRow as dict]} (rows filled on rank 0 only).
+    `cost_model` (a CostModel dict), when given, plans and predicts instead of the fit, with the
+    "allreduce_bandwidth" and "step_overhead" of `measured` where given (another run's): predictions out
+    of sample; every row also carries the in-run fit's prediction. Returns {"cost_model": dict (the one
+    that planned), "fitted_cost_model": dict, "grad_bytes": int, "allreduce_bandwidth": float,
+    "step_overhead": float, "rows": [StepRow as dict]} (rows filled on rank 0 only).
     """
     silence_megatron_warnings()
+    from megatron_hdp.megatron.hybrid_cp_policy import per_subsample_plan
     from megatron_hdp.megatron.initialize import initialize_hdp
 
     state = initialize_hdp(seed=spec.seed)
     config = HDPConfig(hdp=True, hdp_capacity=spec.capacity, hdp_offload=False)
     first = _build(spec, state)
-    model = CostModel.from_dict(cost_model) if cost_model else fit_cost_model(first, spec)
+    fitted = fit_cost_model(first, spec)
+    model = CostModel.from_dict(cost_model) if cost_model else fitted
     grad_bytes = grad_buffer_bytes(first)
     allreduce_bandwidth = measure_allreduce_bandwidth(grad_bytes)
     step_overhead = measure_step_overhead(first, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth)
+    in_run = {"model": fitted, "allreduce_bandwidth": allreduce_bandwidth, "step_overhead": step_overhead}
+    predict = {**in_run, "model": model, **{k: v for k, v in (measured or {}).items() if k in in_run}}
     rows = []
     for policy in spec.policies:
         trainer = _build(spec, state)
         for step, (plan, read_tokens) in enumerate(planned_batches(spec, state, config, model, policy)):
-            stats = trainer.step(plan, read_tokens)
+            run_plan, barriers = per_subsample_plan(plan) if policy == HYBRID_CP else (plan, ())
+            stats = trainer.step(run_plan, read_tokens)
             runs = [trainer.last_busy]
             for _ in range(spec.timing_repeats - 1 if step >= spec.warmup_steps else 0):
-                wall = trainer.step(plan, read_tokens).step_time
+                wall = trainer.step(run_plan, read_tokens).step_time
                 runs.append(trainer.last_busy)
                 stats = dataclasses.replace(stats, step_time=min(stats.step_time, wall))
             busy_by_rank = [None] * world_size
             dist.all_gather_object(busy_by_rank, _fastest(runs))
             if step >= spec.warmup_steps and rank == 0:
-                row = _measured_row(policy, step - spec.warmup_steps, plan, stats, busy_by_rank, model,
-                                    grad_bytes, allreduce_bandwidth, step_overhead)
+                row = _measured_row(policy, step - spec.warmup_steps, plan, stats, busy_by_rank, grad_bytes,
+                                    predict, in_run, run_plan, barriers)
                 rows.append(asdict(row))
-    return {"cost_model": model.to_dict(), "grad_bytes": grad_bytes, "allreduce_bandwidth": allreduce_bandwidth,
-            "step_overhead": step_overhead, "rows": rows}
+    return {"cost_model": model.to_dict(), "fitted_cost_model": fitted.to_dict(), "grad_bytes": grad_bytes,
+            "allreduce_bandwidth": predict["allreduce_bandwidth"], "step_overhead": predict["step_overhead"],
+            "rows": rows}

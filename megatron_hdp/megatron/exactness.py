@@ -101,16 +101,42 @@ def load_full_weights(model: torch.nn.Module, full: dict[str, np.ndarray]) -> No
             params[name].copy_(expected_shard(torch.as_tensor(full[info.name]), info))
 
 
-def local_grads(model: torch.nn.Module) -> dict[str, tuple[ShardInfo, np.ndarray]]:
+def owned_grad_ranges(optimizer) -> dict[torch.nn.Parameter, tuple[int, int]]:
+    """With Megatron's distributed optimizer: the [start, end) of each parameter (flattened) whose reduced
+    gradient this rank holds after the reduce-scatter (the rest of its main_grad is not reduced). Empty
+    for the ordinary optimizer, whose every main_grad is all-reduced whole."""
+    ranges = {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for gbuf_range_map in getattr(opt, "gbuf_ranges", []):
+            for bucket_maps in gbuf_range_map.values():
+                for bucket_map in bucket_maps:
+                    for param, param_ranges in bucket_map["param_map"].items():
+                        ranges[param] = (param_ranges["param"].start, param_ranges["param"].end)
+    return ranges
+
+
+def local_grads(model: torch.nn.Module, optimizer=None) -> dict[str, tuple[ShardInfo, np.ndarray]]:
     """This rank's reduced gradients (Megatron DDP's main_grad), keyed by global name, with their ShardInfo.
 
-    numpy, so that results cross process boundaries by plain pickling (torch tensors would travel through
-    shared memory that dies with the child)."""
+    With the distributed optimizer (`optimizer` given), each gradient is the flattened slice
+    `owned_grad_ranges` names, NaN elsewhere (those elements were never reduced on this rank); a parameter
+    it holds no slice of is left out. numpy, so that results cross process boundaries by plain pickling
+    (torch tensors would travel through shared memory that dies with the child)."""
     inner = getattr(model, "module", model)
     params = dict(inner.named_parameters())
-    return {
-        info.name: (info, params[name].main_grad.detach().numpy().copy()) for name, info in shard_infos(model).items()
-    }
+    owned = owned_grad_ranges(optimizer) if optimizer is not None else {}
+    grads = {}
+    for name, info in shard_infos(model).items():
+        grad = params[name].main_grad.detach().numpy().copy()
+        if owned:
+            if params[name] not in owned:
+                continue
+            start, end = owned[params[name]]
+            flat = np.full(grad.size, np.nan, dtype=grad.dtype)
+            flat[start:end] = grad.reshape(-1)[start:end]
+            grad = flat.reshape(grad.shape)
+        grads[info.name] = (info, grad)
+    return grads
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:

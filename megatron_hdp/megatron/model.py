@@ -69,12 +69,19 @@ def tiny_llama_config(
 
 
 def build_gpt(
-    config: TransformerConfig, *, vocab_size: int, max_sequence_length: int, hdp: bool = True
+    config: TransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    hdp: bool = True,
+    transformer_layer_spec: Any = None,
 ) -> GPTModel:
     """GPTModel for this rank's pipeline stage: with the HDP core attention (`hdp=True`) or Megatron's
-    stock local spec (the reference). RoPE either way; untied embedding and output weights."""
+    stock local spec (the reference). RoPE either way; untied embedding and output weights.
+    `transformer_layer_spec` replaces the spec (a layer or block spec, e.g. with other norms)."""
     spec_kwargs = dict(num_experts=config.num_moe_experts, normalization=config.normalization)
     spec = get_gpt_layer_with_hdp_spec(**spec_kwargs) if hdp else get_gpt_layer_local_spec(**spec_kwargs)
+    spec = transformer_layer_spec or spec
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -96,20 +103,29 @@ def wrap_for_training(
     clip_grad: float = 1.0,
     overlap_grad_reduce: bool = False,
     bucket_size: Optional[int] = None,
+    distributed_optimizer: bool = False,
+    overlap_param_gather: bool = False,
 ) -> tuple[DistributedDataParallel, Any]:
     """Megatron DDP (gradients reduced once per step over the data-parallel group = HDP domain, summed:
     the per-token loss scales them) and Megatron's Adam optimizer. `overlap_grad_reduce` starts each
     bucket's reduction (`bucket_size` parameters, None: one bucket) as soon as its gradients are ready in
-    the last micro-batch, as Megatron's --overlap-grad-reduce does."""
+    the last micro-batch, as Megatron's --overlap-grad-reduce does. `distributed_optimizer` shards the
+    optimizer state and the reduced gradients over the HDP domain (reduce-scatter, then an all-gather of
+    the updated parameters: --use-distributed-optimizer); `overlap_param_gather` defers that all-gather
+    to forward pre-hooks of the next step (--overlap-param-gather)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
         bucket_size=bucket_size,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=distributed_optimizer,
+        overlap_param_gather=overlap_param_gather,
     )
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=False),
+        OptimizerConfig(
+            optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=False,
+            use_distributed_optimizer=distributed_optimizer,
+        ),
         [ddp],
     )
     return ddp, optimizer

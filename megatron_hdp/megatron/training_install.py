@@ -118,7 +118,10 @@ def _base_cost_model(args: Namespace, config: HDPConfig) -> Any:
         moe_router_topk=args.moe_router_topk,
         gated_mlp=args.swiglu,
     )
-    return analytic_cost_model(shape, "h100", tp_size=args.tensor_model_parallel_size)
+    return analytic_cost_model(
+        shape, "h100", tp_size=args.tensor_model_parallel_size,
+        recompute_granularity=getattr(args, "recompute_granularity", None) or "none",
+    )
 
 
 # --- the wrappers (see the module docstring for what each replaces) ----------------------------------

@@ -15,6 +15,7 @@ The GPU is the real target; on CPU the same code runs small shapes, which is how
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import statistics
 import time
@@ -23,6 +24,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 from scipy.optimize import nnls
 
 from megatron_hdp.offload.reference_model import ReferenceLayer, rope_tables
@@ -30,6 +32,9 @@ from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.presets import ModelShape
 
 logger = logging.getLogger(__name__)
+
+CALIBRATED_RECOMPUTE = ("none", "full")
+"""The --recompute-granularity settings `calibrate` can measure."""
 
 
 @dataclass(frozen=True)
@@ -108,8 +113,17 @@ def _fastest_seconds(fns: Sequence[Callable[[], object]], *, device: torch.devic
     return [min(times) for times in zip(*rounds)]
 
 
-def _layer_step(layer: ReferenceLayer, seq_len: int, *, device: torch.device, dtype: torch.dtype):
-    """A forward + backward of `layer` on one document of `seq_len` tokens, and its saved bytes."""
+def _layer_step(
+    layer: ReferenceLayer, seq_len: int, *, device: torch.device, dtype: torch.dtype, recompute: str = "none"
+):
+    """A forward + backward of `layer` on one document of `seq_len` tokens, and its saved bytes.
+
+    `recompute="full"` runs the layer as Megatron's full recomputation does (torch's reentrant
+    checkpoint: only the input is saved, the forward runs again in the backward)."""
+    if recompute == "full":
+        run_layer = functools.partial(torch.utils.checkpoint.checkpoint, layer, use_reentrant=True)
+    else:
+        run_layer = layer
     x = torch.randn(1, seq_len, layer.proj.in_features, device=device, dtype=dtype, requires_grad=True)
     cos, sin = rope_tables(seq_len, layer.head_dim, device=device, dtype=dtype)
     grad = torch.randn_like(x)
@@ -124,19 +138,31 @@ def _layer_step(layer: ReferenceLayer, seq_len: int, *, device: torch.device, dt
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, cos, sin)
-    return (lambda: layer(x, cos, sin).backward(grad)), sum(storages.values())
+        run_layer(x, cos, sin)
+    return (lambda: run_layer(x, cos, sin).backward(grad)), sum(storages.values())
 
 
 def measure_layer(
-    *, shape: ModelShape, seq_lens: Sequence[int], device: torch.device, dtype: torch.dtype, repeats: int
+    *,
+    shape: ModelShape,
+    seq_lens: Sequence[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    repeats: int,
+    recompute: str = "none",
 ) -> list[LayerSample]:
-    """Time and activation bytes of one layer, forward + backward, for each document length."""
+    """Time and activation bytes of one layer, forward + backward, for each document length (under full
+    recomputation when `recompute="full"`)."""
+    if recompute not in CALIBRATED_RECOMPUTE:
+        raise ValueError(
+            f"calibrate measures recompute granularity {' or '.join(CALIBRATED_RECOMPUTE)}, got {recompute!r} "
+            "(selective recompute of Megatron's core attention has no counterpart in the reference layer)"
+        )
     if any(seq_len <= 0 for seq_len in seq_lens):
         raise ValueError(f"sequence lengths must be positive, got {list(seq_lens)}")
     torch.manual_seed(0)
     layer = ReferenceLayer(shape, device=device, dtype=dtype)
-    steps = [_layer_step(layer, seq_len, device=device, dtype=dtype) for seq_len in seq_lens]
+    steps = [_layer_step(layer, seq_len, device=device, dtype=dtype, recompute=recompute) for seq_len in seq_lens]
     seconds = _fastest_seconds([step for step, _ in steps], device=device, repeats=repeats)
     samples = [LayerSample(s, t, act) for s, t, (_, act) in zip(seq_lens, seconds, steps)]
     for sample in samples:
@@ -206,15 +232,19 @@ def calibrate(
     repeats: int = 3,
     bandwidth_bytes: int = 256 << 20,
     host_memory_bytes: float | None = None,
+    recompute: str = "none",
 ) -> Calibration:
     """Measure a layer of `shape` over `seq_lens` and the offload link; fit the cost model.
 
     `ring_bandwidth` (bytes/s of a ring link) is not measured here: one device has no ring.
-    `host_memory_bytes` (pinned host memory one rank may fill) is recorded as given.
+    `host_memory_bytes` (pinned host memory one rank may fill) is recorded as given. `recompute` (none or
+    full) is measured, and recorded in the cost model (`recompute_granularity`).
     """
     if repeats <= 0:
         raise ValueError(f"repeats must be positive, got {repeats}")
-    samples = measure_layer(shape=shape, seq_lens=sorted(set(seq_lens)), device=device, dtype=dtype, repeats=repeats)
+    samples = measure_layer(
+        shape=shape, seq_lens=sorted(set(seq_lens)), device=device, dtype=dtype, repeats=repeats, recompute=recompute
+    )
     a1, b1, g = fit_compute(samples)
     a2, b2 = fit_activation(samples)
     bandwidth = measure_bandwidth(device=device, nbytes=bandwidth_bytes, repeats=repeats)
@@ -232,5 +262,6 @@ def calibrate(
         d2h_bandwidth=bandwidth.d2h,
         h2d_bandwidth=bandwidth.h2d,
         host_memory_bytes=host_memory_bytes,
+        recompute_granularity=recompute,
     )
     return Calibration(cost_model, tuple(samples), bandwidth, str(device), str(dtype).removeprefix("torch."))

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -34,6 +36,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megatron_hdp.plan.pipeline import FORWARD_SHARE
+
+
+RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
+"""Megatron's --recompute-granularity values, "none" for the flag left out."""
 
 
 @dataclass(frozen=True)
@@ -82,8 +88,25 @@ class CostModel:
     2 (k-1) more attention-kernel calls (one block per ring step, forward and backward) than a whole one.
     About 0 where one varlen kernel call takes every document of a step; ~40 us on the CPU backend, which
     calls the kernel per document (fitted by `benchmarks/step_bench.py`)."""
+    recompute_granularity: str = "none"
+    """Megatron's --recompute-granularity these coefficients hold for: none, full or selective.
+    Recomputation trades Act(s) for T(s) (full keeps a layer's input only and runs its forward twice), so
+    a cost model measured under another setting mis-sizes D(s) and the step times; `validate_hdp_args`
+    warns when the run's setting differs."""
 
     def __post_init__(self) -> None:
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(
+                f"cost model recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got "
+                f"{self.recompute_granularity!r}"
+            )
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            optional = f.name in ("host_memory_bytes", "ranks_per_node", "intra_node_bandwidth")
+            if (value is None and optional) or f.name == "recompute_granularity":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"cost model {f.name} must be a finite number, got {value!r}")
         for name in ("a1", "b1", "g", "a2", "b2", "kv_bytes_per_token", "ring_latency", "ring_block_overhead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost model coefficient {name} must be >= 0, got {getattr(self, name)}")
@@ -92,16 +115,14 @@ class CostModel:
                 raise ValueError(f"cost model {name} must be > 0, got {getattr(self, name)}")
         if self.intra_node_bandwidth is not None and self.intra_node_bandwidth <= 0:
             raise ValueError(f"cost model intra_node_bandwidth must be > 0, got {self.intra_node_bandwidth}")
-        if self.expert_parallel_size < 1:
-            raise ValueError(f"cost model expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
-        if self.ranks_per_node is not None and self.ranks_per_node < 1:
-            raise ValueError(f"cost model ranks_per_node must be >= 1, got {self.ranks_per_node}")
         if self.host_memory_bytes is not None and self.host_memory_bytes < 0:
             raise ValueError(f"cost model host_memory_bytes must be >= 0, got {self.host_memory_bytes}")
         if self.activation_dtype_bytes not in (1, 2, 4, 8):
             raise ValueError(f"cost model activation_dtype_bytes must be 1, 2, 4 or 8, got {self.activation_dtype_bytes}")
-        if self.num_layers <= 0:
-            raise ValueError(f"cost model num_layers must be > 0, got {self.num_layers}")
+        for name in ("num_layers", "expert_parallel_size", "ranks_per_node"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, numbers.Integral) or value <= 0):
+                raise ValueError(f"cost model {name} must be a positive integer, got {value!r}")
 
     # --- per layer -----------------------------------------------------------------------------
     def layer_compute_time(self, *, seq_len: int, num_tokens: int) -> float:
@@ -244,10 +265,17 @@ class CostModel:
     @classmethod
     def from_dict(cls, data: dict) -> "CostModel":
         """Build from a dict; unknown keys are an error so that a typo never goes unnoticed."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        if not isinstance(data, dict):
+            raise ValueError(f"a cost model is a JSON object of coefficients, got {type(data).__name__}")
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
+        unknown = sorted(map(str, set(data) - names))
         if unknown:
             raise ValueError(f"unknown cost model keys {unknown}; expected a subset of {sorted(names)}")
+        required = [f.name for f in fields if f.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ValueError(f"cost model keys {missing} are missing; required: {required}")
         return cls(**data)
 
     def to_json(self, path: str | Path) -> None:

@@ -8,6 +8,7 @@ only when asked for and the rest of `plan/` stays free of torch and Megatron.
 from __future__ import annotations
 
 import importlib
+import numbers
 from typing import Callable, Sequence
 
 from megatron_hdp.config import HDPConfig
@@ -31,6 +32,13 @@ def policy_function(name: str) -> Callable[..., StepPlan]:
     return getattr(importlib.import_module(module), function)
 
 
+def _is_integer(value: object) -> bool:
+    """An integer count (Python or numpy; an integral float such as 5.0 too), never a bool."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
+
+
 def make_plan(
     lengths: Sequence[int],
     *,
@@ -45,16 +53,22 @@ def make_plan(
     `policy` overrides `config.hdp_policy` (to compare policies side by side on one batch). The plan is
     validated before it is returned; impossible inputs raise ValueError naming the offending value.
     """
-    lengths = [int(n) for n in lengths]
+    for name, value in (("num_ranks", num_ranks), ("pp_size", pp_size)):
+        if not _is_integer(value):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    num_ranks, pp_size = int(num_ranks), int(pp_size)
+    lengths = list(lengths)
     if not lengths:
         raise ValueError("cannot plan an empty global batch (no sequences)")
-    if num_ranks <= 0:
-        raise ValueError(f"num_ranks must be positive, got {num_ranks}")
-    if pp_size <= 0:
-        raise ValueError(f"pp_size must be positive, got {pp_size}")
+    bad = [n for n in lengths if not _is_integer(n)]
+    if bad:
+        raise ValueError(f"sequence lengths must be integers, got {bad[:5]}")
     bad = [n for n in lengths if n < 1]
     if bad:
         raise ValueError(f"sequence lengths must be >= 1, got {bad[:5]}")
+    lengths = [int(n) for n in lengths]
     plan = policy_function(policy or config.hdp_policy)(
         lengths, num_ranks=num_ranks, config=config, cost_model=cost_model, pp_size=pp_size
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.cost_model import RECOMPUTE_GRANULARITIES, CostModel
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,14 @@ def analytic_cost_model(
     *,
     tp_size: int = 1,
     dtype_bytes: int = 2,
+    recompute_granularity: str = "none",
 ) -> CostModel:
-    """Cost model from FLOP counts: every term divided by the TP size (sequence parallel)."""
+    """Cost model from FLOP counts: every term divided by the TP size (sequence parallel).
+
+    `recompute_granularity` (Megatron's flag): full keeps only each layer's input (h bytes per token) and
+    runs the forward again in the backward (training FLOPs 4x the forward instead of 3x); selective
+    (Megatron's default core_attn) runs attention's forward again and keeps what flash attention keeps
+    anyway, so only the a1 term grows."""
     shape = model_shape(model) if isinstance(model, str) else model
     hw = hardware_profile(hardware) if isinstance(hardware, str) else hardware
     if tp_size <= 0:
@@ -124,12 +130,17 @@ def analytic_cost_model(
     linear_flops = 2 * (h * (h + 2 * kv) + h * h + n_mlp * h * ffn * experts)
     linear_flops += 2 * h * shape.vocab_size / shape.num_layers
     attention_flops = 2 * h  # per token^2 of a whole causal document
+    if recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got {recompute_granularity!r}")
     training = 3.0  # forward + backward
+    attention_training = training + (recompute_granularity != "none")
+    linear_training = training + (recompute_granularity == "full")
+    kept = h if recompute_granularity == "full" else 6 * h + 2 * kv + 4 * ffn * experts
     return CostModel(
-        a1=training * attention_flops / tp_size / (hw.peak_flops * hw.attention_efficiency),
-        b1=training * linear_flops / tp_size / (hw.peak_flops * hw.efficiency),
+        a1=attention_training * attention_flops / tp_size / (hw.peak_flops * hw.attention_efficiency),
+        b1=linear_training * linear_flops / tp_size / (hw.peak_flops * hw.efficiency),
         g=hw.kernel_overhead,
-        a2=dtype_bytes * (6 * h + 2 * kv + 4 * ffn * experts) / tp_size,
+        a2=dtype_bytes * kept / tp_size,
         b2=0.0,
         kv_bytes_per_token=dtype_bytes * 2 * kv / tp_size,
         activation_dtype_bytes=dtype_bytes,
@@ -139,4 +150,5 @@ def analytic_cost_model(
         h2d_bandwidth=hw.h2d_bandwidth,
         host_memory_bytes=hw.host_memory_bytes,
         intra_node_bandwidth=hw.intra_node_bandwidth,
+        recompute_granularity=recompute_granularity,
     )

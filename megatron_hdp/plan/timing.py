@@ -24,7 +24,7 @@ random plans.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -113,13 +113,19 @@ def plan_groups(plan: StepPlan, *, barrier_per_microbatch: bool = False, ep_size
 
 
 def coupled_finish(
-    phases: Sequence[Sequence[Sequence[float]]], groups: Groups, *, start: Sequence[float] | None = None
+    phases: Sequence[Sequence[Sequence[float]]],
+    groups: Groups,
+    *,
+    start: Sequence[float] | None = None,
+    barriers_after: Collection[int] = (),
 ) -> np.ndarray:
     """Per-rank clock after running every phase of every micro-batch through the coupling `groups`.
 
     `phases[j][r][i]` is the time of phase j (e.g. forward, backward) of rank r's micro-batch i; per index
     the phases run in order. A group starts a phase when its last member is ready and ends it for all
-    members when the slowest is done. `start[r]`: when rank r begins (default 0). Vectorised over ranks:
+    members when the slowest is done. `start[r]`: when rank r begins (default 0). `barriers_after`:
+    micro-batch indices after which every rank waits for all (Megatron's hybrid-CP group barrier, for a
+    plan run one sub-sample per micro-batch). Vectorised over ranks:
     one numpy pass per index and phase plus one small step per coupled group.
     """
     num_ranks = len(phases[0]) if phases else 0
@@ -142,4 +148,6 @@ def coupled_finish(
             for ranks in coupled.get(index, ()):
                 end[ranks] = clock[ranks].max() + matrix[ranks, index].max()
             clock = np.where(index < count, end, clock)
+        if index in barriers_after:
+            clock = np.full(num_ranks, clock.max())
     return clock

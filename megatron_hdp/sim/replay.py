@@ -14,7 +14,7 @@ it is the step time the same ranks would reach on dedicated cores, and the measu
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Collection, Sequence
 
 from megatron_hdp.plan.step_plan import StepPlan
 from megatron_hdp.plan.timing import coupled_finish, plan_groups
@@ -27,6 +27,7 @@ def dedicated_step_time(
     forward: Sequence[Sequence[float]],
     backward: Sequence[Sequence[float]],
     after: Sequence[float],
+    barriers_after: Collection[int] = (),
 ) -> float:
     """Seconds of one step of `plan` (pp_size 1) if each rank ran its measured phases on its own core.
 
@@ -34,6 +35,8 @@ def dedicated_step_time(
     micro-batch it ran (padding included, so at least one), `after[r]` (gradient reduction, optimizer).
     Micro-batch i of ranks coupled by a ring at index i starts when all of them are ready and ends when
     the slowest is done, forward and backward each; the reduction starts when every rank is done.
+    `barriers_after`: micro-batch indices after which every rank waits for all (Megatron's hybrid-CP
+    group barrier, for a plan run one sub-sample per micro-batch).
     """
     n = plan.num_ranks
     if plan.pp_size != 1:
@@ -47,5 +50,5 @@ def dedicated_step_time(
                 f"rank {r}: {len(forward[r])} forward and {len(backward[r])} backward times for "
                 f"{len(plan.ranks[r].microbatches)} planned micro-batches"
             )
-    clock = coupled_finish([forward, backward], plan_groups(plan), start=before)
+    clock = coupled_finish([forward, backward], plan_groups(plan), start=before, barriers_after=barriers_after)
     return float(clock.max()) + max(after)

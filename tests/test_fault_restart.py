@@ -1,0 +1,137 @@
+"""Surviving a dead rank: `megatron.training.pretrain` with --hdp on 4 gloo ranks (examples/pretrain_gpt_hdp.py)
+saves a checkpoint every 2 iterations; one rank's process is killed (SIGKILL) in the middle of iteration 3,
+after its forward and before its backward, while its ring peers wait on it. Every other rank must stop with
+an error naming the failure within a bounded time (no hang); a restart from the last checkpoint must then
+train iterations 3 and 4 on the same documents (the HDP loader's sample ids) with the same losses as a run
+that was never interrupted."""
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_hdp.comm.launch import _child, free_port, stop
+from test_pretrain import HDP, ROOT, TINY, data_prefix  # noqa: F401 - data_prefix is a fixture
+
+KILLED_RANK, KILL_ITERATION = 3, 3
+TIMEOUT_MINUTES = 1
+"""--distributed-timeout-minutes: HDP's ring exchanges and every collective run in Megatron's process
+groups, whose waits end after this long (the default group's too: the harness creates it with it, as
+Megatron's initialize does under torchrun)."""
+BOUND_S = 60 * TIMEOUT_MINUTES + 45
+"""Seconds within which every surviving rank must have stopped after the kill (the timeout plus slack for
+a host whose cores are shared)."""
+
+
+def _pretrain(rank: int, world_size: int, argv: list[str], kill_at: int) -> dict:
+    """examples/pretrain_gpt_hdp.main(argv), recording each iteration's loss and documents; rank
+    KILLED_RANK SIGKILLs itself in iteration `kill_at` (0: never) after its first forward. An exception is
+    returned (not raised) with the time it took to come after the kill, so that every rank reports."""
+    import signal
+
+    os.environ["RANK"] = str(rank)
+    sys.path.insert(0, str(ROOT / "examples"))
+    from megatron_hdp.megatron.training_compat import require_megatron_training
+
+    require_megatron_training()
+    from megatron.training import training
+
+    import pretrain_gpt_hdp
+
+    from megatron_hdp.megatron import forward_step, training_install
+
+    losses, sample_ids = {}, {}
+    original_log = training.training_log
+
+    def recording_training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs):
+        losses[iteration] = float(loss_dict["lm loss"])
+        sample_ids[iteration] = training_install._STATE.last_step.sample_ids.tolist()
+        return original_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
+
+    training.training_log = recording_training_log
+    original_loss = forward_step.token_loss
+
+    def token_loss(*args, **kwargs):
+        if rank == KILLED_RANK and training.get_args().curr_iteration + 1 == kill_at:
+            with open(os.environ["HDP_FAULT_MARK"], "w") as mark:
+                mark.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_loss(*args, **kwargs)
+
+    forward_step.token_loss = token_loss
+    try:
+        pretrain_gpt_hdp.main(argv)
+    except BaseException as error:  # noqa: BLE001 - what a surviving rank saw is the point of the test
+        return {"error": f"{type(error).__name__}: {error}", "at": time.time(), "losses": losses, "ids": sample_ids}
+    return {"error": None, "at": time.time(), "losses": losses, "ids": sample_ids}
+
+
+def _launch(world_size: int, argv: list[str], *, kill_at: int, timeout_s: float, env: dict) -> dict:
+    """Start `world_size` gloo ranks of `_pretrain`; collect what each reports until all have reported or
+    died, or `timeout_s` passes (then the rest are killed and reported as hung)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(_pretrain, rank, world_size, port, (argv, kill_at), {}, results,
+                                         60 * TIMEOUT_MINUTES, 1, env), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    reports, deadline = {}, time.monotonic() + timeout_s
+    try:
+        while len(reports) < world_size and time.monotonic() < deadline:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+                reports[rank] = pickle.loads(value) if ok else {"error": value, "at": time.time()}
+            except queue.Empty:
+                if all(not p.is_alive() for r, p in enumerate(procs) if r not in reports) and results.empty():
+                    break
+    finally:
+        stop(procs)
+    return {"reports": reports, "exitcodes": [p.exitcode for p in procs]}
+
+
+@pytest.mark.timeout(900)  # three 4-rank pretrain runs and one timeout; ~2 min on an idle 2-core host
+def test_a_dead_rank_stops_the_others_and_a_restart_repeats_no_data(data_prefix, tmp_path):  # noqa: F811
+    data = ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache")]
+    save = ["--save-interval", "2", "--ckpt-format", "torch", "--distributed-timeout-minutes", str(TIMEOUT_MINUTES)]
+    env = {"LOCAL_RANK": "0", "WORLD_SIZE": "4", "HDP_FAULT_MARK": str(tmp_path / "killed")}
+    argv = TINY + data + HDP + save
+
+    whole = _launch(4, argv + ["--save", str(tmp_path / "whole")], kill_at=0, timeout_s=240, env=env)
+    assert [r["error"] for r in whole["reports"].values()] == [None] * 4, whole
+    reference = whole["reports"][0]
+    assert sorted(reference["losses"]) == [1, 2, 3, 4]
+
+    ckpt = str(tmp_path / "faulty")
+    faulty = _launch(4, argv + ["--save", ckpt], kill_at=KILL_ITERATION, timeout_s=240, env=env)
+    assert Path(env["HDP_FAULT_MARK"]).exists(), f"rank {KILLED_RANK} never reached iteration {KILL_ITERATION}: {faulty}"
+    killed_at = float(Path(env["HDP_FAULT_MARK"]).read_text())
+    assert faulty["exitcodes"][KILLED_RANK] == -9 and KILLED_RANK not in faulty["reports"]
+    for rank in set(range(4)) - {KILLED_RANK}:
+        report = faulty["reports"].get(rank)
+        assert report is not None, f"rank {rank} hung after rank {KILLED_RANK} died: {faulty}"
+        assert report["error"], f"rank {rank} finished training without rank {KILLED_RANK}"
+        assert report["at"] - killed_at < BOUND_S, f"rank {rank} took {report['at'] - killed_at:.0f} s to stop"
+        assert sorted(report["losses"]) == [1, 2]  # iteration 3 never completed anywhere
+        print(f"rank {rank} stopped {report['at'] - killed_at:.1f} s after the kill: {report['error'][:200]}")
+
+    # --no-load-rng: the CPU shims' RNG tracker keeps no CUDA states, so Megatron cannot restore them (no
+    # dropout here; the HDP loader's order comes from the seed and the consumed-sample count, not an RNG)
+    resumed = _launch(4, argv + ["--save", ckpt, "--load", ckpt, "--no-load-rng"], kill_at=0, timeout_s=240, env=env)
+    assert [r["error"] for r in resumed["reports"].values()] == [None] * 4, resumed
+    for rank, report in resumed["reports"].items():
+        assert sorted(report["losses"]) == [3, 4]  # resumed after the checkpoint of iteration 2
+        for iteration in (3, 4):
+            assert report["ids"][iteration] == whole["reports"][rank]["ids"][iteration], f"rank {rank} it {iteration}"
+            assert report["losses"][iteration] == pytest.approx(reference["losses"][iteration], rel=1e-6)
+    # and the interrupted run's first two iterations were the uninterrupted run's
+    for iteration in (1, 2):
+        assert faulty["reports"][0]["ids"][iteration] == reference["ids"][iteration]
