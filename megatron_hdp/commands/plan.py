@@ -20,6 +20,7 @@ plan of --policy is written as the StepPlan JSON of DESIGN.md (--json) and all p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -69,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",
                         help="hardware preset of the analytic cost model")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (divides the cost model)")
+    parser.add_argument("--ranks-per-node", type=positive_int, default=None,
+                        help="HDP ranks per node (default: the cost model's, else 8 GPUs per node / --tp): rings are "
+                        "placed inside a node when they fit, and a ring that crosses nodes runs at the network's speed")
     parser.add_argument("--cost-model", type=existing_file, default=None,
                         help="cost model JSON from `megatron-hdp calibrate`")
     parser.add_argument("--no-offload", action="store_true", help="no selective offloading (k = ceil(s/C))")
@@ -115,6 +119,8 @@ def summary_row(plan, *, cost_model, wall_s: float, bound: float) -> dict:
         "max_ring": max(stats.ring_sizes, default=1),
         "microbatches": f"{stats.min_microbatches}-{stats.max_microbatches}",
         "attention_tb": stats.attention_bytes / 1e12,
+        "rings_across_nodes": stats.rings_across_nodes,
+        "network_tb": stats.network_bytes / 1e12,
         "offloaded": sum(1 for s in plan.sequences if s.offload_ratio > 0),
         "plan_ms": 1e3 * wall_s,
     }
@@ -123,7 +129,7 @@ def summary_row(plan, *, cost_model, wall_s: float, bound: float) -> dict:
 def format_table(rows: list[dict]) -> str:
     """The side-by-side table: one line per policy, `n/a: reason` where a policy refused the batch."""
     header = (f"{'policy':<20}{'step (s)':>10}{'vs bound':>10}{'balance':>9}{'rings':>7}{'max ring':>9}"
-              f"{'mb/rank':>9}{'ring TB':>10}{'offload':>8}{'plan ms':>9}")
+              f"{'mb/rank':>9}{'ring TB':>10}{'x-node':>8}{'net TB':>9}{'offload':>8}{'plan ms':>9}")
     lines = [header, "-" * len(header)]
     for row in rows:
         if "error" in row:
@@ -132,7 +138,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{row['policy']:<20}{row['step_s']:>10.3f}{'+%.1f%%' % (100 * row['gap']):>10}{row['balance']:>9.3f}"
             f"{row['rings']:>7}{row['max_ring']:>9}{row['microbatches']:>9}{row['attention_tb']:>10.2f}"
-            f"{row['offloaded']:>8}{row['plan_ms']:>9.1f}"
+            f"{row['rings_across_nodes']:>8}{row['network_tb']:>9.2f}{row['offloaded']:>8}{row['plan_ms']:>9.1f}"
         )
     return "\n".join(lines)
 
@@ -176,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--cost-model {args.cost_model}: not a cost model JSON ({error})") from error
     else:
         cost_model = analytic_cost_model(args.model, args.hardware, tp_size=args.tp)
+    ranks_per_node = args.ranks_per_node or cost_model.ranks_per_node or max(1, 8 // args.tp)
+    cost_model = dataclasses.replace(cost_model, ranks_per_node=ranks_per_node)
     lengths, batch_note = _batch(args)
     bound = step_time_lower_bound(lengths, num_ranks=args.ranks, capacity=args.capacity, cost_model=cost_model,
                                   pp_size=args.pp, max_offload_ratio=config.max_offload_ratio)
