@@ -1,0 +1,74 @@
+"""Scenarios the fake-GPU harness runs, each in a fresh interpreter (`tests/fake_gpu.py`).
+
+Each builds what a GPU user builds (Megatron GPTModel with the HDP spec on "cuda", DDP, optimizer, the
+torch varlen attention backend, activation offloading) inside a world whose default process group
+follows NCCL's rules, and runs our code path; any device mismatch, CPU tensor in a collective or host
+sync inside a layer raises.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+WORLD = 2
+VOCAB = 64
+
+
+def _read_tokens(seq: int, start: int, end: int) -> np.ndarray:
+    return (np.arange(start, end, dtype=np.int64) * 7 + seq) % VOCAB
+
+
+
+def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
+    """Two HDP steps (collate -> forward -> backward -> finalize -> optimizer -> stats) of a tiny bf16
+    GPTModel with the HDP spec, torch varlen attention and offloading, as HDP rank `rank` of 2 (PP=1:
+    a ring between both ranks plus whole documents) or as PP stage `rank` of 2 (PP=2)."""
+    import torch
+    import fake_gpu
+
+    pp, me = int(pp_size), int(rank)
+    mode = fake_gpu.install(world_size=WORLD, rank=me)
+    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.megatron.step import HDPTrainer
+    from megatron_hdp.offload import ActivationOffloader
+
+    state = initialize_hdp(pipeline_model_parallel_size=pp)
+    config = tiny_llama_config(num_layers=4)
+    config.bf16, config.params_dtype, config.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
+    config.use_cpu_initialization = False
+    model = build_gpt(config, vocab_size=VOCAB, max_sequence_length=64)
+    assert next(model.parameters()).device.type == "cuda", "the model must be built on the (fake) GPU"
+    ddp, optimizer = wrap_for_training(model)
+    offloader = ActivationOffloader(layers=list(model.decoder.layers))
+    trainer = HDPTrainer(model=ddp, optimizer=optimizer, state=state, backend="torch_varlen", offloader=offloader)
+    if pp == 1:  # a ring over both HDP ranks, whole documents on each, offloading on the ring's sequence
+        plan = plan_from_rings(
+            [24, 10, 8], [(0, 1), (0,), (1,)], [0, 1, 0], num_ranks=2, capacity=32, offload_ratios=[0.5, 0, 0]
+        )
+    else:
+        plan = plan_from_rings([12, 9], [(0,), (0,)], [0, 1], num_ranks=1, capacity=16, pp_size=2)
+    for _ in range(2):
+        stats = trainer.step(plan, _read_tokens)
+    assert stats.num_microbatches and len(stats.compute_times) == WORLD
+    batch_copies = [c for c in mode.h2d if c["layer"] is None and c["bytes"] > 0]
+    layer_copies = [c for c in mode.h2d if c["layer"] is not None]
+    assert not layer_copies, f"host-to-device copies inside a layer (every layer of every micro-batch): {layer_copies[:3]}"
+    assert batch_copies, "no micro-batch was copied to the GPU"
+    print(f"host-to-device copies outside layers: {len(batch_copies)}, host syncs outside layers: {len(mode.host_syncs)}")
+
+
+def first_p2p(world_size: str = "4") -> None:
+    """initialize_hdp on a world of 4, then a ring among ranks 0 and 1 (its first NCCL operation on the
+    default group must not be the ring's P2P)."""
+    import torch
+    import fake_gpu
+
+    fake_gpu.install(world_size=int(world_size), rank=0)
+    from megatron_hdp.attention import ring_attention
+    from megatron_hdp.megatron.initialize import initialize_hdp
+
+    initialize_hdp()
+    q = torch.randn(6, 2, 16, device="cuda", dtype=torch.bfloat16)
+    ring_attention(q, q, q, seqlens=[12], ring=[0, 1], backend="torch_varlen")
