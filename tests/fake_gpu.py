@@ -85,7 +85,12 @@ def install(*, world_size: int, rank: int):
     and initialise the NCCL-rules default process group. Returns the `HostAndDevice` mode (its records)."""
     import torch
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+    from torch._subclasses.fake_tensor import (
+        FakeTensor,
+        FakeTensorDeviceMismatchError,
+        FakeTensorMode,
+        unset_fake_temporarily,
+    )
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -169,7 +174,13 @@ def install(*, world_size: int, rank: int):
             if func is aten.copy_.default and not isinstance(args[1], FakeTensor) and args[0].device.type == "cuda":
                 self._h2d(args[1], len(args) > 2 and args[2])
                 return args[0]
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except FakeTensorDeviceMismatchError as err:
+                shapes = [(tuple(t.shape), str(t.device)) for t in tensors]
+                raise FakeTensorDeviceMismatchError(func, err.common_device, err.device) from RuntimeError(
+                    f"{func} on tensors {shapes}"
+                )
 
     class TensorConstructors(TorchFunctionMode):
         """`torch.tensor(data, device="cuda")` is a host-to-device copy: build it on the host (real),

@@ -38,7 +38,8 @@ def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
     config = tiny_llama_config(num_layers=4)
     config.bf16, config.params_dtype, config.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
     config.use_cpu_initialization = False
-    model = build_gpt(config, vocab_size=VOCAB, max_sequence_length=64)
+    with torch.device("cuda"):  # Megatron's own layers init on the GPU; torch's norms need the default device
+        model = build_gpt(config, vocab_size=VOCAB, max_sequence_length=64)
     assert next(model.parameters()).device.type == "cuda", "the model must be built on the (fake) GPU"
     ddp, optimizer = wrap_for_training(model)
     offloader = ActivationOffloader(layers=list(model.decoder.layers))

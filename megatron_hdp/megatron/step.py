@@ -200,6 +200,8 @@ class HDPTrainer:
         self.config: TransformerConfig = model.config
         check_model_config(self.config, state=state)
         self.pad_to_multiple = state.tp_size if self.config.sequence_parallel else 1
+        self.device = next(model.parameters()).device
+        """Where the model lives: micro-batches are moved there, the step's statistics reduced there."""
         self._finalize_start = 0.0
         self._stamps: list[float] = []
         self.last_busy: Optional[BusyTimes] = None
@@ -216,7 +218,8 @@ class HDPTrainer:
     def collate(
         self, plan: StepPlan, read_tokens: TokenReader, read_loss_mask: Optional[MaskReader] = None
     ) -> list[PackedMicroBatch]:
-        """This rank's packed micro-batches, padded to the count `num_microbatches_to_run` asks for."""
+        """This rank's packed micro-batches, padded to the count `num_microbatches_to_run` asks for; in
+        pinned host memory when the model is on a GPU (the forward step copies each one asynchronously)."""
         rank = self.state.hdp_rank
         batches = [
             collate_microbatch(
@@ -224,7 +227,8 @@ class HDPTrainer:
             )
             for mb in plan.microbatches(rank)
         ]
-        return pad_microbatches(plan, batches, state=self.state, pad_to_multiple=self.pad_to_multiple)
+        batches = pad_microbatches(plan, batches, state=self.state, pad_to_multiple=self.pad_to_multiple)
+        return [b.pin_memory() for b in batches] if self.device.type == "cuda" else batches
 
     def step(
         self, plan: StepPlan, read_tokens: TokenReader, *, read_loss_mask: Optional[MaskReader] = None
