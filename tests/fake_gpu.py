@@ -29,15 +29,12 @@ import ctypes
 import importlib.util
 import os
 import sys
+import threading
 import traceback
 from pathlib import Path
 
 GUARD_SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
-LAYER_CODE = (  # a host sync in a frame of these files runs inside a layer's forward or backward
-    os.sep + os.path.join("megatron", "core", "transformer") + os.sep,
-    os.sep + os.path.join("megatron_hdp", "attention") + os.sep,
-    os.sep + os.path.join("megatron_hdp", "megatron", "layer_spec.py"),
-)
+CODE = (os.sep + "megatron_hdp" + os.sep, os.sep + "megatron" + os.sep)  # frames worth naming in a message
 
 
 def build_guard_library() -> Path:
@@ -69,14 +66,28 @@ class NcclRuleError(RuntimeError):
     """An operation NCCL rejects or that is undefined under NCCL."""
 
 
-def _in_layer() -> str | None:
-    """The innermost frame of layer code on the current Python stack ('file:line'), or None."""
+_LAYER_DEPTH = [0]
+"""How many transformer layers' forwards are running (set by module hooks in `install`)."""
+
+
+def _where() -> str:
+    """The innermost frame of package or Megatron code on the Python stack ('file:line')."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if any(part in name for part in LAYER_CODE):
+        if any(part in name for part in CODE):
             return f"{name}:{frame.f_lineno}"
         frame = frame.f_back
+    return "?"
+
+
+def _in_layer() -> str | None:
+    """Where the current op runs when it runs inside a transformer layer's forward, or in a backward
+    (the autograd engine runs a CUDA backward on its device thread), else None."""
+    if _LAYER_DEPTH[0] > 0:
+        return "forward at " + _where()
+    if threading.current_thread() is not threading.main_thread():
+        return "backward at " + _where()
     return None
 
 
@@ -93,7 +104,7 @@ def install(*, world_size: int, rank: int):
     )
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+    from torch.utils._pytree import tree_leaves, tree_map
     from torch.utils.weak import WeakTensorKeyDictionary
 
     from megatron_hdp.megatron.cpu_shims import _NullEvent, _NullStream
@@ -140,7 +151,7 @@ def install(*, world_size: int, rank: int):
         def _h2d(self, src, non_blocking: bool) -> None:
             self.h2d.append(
                 dict(bytes=src.numel() * src.element_size(), non_blocking=bool(non_blocking),
-                     pinned=src in self._pinned, layer=_in_layer())
+                     pinned=src in self._pinned, layer=_in_layer(), where=_where())
             )
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -188,6 +199,14 @@ def install(*, world_size: int, rank: int):
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = dict(kwargs or {})
+            if func in (torch.tensor, torch.as_tensor) and isinstance(args[0], (list, tuple)) and any(
+                isinstance(t, FakeTensor) for t in tree_leaves(args[0])
+            ):  # CUDA scalars read on the host (a sync each): placeholder values, as `.item()` gives
+                data = tree_map(lambda t: t.item() if isinstance(t, FakeTensor) else t, args[0])
+                device = kwargs.pop("device", None)
+                with unset_fake_temporarily():
+                    host = func(data, *args[1:], **kwargs)
+                return host.to(device) if is_cuda(device) else host
             if func in (torch.tensor, torch.as_tensor) and not any(
                 isinstance(t, FakeTensor) for t in tree_leaves(args)
             ):
@@ -304,6 +323,17 @@ def install(*, world_size: int, rank: int):
     dist.init_process_group("fake_nccl", store=FakeStore(), rank=rank, world_size=world_size)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_mode.__enter__()
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    def enter_layer(module, args):
+        _LAYER_DEPTH[0] += isinstance(module, TransformerLayer)
+
+    def leave_layer(module, args, output):
+        _LAYER_DEPTH[0] -= isinstance(module, TransformerLayer)
+
+    register_module_forward_pre_hook(enter_layer)
+    register_module_forward_hook(leave_layer)
     mode = HostAndDevice()
     mode.__enter__()
     TensorConstructors().__enter__()

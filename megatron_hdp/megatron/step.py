@@ -268,15 +268,20 @@ class HDPTrainer:
         return self._gather_stats(plan, batches, losses, compute_time, step_time, traffic.bytes_sent, grad_norm)
 
     def _gather_stats(self, plan, batches, losses, compute_time, step_time, bytes_sent, grad_norm) -> StepStats:
+        """The step's statistics, identical on every rank: two collectives on the model's device (the
+        process group's device: CUDA under NCCL), then one read back to the host."""
         world = dist.get_world_size()
-        counts_loss = torch.zeros(2, dtype=torch.float64)
+        counts_loss = torch.zeros(2, dtype=torch.float64, device=self.device)
         if losses and self.state.is_last_stage and self._is_tp_rank0():
-            counts_loss += torch.stack([x["lm loss"].double() for x in losses]).sum(0)
+            counts_loss += torch.stack([x["lm loss"].double() for x in losses]).sum(0).to(self.device)
         dist.all_reduce(counts_loss)
-        mine = torch.tensor([compute_time, step_time, float(len(batches)), float(bytes_sent)], dtype=torch.float64)
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
-        table = torch.stack(gathered)
+        mine = torch.tensor(
+            [compute_time, step_time, float(len(batches)), float(bytes_sent)], dtype=torch.float64, device=self.device
+        )
+        gathered = torch.empty(world, mine.numel(), dtype=mine.dtype, device=self.device)
+        dist.all_gather_into_tensor(gathered, mine)
+        table = torch.cat([gathered, counts_loss.expand(world, 2)], dim=1).cpu()
+        counts_loss = table[0, 4:]
         times = table[:, 0].tolist()
         summary = plan.summary()
         return StepStats(
