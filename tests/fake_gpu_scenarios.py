@@ -79,3 +79,24 @@ def first_p2p(world_size: str = "4") -> None:
     initialize_hdp()
     q = torch.randn(6, 2, 16, device="cuda", dtype=torch.bfloat16)
     ring_attention(q, q, q, seqlens=[12], ring=[0, 1], backend="torch_varlen")
+
+
+def harness_rules() -> None:
+    """The harness itself: each rule it enforces raises where a GPU/NCCL run would fail."""
+    import pytest
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+    import fake_gpu
+
+    fake_gpu.install(world_size=4, rank=0)
+    host = torch.ones(3)
+    with pytest.raises(fake_gpu.NcclRuleError, match="first operation"):
+        dist.send(torch.ones(3, device="cuda"), dst=1)
+    with pytest.raises(fake_gpu.NcclRuleError, match="on cpu"):
+        dist.all_reduce(host)
+    dist.all_reduce(host.to("cuda"))
+    with pytest.raises(FakeTensorDeviceMismatchError):
+        torch.ones(3, device="cuda") + host
+    assert (host + 1).tolist() == [2.0, 2.0, 2.0], "host work stays real"
