@@ -16,6 +16,7 @@ COMMANDS = {
     "simulate": "Predict step time and throughput of each policy on a simulated cluster.",
     "demo": "Train a tiny Llama-style GPT with HDP on 4 gloo CPU ranks, next to static DP x CP.",
     "calibrate": "Measure the cost-model coefficients and bandwidths on this machine; write JSON.",
+    "selftest": "Check a GPU machine: GPU tests, ring/offload benchmarks, calibrate, 2-step runs; Markdown report.",
 }
 
 
