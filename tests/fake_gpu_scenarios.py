@@ -12,6 +12,24 @@ import numpy as np
 
 WORLD = 2
 VOCAB = 64
+PP_TOKENS = 12
+"""Tokens of every micro-batch of the PP=2 scenario (one length: see `_peer_stage_sends_shape`)."""
+
+
+def _peer_stage_sends_shape(shape: tuple[int, int, int]) -> None:
+    """Megatron's variable-length pipeline first exchanges activation shapes (3 int64 values); in a
+    one-process world no value arrives, so the harness supplies the one shape the other stage would send
+    (every micro-batch of the scenario has `PP_TOKENS` tokens). The exchange itself still goes through
+    the NCCL-rules group."""
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    original = p2p.P2PCommunicator._communicate_shapes
+
+    def communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        original(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+        return list(shape), list(shape)
+
+    p2p.P2PCommunicator._communicate_shapes = communicate_shapes
 
 
 def _read_tokens(seq: int, start: int, end: int) -> np.ndarray:
@@ -38,6 +56,8 @@ def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
     from megatron_hdp.offload import ActivationOffloader
 
     state = initialize_hdp(pipeline_model_parallel_size=pp)
+    if pp > 1:
+        _peer_stage_sends_shape((PP_TOKENS, 1, 64))
     config = tiny_llama_config(num_layers=4)
     config.bf16, config.params_dtype, config.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
     config.use_cpu_initialization = False
@@ -53,7 +73,7 @@ def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
             [24, 10, 8], [(0, 1), (0,), (1,)], [0, 1, 0], num_ranks=2, capacity=32, offload_ratios=[0.5, 0, 0]
         )
     else:
-        plan = plan_from_rings([12, 9], [(0,), (0,)], [0, 1], num_ranks=1, capacity=16, pp_size=2)
+        plan = plan_from_rings([PP_TOKENS] * 2, [(0,), (0,)], [0, 1], num_ranks=1, capacity=16, pp_size=2)
     trainer.step(plan, _read_tokens)  # the first step builds the ring plans (cached for equal lengths)
     mode.h2d.clear()
     stats = trainer.step(plan, _read_tokens)
