@@ -48,11 +48,12 @@ def test_harness_enforces_nccl_and_device_rules(guard_library):
     assert "scenario harness_rules: ok" in _run(guard_library, "harness_rules")
 
 
-@pytest.mark.parametrize("rank", ["0", "1"])
-def test_hdp_step_on_fake_gpu(guard_library, rank):
-    """Two HDP steps, PP=1, HDP rank `rank` of 2: a ring over both ranks, whole documents, offloading,
-    torch varlen attention, bf16 GPTModel with the HDP spec, Megatron DDP and optimizer."""
-    output = _run(guard_library, "hdp_step", "1", rank)
+@pytest.mark.parametrize("pp_size,rank", [("1", "0"), ("1", "1"), ("2", "0"), ("2", "1")])
+def test_hdp_step_on_fake_gpu(guard_library, pp_size, rank):
+    """Two HDP steps as global rank `rank` of 2 of a bf16 GPTModel with the HDP spec, torch varlen
+    attention, activation offloading, Megatron DDP and optimizer: PP=1 (HDP rank of 2, a ring over both
+    ranks and whole documents) and PP=2 (one pipeline stage)."""
+    output = _run(guard_library, "hdp_step", pp_size, rank)
     assert "of micro-batch tensors (pinned, non-blocking)" in output
 
 
