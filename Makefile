@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean gpu-check
 
 setup: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): setup.py Makefile
 	  $(PIP) install --no-deps --ignore-requires-python megatron-core==0.19.2 && \
 	  $(PIP) install triton==3.8.0 && \
 	  $(PIP) install --no-deps -e . && \
-	  $(PIP) install scipy tqdm matplotlib pytest pytest-timeout hypothesis tensorboard; \
+	  $(PIP) install scipy tqdm matplotlib pytest pytest-timeout hypothesis tensorboard ninja; \
 	else \
 	  $(PIP) install torch==2.13.0 megatron-core==0.19.2 && \
 	  $(PIP) install -e '.[test,plot]'; \
@@ -32,6 +32,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# On a machine with GPUs: GPU tests, benchmarks against their targets, calibrate, 2-step NCCL runs;
+# writes benchmarks/results/selftest.md (<= 30 min on one H100)
+gpu-check: $(STAMP)
+	$(VENV)/bin/megatron-hdp selftest
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -15,7 +15,7 @@ setup(
     # megatron-core); a plain `pip install .` on Python >= 3.12 resolves them normally.
     install_requires=["torch", "megatron-core>=0.19", "numpy", "scipy", "tqdm"],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis", "tensorboard"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "tensorboard", "ninja"],  # ninja: the fake-GPU harness builds its CUDA guard
         "te": ["transformer-engine[pytorch]>=2.0,<3"],  # te_fused attention backend: TE 2.x API
         "plot": ["matplotlib"],
     },

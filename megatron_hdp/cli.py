@@ -27,6 +27,7 @@ COMMANDS = {
     "demo": "Train a tiny Llama-style GPT with HDP on 4 gloo CPU ranks, next to static DP x CP.",
     "calibrate": "Measure the cost-model coefficients and bandwidths on this machine; write JSON.",
     "report": "Dashboard PNG and Markdown summary of a training run's measured telemetry and plans.",
+    "selftest": "Check a GPU machine: GPU tests, ring/offload benchmarks, calibrate, 2-step runs; Markdown report.",
 }
 
 USER_ERRORS = (ValueError, OSError, KeyError, ImportError, argparse.ArgumentTypeError)

@@ -14,12 +14,14 @@ the Megatron side carries inside its `PackedSeqParams`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from megatron_hdp.attention import local_varlen_attention, ring_attention
+from megatron_hdp.attention.backends import Segments
+from megatron_hdp.attention.local import local_segments
 from megatron_hdp.data.collate import AttentionGroup
 
 logger = logging.getLogger(__name__)
@@ -27,7 +29,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class HDPBatchMeta:
-    """What the core attention needs to know about one packed micro-batch, beyond q, k, v."""
+    """What the core attention needs to know about one packed micro-batch, beyond q, k, v.
+
+    Made once per micro-batch (by the forward step, after the micro-batch reached the device), shared
+    by every layer: what the layers need on the device is made here or memoised on first use, so that
+    no layer copies from the host or syncs with it."""
 
     groups: tuple[AttentionGroup, ...]
     """Attention groups in packed order (rings name HDP ranks)."""
@@ -37,6 +43,21 @@ class HDPBatchMeta:
     """[T] position of every packed token inside its document (RoPE)."""
     backend: str = "auto"
     """Local kernel of `megatron_hdp.attention.backends` ("auto": the best available)."""
+    segments: tuple[Optional[Segments], ...] = field(init=False, repr=False, compare=False)
+    """Per group: the kernel segments of a local group, cu_seqlens on the device of `position_ids`."""
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        device = self.position_ids.device
+        segments = tuple(None if g.is_ring else local_segments(g.seqlens, device) for g in self.groups)
+        object.__setattr__(self, "segments", segments)
+
+    def memo(self, key: object, make: Callable[[], object]) -> object:
+        """`make()` on the first call with `key` for this micro-batch, the same object after (every layer
+        shares it: e.g. the RoPE angles of the micro-batch's positions)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def global_ring(self, group: AttentionGroup) -> list[int]:
         """The group's ring as global ranks, in ring order."""
@@ -68,7 +89,7 @@ def hdp_core_attention(
     """
     check_group_order(meta.groups, num_tokens=q.shape[0])
     outputs = []
-    for group in meta.groups:
+    for group, segments in zip(meta.groups, meta.segments):
         lo, hi = group.tokens
         if group.is_ring:
             out = ring_attention(
@@ -84,7 +105,7 @@ def hdp_core_attention(
         else:
             out = local_varlen_attention(
                 q[lo:hi], k[lo:hi], v[lo:hi], seqlens=group.seqlens, causal=True,
-                softmax_scale=softmax_scale, backend=meta.backend,
+                softmax_scale=softmax_scale, backend=meta.backend, segments=segments,
             )
         outputs.append(out)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -42,6 +42,14 @@ def default_scale(softmax_scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
+def local_segments(seqlens: Sequence[int], device: torch.device) -> Segments:
+    """The kernel segments of whole documents `seqlens`, with their cu_seqlens tensors already on `device`."""
+    lengths = tuple(int(n) for n in seqlens)
+    segments = Segments(lengths, lengths, torch.device(device))
+    segments.cu_seqlens_q, segments.cu_seqlens_k  # noqa: B018  (made now, outside any layer)
+    return segments
+
+
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, backend: AttentionBackend, segments: Segments, causal: bool, scale: float):
@@ -68,14 +76,19 @@ def local_varlen_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    segments: Segments | None = None,
 ) -> torch.Tensor:
     """Attention within each packed document of `seqlens` (THD: q [T, Hq, D], k/v [T, Hkv, D]).
 
     Differentiable in q, k, v; returns [T, Hq, D]. `backend` names a kernel of
     `megatron_hdp.attention.backends` ("auto": the fastest available for the device and dtype).
+    `segments`, when given, are `local_segments(seqlens, device)` made once per micro-batch, so that
+    the layers of a model share its cu_seqlens tensors (no host-to-device copy per layer).
     """
     lengths = check_seqlens(seqlens)
     check_qkv(q, k, v, num_tokens=sum(lengths))
     kernel = get_backend(backend, device=q.device, dtype=q.dtype)
-    segments = Segments(lengths, lengths, q.device)
+    if segments is None:
+        segments = local_segments(lengths, q.device)
+    assert segments.seqlens_q == lengths and segments.device.type == q.device.type, (segments, lengths, q.device)
     return _LocalAttention.apply(q, k, v, kernel, segments, causal, default_scale(softmax_scale, q.shape[2]))

@@ -53,7 +53,8 @@ class AttentionGroup:
 
 @dataclass
 class PackedMicroBatch:
-    """One rank's micro-batch in THD layout (all tensors on CPU; move with `to`)."""
+    """One rank's micro-batch in THD layout (collated on the host; the step moves it to the model's device
+    with `to`, from pinned memory when `pin_memory` was called)."""
 
     tokens: torch.Tensor
     """[T] int64 input token ids."""
@@ -76,13 +77,27 @@ class PackedMicroBatch:
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
 
-    def to(self, device: torch.device | str) -> "PackedMicroBatch":
-        """The same micro-batch with its tensors on `device`."""
-        names = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")
-        moved = {name: getattr(self, name).to(device) for name in names}
+    _TENSORS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")
+
+    def _with(self, convert) -> "PackedMicroBatch":
+        moved = {name: convert(getattr(self, name)) for name in self._TENSORS}
         return PackedMicroBatch(
             **moved, groups=self.groups, num_loss_tokens=self.num_loss_tokens, num_padding=self.num_padding
         )
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "PackedMicroBatch":
+        """The same micro-batch with its tensors on `device` (asynchronous from pinned memory when
+        `non_blocking`)."""
+        return self._with(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "PackedMicroBatch":
+        """The same micro-batch in page-locked host memory (so that `to(cuda, non_blocking=True)` overlaps)."""
+        return self._with(lambda t: t.pin_memory())
+
+    @property
+    def max_segment_length(self) -> int:
+        """Longest packed segment (`cu_seqlens` step), read on the host: the kernels' max_seqlen."""
+        return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
 
 
 def _rank_of(plan: StepPlan, microbatch: MicroBatch) -> int:

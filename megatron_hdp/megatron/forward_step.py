@@ -11,7 +11,7 @@ of plain data parallelism over the same global batch.
 from __future__ import annotations
 
 from functools import partial
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -21,11 +21,16 @@ from megatron_hdp.megatron.layer_spec import HDPPackedSeqParams
 
 
 def packed_seq_params(
-    batch: PackedMicroBatch, *, hdp_global_ranks: tuple[int, ...], backend: str = "auto"
+    batch: PackedMicroBatch,
+    *,
+    hdp_global_ranks: tuple[int, ...],
+    backend: str = "auto",
+    host: Optional[PackedMicroBatch] = None,
 ) -> HDPPackedSeqParams:
-    """Megatron THD parameters of `batch` with its HDP metadata (rings as global ranks, positions)."""
-    lengths = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
-    max_seqlen = int(lengths.max().item())
+    """Megatron THD parameters of `batch` with its HDP metadata (rings as global ranks, positions).
+
+    `max_seqlen` is read from the host copy `host` of the micro-batch when given (no device sync)."""
+    max_seqlen = (host if host is not None else batch).max_segment_length
     return HDPPackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=batch.cu_seqlens,
@@ -56,13 +61,17 @@ def token_loss(
 def make_forward_step(*, hdp_global_ranks: tuple[int, ...], backend: str = "auto", offload_ratios=None):
     """A Megatron `forward_step_func(data_iterator, model)` reading `PackedMicroBatch`es.
 
+    Each micro-batch arrives on the host and is moved once to the device of the model's parameters
+    (non-blocking: asynchronous when the step pinned it) before the forward.
+
     `offload_ratios`, when given, is a pair (offloader, iterator of ratios): each micro-batch's forward
     runs inside `offloader.microbatch(ratio=next(ratios))`.
     """
 
     def forward_step(data_iterator: Iterator[PackedMicroBatch], model: torch.nn.Module):
-        batch = next(data_iterator)
-        params = packed_seq_params(batch, hdp_global_ranks=hdp_global_ranks, backend=backend)
+        host = next(data_iterator)
+        batch = host.to(next(model.parameters()).device, non_blocking=True)
+        params = packed_seq_params(batch, hdp_global_ranks=hdp_global_ranks, backend=backend, host=host)
         inputs = dict(
             input_ids=batch.tokens[None],
             position_ids=batch.position_ids[None],

@@ -6,7 +6,10 @@ DDP then reduces gradients over exactly that domain, and a ring for a sequence a
 connects the HDP ranks at that same (s, t) — by point-to-point messages in the default communicator,
 addressed by the global ranks in `HDPState.hdp_global_ranks`.
 
-Order of the steps (each depends on the one before): CPU shims (no CUDA) -> parallel_state -> seeds.
+Order of the steps (each depends on the one before): CPU shims (no CUDA) -> a barrier on the default
+group -> parallel_state -> seeds. The barrier is the default group's first operation, with every rank
+taking part: NCCL creates a group's communicator lazily, at its first call, and a ring's
+`batch_isend_irecv` among a few ranks must not be that call (undefined; it can hang).
 """
 
 from __future__ import annotations
@@ -110,6 +113,10 @@ def initialize_hdp(
             f"by EP={expert_model_parallel_size}"
         )
     cpu = apply_cpu_shims()
+    if torch.cuda.is_available():  # NCCL: on this rank's device (the one torch.cuda.set_device chose)
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,

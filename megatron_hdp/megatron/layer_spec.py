@@ -8,7 +8,8 @@ norms, MLP or MoE) is Megatron's. The micro-batch metadata reaches the leaf insi
 RoPE. Megatron applies RoPE before `core_attention`, with positions restarting at each `cu_seqlens`
 boundary — wrong for a zigzag shard, whose tokens sit at positions [a, b) and [c, d) of their document.
 So `HDPCoreAttention` applies RoPE itself, per token, from the positions the collation computed, with
-the model's own `RotaryEmbedding` and Megatron's own `apply_rotary_pos_emb`; `prepare_model_for_hdp`
+the frequencies of the model's own `RotaryEmbedding` (evaluated at those positions, once per
+micro-batch: `rope_angles`) and Megatron's own `apply_rotary_pos_emb`; `prepare_model_for_hdp`
 hands each leaf that rotary module and switches the GPTModel's own RoPE off (one attribute). The
 exactness tests compare against a stock GPTModel with Megatron's standard RoPE.
 
@@ -47,6 +48,24 @@ class HDPPackedSeqParams(PackedSeqParams):
     hdp: Optional[HDPBatchMeta] = None
 
 
+def rope_angles(rotary: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+    """[T, 1, 1, dim] RoPE angles of each token at its own document position: Megatron's
+    `RotaryEmbedding.get_emb` (same frequencies, interpolation and layout) evaluated at `position_ids`
+    rather than tabulated for 0..max position. So no table of max-position rows per micro-batch (its
+    `lru_cache` would keep up to 32 of them on the GPU) and no host sync to find the max position."""
+    if rotary.inv_freq.device != position_ids.device:
+        rotary.inv_freq = rotary.inv_freq.to(position_ids.device)  # once, as Megatron's get_emb does
+    seq = position_ids.to(rotary.inv_freq.dtype)
+    if rotary.seq_len_interpolation_factor is not None:
+        seq = seq * (1 / rotary.seq_len_interpolation_factor)
+    freqs = torch.outer(seq, rotary.inv_freq)
+    if rotary.rotary_interleaved:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb[:, None, None, :]
+
+
 class HDPCoreAttention(MegatronModule):
     """Drop-in `core_attention`: per-token RoPE, then `hdp_core_attention` (local kernel or ring).
 
@@ -78,10 +97,9 @@ class HDPCoreAttention(MegatronModule):
         """Use `rotary` (a Megatron RotaryEmbedding) for per-token RoPE; None: no RoPE."""
         self._rotary = (rotary,) if rotary is not None else ()
 
-    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _rope(self, x: torch.Tensor, meta: HDPBatchMeta) -> torch.Tensor:
         (rotary,) = self._rotary
-        table = rotary(int(position_ids.max().item()) + 1)  # [S, 1, 1, dim], Megatron's own frequencies
-        freqs = table[position_ids.to(table.device)]  # [T, 1, 1, dim]: each token at its document position
+        freqs = meta.memo(("rope", id(rotary)), lambda: rope_angles(rotary, meta.position_ids))
         return apply_rotary_pos_emb(x.unsqueeze(1), freqs, config=self.config).squeeze(1)
 
     def forward(
@@ -105,8 +123,8 @@ class HDPCoreAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("HDP core attention does not support an attention bias")
         if self._rotary:
-            query = self._rope(query, meta.position_ids)
-            key = self._rope(key, meta.position_ids)
+            query = self._rope(query, meta)
+            key = self._rope(key, meta)
         return hdp_core_attention(query, key, value, meta=meta, softmax_scale=self.softmax_scale)
 
 

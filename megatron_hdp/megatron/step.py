@@ -200,6 +200,8 @@ class HDPTrainer:
         self.config: TransformerConfig = model.config
         check_model_config(self.config, state=state)
         self.pad_to_multiple = state.tp_size if self.config.sequence_parallel else 1
+        self.device = next(model.parameters()).device
+        """Where the model lives: micro-batches are moved there, the step's statistics reduced there."""
         self._finalize_start = 0.0
         self._stamps: list[float] = []
         self.last_busy: Optional[BusyTimes] = None
@@ -216,7 +218,8 @@ class HDPTrainer:
     def collate(
         self, plan: StepPlan, read_tokens: TokenReader, read_loss_mask: Optional[MaskReader] = None
     ) -> list[PackedMicroBatch]:
-        """This rank's packed micro-batches, padded to the count `num_microbatches_to_run` asks for."""
+        """This rank's packed micro-batches, padded to the count `num_microbatches_to_run` asks for; in
+        pinned host memory when the model is on a GPU (the forward step copies each one asynchronously)."""
         rank = self.state.hdp_rank
         batches = [
             collate_microbatch(
@@ -224,7 +227,8 @@ class HDPTrainer:
             )
             for mb in plan.microbatches(rank)
         ]
-        return pad_microbatches(plan, batches, state=self.state, pad_to_multiple=self.pad_to_multiple)
+        batches = pad_microbatches(plan, batches, state=self.state, pad_to_multiple=self.pad_to_multiple)
+        return [b.pin_memory() for b in batches] if self.device.type == "cuda" else batches
 
     def step(
         self, plan: StepPlan, read_tokens: TokenReader, *, read_loss_mask: Optional[MaskReader] = None
@@ -264,15 +268,20 @@ class HDPTrainer:
         return self._gather_stats(plan, batches, losses, compute_time, step_time, traffic.bytes_sent, grad_norm)
 
     def _gather_stats(self, plan, batches, losses, compute_time, step_time, bytes_sent, grad_norm) -> StepStats:
+        """The step's statistics, identical on every rank: two collectives on the model's device (the
+        process group's device: CUDA under NCCL), then one read back to the host."""
         world = dist.get_world_size()
-        counts_loss = torch.zeros(2, dtype=torch.float64)
+        counts_loss = torch.zeros(2, dtype=torch.float64, device=self.device)
         if losses and self.state.is_last_stage and self._is_tp_rank0():
-            counts_loss += torch.stack([x["lm loss"].double() for x in losses]).sum(0)
+            counts_loss += torch.stack([x["lm loss"].double() for x in losses]).sum(0).to(self.device)
         dist.all_reduce(counts_loss)
-        mine = torch.tensor([compute_time, step_time, float(len(batches)), float(bytes_sent)], dtype=torch.float64)
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
-        table = torch.stack(gathered)
+        mine = torch.tensor(
+            [compute_time, step_time, float(len(batches)), float(bytes_sent)], dtype=torch.float64, device=self.device
+        )
+        gathered = torch.empty(world * mine.numel(), dtype=mine.dtype, device=self.device)
+        dist.all_gather_into_tensor(gathered, mine)
+        table = torch.cat([gathered.view(world, -1), counts_loss.expand(world, 2)], dim=1).cpu()
+        counts_loss = table[0, 4:]
         times = table[:, 0].tolist()
         summary = plan.summary()
         return StepStats(

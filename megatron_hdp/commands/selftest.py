@@ -1,0 +1,196 @@
+"""`megatron-hdp selftest`: check a GPU machine end to end and write one Markdown report.
+
+Steps (each a subprocess with its own timeout; the whole fits in 30 minutes on one H100):
+1. the GPU tests (`pytest -m gpu`);
+2. `benchmarks/ring_bench.py` (target: the ring on one GPU within 1.25x of one varlen call);
+3. `benchmarks/offload_bench.py` (target: offload ratio 0.5 saves >= 30% activation memory at <= 3%
+   slowdown);
+4. `megatron-hdp calibrate`;
+5. two HDP training steps of a tiny bf16 GPT on 1 GPU, then on every local GPU (torchrun, NCCL).
+A step whose hardware is missing is skipped, and the report says why. `--dry-run` runs nowhere: it
+prints and reports every step it would run (what CI checks on a CPU machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@dataclass
+class Step:
+    """One check: a command, its time limit, how many GPUs it needs, and how to read its target."""
+
+    name: str
+    argv: list[str]
+    timeout_s: int
+    num_gpus: int = 1
+    target: Optional[Callable[[], tuple[bool, str]]] = None
+    status: str = "not run"
+    detail: str = ""
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def _json_rows(path: Path) -> list[dict]:
+    """Every dict in a benchmark's JSON result (rows are nested differently per benchmark)."""
+    rows, stack = [], [json.loads(path.read_text())]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            rows.append(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return rows
+
+
+def ring_target(path: Path = RESULTS / "ring_bench.json") -> tuple[bool, str]:
+    """Ring decomposition on one GPU against one varlen call: every measured ratio <= 1.25."""
+    ratios = [v for row in _json_rows(path) for k, v in row.items()
+              if k.endswith("_ratio") and isinstance(v, (int, float))]
+    if not ratios:
+        return False, "no ratio in ring_bench.json"
+    return max(ratios) <= 1.25, f"worst ratio {max(ratios):.3f}x (target <= 1.25x)"
+
+
+def offload_target(path: Path = RESULTS / "offload_bench.json") -> tuple[bool, str]:
+    """Offload ratio 0.5: activation saving >= 30% at slowdown <= 3%."""
+    rows = [r for r in _json_rows(path) if r.get("ratio") == 0.5 and "slowdown" in r]
+    if not rows:
+        return False, "no ratio-0.5 row in offload_bench.json"
+    row = rows[0]
+    ok = row["activation_saving"] >= 0.30 and row["slowdown"] <= 0.03
+    return ok, f"saving {row['activation_saving']:.1%} (>= 30%), slowdown {row['slowdown']:.1%} (<= 3%)"
+
+
+def plan_steps(num_gpus: int) -> list[Step]:
+    """The selftest's steps for a machine with `num_gpus` local GPUs (time limits add up to 29 min)."""
+    py = sys.executable
+    train = [py, "-m", "megatron_hdp.commands.selftest", "--train-worker"]
+    torchrun = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={max(num_gpus, 1)}"]
+    return [
+        Step("GPU tests (pytest -m gpu)", [py, "-m", "pytest", "-q", "-m", "gpu"], 540),
+        Step("ring_bench", [py, "benchmarks/ring_bench.py"], 360, target=ring_target),
+        Step("offload_bench", [py, "benchmarks/offload_bench.py"], 360, target=offload_target),
+        Step("calibrate", [py, "-m", "megatron_hdp.cli", "calibrate"], 240),
+        Step("2 training steps, 1 GPU", train, 90),
+        Step("2 training steps, all local GPUs (torchrun, NCCL)", torchrun + ["-m", "megatron_hdp.commands.selftest",
+             "--train-worker"], 150, num_gpus=max(num_gpus, 2)),
+    ]
+
+
+def run_step(step: Step, num_gpus: int) -> None:
+    """Run `step` (or skip it, saying why), recording pass/fail, the time and its result against a target."""
+    if num_gpus < step.num_gpus:
+        step.status, step.detail = "skipped", f"needs {step.num_gpus} GPUs, this machine has {num_gpus}"
+        return
+    start = time.perf_counter()
+    try:
+        result = subprocess.run(step.argv, cwd=ROOT, capture_output=True, text=True, timeout=step.timeout_s)
+        ok = result.returncode == 0
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        step.detail = lines[-1][:200] if lines else ""
+        if ok and step.target is not None:
+            ok, step.detail = step.target()
+        step.status = "pass" if ok else "FAIL"
+    except subprocess.TimeoutExpired:
+        step.status, step.detail = "FAIL", f"timed out after {step.timeout_s} s"
+    step.seconds = time.perf_counter() - start
+
+
+def report(steps: list[Step], *, dry_run: bool, device: str) -> str:
+    """The Markdown report: one row per step, with its status, time, result and command."""
+    lines = [f"# megatron-hdp selftest ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
+             f"Device: {device}{' (dry run: nothing executed)' if dry_run else ''}", "",
+             "| step | status | seconds | result / reason | command |", "|---|---|---|---|---|"]
+    for s in steps:
+        lines.append(f"| {s.name} | {s.status} | {s.seconds:.0f} | {s.detail} | `{' '.join(s.argv[1:])}` |")
+    return "\n".join(lines) + "\n"
+
+
+def train_worker() -> None:
+    """Two HDP steps of a tiny bf16 GPT on this rank's GPU (run by the selftest, alone or under torchrun)."""
+    import os
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config
+    from megatron_hdp.megatron.step import HDPTrainer
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    state = initialize_hdp()
+    config = tiny_llama_config(num_layers=2)  # bf16: the GPU attention kernels take fp16/bf16
+    config.bf16, config.params_dtype, config.pipeline_dtype, config.use_cpu_initialization = (
+        True, torch.bfloat16, torch.bfloat16, False)
+    with torch.device("cuda"):
+        model = build_gpt(config, vocab_size=256, max_sequence_length=4096)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True), [ddp])
+    trainer = HDPTrainer(model=ddp, optimizer=optimizer, state=state)
+    rings = [tuple(range(world)), (0,)] if world > 1 else [(0,), (0,)]
+    plan = plan_from_rings([2048, 512], rings, [0, 0], num_ranks=world, capacity=4096)
+    for _ in range(2):
+        stats = trainer.step(plan, lambda seq, a, b: (np.arange(a, b) * 31 + seq) % 256)
+    if rank == 0:
+        print(f"loss {stats.loss:.4f} step {stats.step_time:.3f} s")
+    dist.destroy_process_group()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dry-run", action="store_true", help="list every step and write the report, run nothing")
+    parser.add_argument("--report", default=None, help="Markdown report (default benchmarks/results/selftest.md)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = torch.cuda.get_device_name(0) if num_gpus else "no CUDA device"
+    steps = plan_steps(num_gpus)
+    for step in steps:
+        if args.dry_run:
+            step.status = "would run" if num_gpus >= step.num_gpus else "would skip"
+            step.detail = "" if num_gpus >= step.num_gpus else f"needs {step.num_gpus} GPUs, found {num_gpus}"
+            if num_gpus == 0:
+                step.status, step.detail = "would run on a GPU", "no CUDA device here"
+        elif num_gpus == 0:
+            step.status, step.detail = "skipped", "no CUDA device"
+        else:
+            run_step(step, num_gpus)
+        print(f"[{step.status}] {step.name}: {' '.join(step.argv)}{' — ' + step.detail if step.detail else ''}")
+    path = Path(args.report) if args.report else RESULTS / "selftest.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report(steps, dry_run=args.dry_run, device=device))
+    print(f"report: {path}")
+    return 0 if all(s.status in ("pass", "skipped") or args.dry_run for s in steps) else 1
+
+
+if __name__ == "__main__":
+    if "--train-worker" in sys.argv:
+        train_worker()
+    else:
+        parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+        add_arguments(parser)
+        sys.exit(run(parser.parse_args()))

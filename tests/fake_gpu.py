@@ -1,0 +1,367 @@
+"""Fake-GPU harness: run our code paths with CUDA tensors and NCCL's rules on a CPU-only PyTorch.
+
+What it is made of (test-only; nothing here is importable from the package):
+* `fake_cuda_guard.cpp`, built once with `torch.utils.cpp_extension` and loaded *before* torch is
+  imported (so PyTorch's accelerator is "cuda"): a CUDA device guard and CUDA hooks, without which the
+  autograd engine of a CPU build cannot run a backward over tensors on "cuda".
+* `FakeTensorMode` (PyTorch's own): tensors created on "cuda" are fake (shape, dtype, device; no data),
+  every op propagates them with its meta/fake kernel (including `varlen_attn` and its backward), and an
+  op that mixes "cuda" with a CPU tensor of more than 0 dimensions raises `FakeTensorDeviceMismatchError`,
+  as on a GPU.
+* `HostAndDevice`, a dispatch mode above it: work on real CPU tensors stays real (the data loader, the
+  collation, the planner), a host-to-device copy (`.to("cuda")`, `copy_`) becomes a fake CUDA tensor and
+  is recorded (bytes, non_blocking, from pinned memory, inside a layer or not), and a host sync (`.item()`,
+  `.tolist()`, `bool()` of a CUDA tensor) inside a transformer layer raises `HostSyncInLayer`; outside a
+  layer it returns a placeholder (0), since a fake tensor has no value.
+* `NcclRulesGroup`, a process-group backend ("fake_nccl") for one process that plays one rank of a
+  world of any size: no data moves, but a CPU tensor in any collective or P2P op raises `NcclRuleError`,
+  and so does a P2P op that is the first operation of its group without reaching every rank of it (NCCL
+  creates the communicator on a group's first call with all ranks taking part).
+* `torch.cuda` answers as one H100 would (available, capability 9.0, current device 0).
+
+Run a scenario in a fresh interpreter: `python tests/fake_gpu.py <library.so> <scenario>` (see
+`tests/fake_gpu_scenarios.py`); `tests/test_fake_gpu.py` does that under pytest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+GUARD_SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
+CODE = (os.sep + "megatron_hdp" + os.sep, os.sep + "megatron" + os.sep)  # frames worth naming in a message
+
+
+def build_guard_library() -> Path:
+    """Compile `fake_cuda_guard.cpp` (cached by torch.utils.cpp_extension) and return the library path.
+    Runs in the parent process (it imports torch, after which the library can no longer take effect)."""
+    from torch.utils import cpp_extension
+
+    return Path(
+        cpp_extension.load(
+            name="megatron_hdp_fake_cuda_guard", sources=[str(GUARD_SOURCE)], is_python_module=False, verbose=False
+        )
+    )
+
+
+def preload(library: Path) -> None:
+    """Load the guard library before torch: PyTorch decides its accelerator once, at import."""
+    assert "torch" not in sys.modules, "the fake CUDA guard must be loaded before torch is imported"
+    torch_lib = Path(importlib.util.find_spec("torch").submodule_search_locations[0]) / "lib"
+    for name in ("libc10.so", "libtorch_cpu.so"):
+        ctypes.CDLL(str(torch_lib / name), mode=ctypes.RTLD_GLOBAL)
+    ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+
+
+class HostSyncInLayer(RuntimeError):
+    """A host sync (.item(), .tolist()) on a CUDA tensor inside a transformer layer's forward or backward."""
+
+
+class NcclRuleError(RuntimeError):
+    """An operation NCCL rejects or that is undefined under NCCL."""
+
+
+_LAYER_DEPTH = [0]
+"""How many transformer layers' forwards are running (set by module hooks in `install`)."""
+
+
+def _where() -> str:
+    """The innermost frame of package or Megatron code on the Python stack ('file:line')."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if any(part in name for part in CODE):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+def _in_layer() -> str | None:
+    """Where the current op runs when it runs inside a transformer layer's forward, or in a backward
+    (the autograd engine runs a CUDA backward on its device thread), else None."""
+    if _LAYER_DEPTH[0] > 0:
+        return "forward at " + _where()
+    if threading.current_thread() is not threading.main_thread():
+        return "backward at " + _where()
+    return None
+
+
+def install(*, world_size: int, rank: int):
+    """Enter the fake GPU: patch torch.cuda, push FakeTensorMode and the host/device mode, register
+    and initialise the NCCL-rules default process group. Returns the `HostAndDevice` mode (its records)."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import (
+        FakeTensor,
+        FakeTensorDeviceMismatchError,
+        FakeTensorMode,
+        unset_fake_temporarily,
+    )
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves, tree_map
+    from torch.utils.weak import WeakTensorKeyDictionary
+
+    from megatron_hdp.megatron.cpu_shims import _NullEvent, _NullStream
+
+    assert torch._C._get_accelerator().type == "cuda", "load the guard library with preload() before torch"
+    aten = torch.ops.aten
+    cuda = torch.cuda
+    cuda.is_available = lambda: True
+    cuda.device_count = lambda: 1
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda device: None
+    cuda.get_device_capability = lambda device=None: (9, 0)
+    cuda.get_device_name = lambda device=None: "fake H100"
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.Stream, cuda.Event = _NullStream, _NullEvent
+    cuda.current_stream = cuda.default_stream = lambda device=None: _NullStream()
+    cuda.stream = lambda stream=None: _NullStream()
+    cuda.manual_seed = cuda.manual_seed_all = lambda seed: None
+    cuda._lazy_init = lambda: None
+    cuda.get_rng_state = cuda.random.get_rng_state = lambda device="cuda": torch.zeros(16, dtype=torch.uint8)
+    cuda.set_rng_state = cuda.random.set_rng_state = lambda new_state, device="cuda": None
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(cuda, name, lambda device=None: 0)
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    torch.backends.cuda.is_flash_attention_available = lambda: True
+
+    def is_cuda(device) -> bool:
+        if device is None:
+            return False
+        return torch.device(device).type == "cuda"
+
+    class HostAndDevice(TorchDispatchMode):
+        """Real CPU work stays real; host-to-device copies become fake CUDA tensors; host syncs checked."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.h2d: list[dict] = []
+            """Every host-to-device copy: bytes, non_blocking, pinned, layer (frame or None)."""
+            self.host_syncs: list[str] = []
+            """Where each host sync outside a layer happened (placeholders were returned)."""
+            self._pinned = WeakTensorKeyDictionary()
+
+        def _h2d(self, src, non_blocking: bool) -> None:
+            self.h2d.append(
+                dict(bytes=src.numel() * src.element_size(), non_blocking=bool(non_blocking),
+                     pinned=src in self._pinned, layer=_in_layer(), where=_where())
+            )
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            fake = any(isinstance(t, FakeTensor) for t in tensors)
+            if func is aten._local_scalar_dense.default and fake:
+                where = _in_layer()
+                if where is not None:
+                    raise HostSyncInLayer(f"host sync (.item()/.tolist()) on a CUDA tensor inside a layer at {where}")
+                self.host_syncs.append(traceback.format_stack(limit=4)[0])
+                dtype = args[0].dtype
+                return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
+            if not fake:
+                if func is aten._pin_memory.default:
+                    with unset_fake_temporarily():
+                        pinned = args[0].clone()
+                    self._pinned[pinned] = True
+                    return pinned
+                if func is aten.is_pinned.default:
+                    return args[0] in self._pinned
+                if func is aten._to_copy.default and is_cuda(kwargs.get("device")):
+                    src = args[0]
+                    self._h2d(src, kwargs.get("non_blocking", False))
+                    return torch.empty_strided(
+                        src.shape, src.stride(), dtype=kwargs.get("dtype") or src.dtype, device="cuda"
+                    )
+                if not is_cuda(kwargs.get("device")):
+                    with unset_fake_temporarily():  # host work: real tensors, real values
+                        return func(*args, **kwargs)
+            if func is aten.copy_.default and not isinstance(args[1], FakeTensor) and args[0].device.type == "cuda":
+                self._h2d(args[1], len(args) > 2 and args[2])
+                return args[0]
+            try:
+                return func(*args, **kwargs)
+            except FakeTensorDeviceMismatchError as err:
+                shapes = [(tuple(t.shape), str(t.device)) for t in tensors]
+                raise FakeTensorDeviceMismatchError(func, err.common_device, err.device) from RuntimeError(
+                    f"{func} on tensors {shapes}"
+                )
+
+    class TensorConstructors(TorchFunctionMode):
+        """`torch.tensor(data, device="cuda")` is a host-to-device copy: build it on the host (real),
+        then copy (recorded by `HostAndDevice`)."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func in (torch.tensor, torch.as_tensor) and isinstance(args[0], (list, tuple)) and any(
+                isinstance(t, FakeTensor) for t in tree_leaves(args[0])
+            ):  # CUDA scalars read on the host (a sync each): placeholder values, as `.item()` gives
+                data = tree_map(lambda t: t.item() if isinstance(t, FakeTensor) else t, args[0])
+                device = kwargs.pop("device", None)
+                with unset_fake_temporarily():
+                    host = func(data, *args[1:], **kwargs)
+                return host.to(device) if is_cuda(device) else host
+            if func in (torch.tensor, torch.as_tensor) and not any(
+                isinstance(t, FakeTensor) for t in tree_leaves(args)
+            ):
+                device = kwargs.pop("device", None)
+                with unset_fake_temporarily():
+                    host = func(*args, **kwargs)
+                return host.to(device) if is_cuda(device) else host
+            return func(*args, **kwargs)
+
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    def done_work():
+        from torch.futures import Future
+
+        future = Future()
+        future.set_result(None)
+        return _create_work_from_future(future)
+
+    class NcclRulesGroup(dist.ProcessGroup):
+        """One rank of a group under NCCL's rules; no data moves (tensors are fake)."""
+
+        def __init__(self, rank: int, size: int) -> None:
+            super().__init__(rank, size)
+            self._rank, self._size = rank, size
+            self.started = False
+            self.ops: list[str] = []
+
+        def size(self) -> int:
+            return self._size
+
+        def getBackendName(self) -> str:
+            return "fake_nccl"
+
+        def _check(self, op: str, tensors, peer: int | None = None):
+            tensors = [t for t in tree_leaves(tensors) if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                if t.device.type != "cuda":
+                    raise NcclRuleError(
+                        f"NCCL {op}: a tensor of shape {tuple(t.shape)} on {t.device}; NCCL takes CUDA tensors only"
+                    )
+            if peer is not None and not self.started and self._size > 2:
+                raise NcclRuleError(
+                    f"NCCL {op} with rank {peer} is the first operation of a group of {self._size} ranks: NCCL "
+                    "creates the communicator on a group's first call with every rank taking part (undefined, "
+                    "can hang); initialise the group eagerly (a barrier with device_ids, or device_id=)"
+                )
+            self.started = True
+            self.ops.append(op)
+            return done_work()
+
+        def allreduce(self, tensors, opts=None):
+            return self._check("all_reduce", tensors)
+
+        def allreduce_coalesced(self, tensors, opts=None):
+            return self._check("all_reduce_coalesced", tensors)
+
+        def allgather(self, outputs, inputs, opts=None):
+            return self._check("all_gather", (outputs, inputs))
+
+        def _allgather_base(self, output, input, opts=None):
+            return self._check("all_gather_into_tensor", (output, input))
+
+        def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+            return self._check("all_gather_into_tensor_coalesced", (outputs, inputs))
+
+        def reduce_scatter(self, outputs, inputs, opts=None):
+            return self._check("reduce_scatter", (outputs, inputs))
+
+        def _reduce_scatter_base(self, output, input, opts=None):
+            return self._check("reduce_scatter_tensor", (output, input))
+
+        def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+            return self._check("reduce_scatter_tensor_coalesced", (outputs, inputs))
+
+        def broadcast(self, tensors, opts=None):
+            return self._check("broadcast", tensors)
+
+        def reduce(self, tensors, opts=None):
+            return self._check("reduce", tensors)
+
+        def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+            return self._check("all_to_all_single", (output, input))
+
+        def alltoall(self, outputs, inputs, opts=None):
+            return self._check("all_to_all", (outputs, inputs))
+
+        def barrier(self, opts=None):
+            return self._check("barrier", [])
+
+        def send(self, tensors, dst, tag=0):
+            return self._check("send", tensors, peer=dst)
+
+        def recv(self, tensors, src, tag=0):
+            return self._check("recv", tensors, peer=src)
+
+    def create(store, group_rank, group_size, timeout):
+        return NcclRulesGroup(group_rank, group_size)
+
+    if "fake_nccl" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("fake_nccl", create, devices=["cuda"])
+    original_new_group = dist.new_group
+
+    def new_group(*args, **kwargs):
+        if kwargs.get("backend") == "gloo":  # Megatron's CPU-side groups: no NCCL rules, no peers to meet
+            kwargs["backend"] = "fake"
+        return original_new_group(*args, **kwargs)
+
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    dist.new_group = new_group
+    dist.all_gather_object = _all_gather_object_on_cuda(dist, torch)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake_nccl", store=FakeStore(), rank=rank, world_size=world_size)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode.__enter__()
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    def enter_layer(module, args):
+        _LAYER_DEPTH[0] += isinstance(module, TransformerLayer)
+
+    def leave_layer(module, args, output):
+        _LAYER_DEPTH[0] -= isinstance(module, TransformerLayer)
+
+    register_module_forward_pre_hook(enter_layer)
+    register_module_forward_hook(leave_layer)
+    mode = HostAndDevice()
+    mode.__enter__()
+    TensorConstructors().__enter__()
+    return mode
+
+
+def _all_gather_object_on_cuda(dist, torch):
+    """`dist.all_gather_object` as NCCL runs it (through the current CUDA device), every rank's object
+    taken to be this rank's (no data moves in a one-process world)."""
+
+    def all_gather_object(object_list, obj, group=None):
+        size = torch.tensor([1], dtype=torch.int64, device=torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(size, group=group)
+        object_list[:] = [obj] * len(object_list)
+
+    return all_gather_object
+
+
+def main(argv: list[str]) -> int:
+    library, scenario = argv[1], argv[2]
+    preload(Path(library))
+    sys.path.insert(0, str(Path(__file__).parent))
+    import fake_gpu_scenarios
+
+    getattr(fake_gpu_scenarios, scenario)(*argv[3:])
+    print(f"scenario {scenario}: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
