@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
-TESTED_MCORE_VERSIONS = ("0.19",)
+TESTED_MCORE_VERSIONS = ("0.19", "0.20")
 """Megatron-Core versions (major.minor prefixes) these patches were written and tested against."""
 
 _APPLIED: list[TorchFunctionMode] = []
