@@ -8,62 +8,13 @@ samples: every step's loss must be equal, and must go down. The HDP run sets its
 a token budget, and Megatron's consumed_train_samples must count HDP's documents (resume).
 """
 
-import os
-import sys
-from pathlib import Path
-
 import pytest
+from pretrain_harness import TINY_GPT as TINY
+from pretrain_harness import run_pretrain
 
-from megatron_hdp.comm.launch import run_gloo
-
-ROOT = Path(__file__).resolve().parents[1]
-
-TINY = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
-    "--micro-batch-size 1 --global-batch-size 8 --train-iters 4 --lr 3e-3 --lr-decay-style constant "
-    "--tokenizer-type NullTokenizer --vocab-size 256 --split 100,0,0 --num-workers 0 --seed 1234 "
-    "--transformer-impl local --no-gradient-accumulation-fusion --no-bias-dropout-fusion --no-rope-fusion "
-    "--no-masked-softmax-fusion --no-persist-layer-norm --attention-dropout 0 --hidden-dropout 0 "
-    "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
-    "--use-cpu-initialization --distributed-backend gloo --calculate-per-token-loss "
-    "--log-interval 1 --eval-iters 0 --eval-interval 1000"
-).split()
 # The same 8 samples a step, as a token budget; Megatron's nominal --global-batch-size is lowered to 4, so
 # its own per-step increment of consumed_train_samples (4) differs from the 8 documents HDP consumes.
 HDP = ["--hdp", "--hdp-capacity", "24", "--hdp-global-batch-tokens", "512", "--global-batch-size", "4"]
-
-
-def _pretrain(rank: int, world_size: int, argv: list[str]) -> dict:
-    """Run examples/pretrain_gpt_hdp.main(argv); return the losses and HDP statistics Megatron logged."""
-    os.environ["RANK"] = str(rank)  # Megatron's parse_args reads RANK and WORLD_SIZE from the environment
-    sys.path.insert(0, str(ROOT / "examples"))
-    from megatron_hdp.megatron.training_compat import require_megatron_training
-
-    require_megatron_training()
-    from megatron.training import training
-
-    import pretrain_gpt_hdp
-
-    from megatron_hdp.megatron import training_install
-    from megatron_hdp.offload import OffloadConfig
-
-    training_install.OFFLOAD_CONFIG = OffloadConfig(min_tensor_bytes=0)  # the tiny model's tensors move too
-
-    losses, stats, consumed = [], [], []
-    original = training.training_log
-
-    def recording_training_log(loss_dict, *args, **kwargs):
-        if "lm loss" in loss_dict:
-            losses.append(float(loss_dict["lm loss"]))
-        from megatron_hdp.megatron.training_install import hdp_statistics
-
-        stats.append(hdp_statistics())
-        consumed.append(training.get_args().consumed_train_samples)  # after Megatron's per-step increment
-        return original(loss_dict, *args, **kwargs)
-
-    training.training_log = recording_training_log
-    pretrain_gpt_hdp.main(argv)
-    return {"losses": losses, "stats": stats, "consumed": consumed}
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +26,8 @@ def data_prefix(tmp_path_factory) -> str:
 
 def test_pretrain_with_hdp_matches_megatron_and_learns(data_prefix, tmp_path):
     data = ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache")]
-    env = {"LOCAL_RANK": "0", "WORLD_SIZE": "4"}
-    plain = run_gloo(_pretrain, 4, TINY + data, timeout_s=240, env=env)
-    hdp = run_gloo(_pretrain, 4, TINY + data + HDP, timeout_s=240, env=env)
+    plain = run_pretrain(TINY + data)
+    hdp = run_pretrain(TINY + data + HDP)
 
     # Megatron reports the DP-reduced loss on every last-stage rank; with PP 1 that is every rank.
     reference = plain[0]["losses"]
