@@ -42,13 +42,14 @@ def test_supported_releases_pass_with_and_without_hdp(release):
 
 def test_unknown_release_warns_once_without_hdp_and_runs_plain(caplog):
     training_compat._warned.clear()
+    before = training.setup_model_and_optimizer
     with _release(0, 21, 3), caplog.at_level(logging.WARNING, logger=training_compat.__name__):
         args, config = parse_and_check(FLAGS, world_size=4)  # add_hdp_args + validate_args: no refusal
         assert config is None and install(args) is None
         require_megatron_training()
     warnings = [r.getMessage() for r in caplog.records if "0.21.3" in r.getMessage()]
     assert len(warnings) == 1 and "--hdp is unavailable" in warnings[0]
-    assert not getattr(training.setup_model_and_optimizer, "_hdp_installed", False)
+    assert training.setup_model_and_optimizer is before  # nothing wrapped
 
 
 def test_unknown_release_is_refused_with_its_version_under_hdp():

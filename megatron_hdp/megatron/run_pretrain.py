@@ -7,8 +7,8 @@ With or without `--hdp`: the plain-Megatron comparison run needs the same CPU pa
 and a patched `pretrain_gpt.py` applies them only through `install()` when `--hdp` is set. This entry
 point, before the script runs: binds `typing.override` on Python 3.11 (`require_megatron_training`),
 skips Megatron's `make` of the dataset helpers when `helpers_cpp` already imports (the wheel ships it),
-applies the CPU shims when CUDA is absent (`cpu_shims`) and then starts the default process group with
-gloo (torchrun's env:// rendezvous) unless one exists, puts the script's directory first on `sys.path`
+applies the CPU shims when CUDA is absent (`cpu_shims`) and then, under torchrun, starts the default
+process group with gloo (env:// rendezvous) unless one exists, puts the script's directory first on `sys.path`
 (as `python script.py` would, so `model_provider`, `gpt_builders` etc. import), and runs it as
 `__main__` with the remaining arguments as its `sys.argv`. On a machine with CUDA it changes nothing but
 the path and argv.
@@ -33,9 +33,11 @@ def run_script(script: str, argv: list[str]) -> None:
 
     if apply_cpu_shims():
         apply_training_cpu_shims()
+        import os
+
         import torch.distributed as dist
 
-        if not dist.is_initialized():
+        if not dist.is_initialized() and "MASTER_ADDR" in os.environ:  # torchrun's env:// rendezvous
             dist.init_process_group("gloo")
     sys.path.insert(0, str(path.parent))
     sys.argv = [str(path), *argv]

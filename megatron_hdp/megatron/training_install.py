@@ -21,6 +21,9 @@ a thin wrapper around Megatron's own function (the whole monkeypatch surface, in
    wait, offloaded bytes) in Megatron's log line and its TensorBoard writer, every `--hdp-log-interval`
    steps.
 
+With PP > 1 it also sets `args.variable_seq_lengths` before the model config is built from `args`
+(`_pipeline_shapes_per_microbatch`): the tensors between stages take each micro-batch's length.
+
 Anything else Megatron does (optimizer, DDP gradient reduction over the data-parallel group = the HDP
 domain, checkpoints, LR schedule) is unchanged.
 """
