@@ -74,7 +74,7 @@ def run_pretrain(
     `python_path` goes first on each rank's `sys.path`: a Megatron-LM checkout, to train with its own
     `megatron` package (core and training) instead of the installed wheel's.
     """
-    env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}
+    env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # TP > 1 needs it
     return run_gloo(
         _pretrain_on_rank, world_size, str(script or EXAMPLE), argv, list(python_path), timeout_s=timeout_s, env=env
     )
