@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 8 examples/pretrain_gpt_hdp.py <Megatron flags> --hdp --calculate-per-token-loss ...
 
-It is Megatron-LM's `pretrain_gpt.py` reduced to what the installed megatron-core (0.19.x, which ships
+It is Megatron-LM's `pretrain_gpt.py` reduced to what the installed megatron-core (0.19.x or 0.20.x, which ship
 `megatron/training`) provides: GPT datasets (indexed `--data-path` or `--mock-data`) and a plain
 token-level forward step. With `--hdp`, `megatron_hdp.megatron.install()` replaces the data loader,
 the forward step and the per-rank micro-batch counts; without it this trains as plain Megatron, which
