@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 8 examples/pretrain_gpt_hdp.py <Megatron flags> --hdp --calculate-per-token-loss ...
 
 It is Megatron-LM's `pretrain_gpt.py` reduced to what the installed megatron-core (0.19.x or 0.20.x, which ship
-`megatron/training`) provides: GPT datasets (indexed `--data-path` or `--mock-data`) and a plain
+`megatron/training`) provides: GPT datasets (indexed `--data-path`, `--mock-data`, `--sft`) and a plain
 token-level forward step. With `--hdp`, `megatron_hdp.megatron.install()` replaces the data loader,
 the forward step and the per-rank micro-batch counts; without it this trains as plain Megatron, which
 is what the HDP run is compared with. `main(argv)` runs the same in-process (tests, CPU examples).
@@ -30,6 +30,7 @@ from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
 
 from megatron_hdp.megatron.cpu_shims import apply_cpu_shims, apply_training_cpu_shims  # noqa: E402
+from megatron_hdp.megatron.mock_mix import mock_gpt_dataset_type  # noqa: E402
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -52,10 +53,12 @@ def forward_step(data_iterator, model):
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """GPT train/valid/test datasets from --data-path (indexed) or --mock-data, on every rank.
+    """GPT train/valid/test datasets from --data-path (indexed), --mock-data or --sft, on every rank.
 
     Every rank builds them (not only TP rank 0): the HDP loader plans from document lengths on every
-    rank and reads only its own shards' tokens.
+    rank and reads only its own shards' tokens. With --hdp it plans their documents (one sequence each,
+    cut at --seq-length), not Megatron's --seq-length windows; `--mock-data --hdp-mock-mix NAME` draws
+    the mock documents' lengths from a named mix.
     """
     args = get_args()
     blend, blend_per_split = get_blend_and_blend_per_split(args)
@@ -72,8 +75,16 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        context_parallel_size=args.context_parallel_size,  # SFTDataset reads it
     )
-    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    if args.sft:
+        from megatron.training.datasets.sft_dataset import SFTDataset
+
+        dataset_type = SFTDataset
+    elif args.mock_data and args.hdp_mock_mix is not None:
+        dataset_type = mock_gpt_dataset_type(args.hdp_mock_mix)
+    else:
+        dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, lambda: True, config).build()
 
 

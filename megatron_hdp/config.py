@@ -22,13 +22,21 @@ AttentionBackendName = Literal["auto", "te_fused", "flash_attn", "torch_varlen",
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackendName)
 """`megatron_hdp.attention.backends.BACKENDS` by name, plus auto (named here: the config imports no torch)."""
 
+MockMixName = Literal["byted", "github", "wikipedia", "prolong", "wlbllm"]
+MOCK_MIXES: tuple[str, ...] = get_args(MockMixName)
+"""`megatron_hdp.plan.lengths.DISTRIBUTIONS` by name (named here: the config imports no numpy)."""
+
 
 @dataclass
 class HDPConfig:
     """Hybrid Data Parallelism (ByteScale): one dynamic pool of DP x CP ranks, planned per step."""
 
     hdp: bool = False
-    """Turn Hybrid Data Parallelism on: Megatron's data-parallel group becomes the HDP pool."""
+    """Turn Hybrid Data Parallelism on: Megatron's data-parallel group becomes the HDP pool. HDP plans
+    documents, not --seq-length windows: each document of a GPT/blended/mock dataset is one sequence (a
+    document longer than --seq-length becomes consecutive pieces of at most --seq-length tokens, each its
+    own sequence), each SFT conversation one sequence; --reset-attention-mask/--reset-position-ids are
+    then implied (no-ops) and --eod-mask-loss masks EOD positions as Megatron does."""
 
     hdp_capacity: int = 4096
     """Tokens one rank holds in one micro-batch (C). A sequence longer than C is split over a ring."""
@@ -59,16 +67,25 @@ class HDPConfig:
     """Steps between HDP statistics lines (balance, rings, attention bytes, offload)."""
 
     hdp_overlong_documents: OverlongDocuments = "error"
-    """A document longer than this run can train: error (stop, naming the document and the limit) or
+    """A sequence longer than this run can train: error (stop, naming the document and the limit) or
     truncate (keep its first tokens that fit). The limit is the smaller of two: the model's maximum
     sequence length (Megatron's --seq-length, which the loader gets as max_length; RoPE tables and
     position embeddings are sized by it) and the longest document the whole HDP pool can hold
-    (hdp_capacity x the pool's ranks, stretched by the offload ratio the cost model lets hide)."""
+    (hdp_capacity x the pool's ranks, stretched by the offload ratio the cost model lets hide). GPT,
+    blended and mock documents are already cut at --seq-length; SFT conversations are not."""
 
     hdp_attention_backend: AttentionBackendName = "auto"
     """Local attention kernel of HDP's attention (each ring step and each whole document): auto takes
     the fastest one installed for the device and dtype (logged once); naming one pins it, e.g. to
     compare kernels or to avoid one."""
+
+    hdp_save_plans: Optional[str] = None
+    """Directory where rank 0 writes each training step's StepPlan JSON (iter_0000001.json, ...), each
+    sequence with its "source": dataset path prefix (or "mock"), document id and token offset."""
+
+    hdp_mock_mix: Optional[MockMixName] = None
+    """With --mock-data: draw the mock documents' lengths from this named mix (megatron_hdp.plan.lengths)
+    instead of Megatron's uniform 1-4095 tokens, to try HDP on realistic lengths without data."""
 
     def __post_init__(self) -> None:
         if self.hdp_capacity <= 0:
@@ -87,6 +104,8 @@ class HDPConfig:
             raise ValueError(
                 f"hdp_attention_backend {self.hdp_attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
             )
+        if self.hdp_mock_mix is not None and self.hdp_mock_mix not in MOCK_MIXES:
+            raise ValueError(f"hdp_mock_mix {self.hdp_mock_mix!r} is not one of {', '.join(MOCK_MIXES)}")
         if self.hdp_log_interval <= 0:
             raise ValueError(f"hdp_log_interval must be positive, got {self.hdp_log_interval}")
 

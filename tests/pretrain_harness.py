@@ -1,27 +1,41 @@
-"""Run a pretrain script through `megatron.training.pretrain` on gloo ranks and record what Megatron logged.
+"""Harness for `megatron.training.pretrain` runs in test processes: examples/pretrain_gpt_hdp.py, or any
+pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron_hdp.megatron.run_pretrain`.
 
-Shared by the pretrain tests: `run_pretrain(argv)` runs `examples/pretrain_gpt_hdp.py` (or any pretrain
-script, e.g. a patched Megatron-LM `pretrain_gpt.py`) on `world_size` CPU ranks through our entry point
-`megatron_hdp.megatron.run_pretrain` and returns, per rank, the losses Megatron logged (only its
-last-pipeline-stage ranks log them), the HDP statistics of each step and Megatron's
-`consumed_train_samples` after each step. `assert_same_losses` compares two runs step by step.
+- `TINY`: a tiny GPT's Megatron flags (CPU, gloo, per-token loss, no fusions) without data flags.
+- `pretrain_rank(rank, world_size, argv, reference_plans=None)`: one rank of a run (for `run_gloo`);
+  returns the losses, HDP statistics and consumed-sample counts Megatron logged per step. With
+  `reference_plans=(plans_dir, data_prefix)` the run trains plain Megatron on `PlannedPiecesDataset`.
+- `run_pretrain(argv, world_size=4, script=None, python_path=(), reference_plans=None)`: a whole run on
+  gloo ranks (`pretrain_rank` on each); `python_path` goes first on each rank's `sys.path` (a Megatron-LM
+  checkout, to train with its own `megatron` package). `logged_losses` / `assert_same_losses` read and
+  compare the per-step losses (Megatron logs them on its last pipeline stage only).
+- `PlannedPiecesDataset`: the reference for document-level HDP. It reads plans saved with
+  `--hdp-save-plans` and yields, step after step, each planned sequence as its own Megatron sample: the
+  piece's tokens (by its `source`: document, offset, length, read from the indexed dataset directly),
+  padded to --seq-length with loss mask 0 on the padding (and, with --eod-mask-loss, on input positions
+  holding the tokenizer's EOD, as Megatron masks them). Causal attention keeps the padding at the end
+  invisible to the real positions, so a plain run with --global-batch-size = the documents of a step
+  computes each document as its own sequence: HDP's loss, by an independent path.
+- `expected_pieces(raw_lengths, seq_length)`: (document, offset, length) of every piece of every
+  document, by the documented cutting rule, written out independently of the package.
 """
 
+from __future__ import annotations
+
+import functools
+import json
 import os
 import sys
 from pathlib import Path
 from typing import Optional
 
-import pytest
-
-from megatron_hdp.comm.launch import run_gloo
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "pretrain_gpt_hdp.py"
 
-TINY_GPT = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
-    "--micro-batch-size 1 --global-batch-size 8 --train-iters 4 --lr 3e-3 --lr-decay-style constant "
+TINY = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --max-position-embeddings 256 "
+    "--micro-batch-size 1 --lr 3e-3 --lr-decay-style constant "
     "--tokenizer-type NullTokenizer --vocab-size 256 --split 100,0,0 --num-workers 0 --seed 1234 "
     "--transformer-impl local --no-gradient-accumulation-fusion --no-bias-dropout-fusion --no-rope-fusion "
     "--no-masked-softmax-fusion --no-persist-layer-norm --attention-dropout 0 --hidden-dropout 0 "
@@ -29,23 +43,90 @@ TINY_GPT = (
     "--use-cpu-initialization --distributed-backend gloo --calculate-per-token-loss "
     "--log-interval 1 --eval-iters 0 --eval-interval 1000"
 ).split()
-"""A 2-layer GPT (hidden 64, 64-token samples, vocabulary 256) trained for 4 steps of 8 samples, fp32, no
-dropout: small enough for seconds per run on 4 CPU ranks, exact enough to compare losses to 1e-5."""
 
 
-def _pretrain_on_rank(rank: int, world_size: int, script: str, argv: list[str], python_path: list[str]) -> dict:
+def expected_pieces(raw_lengths: list[int], seq_length: int) -> list[tuple[int, int, int]]:
+    """(document, offset, length) of each piece: a document of n raw tokens has n - 1 positions, cut
+    into consecutive runs of at most seq_length."""
+    pieces = []
+    for document, raw in enumerate(raw_lengths):
+        for offset in range(0, raw - 1, seq_length):
+            pieces.append((document, offset, min(seq_length, raw - 1 - offset)))
+    return pieces
+
+
+def read_saved_plans(directory: str | Path) -> list[dict]:
+    """The saved plans in iteration order."""
+    return [json.loads(path.read_text()) for path in sorted(Path(directory).glob("iter_*.json"))]
+
+
+class PlannedPiecesDataset:
+    """Each planned sequence of the saved plans as one padded Megatron sample (module docstring)."""
+
+    def __init__(self, plans_dir: str, data_prefix: str, seq_length: int, *, eod: Optional[int] = None):
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        self.indexed = IndexedDataset(data_prefix)
+        self.seq_length = seq_length
+        self.eod = eod
+        """With --eod-mask-loss: input positions holding this token do not count (Megatron's rule)."""
+        self.pieces = [
+            (entry["source"]["document"], entry["source"]["offset"], entry["length"])
+            for plan in read_saved_plans(plans_dir)
+            for entry in sorted(plan["sequences"], key=lambda entry: entry["id"])
+        ]
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def __getitem__(self, index: int) -> dict:
+        import torch
+
+        document, offset, length = self.pieces[index]
+        raw = torch.from_numpy(self.indexed.get(document, offset=offset, length=length + 1).astype(np.int64))
+        tokens = torch.zeros(self.seq_length, dtype=torch.int64)
+        labels = torch.zeros(self.seq_length, dtype=torch.int64)
+        loss_mask = torch.zeros(self.seq_length, dtype=torch.float32)
+        tokens[:length], labels[:length], loss_mask[:length] = raw[:-1], raw[1:], 1.0
+        if self.eod is not None:
+            loss_mask[:length][raw[:-1] == self.eod] = 0.0
+        causal = torch.triu(torch.ones(self.seq_length, self.seq_length, dtype=torch.bool), diagonal=1)
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+                "position_ids": torch.arange(self.seq_length), "attention_mask": causal.unsqueeze(0)}
+
+
+def _planned_pieces_provider(plans_dir: str, data_prefix: str, train_val_test_num_samples, vp_stage=None):
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training import get_args
+
+    args = get_args()
+    eod = build_tokenizer(args).eod if args.eod_mask_loss else None
+    return PlannedPiecesDataset(plans_dir, data_prefix, args.seq_length, eod=eod), None, None
+
+
+def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: Optional[tuple[str, str]] = None,
+                  offload_min_tensor_bytes: Optional[int] = 0, script: Optional[str] = None,
+                  python_path: tuple[str, ...] = ()) -> dict:
+    """Run examples/pretrain_gpt_hdp.main(argv) (or `script` through run_pretrain) on this rank; return what
+    Megatron logged per step."""
     os.environ["RANK"] = str(rank)  # Megatron's parse_args reads RANK and WORLD_SIZE from the environment
     sys.path[:0] = python_path  # before the first megatron import: a checkout's megatron wins over the wheel
+    sys.path.insert(0, str(ROOT / "examples"))
     from megatron_hdp.megatron.training_compat import require_megatron_training
 
     require_megatron_training()
     from megatron.training import training
 
     from megatron_hdp.megatron import training_install
-    from megatron_hdp.megatron.run_pretrain import run_script
     from megatron_hdp.offload import OffloadConfig
 
-    training_install.OFFLOAD_CONFIG = OffloadConfig(min_tensor_bytes=0)  # the tiny model's tensors move too
+    if offload_min_tensor_bytes is not None:  # the tiny model's tensors move too
+        training_install.OFFLOAD_CONFIG = OffloadConfig(min_tensor_bytes=offload_min_tensor_bytes)
+    if script is None or reference_plans is not None:
+        import pretrain_gpt_hdp
+    if reference_plans is not None:
+        pretrain_gpt_hdp.datasets_provider = functools.partial(_planned_pieces_provider, *reference_plans)
+
     losses, stats, consumed = [], [], []
     original = training.training_log
 
@@ -56,8 +137,13 @@ def _pretrain_on_rank(rank: int, world_size: int, script: str, argv: list[str], 
         consumed.append(training.get_args().consumed_train_samples)  # after Megatron's per-step increment
         return original(loss_dict, *args, **kwargs)
 
-    training.training_log = recording_training_log  # install() wraps it, so it sees HDP's statistics too
-    run_script(script, argv)
+    training.training_log = recording_training_log
+    if script is None:
+        pretrain_gpt_hdp.main(argv)
+    else:
+        from megatron_hdp.megatron.run_pretrain import run_script
+
+        run_script(script, argv)
     return {"losses": losses, "stats": stats, "consumed": consumed}
 
 
@@ -67,17 +153,15 @@ def run_pretrain(
     world_size: int = 4,
     script: Optional[Path] = None,
     python_path: tuple[str, ...] = (),
+    reference_plans: Optional[tuple[str, str]] = None,
     timeout_s: float = 600,
 ) -> list[dict]:
-    """Run `script` (default: examples/pretrain_gpt_hdp.py) with `argv` on `world_size` gloo ranks.
+    """`pretrain_rank` on `world_size` gloo ranks (module docstring); what each rank logged, by rank."""
+    from megatron_hdp.comm.launch import run_gloo
 
-    `python_path` goes first on each rank's `sys.path`: a Megatron-LM checkout, to train with its own
-    `megatron` package (core and training) instead of the installed wheel's.
-    """
     env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # TP > 1 needs it
-    return run_gloo(
-        _pretrain_on_rank, world_size, str(script or EXAMPLE), argv, list(python_path), timeout_s=timeout_s, env=env
-    )
+    return run_gloo(pretrain_rank, world_size, argv, reference_plans, 0, None if script is None else str(script),
+                    tuple(python_path), timeout_s=timeout_s, env=env)
 
 
 def logged_losses(run: list[dict]) -> list[float]:
@@ -91,6 +175,8 @@ def logged_losses(run: list[dict]) -> list[float]:
 def assert_same_losses(run: list[dict], reference: list[dict], *, rel: float = 1e-5) -> list[float]:
     """Every step's loss of `run` equals `reference`'s (same documents per step: equal up to summation
     order); returns `run`'s losses."""
+    import pytest
+
     losses, expected = logged_losses(run), logged_losses(reference)
     assert len(losses) == len(expected)
     assert losses == pytest.approx(expected, rel=rel, abs=1e-6)

@@ -39,6 +39,7 @@ def test_good_flags_parse_into_the_config(tmp_path):
         "--hdp-capacity", "512", "--hdp-policy", "naive", "--no-hdp-offload", "--hdp-max-offload-ratio", "0.5",
         "--hdp-cost-model", str(cost), "--hdp-global-batch-tokens", "4096", "--hdp-log-interval", "7",
         "--hdp-overlong-documents", "truncate", "--hdp-attention-backend", "flash_attn",
+        "--hdp-save-plans", str(tmp_path / "plans"), "--hdp-mock-mix", "github",
     ]
     args, config = parse_and_check(argv, world_size=4)
     assert args.data_parallel_size == 4
@@ -46,6 +47,7 @@ def test_good_flags_parse_into_the_config(tmp_path):
         hdp=True, hdp_capacity=512, hdp_policy="naive", hdp_offload=False, hdp_max_offload_ratio=0.5,
         hdp_cost_model=str(cost), hdp_global_batch_tokens=4096, hdp_log_interval=7,
         hdp_overlong_documents="truncate", hdp_attention_backend="flash_attn",
+        hdp_save_plans=str(tmp_path / "plans"), hdp_mock_mix="github",
     )
     assert config.max_offload_ratio == 0.0
 

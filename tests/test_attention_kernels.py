@@ -6,6 +6,7 @@ import pytest
 import torch
 from attention_reference import reference_attention, reference_with_grads
 from hypothesis import HealthCheck, given, settings
+from kernel_stand_ins import segment_attention
 from hypothesis import strategies as st
 
 from megatron_hdp.attention import (
@@ -28,20 +29,6 @@ def _qkv(seqlens, hq, hkv, dim=8, dtype=torch.float32, seed=0):
     return [torch.randn(total, h, dim, generator=gen, dtype=dtype) for h in (hq, hkv, hkv, hq)]  # q k v dout
 
 
-def _math_attention(q, k, v, segments: Segments, causal, scale):
-    """Differentiable (out, lse [H, T]) of packed segments, for checking kernel contracts."""
-    group = q.shape[1] // k.shape[1]
-    outs, lses = [], []
-    for q0, q1, k0, k1 in zip(segments.cu_q, segments.cu_q[1:], segments.cu_k, segments.cu_k[1:]):
-        kk, vv = (x[k0:k1].repeat_interleave(group, 1) for x in (k, v))
-        scores = torch.einsum("qhd,khd->hqk", q[q0:q1], kk) * scale
-        if causal:
-            scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
-        lses.append(scores.logsumexp(-1))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
-    return torch.cat(outs), torch.cat(lses, 1)
-
-
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (4, 1)])
 def test_cpu_flash_backend_matches_math(causal, hq, hkv):
@@ -51,7 +38,7 @@ def test_cpu_flash_backend_matches_math(causal, hq, hkv):
     q = torch.randn(sum(lengths_q), hq, 8, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(sum(lengths_k), hkv, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
     dout = torch.randn_like(q)
-    ref_out, ref_lse = _math_attention(q, k, v, segments, causal, 0.3)
+    ref_out, ref_lse = segment_attention(q, k, v, segments, causal, 0.3)
     ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
     backend = get_backend("cpu_flash", device=CPU, dtype=torch.float64)
     out, lse = backend.forward(q, k, v, segments=segments, causal=causal, scale=0.3)
@@ -76,10 +63,10 @@ def test_merge_of_two_key_blocks_is_attention_over_both():
     segments_a, segments_b = Segments((5,), (3,), CPU), Segments((5,), (4,), CPU)
     q = torch.randn(5, 2, 8, dtype=torch.float64)
     k, v = torch.randn(7, 2, 8, dtype=torch.float64), torch.randn(7, 2, 8, dtype=torch.float64)
-    out_a, lse_a = _math_attention(q, k[:3], v[:3], segments_a, False, 0.5)
-    out_b, lse_b = _math_attention(q, k[3:], v[3:], segments_b, False, 0.5)
+    out_a, lse_a = segment_attention(q, k[:3], v[:3], segments_a, False, 0.5)
+    out_b, lse_b = segment_attention(q, k[3:], v[3:], segments_b, False, 0.5)
     out, lse = merge_attention(out_a, lse_a, out_b, lse_b)
-    want_out, want_lse = _math_attention(q, k, v, Segments((5,), (7,), CPU), False, 0.5)
+    want_out, want_lse = segment_attention(q, k, v, Segments((5,), (7,), CPU), False, 0.5)
     torch.testing.assert_close(out, want_out)
     torch.testing.assert_close(lse, want_lse)
 
@@ -90,16 +77,16 @@ def test_grads_by_recompute_sum_to_full_gradients():
     k, v = (torch.randn(9, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
     dout = torch.randn(6, 4, 8, dtype=torch.float64)
     full, half_a, half_b = Segments((6,), (9,), CPU), Segments((6,), (4,), CPU), Segments((6,), (5,), CPU)
-    want_out, _ = _math_attention(q, k, v, full, False, 0.4)
+    want_out, _ = segment_attention(q, k, v, full, False, 0.4)
     want = torch.autograd.grad(want_out, (q, k, v), dout)
     with torch.no_grad():
-        out_a, lse_a = _math_attention(q, k[:4], v[:4], half_a, False, 0.4)
-        out_b, lse_b = _math_attention(q, k[4:], v[4:], half_b, False, 0.4)
+        out_a, lse_a = segment_attention(q, k[:4], v[:4], half_a, False, 0.4)
+        out_b, lse_b = segment_attention(q, k[4:], v[4:], half_b, False, 0.4)
         out, lse = merge_attention(out_a, lse_a, out_b, lse_b)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for rows, segments in ((slice(0, 4), half_a), (slice(4, 9), half_b)):
         bq, bk, bv = grads_by_recompute(
-            lambda q_, k_, v_: _math_attention(q_, k_, v_, segments, False, 0.4), dout, q, k[rows], v[rows], out, lse
+            lambda q_, k_, v_: segment_attention(q_, k_, v_, segments, False, 0.4), dout, q, k[rows], v[rows], out, lse
         )
         dq += bq
         dk[rows] += bk
@@ -120,7 +107,7 @@ def test_flex_backend_forward_conventions_on_cpu(monkeypatch):
         segments = Segments((3, 5, 2), lengths_k, CPU)
         q, k, v = torch.randn(10, 4, 8), torch.randn(sum(lengths_k), 2, 8), torch.randn(sum(lengths_k), 2, 8)
         out, lse = flex.FlexBackend().forward(q, k, v, segments=segments, causal=causal, scale=0.4)
-        want_out, want_lse = _math_attention(q, k, v, segments, causal, 0.4)
+        want_out, want_lse = segment_attention(q, k, v, segments, causal, 0.4)
         torch.testing.assert_close(out, want_out, **TOL)
         torch.testing.assert_close(lse, want_lse, **TOL)
 
@@ -133,7 +120,9 @@ def test_backend_choice():
         get_backend("torch_varlen", device=CPU, dtype=torch.float16)
     with pytest.raises(ValueError, match="no attention backend supports"):
         get_backend("auto", device=CPU, dtype=torch.int32)
-    assert get_backend("auto", device=CPU, dtype=torch.float32).name == "cpu_flash"
+    auto = get_backend("auto", device=CPU, dtype=torch.float32)
+    q = torch.randn(5, 2, 8)
+    assert type(auto.kernel_for(q, q, Segments((5,), (5,), CPU))).__name__ == "CpuFlashBackend"
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -188,13 +177,14 @@ def test_simulated_ring_matches_reference(seqlens, ring_size, heads, causal, see
     _check_simulated_ring(seqlens, ring_size, *heads, causal, seed)
 
 
-def test_auto_choice_is_logged_once(caplog):
-    from megatron_hdp.attention.backends import _resolve
+def test_auto_choice_is_logged_once_per_shape(caplog):
+    from megatron_hdp.attention.backends import _kernel_for
 
-    _resolve.cache_clear()
+    _kernel_for.cache_clear()
     with caplog.at_level(logging.INFO, logger="megatron_hdp.attention.backends"):
-        for _ in range(3):
-            get_backend("auto", device=CPU, dtype=torch.float64)
+        for seqlens in ([5, 6], [7], [8, 1]):  # one length bucket: (4, 8]
+            q = torch.randn(sum(seqlens), 2, 8, dtype=torch.float64)
+            local_varlen_attention(q, q, q, seqlens=seqlens, backend="auto")
     assert sum("cpu_flash" in r.getMessage() for r in caplog.records) == 1
 
 

@@ -1,9 +1,12 @@
-"""Megatron dataset adapters and the indexed-dataset builder, against megatron-core's own readers."""
+"""Megatron dataset adapters (documents of GPT and blended datasets) and the indexed-dataset builder,
+against megatron-core's own readers and index."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
+import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -15,11 +18,12 @@ from megatron_hdp.data.loader import HDPDataLoader
 from megatron_hdp.data.source import MapStyleSource
 from megatron_hdp.megatron.build_dataset import build_demo_dataset, main, synthetic_lengths, write_indexed_dataset
 from megatron_hdp.megatron.datasets import (
-    BlendedSampleSource,
-    GPTSampleSource,
+    BlendedDocumentSource,
+    GPTDocumentSource,
     IndexedDocumentSource,
     build_hdp_data_loader,
     document_source,
+    token_blend_order,
 )
 from megatron_hdp.plan.presets import analytic_cost_model
 
@@ -50,38 +54,105 @@ def gpt_datasets(tmp_path_factory):
     return first, BlendedDataset([first, second], [0.6, 0.4], 50, config)
 
 
-def _assert_samples_equal(source, dataset):
-    assert len(source.lengths) == len(dataset)
-    for i in range(len(dataset)):
-        item = dataset[i]
-        raw = source.read(i, 0, int(source.lengths[i]) + 1)
-        np.testing.assert_array_equal(raw[:-1], item["tokens"].numpy())
-        np.testing.assert_array_equal(raw[1:], item["labels"].numpy())
-        np.testing.assert_array_equal(source.read(i, 5, 41), raw[5:41])  # a range inside the sample
-
-
-def test_gpt_and_blended_sources_read_megatrons_samples(gpt_datasets):
-    gpt, blended = gpt_datasets
+def test_gpt_source_plans_megatrons_documents_in_its_order_cut_at_seq_length(gpt_datasets):
+    gpt, _ = gpt_datasets
     source = document_source(gpt)
-    assert isinstance(source, GPTSampleSource) and (source.lengths == SEQ_LENGTH).all()
-    _assert_samples_equal(source, gpt)
+    assert isinstance(source, GPTDocumentSource)
+    indexed = gpt.dataset
+    order = np.asarray(gpt.document_index)  # Megatron's split, epochs and shuffled order
+    expected = [(int(d), o, min(SEQ_LENGTH, len(indexed[d]) - 1 - o))
+                for d in order for o in range(0, len(indexed[d]) - 1, SEQ_LENGTH)]
+    assert list(zip(source.pieces.document.tolist(), source.pieces.offset.tolist(), source.lengths.tolist())) == expected
+    assert source.lengths.max() == SEQ_LENGTH and (source.lengths < SEQ_LENGTH).mean() > 0.5
+    for i in range(len(expected)):
+        document, offset, length = expected[i]
+        np.testing.assert_array_equal(source.read(i, 0, length + 1), indexed[document][offset:offset + length + 1])
+        assert source.origin(i) == {"dataset": indexed.path_prefix, "document": document, "offset": offset}
+    before = source.bytes_read
+    source.read(3, 2, 9)
+    assert source.bytes_read - before == 7 * 2  # uint16 tokens: only the range is read
+    assert not hasattr(source, "read_loss_mask")  # without --eod-mask-loss every position counts
+
+
+def test_eod_mask_loss_masks_eod_inputs_as_megatron_does(tmp_path):
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    prefix = str(tmp_path / "eod")
+    rng = np.random.default_rng(5)
+    docs = [np.append(rng.integers(0, 8, n), _Tokenizer.eod) for n in rng.integers(1, 90, 12)]  # EOD inside too
+    write_indexed_dataset(prefix, docs, vocab_size=1000)
+    config = GPTDatasetConfig(random_seed=1, sequence_length=SEQ_LENGTH, tokenizer=_Tokenizer(), split="100,0,0",
+                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=True)
+    indexed = IndexedDataset(prefix)
+    source = document_source(GPTDataset(indexed, prefix, np.arange(len(indexed)), 4, Split.train, config))
+    masked = 0
+    for i, length in enumerate(source.lengths.tolist()):
+        tokens = torch.from_numpy(source.read(i, 0, length).astype(np.int64))
+        _, megatron_mask, _ = _get_ltor_masks_and_position_ids(tokens, _Tokenizer.eod, False, False, True, False)
+        np.testing.assert_array_equal(source.read_loss_mask(i, 0, length), megatron_mask.numpy())
+        masked += int((megatron_mask == 0).sum())
+    assert masked > 0
+
+
+def test_blended_source_honours_the_weights_by_tokens(gpt_datasets):
+    gpt, blended = gpt_datasets
     blend = document_source(blended)
-    assert isinstance(blend, BlendedSampleSource)
-    _assert_samples_equal(blend, blended)
-    before = blend.bytes_read
-    blend.read(7, 10, 20)
-    assert blend.bytes_read - before == 10 * 2  # uint16 tokens: only the range is read
+    assert isinstance(blend, BlendedDocumentSource)
+    members = [document_source(member) for member in blended.datasets]
+    # each member's pieces are taken in the member's own (Megatron) order, from its start
+    for member_id, member in enumerate(members):
+        taken = blend.dataset_sample_index[blend.dataset_index == member_id]
+        np.testing.assert_array_equal(taken, np.arange(taken.size))
+        i = int(np.flatnonzero(blend.dataset_index == member_id)[3])
+        np.testing.assert_array_equal(blend.read(i, 0, int(blend.lengths[i]) + 1),
+                                      member.read(3, 0, int(member.lengths[3]) + 1))
+        assert blend.origin(i) == member.origin(3)
+    # at every prefix each member's tokens are within the stated bound of its weight's share
+    weights = np.array([0.6, 0.4])
+    tokens = np.zeros((blend.lengths.size, 2))
+    tokens[np.arange(blend.lengths.size), blend.dataset_index] = blend.lengths
+    taken = np.cumsum(tokens, axis=0)
+    error = taken - np.cumsum(blend.lengths)[:, None] * weights
+    assert (error <= SEQ_LENGTH).all() and (error >= -2 * SEQ_LENGTH).all()
+    for start in range(0, blend.lengths.size - 8, 8):  # a global batch of 8 documents
+        batch = tokens[start:start + 8].sum(axis=0)
+        assert np.abs(batch - batch.sum() * weights).max() <= 3 * SEQ_LENGTH
+    share = taken[-1] / taken[-1].sum()
+    assert share == pytest.approx(weights, abs=SEQ_LENGTH / taken[-1].sum() * 2)
+    # the first member runs out first (Megatron sized it for 40 windows, the second for 20 at 0.4)
+    assert blend.lengths.size < len(members[0].lengths) + len(members[1].lengths)
 
 
-def test_loader_over_gpt_samples_keeps_megatrons_order(gpt_datasets):
+def test_blend_without_size_takes_every_document_of_every_member(gpt_datasets):
+    gpt, blended = gpt_datasets
+    whole = BlendedDataset(blended.datasets, [len(member) for member in blended.datasets], None, blended.config)
+    blend = document_source(whole)
+    members = [document_source(member) for member in blended.datasets]
+    # Megatron's size-less blend uses every member fully: by tokens, every piece once, so each member's
+    # share of the epoch's tokens is exactly its share of the data
+    np.testing.assert_array_equal(np.bincount(blend.dataset_index), [len(m.lengths) for m in members])
+    assert blend.lengths.sum() == sum(m.lengths.sum() for m in members)
+
+
+def test_token_blend_order_is_exact_when_pieces_allow_it():
+    lengths = [np.full(30, 10), np.full(20, 5)]
+    member, sample = token_blend_order(lengths, np.array([3.0, 1.0]))
+    np.testing.assert_array_equal(np.bincount(member), [30, 20])  # 300 and 100 tokens: exactly 3:1
+    with pytest.raises(ValueError, match="positive weight per member"):
+        token_blend_order(lengths, np.array([1.0, 0.0]))
+
+
+def test_loader_over_gpt_documents_keeps_megatrons_order(gpt_datasets):
     gpt, _ = gpt_datasets
     config = HDPConfig(hdp_capacity=48, hdp_offload=False, hdp_policy="balance")
-    loaders = [HDPDataLoader(document_source(gpt), rank=r, num_ranks=2, config=config, seed=0, shuffle=False,
+    source = document_source(gpt)
+    loaders = [HDPDataLoader(source, rank=r, num_ranks=2, config=config, seed=0, shuffle=False,
                              global_batch_size=4, cost_model=analytic_cost_model("llama-7b")) for r in range(2)]
     steps = [next(loader) for loader in loaders]
     np.testing.assert_array_equal(steps[0].sample_ids, [0, 1, 2, 3])
+    assert steps[0].plan.lengths == source.lengths[:4].tolist()
     tokens = sorted(t for step in steps for mb in step.microbatches for t in mb.tokens[mb.loss_mask > 0].tolist())
-    assert tokens == sorted(np.concatenate([gpt[i]["tokens"].numpy() for i in range(4)]).tolist())
+    assert tokens == sorted(np.concatenate([source.read(i, 0, int(source.lengths[i])) for i in range(4)]).tolist())
     for loader in loaders:
         loader.close()
 
@@ -147,20 +218,28 @@ def _megatron_rank(rank, world_size, prefix):
 
     initialize_hdp()
     set_args(SimpleNamespace(seed=5, global_batch_size=6, sequence_parallel=False, hdp=True, hdp_capacity=64,
-                             hdp_offload=False, hdp_policy="balance", hdp_global_batch_tokens=None))
+                             hdp_offload=False, hdp_policy="balance", hdp_global_batch_tokens=None,
+                             reset_attention_mask=True, reset_position_ids=True))
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("megatron_hdp.megatron.datasets").addHandler(handler)
+    build_hdp_data_loader(prefix, 0, cost_model=analytic_cost_model("llama-7b")).close()  # e.g. validation
     loader = build_hdp_data_loader(prefix, 0, cost_model=analytic_cost_model("llama-7b"))
     steps = [next(loader) for _ in range(2)]
     loader.close()
     destroy_hdp()
-    return [(s.plan.digest(), s.sample_ids.tolist(), s.consumed_samples,
-             sorted(t for mb in s.microbatches for t in mb.tokens[mb.loss_mask > 0].tolist())) for s in steps]
+    return said, [(s.plan.digest(), s.sample_ids.tolist(), s.consumed_samples,
+                   sorted(t for mb in s.microbatches for t in mb.tokens[mb.loss_mask > 0].tolist())) for s in steps]
 
 
 def test_build_hdp_data_loader_reads_megatrons_args_and_parallel_state(tmp_path):
     docs = [np.arange(n) + 1000 * d for d, n in enumerate(np.random.default_rng(4).integers(2, 120, 20))]
     prefix = str(tmp_path / "docs")
     write_indexed_dataset(prefix, docs, vocab_size=20_000)
-    ranks = run_gloo(_megatron_rank, 2, prefix, timeout_s=240)
+    said, ranks = zip(*run_gloo(_megatron_rank, 2, prefix, timeout_s=240))
+    # document boundaries replace --reset-attention-mask/--reset-position-ids: said once per process
+    assert all(len(messages) == 1 and "no effect with --hdp" in messages[0] for messages in said)
     for index, (r0, r1) in enumerate(zip(*ranks)):
         assert r0[:3] == r1[:3] and r0[2] == 6 * (index + 1)  # same plan, 6 documents a step
         expected = np.random.default_rng((5, 0)).permutation(20)[6 * index: 6 * index + 6]  # seed 5, epoch 0

@@ -75,14 +75,15 @@ def test_patched_pretrain_gpt_trains_with_and_without_hdp(tmp_path):
     if not list((root / "megatron/core/datasets").glob("helpers_cpp*.so")):
         pytest.skip(f"build the dataset helpers first: make -C {root}/megatron/core/datasets LIBEXT=$(python -c "
                     "\"import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))\")")
-    from pretrain_harness import TINY_GPT, logged_losses, run_pretrain
+    from pretrain_harness import TINY, logged_losses, run_pretrain
 
     from megatron_hdp.megatron.build_dataset import build_demo_dataset
 
     shutil.copy(root / "pretrain_gpt.py", tmp_path / "pretrain_gpt.py")
     assert _apply(tmp_path).returncode == 0
     prefix = build_demo_dataset(tmp_path / "data", num_docs=128, vocab_size=256, max_length=256)
-    argv = TINY_GPT + ["--data-path", prefix, "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "3"]
+    argv = TINY + ["--seq-length", "64", "--global-batch-size", "8", "--train-iters", "3",
+                   "--data-path", prefix, "--data-cache-path", str(tmp_path / "cache")]
     for flags in ([], ["--hdp", "--hdp-capacity", "40", "--no-hdp-offload"]):
         run = run_pretrain(argv + flags, script=tmp_path / "pretrain_gpt.py", python_path=(str(root),))
         losses = logged_losses(run)

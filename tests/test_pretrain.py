@@ -1,55 +1,84 @@
-"""`megatron.training.pretrain` through examples/pretrain_gpt_hdp.py on 4 gloo ranks, with and without --hdp.
+"""`megatron.training.pretrain` through examples/pretrain_gpt_hdp.py on 4 gloo ranks with --hdp, on documents.
 
-Same tiny GPT, same indexed dataset (megatron-core's GPTDataset over a synthetic corpus), same seed. The
-HDP run's capacity (24 tokens) is below the sample length (64), so every sample is split over a ring of
-ranks and runs ring attention inside Megatron's own layers, offloading part of its activations (the plan's
-ratio, through the offloader install() attaches). The reference is the plain Megatron run on the same
-samples: every step's loss must be equal, and must go down. The HDP run sets its batch as
-a token budget, and Megatron's consumed_train_samples must count HDP's documents (resume).
+The indexed dataset has known document lengths, most shorter than --seq-length (64), three longer ones
+(cut into pieces of at most 64 positions). The HDP run (capacity 24: pieces longer than that run ring
+attention inside Megatron's own layers, offloading part of their activations) saves its plans with
+--hdp-save-plans. Checked: the planned sequence lengths are exactly the documents' (split at
+--seq-length), one epoch's documents appear exactly once, each sequence's saved source names its piece,
+and every step's loss equals an independent reference: plain single-process Megatron (no --hdp, same
+model, seed and initial weights) trained on each saved piece as its own padded sample
+(tests/pretrain_harness.PlannedPiecesDataset), the same documents per step. Both runs use
+--eod-mask-loss: HDP's mask comes from its document source, the reference's from Megatron's rule.
 """
 
+import numpy as np
 import pytest
-from pretrain_harness import TINY_GPT as TINY
-from pretrain_harness import run_pretrain
+from pretrain_harness import TINY, expected_pieces, pretrain_rank, read_saved_plans
 
-# The same 8 samples a step, as a token budget; Megatron's nominal --global-batch-size is lowered to 4, so
-# its own per-step increment of consumed_train_samples (4) differs from the 8 documents HDP consumes.
-HDP = ["--hdp", "--hdp-capacity", "24", "--hdp-global-batch-tokens", "512", "--global-batch-size", "4"]
+from megatron_hdp.comm.launch import run_gloo
+
+SEQ_LENGTH = 64
+DOCS_PER_STEP = 8
+STEPS = 4
+# 24 short documents (3-64 raw tokens: one piece each) and three longer ones: 200 raw tokens = 199
+# positions = pieces 64+64+64+7, 129 = 64+64, 66 = 64+1. 32 pieces = 4 steps of 8 documents; 1,300-ish
+# tokens, so Megatron's GPTDataset (sized for 32 windows of 64) builds two epochs with the first one
+# shuffled on its own: its first 32 pieces are exactly one epoch.
+RAW_LENGTHS = [*np.random.default_rng(7).integers(3, 65, 24).tolist(), 200, 129, 66]
+COMMON = TINY + ["--seq-length", str(SEQ_LENGTH), "--global-batch-size", str(DOCS_PER_STEP),
+                 "--train-iters", str(STEPS), "--eod-mask-loss"]
+EOD = 255  # NullTokenizer's EOD: --vocab-size - 1; the counting documents hold it inside some documents
 
 
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory) -> str:
-    from megatron_hdp.megatron.build_dataset import build_demo_dataset
+    from megatron_hdp.megatron.build_dataset import synthetic_documents, write_indexed_dataset
 
-    return build_demo_dataset(tmp_path_factory.mktemp("data"), num_docs=256, vocab_size=256, max_length=256)
+    prefix = str(tmp_path_factory.mktemp("data") / "docs")
+    lengths = np.array(RAW_LENGTHS)
+    write_indexed_dataset(prefix, synthetic_documents(lengths, vocab_size=256, seed=3), vocab_size=256)
+    return prefix
 
 
-def test_pretrain_with_hdp_matches_megatron_and_learns(data_prefix, tmp_path):
+def test_pretrain_plans_documents_and_matches_each_document_as_its_own_sequence(data_prefix, tmp_path):
+    plans_dir = str(tmp_path / "plans")
     data = ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache")]
-    plain = run_pretrain(TINY + data)
-    hdp = run_pretrain(TINY + data + HDP)
+    hdp_flags = ["--hdp", "--hdp-capacity", "24", "--hdp-save-plans", plans_dir]
+    hdp = run_gloo(pretrain_rank, 4, COMMON + data + hdp_flags, timeout_s=240,
+                   env={"LOCAL_RANK": "0", "WORLD_SIZE": "4"})
 
-    # Megatron reports the DP-reduced loss on every last-stage rank; with PP 1 that is every rank.
-    reference = plain[0]["losses"]
+    plans = read_saved_plans(plans_dir)
+    assert len(plans) == STEPS
+    planned = [(s["source"]["document"], s["source"]["offset"], s["length"]) for p in plans for s in p["sequences"]]
+    assert all(s["source"]["dataset"] == data_prefix for p in plans for s in p["sequences"])
+    # the planner saw the documents: lengths are the pieces' (not 64-token windows), each piece once
+    assert sorted(planned) == sorted(expected_pieces(RAW_LENGTHS, SEQ_LENGTH))
+    assert [len(p["sequences"]) for p in plans] == [DOCS_PER_STEP] * STEPS
+    assert max(s["length"] for p in plans for s in p["sequences"]) == SEQ_LENGTH
+    assert any(len(s["ring"]) > 1 for p in plans for s in p["sequences"])  # pieces longer than 24 use rings
+    for document in range(len(RAW_LENGTHS)):  # a long document's pieces come one after another
+        offsets = [offset for doc, offset, _ in planned if doc == document]
+        assert offsets == sorted(offsets)
+
+    # --eod-mask-loss has something to mask: some planned input positions hold the EOD token
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    indexed = IndexedDataset(data_prefix)
+    assert any((indexed.get(doc, offset=offset, length=length) == EOD).any() for doc, offset, length in planned)
+
+    reference = run_gloo(pretrain_rank, 1, COMMON + data, (plans_dir, data_prefix), timeout_s=240,
+                         env={"LOCAL_RANK": "0", "WORLD_SIZE": "1"})[0]
     losses = hdp[0]["losses"]
-    assert len(losses) == len(reference) == 4
-    assert all(run["losses"] == losses for run in hdp)
-    # same data and initial weights: every step's loss equals plain Megatron's (exact gradients and RoPE
-    # positions, or the losses after the first update would drift apart)
-    assert losses == pytest.approx(reference, rel=1e-5, abs=1e-6)
-    assert losses[-1] < losses[0]
+    assert len(losses) == len(reference["losses"]) == STEPS
+    assert all(run["losses"] == losses for run in hdp)  # Megatron reports the DP-reduced loss everywhere
+    # same documents, same initial weights: every step's loss equals the plain run's (exact gradients,
+    # RoPE positions inside each piece, the per-token loss over the step's documents)
+    assert losses == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
 
-    # the HDP run really split the samples (the planner puts each 64-token sample on a ring of 2 ranks that
-    # offload a quarter of their activations, rather than 3 ranks without) and offloaded on every rank
     first = hdp[0]["stats"][0]
-    assert first["hdp/sequences"] == 8 and first["hdp/tokens"] == 8 * 64
-    assert first["hdp/rings"] == 8
+    assert first["hdp/sequences"] == DOCS_PER_STEP
+    assert [s["hdp/tokens"] for s in hdp[0]["stats"]] == [sum(s["length"] for s in p["sequences"]) for p in plans]
     for run in hdp:
         assert all(s["hdp/offload-GB"] == s["hdp/prefetch-GB"] > 0 for s in run["stats"])
-    assert plain[0]["stats"][0] == {}
-
-    # resume accounting: Megatron's consumed_train_samples (what it checkpoints and resumes the loader
-    # from) counts the documents HDP consumed, not --global-batch-size per step
-    assert plain[0]["consumed"] == [8, 16, 24, 32]
-    documents = [int(s["hdp/sequences"]) for s in hdp[0]["stats"]]
-    assert all(run["consumed"] == [sum(documents[: i + 1]) for i in range(4)] == [8, 16, 24, 32] for run in hdp)
+        # Megatron's consumed_train_samples (what it checkpoints and resumes from) counts HDP's documents
+        assert run["consumed"] == [DOCS_PER_STEP * (i + 1) for i in range(STEPS)]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from megatron_hdp.data.prefetch import Prefetcher
 from megatron_hdp.data.sampler import HDPSampler
-from megatron_hdp.data.source import MapStyleSource, limit_lengths, plan_lengths_from_raw
+from megatron_hdp.data.source import DocumentPieces, MapStyleSource, limit_lengths, plan_lengths_from_raw
 
 
 def _epoch(sampler, epoch):
@@ -101,6 +101,19 @@ def test_raw_counts_become_plan_lengths_and_short_documents_are_named():
     np.testing.assert_array_equal(plan_lengths_from_raw([2, 10]), [1, 9])
     with pytest.raises(ValueError, match=r"document 1 \(0 tokens\), document 3 \(1 tokens\)"):
         plan_lengths_from_raw([5, 0, 7, 1], what="document")
+
+
+def test_documents_are_cut_into_pieces_that_train_every_next_token_once():
+    pieces = DocumentPieces([7, 3, 9, 4], [1, 5, 10, 11], max_length=5)  # 0, 4, 9 and 10 positions
+    assert pieces.num_dropped == 1  # one raw token: nothing to predict
+    assert list(zip(pieces.document.tolist(), pieces.offset.tolist(), pieces.lengths.tolist())) == [
+        (3, 0, 4), (9, 0, 5), (9, 5, 4), (4, 0, 5), (4, 5, 5)]
+    # piece [offset, offset + L) reads raw tokens up to offset + L + 1: consecutive pieces overlap by the
+    # one token that is the last label of one and the first input of the next, so each label is used once
+    whole = DocumentPieces([0], [12], max_length=None)
+    assert whole.lengths.tolist() == [11] and whole.offset.tolist() == [0]
+    with pytest.raises(ValueError, match="2 raw tokens"):
+        DocumentPieces([0, 1], [1, 0], max_length=4)
 
 
 def test_overlong_samples_are_rejected_or_truncated_explicitly(caplog):

@@ -15,29 +15,41 @@ import json
 import os
 from pathlib import Path
 
+from megatron_hdp.commands.arguments import count_list, one_of, positive_float, positive_int
+
 _SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
 _DTYPES = ("bfloat16", "float16", "float32")
+_DEVICES = ("cuda", "cpu")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the calibrate subcommand."""
-    parser.add_argument("--model", default="llama-7b", help="model shape preset (see plan/presets.py)")
+    from megatron_hdp.plan.presets import HARDWARE, MODELS
+
+    parser.add_argument("--model", type=one_of(sorted(MODELS), "model"), default="llama-7b",
+                        help="model shape preset (see plan/presets.py)")
     for name in _SHAPE_FLAGS:
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"override the preset's {name}")
+        parser.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=None,
+                            help=f"override the preset's {name}")
     parser.add_argument(
         "--seq-lens",
+        type=count_list,
         default=None,
         help="comma-separated document lengths to time (default: 2K..32K on CUDA, 128..1024 on CPU)",
     )
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--dtype", choices=_DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per length (fastest kept)")
-    parser.add_argument("--hardware", default="h100", help="preset whose ring bandwidth is recorded (not measured)")
-    parser.add_argument("--ring-bandwidth", type=float, default=None, help="bytes/s of a ring link (overrides --hardware)")
-    parser.add_argument("--bandwidth-mib", type=int, default=256, help="MiB per timed D2H/H2D copy")
+    parser.add_argument("--device", type=one_of(_DEVICES, "device"), default=None,
+                        help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", type=one_of(_DTYPES, "dtype"), default=None,
+                        help=f"{', '.join(_DTYPES)} (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per length (fastest kept)")
+    parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",
+                        help="preset whose ring bandwidth is recorded (not measured)")
+    parser.add_argument("--ring-bandwidth", type=positive_float, default=None,
+                        help="bytes/s of a ring link (overrides --hardware)")
+    parser.add_argument("--bandwidth-mib", type=positive_int, default=256, help="MiB per timed D2H/H2D copy")
     parser.add_argument(
         "--host-memory-gib",
-        type=float,
+        type=positive_float,
         default=None,
         help="pinned host memory one rank may fill with activations (default: half this machine's RAM "
         "shared by its GPUs)",
@@ -56,13 +68,12 @@ def run(args: argparse.Namespace) -> int:
     shape = model_shape(args.model)
     overrides = {name: getattr(args, name) for name in _SHAPE_FLAGS if getattr(args, name) is not None}
     shape = dataclasses.replace(shape, **overrides)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    default_lens = "2048,4096,8192,16384,32768" if device.type == "cuda" else "128,256,512,1024"
-    try:
-        seq_lens = [int(x) for x in (args.seq_lens or default_lens).split(",")]
-    except ValueError:
-        raise ValueError(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}") from None
+    default_lens = [2048, 4096, 8192, 16384, 32768] if device.type == "cuda" else [128, 256, 512, 1024]
+    seq_lens = args.seq_lens or default_lens
     ring_bandwidth = args.ring_bandwidth or hardware_profile(args.hardware).ring_bandwidth
     if args.host_memory_gib is not None:
         host_memory = args.host_memory_gib * 2**30

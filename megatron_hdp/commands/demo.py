@@ -18,18 +18,31 @@ import logging
 import os
 import tempfile
 
+from megatron_hdp.commands.arguments import names_from, parse_count, positive_float, positive_int
+
 logger = logging.getLogger(__name__)
+
+
+def at_least_two(text: str) -> int:
+    """--ranks: rings need two ranks at least."""
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 for rings to exist, got {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the demo subcommand."""
-    parser.add_argument("--ranks", type=int, default=4, help="gloo CPU ranks (the HDP domain)")
-    parser.add_argument("--steps", type=int, default=3, help="reported training steps per policy")
-    parser.add_argument("--capacity", type=int, default=512, help="tokens per rank per micro-batch (C)")
-    parser.add_argument("--tokens-per-step", type=int, default=8192, help="tokens of each global batch")
-    parser.add_argument("--policies", default="balance,static", help="comma-separated planner policies")
+    from megatron_hdp.config import POLICIES
+
+    parser.add_argument("--ranks", type=at_least_two, default=4, help="gloo CPU ranks (the HDP domain), >= 2")
+    parser.add_argument("--steps", type=positive_int, default=3, help="reported training steps per policy")
+    parser.add_argument("--capacity", type=parse_count, default=512, help="tokens per rank per micro-batch (C)")
+    parser.add_argument("--tokens-per-step", type=parse_count, default=8192, help="tokens of each global batch")
+    parser.add_argument("--policies", type=names_from(POLICIES, "policy"), default=["balance", "static"],
+                        help="comma-separated planner policies (default balance,static)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are stopped")
+    parser.add_argument("--timeout", type=positive_float, default=900.0, help="seconds before the ranks are stopped")
     parser.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "megatron_hdp_demo"),
                         help="where the demo's Megatron indexed dataset (a seeded synthetic corpus) is written")
 
@@ -60,14 +73,12 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hdp.megatron.exactness import VOCAB_SIZE
 
     spec = CpuRunSpec(
-        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+        policies=tuple(args.policies),
         steps=args.steps,
         capacity=args.capacity,
         tokens_per_step=args.tokens_per_step,
         seed=args.seed,
     )
-    if args.ranks < 2:
-        raise ValueError(f"--ranks must be >= 2 for rings to exist, got {args.ranks}")
     # The ranks read their shards of each batch from a real .bin/.idx through the HDP loader.
     prefix = build_demo_dataset(args.data_dir, vocab_size=VOCAB_SIZE, max_length=spec.max_length, seed=args.seed)
     spec = dataclasses.replace(spec, data_prefix=prefix)

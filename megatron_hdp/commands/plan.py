@@ -3,13 +3,18 @@
     megatron-hdp plan --dist byted --tokens 32M --ranks 1024 --capacity 16384 [--pp 1] [--policy balance]
         [--model llama-7b] [--hardware h100] [--tp 1] [--json plan.json] [--plot plans.png]
     megatron-hdp plan --lengths lengths.txt --ranks 64 --capacity 8192
+    megatron-hdp plan --from runs/plans/iter_0000001.json --plot step1.png     # what training ran
+    megatron-hdp plan --from runs/plans --plot steps.png                          # a directory of them
 
 The batch is either a length file (one integer per line; all of it, or a sample of --tokens tokens) or
-a mix (`--dist`: byted, github, wikipedia, prolong, wlbllm) sampled to --tokens. Each policy's row
-shows the predicted step time, its gap to the lower bound any plan has, balance (max / mean rank
-time), rings, micro-batches per rank, ring-attention bytes (TB per step), the sequences that offload
-and the planner's wall time (validation included). The plan of
---policy is written as the StepPlan JSON of DESIGN.md (--json) and all plans are drawn (--plot).
+a mix (`--dist`: byted, github, wikipedia, prolong, wlbllm) sampled to --tokens (default 4 x ranks x
+capacity, at most 128M tokens). Each policy's row shows the predicted step time, its gap to the lower
+bound any plan has, balance (max / mean rank time), rings, micro-batches per rank, ring-attention bytes
+(TB per step), the sequences that offload and the planner's wall time (validation included). A policy
+whose plan is estimated to exceed --max-shards or --max-plan-seconds is skipped with its reason. The
+plan of --policy is written as the StepPlan JSON of DESIGN.md (--json) and all plans are drawn (--plot).
+`--from` reads plans saved by training (`--hdp-save-plans`), summarises and draws them
+(`commands/saved_plans.py`).
 """
 
 from __future__ import annotations
@@ -17,77 +22,94 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
+from megatron_hdp.commands.arguments import (existing_file, existing_path, fraction, names_from, one_of,
+                                             parse_count, positive_float, positive_int)
+
 logger = logging.getLogger(__name__)
 
-_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_count(text: str) -> int:
-    """'32M' -> 33554432, '4096' -> 4096 (binary suffixes K, M, G)."""
-    text = str(text).strip().upper()
-    scale = _SUFFIXES.get(text[-1:], 1)
-    number = text[:-1] if scale > 1 else text
-    try:
-        value = int(float(number) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count such as 4096, 256K or 32M") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
+DEFAULT_MICROBATCHES_PER_RANK = 4
+MAX_DEFAULT_TOKENS = 128 << 20
+"""The default --dist batch: 4 full micro-batches per rank, but at most 128M tokens (~2 s of balance
+planning at 16,384 ranks here; 4 x 16,384 x 16K would be 1B tokens and minutes)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the plan subcommand."""
     from megatron_hdp.config import POLICIES
     from megatron_hdp.plan.lengths import DISTRIBUTIONS
+    from megatron_hdp.plan.presets import HARDWARE, MODELS
 
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--lengths", metavar="FILE", help="file of sequence lengths, one integer per line")
-    source.add_argument("--dist", choices=DISTRIBUTIONS, help="length mix to sample the batch from")
+    source.add_argument("--lengths", metavar="FILE", type=existing_file,
+                        help="file of sequence lengths, one integer per line")
+    source.add_argument("--dist", type=one_of(DISTRIBUTIONS, "length mix"), metavar="{" + ",".join(DISTRIBUTIONS) + "}",
+                        help="length mix to sample the batch from")
+    source.add_argument("--from", dest="saved", metavar="FILE.json|DIR", type=existing_path,
+                        help="summarise and draw plans saved by training (--hdp-save-plans): one StepPlan JSON "
+                             "or a directory of iter_*.json")
     parser.add_argument("--tokens", type=parse_count, default=None,
-                        help="global batch tokens to sample (default: the whole --lengths file; 4 x ranks x "
-                             "capacity for --dist)")
+                        help="global batch tokens to sample (default: the whole --lengths file; for --dist "
+                             "4 x ranks x capacity, at most 128M)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the batch sample")
-    parser.add_argument("--ranks", type=int, required=True, help="HDP ranks D (DP x CP of a static mesh)")
-    parser.add_argument("--capacity", type=parse_count, required=True, help="tokens per rank per micro-batch C")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (HDP ranks are then pipelines)")
-    parser.add_argument("--policy", choices=POLICIES, default="balance", help="policy whose plan --json writes")
-    parser.add_argument("--compare", default=",".join(POLICIES),
-                        help="comma-separated policies to tabulate (default: all)")
-    parser.add_argument("--model", default="llama-7b", help="model preset of the analytic cost model")
-    parser.add_argument("--hardware", default="h100", help="hardware preset of the analytic cost model")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (divides the cost model)")
-    parser.add_argument("--cost-model", default=None, help="cost model JSON from `megatron-hdp calibrate`")
+    parser.add_argument("--ranks", type=positive_int, default=None,
+                        help="HDP ranks D (DP x CP of a static mesh); required with --lengths and --dist")
+    parser.add_argument("--capacity", type=parse_count, default=None,
+                        help="tokens per rank per micro-batch C; required with --lengths and --dist")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (HDP ranks are then pipelines)")
+    parser.add_argument("--policy", type=one_of(POLICIES, "policy"), metavar="{" + ",".join(POLICIES) + "}",
+                        default="balance", help="policy whose plan --json writes")
+    parser.add_argument("--compare", type=names_from(POLICIES, "policy"), default=list(POLICIES),
+                        help=f"comma-separated policies to tabulate (default: all, {','.join(POLICIES)})")
+    parser.add_argument("--model", type=one_of(sorted(MODELS), "model"), default="llama-7b",
+                        help="model preset of the analytic cost model")
+    parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",
+                        help="hardware preset of the analytic cost model")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (divides the cost model)")
+    parser.add_argument("--cost-model", type=existing_file, default=None,
+                        help="cost model JSON from `megatron-hdp calibrate`")
     parser.add_argument("--no-offload", action="store_true", help="no selective offloading (k = ceil(s/C))")
-    parser.add_argument("--max-offload-ratio", type=float, default=1.0, help="largest offload ratio allowed")
+    parser.add_argument("--max-offload-ratio", type=fraction, default=1.0, help="largest offload ratio allowed")
+    parser.add_argument("--max-shards", type=positive_int, default=1_000_000,
+                        help="skip a policy whose plan would hold more shards (~0.6 KB each while planned)")
+    parser.add_argument("--max-plan-seconds", type=positive_float, default=20.0,
+                        help="skip a policy whose planning is estimated to take longer")
+    parser.add_argument("--plot-steps", type=positive_int, default=4,
+                        help="with --from DIR: how many steps --plot draws side by side (evenly spaced)")
     parser.add_argument("--json", metavar="OUT", default=None, help="write the --policy plan here")
     parser.add_argument("--plot", metavar="FILE.png", default=None, help="draw every plan's ranks here")
 
 
-def _batch(args: argparse.Namespace) -> list[int]:
+def _batch(args: argparse.Namespace) -> tuple[list[int], str]:
+    """The global batch's lengths, and a note on where its size came from."""
     from megatron_hdp.plan.lengths import read_lengths, sample_global_batch
 
     if args.lengths:
         lengths = read_lengths(args.lengths)
+        if len(lengths) == 0:
+            raise ValueError(f"--lengths {args.lengths}: the file holds no lengths")
         if args.tokens is None:
-            return lengths.tolist()
-        return sample_global_batch(lengths, num_tokens=args.tokens, seed=args.seed)
-    tokens = args.tokens or 4 * args.ranks * args.capacity
-    return sample_global_batch(args.dist, num_tokens=tokens, seed=args.seed)
+            return lengths.tolist(), "the whole --lengths file"
+        return sample_global_batch(lengths, num_tokens=args.tokens, seed=args.seed), "--tokens"
+    if args.tokens is not None:
+        return sample_global_batch(args.dist, num_tokens=args.tokens, seed=args.seed), "--tokens"
+    tokens = DEFAULT_MICROBATCHES_PER_RANK * args.ranks * args.capacity
+    note = f"default: {DEFAULT_MICROBATCHES_PER_RANK} x ranks x capacity"
+    if tokens > MAX_DEFAULT_TOKENS:
+        tokens, note = MAX_DEFAULT_TOKENS, f"default: capped at {MAX_DEFAULT_TOKENS >> 20}M tokens, set --tokens for more"
+    return sample_global_batch(args.dist, num_tokens=tokens, seed=args.seed), note
 
 
-def summary_row(plan, *, cost_model, wall_s: float, max_offload_ratio: float = 1.0) -> dict:
-    """One table row (and JSON record) of a plan's statistics."""
-    from megatron_hdp.plan.bounds import gap
-
+def summary_row(plan, *, cost_model, wall_s: float, bound: float) -> dict:
+    """One table row (and JSON record) of a plan's statistics; `bound` is the batch's step-time lower bound."""
     stats = plan.summary(cost_model)
     return {
         "policy": plan.policy,
         "step_s": plan.est_step_time,
-        "gap": gap(plan, cost_model=cost_model, max_offload_ratio=max_offload_ratio),
+        "gap": plan.est_step_time / bound - 1.0 if bound > 0 else 0.0,
         "balance": stats.balance,
         "rings": stats.num_rings,
         "max_ring": max(stats.ring_sizes, default=1),
@@ -115,9 +137,30 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse flag combinations argparse cannot express, naming the flags."""
+    if args.saved:
+        given = [f for f, v in (("--tokens", args.tokens), ("--json", args.json)) if v is not None]
+        if given:
+            raise ValueError(f"--from draws saved plans; {', '.join(given)} only apply to --lengths/--dist")
+        return
+    missing = [flag for flag, value in (("--ranks", args.ranks), ("--capacity", args.capacity)) if value is None]
+    if missing:
+        raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required with "
+                         f"{'--lengths' if args.lengths else '--dist'}")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Plan the batch with every policy, print the table, write --json / --plot."""
-    from megatron_hdp.config import POLICIES, HDPConfig
+    """Plan the batch with every policy (or read saved plans), print the table, write --json / --plot."""
+    _check_flags(args)
+    if args.saved:
+        from megatron_hdp.commands.saved_plans import show_saved_plans
+
+        return show_saved_plans(args.saved, plot=args.plot, plot_steps=args.plot_steps)
+    from tqdm import tqdm
+
+    from megatron_hdp.commands.plan_budget import estimate_plan
+    from megatron_hdp.config import HDPConfig
     from megatron_hdp.plan.bounds import step_time_lower_bound
     from megatron_hdp.plan.cost_model import CostModel
     from megatron_hdp.plan.planner import make_plan
@@ -127,22 +170,29 @@ def run(args: argparse.Namespace) -> int:
                        hdp_offload=not args.no_offload, hdp_max_offload_ratio=args.max_offload_ratio,
                        hdp_cost_model=args.cost_model)
     if args.cost_model:
-        cost_model = CostModel.from_json(args.cost_model)
+        try:
+            cost_model = CostModel.from_json(args.cost_model)
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"--cost-model {args.cost_model}: not a cost model JSON ({error})") from error
     else:
         cost_model = analytic_cost_model(args.model, args.hardware, tp_size=args.tp)
-    lengths = _batch(args)
+    lengths, batch_note = _batch(args)
     bound = step_time_lower_bound(lengths, num_ranks=args.ranks, capacity=args.capacity, cost_model=cost_model,
                                   pp_size=args.pp, max_offload_ratio=config.max_offload_ratio)
-    print(f"batch: {len(lengths)} sequences, {sum(lengths):,} tokens, longest {max(lengths):,}; "
+    print(f"batch: {len(lengths)} sequences, {sum(lengths):,} tokens ({batch_note}), longest {max(lengths):,}; "
           f"{args.ranks} ranks x capacity {args.capacity:,}, pp {args.pp}; step-time lower bound {bound:.3f} s")
-    compared = [p.strip() for p in args.compare.split(",") if p.strip()]
-    unknown = sorted(set(compared) - set(POLICIES))
-    if unknown:
-        raise ValueError(f"--compare names unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    compared = list(args.compare)
     if args.policy not in compared:
         compared.append(args.policy)
     plans, rows = {}, []
-    for policy in compared:
+    progress = tqdm(compared, desc="planning", unit="policy", delay=2.0, disable=None, file=sys.stderr, leave=False)
+    for policy in progress:
+        progress.set_postfix_str(policy)
+        estimate = estimate_plan(policy, lengths, num_ranks=args.ranks, capacity=args.capacity)
+        refusal = estimate.refusal(max_shards=args.max_shards, max_seconds=args.max_plan_seconds)
+        if refusal:
+            rows.append({"policy": policy, "error": refusal})
+            continue
         start = time.perf_counter()
         try:
             plan = make_plan(lengths, num_ranks=args.ranks, config=config, cost_model=cost_model,
@@ -151,16 +201,17 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"policy": policy, "error": str(error)})
             continue
         plans[policy] = plan
-        rows.append(summary_row(plan, cost_model=cost_model, wall_s=time.perf_counter() - start,
-                                max_offload_ratio=config.max_offload_ratio))
+        rows.append(summary_row(plan, cost_model=cost_model, wall_s=time.perf_counter() - start, bound=bound))
+    progress.close()
     print(format_table(rows))
     if args.json:
         if args.policy not in plans:
-            logger.error("policy %s produced no plan for this batch; nothing written to %s", args.policy, args.json)
-            return 1
+            raise ValueError(f"--policy {args.policy} produced no plan for this batch; nothing written to {args.json}")
         Path(args.json).write_text(json.dumps(plans[args.policy].to_dict()) + "\n")
         print(f"wrote the {args.policy} plan to {args.json}")
     if args.plot:
+        if not plans:
+            raise ValueError(f"no policy produced a plan of this batch; nothing drawn to --plot {args.plot}")
         from megatron_hdp.sim.plots import plot_plans  # matplotlib only when asked for
 
         plot_plans(plans, args.plot)

@@ -19,6 +19,8 @@ import logging
 import sys
 from pathlib import Path
 
+from megatron_hdp.commands.arguments import existing_file, names_from, one_of, parse_count, positive_float, positive_int
+
 logger = logging.getLogger(__name__)
 
 SWEEP_CONTEXTS = tuple(k * 1024 for k in (256, 512, 1024, 2048))
@@ -26,32 +28,49 @@ SWEEP_CONTEXTS = tuple(k * 1024 for k in (256, 512, 1024, 2048))
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the simulate subcommand."""
-    from megatron_hdp.commands.plan import parse_count
+    from megatron_hdp.config import POLICIES
     from megatron_hdp.plan.lengths import DISTRIBUTIONS
+    from megatron_hdp.plan.presets import HARDWARE, MODELS
     from megatron_hdp.sim.compare import DEFAULT_POLICIES
 
-    parser.add_argument("--model", default="llama-7b", help="model preset (plan/presets.py MODELS)")
-    parser.add_argument("--gpus", type=int, default=1024, help="GPUs in the cluster")
-    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--hardware", default="h100", help="hardware preset (plan/presets.py HARDWARE)")
+    parser.add_argument("--model", type=one_of(sorted(MODELS), "model"), default="llama-7b",
+                        help="model preset (plan/presets.py MODELS)")
+    parser.add_argument("--gpus", type=positive_int, default=1024, help="GPUs in the cluster")
+    parser.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",
+                        help="hardware preset (plan/presets.py HARDWARE)")
     parser.add_argument("--context", type=parse_count, default="2M", help="context length: the longest sequence (e.g. 256K, 2M)")
-    parser.add_argument("--dist", default="byted", choices=DISTRIBUTIONS, help="sequence-length mix")
+    parser.add_argument("--dist", default="byted", type=one_of(DISTRIBUTIONS, "length mix"),
+                        metavar="{" + ",".join(DISTRIBUTIONS) + "}", help="sequence-length mix")
     parser.add_argument("--global-batch-tokens", type=parse_count, default=None,
                         help="tokens per global batch (e.g. 32M); default 4 full micro-batches per HDP rank")
-    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policies")
-    parser.add_argument("--steps", type=int, default=2, help="global batches to simulate")
+    parser.add_argument("--policies", type=names_from(POLICIES, "policy"), default=list(DEFAULT_POLICIES),
+                        help=f"comma-separated policies (default {','.join(DEFAULT_POLICIES)})")
+    parser.add_argument("--steps", type=positive_int, default=2, help="global batches to simulate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled batches")
     parser.add_argument("--capacity", type=parse_count, default=None, help="tokens per rank per micro-batch (C); default from GPU memory")
-    parser.add_argument("--allreduce-bandwidth", type=float, default=None,
+    parser.add_argument("--allreduce-bandwidth", type=positive_float, default=None,
                         help="bytes/s per GPU of the gradient all-reduce (default: the hardware's inter-node link)")
-    parser.add_argument("--ring-bandwidth", type=float, default=None,
+    parser.add_argument("--ring-bandwidth", type=positive_float, default=None,
                         help="bytes/s of a ring-attention link (default: the cost model's)")
-    parser.add_argument("--cost-model", default=None, help="cost model JSON from `megatron-hdp calibrate`")
+    parser.add_argument("--cost-model", type=existing_file, default=None,
+                        help="cost model JSON from `megatron-hdp calibrate`")
     parser.add_argument("--no-offload", action="store_true", help="plan without selective activation offload")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON ('-': stdout)")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="write the step timelines to FILE.png and tokens/s vs context to FILE-throughput.png")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """What depends on several flags, refused naming them (before minutes of simulation)."""
+    from megatron_hdp.plan.presets import model_shape
+
+    if args.gpus % (args.tp * args.pp):
+        raise ValueError(f"--gpus {args.gpus} is not a multiple of --tp {args.tp} x --pp {args.pp}")
+    layers = model_shape(args.model).num_layers
+    if layers % args.pp:
+        raise ValueError(f"--pp {args.pp} does not divide --model {args.model}'s {layers} layers")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hdp.sim.cluster import ClusterSpec, format_tokens
     from megatron_hdp.sim.compare import compare_policies, format_table, throughput_sweep
 
+    _check_flags(args)
     spec = ClusterSpec(
         model=args.model, num_gpus=args.gpus, tp_size=args.tp, pp_size=args.pp, hardware=args.hardware,
         allreduce_bandwidth=args.allreduce_bandwidth, ring_bandwidth=args.ring_bandwidth,
@@ -66,7 +86,11 @@ def run(args: argparse.Namespace) -> int:
         capacity=args.capacity,
     )
     context, budget = args.context, args.global_batch_tokens
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    try:
+        spec.check_context(context)
+    except ValueError as error:
+        raise ValueError(f"--context {format_tokens(context)}: {error}") from None
+    policies = args.policies
     options = dict(distribution=args.dist, global_batch_tokens=budget, policies=policies, steps=args.steps,
                    seed=args.seed, offload=not args.no_offload)
     comparison = compare_policies(spec, context=context, **options)

@@ -3,7 +3,7 @@ import here; the Megatron dataset adapters live in `megatron_hdp.megatron.datase
 
 Public API: `HDPSampler` (global batches of documents, deterministic and resumable), `HDPDataLoader` /
 `HDPStep` (plan + this rank's collated micro-batches per step, prefetched in the background),
-`DocumentSource` (what a dataset must expose) and `MapStyleSource` (datasets with a `lengths` array).
+`DocumentSource` (what a dataset must expose), `DocumentPieces` (documents cut at a maximum length) and `MapStyleSource` (datasets with a `lengths` array).
 Resolved lazily, so that importing one numpy-only submodule of this package does not import torch.
 """
 
@@ -17,6 +17,7 @@ _EXPORTS = {
     "pool_length_limit": "megatron_hdp.data.loader",
     "GlobalBatch": "megatron_hdp.data.sampler",
     "HDPSampler": "megatron_hdp.data.sampler",
+    "DocumentPieces": "megatron_hdp.data.source",
     "DocumentSource": "megatron_hdp.data.source",
     "MapStyleSource": "megatron_hdp.data.source",
 }

@@ -5,10 +5,16 @@ raw tokens by range. By the project's label convention a sample of plan length L
 (inputs = raw[0:L], labels = raw[1:L+1]), so a source built from raw token counts n has L = n - 1 and a
 sample with fewer than 2 raw tokens is an error (it would have no position to train on).
 
-The Megatron adapters (indexed `.bin/.idx`, GPTDataset, BlendedDataset) live in
+Documents longer than the model's sequence length are cut into pieces (`DocumentPieces`): a document of
+n raw tokens has n - 1 trainable positions (each predicts the next token); piece j holds positions
+[j*S, min((j+1)*S, n-1)) and reads raw tokens [j*S, end + 1), so its last label is the first input token
+of the next piece. Every next-token prediction of the document is trained exactly once, as in the
+uncut document; only attention stops at the piece boundary (each piece is its own sequence).
+
+The Megatron adapters (indexed `.bin/.idx`, GPTDataset, BlendedDataset, SFT) live in
 `megatron_hdp.megatron.datasets`, the only layer allowed to import Megatron; this module holds the
-protocol, the map-style adapter for datasets that carry a `lengths` array (SFT), and the checks every
-adapter shares: too-short samples and the explicit truncate-or-reject rule for over-long ones.
+protocol, the document cutting, the map-style adapter for datasets that carry a `lengths` array, and the
+checks every adapter shares: too-short samples and the explicit truncate-or-reject rule for over-long ones.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ class DocumentSource(Protocol):
     [start, end) with 0 <= start <= end <= L + 1 and reads nothing else — that is what lets each rank load
     only its own shards. `bytes_read` counts the token bytes read so far (tests and benchmarks check it).
     A source whose data has its own loss mask also has `read_loss_mask(i, start, end)`: 0/1 for input
-    positions [start, end) (the loader passes it to the collation when present).
+    positions [start, end) (the loader passes it to the collation when present). A source that knows where
+    its samples come from also has `origin(i)`: {"dataset": str, "document": int, "offset": int}, what
+    `--hdp-save-plans` writes next to each planned sequence.
     """
 
     lengths: np.ndarray
@@ -53,6 +61,36 @@ def plan_lengths_from_raw(raw_counts: np.ndarray | Sequence[int], *, what: str =
             "least one input token and its next-token label (remove empty documents from the dataset)"
         )
     return raw - 1
+
+
+class DocumentPieces:
+    """Documents in a given order, each cut into consecutive pieces of at most `max_length` positions.
+
+    `documents[k]` is the id of the k-th document in visiting order and `raw_counts[k]` its raw token
+    count. Piece i is positions [offset[i], offset[i] + lengths[i]) of document `document[i]` and reads raw
+    tokens [offset[i], offset[i] + lengths[i] + 1) (module docstring: the last label of a piece is the
+    first token of the next one). Pieces of one document are consecutive, in document order. A document
+    of fewer than 2 raw tokens has no position to train and yields no piece (`num_dropped` counts them).
+    """
+
+    def __init__(self, documents: np.ndarray | Sequence[int], raw_counts: np.ndarray | Sequence[int], *,
+                 max_length: int | None):
+        documents = np.asarray(documents, dtype=np.int64)
+        positions = np.asarray(raw_counts, dtype=np.int64) - 1
+        if documents.shape != positions.shape or documents.ndim != 1:
+            raise ValueError(f"documents {documents.shape} and raw_counts {positions.shape} must be equal 1-D shapes")
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        positions = np.maximum(positions, 0)
+        step = int(positions.max(initial=1)) if max_length is None else int(max_length)
+        counts = -(-positions // step)  # ceil; 0 for a document without a position
+        self.num_dropped = int(np.count_nonzero(counts == 0))
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        self.document = np.repeat(documents, counts)
+        self.offset = (np.arange(int(counts.sum()), dtype=np.int64) - first) * step
+        self.lengths = np.minimum(np.repeat(positions, counts) - self.offset, step)
+        if not self.lengths.size:
+            raise ValueError("no document has the 2 raw tokens a training sequence needs")
 
 
 def limit_lengths(

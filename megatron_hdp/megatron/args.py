@@ -41,12 +41,16 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+_USED_WITHOUT_HDP = ("hdp", "hdp_mock_mix")
+"""Fields that act without --hdp (the mock mix shapes a plain run's data too, so the two compare)."""
+
+
 def _warn_ignored(args: Namespace) -> None:
     """HDP is off: say once which --hdp-* flags were given for nothing."""
     changed = [
         _flag(f.name)
         for f in dataclasses.fields(HDPConfig)
-        if f.name != "hdp" and hasattr(args, f.name) and getattr(args, f.name) != f.default
+        if f.name not in _USED_WITHOUT_HDP and hasattr(args, f.name) and getattr(args, f.name) != f.default
     ]
     if changed:
         logger.warning("HDP is off (no --hdp): ignoring %s", ", ".join(changed))

@@ -1,14 +1,20 @@
 """Megatron datasets as HDP document sources, and the drop-in replacement for Megatron's data loader.
 
-Adapters (each a `megatron_hdp.data.source.DocumentSource`: plan lengths from the index, partial reads):
+HDP plans documents, not Megatron's fixed `--seq-length` windows: each adapter (a
+`megatron_hdp.data.source.DocumentSource`: plan lengths before any token is read, partial reads, and
+`origin(i)` for `--hdp-save-plans`) turns a Megatron dataset into its documents, in Megatron's own order.
 
-- `IndexedDocumentSource` — a megatron-core `IndexedDataset` (`.bin/.idx`): one sample per sequence of the
-  index (as GPTDataset counts them; a `.idx` written without sentence splitting has one sequence per
-  document). Lengths come straight from the `.idx`; `read` takes a slice of the mmap'd `.bin` through
-  `IndexedDataset.get(idx, offset, length)`, so a rank touches only the bytes of its own shards.
-- `GPTSampleSource` — a `GPTDataset`: its fixed-length samples (seq_length + 1 raw tokens, in Megatron's
-  own shuffled order), each read piecewise from the documents it spans.
-- `BlendedSampleSource` — a `BlendedDataset`: the blend's samples, each read from its member dataset.
+- `IndexedDocumentSource` — a bare megatron-core `IndexedDataset` (`.bin/.idx`): one sample per document.
+  Lengths come straight from the `.idx`; `read` takes a slice of the mmap'd `.bin`.
+- `GPTDocumentSource` — a `GPTDataset` (and `MockGPTDataset`): the documents of its low-level dataset in
+  the order of its `document_index` (Megatron's split, epochs, shuffling and seed), each document one
+  sequence; one longer than `--seq-length` becomes consecutive pieces of at most `--seq-length`
+  positions (`megatron_hdp.data.source.DocumentPieces`). With `eod_mask_loss`, input positions holding
+  the EOD token get loss mask 0, as Megatron's `_get_ltor_masks_and_position_ids` does.
+- `BlendedDocumentSource` — a `BlendedDataset`: its members' pieces interleaved so that each member's
+  share of the *tokens* follows the blend weights (`token_blend_order`).
+- `SFTConversationSource` (`megatron_hdp.megatron.sft_source`) — Megatron's `SFTDataset`: each
+  conversation one sequence with its loss mask.
 
 `build_hdp_data_loader(dataset, consumed_samples, cost_model=...)` has the shape of Megatron's
 `build_pretraining_data_loader` and reads Megatron's arguments and parallel state.
@@ -16,20 +22,26 @@ Adapters (each a `megatron_hdp.data.source.DocumentSource`: plan lengths from th
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional
 
 import numpy as np
 from megatron.core.datasets.blended_dataset import BlendedDataset
-from megatron.core.datasets.gpt_dataset import GPTDataset
+from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+from megatron.core.datasets.megatron_dataset import MegatronDataset
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.data.loader import HDPDataLoader
-from megatron_hdp.data.source import DocumentSource, MapStyleSource, plan_lengths_from_raw
+from megatron_hdp.data.source import DocumentPieces, DocumentSource, MapStyleSource, plan_lengths_from_raw
 from megatron_hdp.plan.cost_model import CostModel
 
+logger = logging.getLogger(__name__)
+
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
+MOCK_DATASET_NAME = "mock"
+"""The `source.dataset` name of mock documents in saved plans."""
 
 
 def _check_files(prefix: str) -> None:
@@ -74,91 +86,154 @@ class IndexedDocumentSource:
         self.bytes_read += tokens.nbytes
         return tokens
 
+    def origin(self, sample_id: int) -> dict:
+        return {"dataset": self.dataset.path_prefix, "document": int(sample_id), "offset": 0}
 
-class GPTSampleSource:
-    """A GPTDataset's samples: each spans one or more documents of the underlying IndexedDataset.
 
-    Sample i of the dataset is the raw token stream of its documents (in the dataset's document order)
-    from a start position, seq_length + 1 tokens long (the extra token is the last label); `read` walks
-    only the documents the requested range touches.
+class GPTDocumentSource:
+    """A GPTDataset's documents in its `document_index` order, cut at its sequence length (module docstring).
+
+    Works for any low-level dataset with `sequence_lengths` and `get(idx, offset, length)`: Megatron's
+    IndexedDataset and its mock datasets.
     """
 
     def __init__(self, dataset: GPTDataset):
         if not dataset.config.add_extra_token_to_sequence:
             raise ValueError("GPTDataset must draw samples with add_extra_token_to_sequence=True (labels = next tokens)")
-        if dataset.shuffle_index is None:
+        if dataset.document_index is None:
             dataset._query_document_sample_shuffle_indices(0)  # loads Megatron's lazily mmap'd indices
-        self.indexed = IndexedDocumentSource(dataset.dataset)
-        self.document_index = np.asarray(dataset.document_index, dtype=np.int64)
-        doc_lengths = self.indexed._raw[self.document_index]
-        self.doc_starts = np.concatenate(([0], np.cumsum(doc_lengths)))
-        sample_index = np.asarray(dataset.sample_index, dtype=np.int64)
-        positions = self.doc_starts[sample_index[:, 0]] + sample_index[:, 1]
-        shuffle = np.asarray(dataset.shuffle_index, dtype=np.int64)
-        self.starts = positions[shuffle]
-        ends = np.minimum(positions[shuffle + 1] + 1, self.doc_starts[-1])
-        self.lengths = plan_lengths_from_raw(ends - self.starts)
-
-    @property
-    def bytes_read(self) -> int:
-        return self.indexed.bytes_read
+        self.low_level = dataset.dataset
+        self.name = MOCK_DATASET_NAME if isinstance(dataset, MockGPTDataset) else str(self.low_level.path_prefix)
+        order = np.asarray(dataset.document_index, dtype=np.int64)
+        raw = np.asarray(self.low_level.sequence_lengths, dtype=np.int64)[order]
+        self.pieces = DocumentPieces(order, raw, max_length=dataset.config.sequence_length)
+        if self.pieces.num_dropped:
+            logger.warning("%s: %d of %d documents have fewer than 2 tokens (nothing to predict) and are skipped",
+                           self.name, self.pieces.num_dropped, order.size)
+        self.lengths = self.pieces.lengths
+        self.bytes_read = 0
+        if dataset.config.eod_mask_loss:
+            self.eod = int(dataset.config.tokenizer.eod)
+            self.read_loss_mask = self._eod_loss_mask
 
     def read(self, sample_id: int, start: int, end: int) -> np.ndarray:
-        """Raw tokens [start, end) of sample `sample_id`, read from the documents it spans."""
-        size = int(self.lengths[sample_id]) + 1
-        if not 0 <= start <= end <= size:
-            raise ValueError(f"read [{start}, {end}) is outside sample {sample_id}'s {size} tokens")
-        low, high = int(self.starts[sample_id]) + start, int(self.starts[sample_id]) + end
-        pos = int(np.searchsorted(self.doc_starts, low, side="right")) - 1
-        pieces = []
-        while low < high:  # positions in the stream of the dataset's documents, one document at a time
-            offset = low - int(self.doc_starts[pos])
-            take = min(high, int(self.doc_starts[pos + 1])) - low
-            pieces.append(self.indexed.read(int(self.document_index[pos]), offset, offset + take))
-            low += take
-            pos += 1
-        return np.concatenate(pieces) if pieces else np.empty(0, dtype=self.indexed.dataset.index.dtype)
+        """Raw tokens [start, end) of piece `sample_id` (end <= its length + 1: the last label)."""
+        if not 0 <= start <= end <= self.lengths[sample_id] + 1:
+            raise ValueError(f"read [{start}, {end}) is outside piece {sample_id}'s {self.lengths[sample_id] + 1} tokens")
+        offset = int(self.pieces.offset[sample_id]) + start
+        tokens = np.asarray(self.low_level.get(int(self.pieces.document[sample_id]), offset=offset, length=end - start))
+        self.bytes_read += tokens.nbytes
+        return tokens
+
+    def _eod_loss_mask(self, sample_id: int, start: int, end: int) -> np.ndarray:
+        """Megatron's --eod-mask-loss: an input position holding the EOD token does not count."""
+        return (self.read(sample_id, start, end) != self.eod).astype(np.float32)
+
+    def origin(self, sample_id: int) -> dict:
+        return {"dataset": self.name, "document": int(self.pieces.document[sample_id]),
+                "offset": int(self.pieces.offset[sample_id])}
 
 
-class BlendedSampleSource:
-    """A BlendedDataset's samples, each read from the member dataset the blend assigns it to."""
+def token_blend_order(member_lengths: list[np.ndarray], weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Interleave members' samples (each in its own order) so that member i gets `weights[i]` of the tokens.
+
+    Fair queuing on tokens: sample k of member i starts at virtual time (tokens of its predecessors in
+    member i) / weights[i]; samples are taken in order of start time (ties: lower member first), and the
+    blend stops before the first sample that starts at or after the earliest time a member runs out.
+    Taken this way, at every prefix of the blend holding T tokens, member i holds t_i tokens with
+    -(members x longest sample) <= t_i - weights[i] x T <= longest sample, so over any stretch of the
+    blend (a global batch) a member's tokens are off by less than (members + 1) x the longest sample,
+    and the share over the whole blend converges to the weight as its tokens grow. Returns (member id,
+    member sample id) per blend sample.
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    if len(member_lengths) != weights.size or (weights <= 0).any():
+        raise ValueError(f"need one positive weight per member, got {weights.tolist()} for {len(member_lengths)}")
+    weights = weights / weights.sum()
+    starts = [np.concatenate(([0], np.cumsum(lengths)[:-1])) / w for lengths, w in zip(member_lengths, weights)]
+    end = min(float(np.sum(lengths)) / w for lengths, w in zip(member_lengths, weights))
+    member = np.concatenate([np.full(s.size, i, dtype=np.int64) for i, s in enumerate(starts)])
+    sample = np.concatenate([np.arange(s.size, dtype=np.int64) for s in starts])
+    start = np.concatenate(starts)
+    keep = start < end
+    order = np.lexsort((member[keep], start[keep]))
+    return member[keep][order], sample[keep][order]
+
+
+class BlendedDocumentSource:
+    """A BlendedDataset's members' documents, blended by tokens (`token_blend_order`).
+
+    A blend built with a size weighs its members by its (normalised) weights; one built without a size
+    (Megatron's "use every member fully") weighs them by their token counts, so every piece is taken.
+    """
 
     def __init__(self, dataset: BlendedDataset):
-        if dataset.dataset_index is None:
-            dataset[0]  # loads Megatron's lazily mmap'd blend indices
         self.members = [document_source(member) for member in dataset.datasets]
-        self.dataset_index = np.asarray(dataset.dataset_index, dtype=np.int64)
-        self.dataset_sample_index = np.asarray(dataset.dataset_sample_index, dtype=np.int64)
+        member_lengths = [np.asarray(member.lengths, dtype=np.int64) for member in self.members]
+        if dataset.size is None:
+            weights = np.array([lengths.sum() for lengths in member_lengths], dtype=np.float64)
+        else:
+            weights = np.asarray(dataset.weights, dtype=np.float64)
+        self.weights = weights / weights.sum()
+        self.dataset_index, self.dataset_sample_index = token_blend_order(member_lengths, self.weights)
         self.lengths = np.empty(self.dataset_index.size, dtype=np.int64)
-        for member_id, member in enumerate(self.members):
+        for member_id, lengths in enumerate(member_lengths):
             mask = self.dataset_index == member_id
-            self.lengths[mask] = member.lengths[self.dataset_sample_index[mask]]
+            self.lengths[mask] = lengths[self.dataset_sample_index[mask]]
+        if any(hasattr(member, "read_loss_mask") for member in self.members):
+            self.read_loss_mask = self._read_loss_mask
 
     @property
     def bytes_read(self) -> int:
         return sum(member.bytes_read for member in self.members)
 
+    def _member(self, sample_id: int) -> tuple[Any, int]:
+        return self.members[self.dataset_index[sample_id]], int(self.dataset_sample_index[sample_id])
+
     def read(self, sample_id: int, start: int, end: int) -> np.ndarray:
-        member = self.members[self.dataset_index[sample_id]]
-        return member.read(int(self.dataset_sample_index[sample_id]), start, end)
+        member, index = self._member(sample_id)
+        return member.read(index, start, end)
+
+    def _read_loss_mask(self, sample_id: int, start: int, end: int) -> np.ndarray:
+        member, index = self._member(sample_id)
+        if hasattr(member, "read_loss_mask"):
+            return member.read_loss_mask(index, start, end)
+        return np.ones(end - start, dtype=np.float32)
+
+    def origin(self, sample_id: int) -> dict:
+        member, index = self._member(sample_id)
+        return member.origin(index)
 
 
 def document_source(dataset: Any) -> DocumentSource:
     """The DocumentSource for a Megatron dataset, an indexed-dataset prefix, or a dataset with `lengths`."""
+    from megatron_hdp.megatron.sft_source import SFTConversationSource, is_sft_dataset
+
     if isinstance(dataset, (str, IndexedDataset)):
         return IndexedDocumentSource(dataset)
     if isinstance(dataset, GPTDataset):
-        return GPTSampleSource(dataset)
+        return GPTDocumentSource(dataset)
     if isinstance(dataset, BlendedDataset):
-        return BlendedSampleSource(dataset)
+        return BlendedDocumentSource(dataset)
+    if is_sft_dataset(dataset):
+        return SFTConversationSource(dataset)
     if isinstance(dataset, DocumentSource):
         return dataset
     if hasattr(dataset, "lengths"):
         return MapStyleSource(dataset)
     raise ValueError(
         f"cannot read lengths from a {type(dataset).__name__}: HDP needs an IndexedDataset, GPTDataset, "
-        "BlendedDataset, a map-style dataset with a `lengths` array, or a DocumentSource"
+        "BlendedDataset, SFTDataset, a map-style dataset with a `lengths` array, or a DocumentSource"
     )
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        logger.warning(message)
 
 
 def build_hdp_data_loader(
@@ -169,9 +244,9 @@ def build_hdp_data_loader(
     Reads `get_args()` (seed, global batch size, HDP flags, sequence parallelism) and the data-parallel
     group, which is the HDP domain. An `HDPDataLoader` passed as the dataset (what a datasets provider
     returns under `--dataloader-type external`) is returned unchanged. Megatron's `--num-workers` N >= 1
-    plans and reads in N worker processes; 0 in a background thread. GPT and blended datasets are
-    already shuffled by Megatron, so they are taken in order; an IndexedDataset (documents) is shuffled
-    per epoch.
+    plans and reads in N worker processes; 0 in a background thread. Megatron's datasets (GPT, blended,
+    SFT) come in Megatron's own order, so they are taken in order; a bare IndexedDataset or map-style
+    dataset is shuffled per epoch.
     """
     from megatron.core import parallel_state
 
@@ -183,6 +258,9 @@ def build_hdp_data_loader(
     if dataset is None or isinstance(dataset, HDPDataLoader):
         return dataset  # `--dataloader-type external`: a loader the user built is used as it is
     args = get_args()
+    if getattr(args, "reset_attention_mask", False) or getattr(args, "reset_position_ids", False):
+        _say_once("--reset-attention-mask / --reset-position-ids have no effect with --hdp: every document is "
+                  "its own sequence (attention and positions already stop at document boundaries)")
     source = document_source(dataset)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return HDPDataLoader(
@@ -195,7 +273,7 @@ def build_hdp_data_loader(
         consumed_samples=consumed_samples,
         global_batch_size=args.global_batch_size,
         max_length=max_length,
-        shuffle=not isinstance(dataset, (GPTDataset, BlendedDataset)),
+        shuffle=not isinstance(dataset, (MegatronDataset, BlendedDataset)),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pad_to_multiple=tp if getattr(args, "sequence_parallel", False) else 1,
         workers=getattr(args, "num_workers", 0),

@@ -172,6 +172,7 @@ def _forward_backward(schedule):
 
     from megatron_hdp.megatron.forward_step import make_forward_step
     from megatron_hdp.megatron.initialize import hdp_state
+    from megatron_hdp.megatron.saved_plans import save_training_step_plan
     from megatron_hdp.megatron.step import offload_ratios, pad_microbatches
 
     def forward_backward(*, forward_step_func, data_iterator, num_microbatches, **kwargs: Any):
@@ -186,6 +187,7 @@ def _forward_backward(schedule):
         training = not kwargs.get("forward_only", False)  # evaluation consumes validation documents
         if training:
             _account_consumed_samples(step)
+            save_training_step_plan(step, _STATE.config.hdp_save_plans)  # --hdp-save-plans (rank 0)
         state = hdp_state()
         pad = get_args().tensor_model_parallel_size if get_args().sequence_parallel else 1
         microbatches = pad_microbatches(step.plan, list(step.microbatches), state=state, pad_to_multiple=pad)

@@ -406,7 +406,8 @@ class StepPlan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "StepPlan":
-        """Rebuild a plan from `to_dict` output (not validated: call `validate()`)."""
+        """Rebuild a plan from `to_dict` output (not validated: call `validate()`). Keys the plan does not
+        hold are ignored, e.g. each sequence's `source` that `--hdp-save-plans` adds (read it from the dict)."""
         return cls(
             version=data.get("version", PLAN_VERSION),
             policy=data["policy"],

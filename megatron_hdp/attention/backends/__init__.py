@@ -1,6 +1,9 @@
 """Local attention kernels behind one interface, and the choice of one by name or automatically.
 
-"auto" takes the first backend in `PREFERENCE` that supports the device and dtype. The order is the
+"auto" takes the first backend in `PREFERENCE` that supports the device and dtype and has a kernel for
+the call's shape (heads, head dim, segment-length bucket: TE asks cuDNN's rules, see `te_fused`), chosen
+once per shape and cached (`ShapeDispatch`), so a GPU or shape TE cannot serve falls through to
+flash-attn or PyTorch instead of failing inside the first attention call. The order is the
 expected speed on Hopper (H100/H200) GPUs for fp16/bf16: Transformer Engine's cuDNN fused attention
 first (cuDNN 9's Hopper kernels use the sm90 instructions FlashAttention-2 does not, and are at least
 as fast as FA2 there; with cuDNN >= 9.6 TE also buckets THD shapes so that variable document lengths
@@ -19,7 +22,7 @@ import logging
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, Segments, grads_by_recompute
+from megatron_hdp.attention.backends.base import AttentionBackend, KernelShape, Segments, grads_by_recompute
 from megatron_hdp.attention.backends.cpu_flash import CpuFlashBackend
 from megatron_hdp.attention.backends.flash_attn_varlen import FlashAttnVarlenBackend
 from megatron_hdp.attention.backends.flex import FlexBackend
@@ -45,13 +48,12 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
 
 
 @functools.cache
-def _resolve(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+def _resolve(name: str, device: torch.device, dtype: torch.dtype) -> ShapeDispatch:
     if name == "auto":
         names = available_backends(device, dtype)
         if not names:
             raise ValueError(f"no attention backend supports device {device} with dtype {dtype}")
-        logger.info("attention backend 'auto' on %s/%s: %s (available: %s)", device.type, dtype, names[0], names)
-        return BACKENDS[names[0]]()
+        return ShapeDispatch(name, tuple(BACKENDS[n] for n in names))
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose 'auto' or one of {sorted(BACKENDS)}")
     cls = BACKENDS[name]
@@ -59,14 +61,54 @@ def _resolve(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBa
         reason = getattr(cls, "unsupported_reason", None)  # a backend may say why (te_fused: TE version)
         why = f": {reason(device, dtype)}" if reason is not None else ""
         raise ValueError(f"attention backend {name!r} does not run on device {device} with dtype {dtype}{why}")
-    return cls()
+    return ShapeDispatch(name, (cls,))
 
 
-def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
+@functools.cache
+def _kernel_for(name: str, candidates: tuple[type[AttentionBackend], ...], shape: KernelShape) -> AttentionBackend:
+    """The first candidate with a kernel for `shape`: asked once per shape signature, then cached."""
+    problems = []
+    for cls in candidates:
+        problem = cls.shape_problem(shape)
+        if problem is None:
+            if name == "auto":
+                logger.info("attention backend 'auto' for %s: %s (candidates: %s)", shape, cls.name, problems or "-")
+            return cls()
+        problems.append(f"{cls.name}: {problem}")
+    raise ValueError(f"attention backend {name!r} has no kernel for {shape}: {'; '.join(problems)}")
+
+
+class ShapeDispatch(AttentionBackend):
+    """What `get_backend` returns: the named backend, or for "auto" the candidates fastest first, resolved
+    per call shape (TE's fused kernels exist for some head counts, head dims and GPUs only). The choice is
+    made once per `KernelShape` and cached; a call costs one dictionary look-up."""
+
+    def __init__(self, name: str, candidates: tuple[type[AttentionBackend], ...]) -> None:
+        self.name = name
+        self.candidates = candidates
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        return bool(available_backends(device, dtype))
+
+    def kernel_for(self, q: torch.Tensor, k: torch.Tensor, segments: Segments) -> AttentionBackend:
+        """The backend that runs calls of this shape. ValueError when none of the candidates has a kernel."""
+        return _kernel_for(self.name, self.candidates, KernelShape.of(q, k, segments))
+
+    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
+        return self.kernel_for(q, k, segments).forward(q, k, v, segments=segments, causal=causal, scale=scale)
+
+    def backward(self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float):
+        kernel = self.kernel_for(q, k, segments)
+        return kernel.backward(dout, q, k, v, out, lse, segments=segments, causal=causal, scale=scale)
+
+
+def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype) -> ShapeDispatch:
     """The backend called `name` ("auto": the fastest available) for tensors on `device` of `dtype`.
 
-    ValueError for an unknown name or a backend that does not run here. The "auto" choice is logged
-    once per device type and dtype.
+    ValueError for an unknown name or a backend that does not run here. Which kernel runs a call is
+    decided per call shape (`KernelShape`: heads, head dim, length bucket), once, and for "auto" logged
+    once per shape; a named backend with no kernel for a shape raises ValueError at that call.
     """
     device = torch.device(device)
     return _resolve(name, torch.device(device.type), dtype)
@@ -75,8 +117,10 @@ def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype) ->
 __all__ = [
     "AttentionBackend",
     "BACKENDS",
+    "KernelShape",
     "PREFERENCE",
     "Segments",
+    "ShapeDispatch",
     "available_backends",
     "get_backend",
     "grads_by_recompute",

@@ -10,6 +10,11 @@ Shapes: q [Tq, Hq, D], k and v [Tk, Hkv, D] with Hkv dividing Hq (query head h u
 h // (Hq / Hkv)); out [Tq, Hq, D] in q's dtype; lse [Hq, Tq], float32 (float64 for float64 inputs).
 Segment i pairs q rows cu_q[i]:cu_q[i+1] with kv rows cu_k[i]:cu_k[i+1]; every segment is non-empty.
 A causal segment has as many q as kv rows and uses the plain lower-triangular mask.
+
+Whether a kernel runs is decided in two steps: `supports(device, dtype)` (is it importable and built for
+this device and dtype at all) when a backend is named, and `shape_problem(KernelShape)` (does it have a
+kernel for these head counts, head dim and segment lengths; TE's cuDNN kernels do not cover every shape)
+once per shape signature, cached by the dispatcher in `backends/__init__.py`.
 """
 
 from __future__ import annotations
@@ -69,6 +74,35 @@ class Segments:
         return max(self.seqlens_k)
 
 
+def _length_bucket(n: int) -> int:
+    """The power of two >= n: the segment-length bucket a kernel choice is made (and cached) for."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelShape:
+    """What a kernel's availability can depend on beyond device and dtype (the key of the cached choice).
+
+    `max_seqlen` is the longest q or kv segment rounded up to a power of two, so a run whose document
+    lengths change every micro-batch asks a kernel's selector once per bucket, not once per call; a
+    selector is asked about the bucket's upper end (TE's limits grow stricter with length, never looser).
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    max_seqlen: int
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, segments: Segments) -> KernelShape:
+        """The shape signature of one kernel call."""
+        return cls(
+            q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], _length_bucket(max(segments.max_q, segments.max_k))
+        )
+
+
 class AttentionBackend(abc.ABC):
     """A local attention kernel: forward returning (out, lse), backward taking (out, lse)."""
 
@@ -78,6 +112,12 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether the kernel is importable here and handles this device and dtype."""
+
+    @classmethod
+    def shape_problem(cls, shape: KernelShape) -> str | None:
+        """Why the kernel has no kernel for calls of `shape` (None: it has). Asked once per shape, for a
+        backend whose `supports(shape.device, shape.dtype)` holds; by default every shape runs."""
+        return None
 
     @abc.abstractmethod
     def forward(
@@ -100,6 +140,23 @@ class AttentionBackend(abc.ABC):
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq, dk, dv) of this block, in the dtypes of q, k, v, for the rows' final `out` and `lse`."""
+
+
+def half_precision_cuda_problem(
+    device: torch.device, dtype: torch.dtype, library_problem: Callable[[], str | None], kernel: str
+) -> str | None:
+    """Why a library's fp16/bf16 CUDA kernel (TE, flash-attn) cannot run on `device` with `dtype`: not
+    CUDA, another dtype, the library's own problem (absent, wrong version), or compute capability < 8.0."""
+    if device.type != "cuda":
+        return "it needs a CUDA device"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "it takes float16 or bfloat16 only"
+    problem = library_problem()
+    if problem is not None:
+        return problem
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return f"{kernel} needs compute capability 8.0 or newer"
+    return None
 
 
 def grads_by_recompute(

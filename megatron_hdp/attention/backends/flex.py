@@ -3,8 +3,15 @@
 Packed segments become one [1, H, T, D] call with a block mask from per-row segment ids (and the causal
 order inside a segment), so fully masked tiles are skipped. The forward returns the lse through
 `AuxRequest(lse=True)`; flex's backward cannot take an external out/lse, so the block gradients come
-from `grads_by_recompute` (one extra forward). flex runs compiled (`torch.compile`); block masks are
-cached per segment layout. Not run in this repository's CI (flex has no CPU backward, and no GPU here).
+from `grads_by_recompute` (one extra forward). Not run on a GPU in this repository's CI (flex has no
+CPU backward); `tests/test_attention_kernels.py` checks on CPU what does not need one.
+
+Varying lengths. HDP packs a different number of tokens T into every micro-batch. flex runs compiled
+with dynamic shapes (`torch.compile(flex_attention, dynamic=True)`): one graph for every T. A static
+compile would recompile per T and, past Dynamo's recompile limit (8), run flex eagerly, which
+materialises the [H, T, T] scores. The block mask is built from the segment lengths at block level
+(`BlockMask.from_kv_blocks`), never as the dense [T, T] mask that an uncompiled `create_block_mask`
+evaluates; block masks are cached per segment layout.
 """
 
 from __future__ import annotations
@@ -17,6 +24,10 @@ import torch
 from megatron_hdp.attention.backends.base import AttentionBackend, Segments, grads_by_recompute
 
 
+BLOCK = 128
+"""flex's sparse block size (`_DEFAULT_SPARSE_BLOCK_SIZE`), for q and kv tiles alike."""
+
+
 def _row_ids(seqlens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per packed row: its segment id and its position inside the segment."""
     lengths = torch.tensor(seqlens, device=device)
@@ -25,9 +36,47 @@ def _row_ids(seqlens: tuple[int, ...], device: torch.device) -> tuple[torch.Tens
     return segment, torch.arange(int(lengths.sum()), device=device) - starts[segment]
 
 
+def _tile_segments(segment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per BLOCK-row tile: the first and last segment id in it (ids grow with the row) and whether the
+    tile is complete (the last tile may be cut off at T; flex never treats such a tile as full)."""
+    rows = segment.shape[0]
+    starts = torch.arange(0, rows, BLOCK, device=segment.device)
+    ends = torch.clamp(starts + BLOCK, max=rows) - 1
+    return segment[starts], segment[ends], starts + BLOCK <= rows
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [q tiles, kv tiles] bool matrix as BlockMask's (count, column indices) per q tile, [1, 1, ...]."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(tiles.to(torch.int32), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[None, None].contiguous(), indices[None, None].contiguous()
+
+
+def _tile_masks(seg_q: torch.Tensor, seg_k: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full) [q tiles, kv tiles]: which tiles hold some / only allowed (q, kv) pairs.
+
+    A tile pair holds some pair when its segment-id ranges overlap (ids are contiguous and sorted);
+    it is full when both tiles are complete and lie inside one and the same segment. Causal segments
+    pack q and kv rows alike, so inside a shared segment the rule q >= kv is the tile rule j <= i
+    (some pair) and j < i (all pairs).
+    """
+    q_first, q_last, q_complete = _tile_segments(seg_q)
+    k_first, k_last, k_complete = _tile_segments(seg_k)
+    some = (q_first[:, None] <= k_last[None, :]) & (k_first[None, :] <= q_last[:, None])
+    one_segment = (q_first == q_last) & q_complete
+    full = one_segment[:, None] & ((k_first == k_last) & k_complete)[None, :] & (q_first[:, None] == k_first[None, :])
+    if causal:
+        i = torch.arange(q_first.shape[0], device=seg_q.device)[:, None]
+        j = torch.arange(k_first.shape[0], device=seg_q.device)[None, :]
+        some &= j <= i
+        full &= j < i
+    return some & ~full, full
+
+
 @functools.lru_cache(maxsize=64)
 def _block_mask(segments: Segments, causal: bool):
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The BlockMask of one call, built at tile level: O(T + (T / BLOCK)^2) memory, never [T, T]."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     seg_q, pos_q = _row_ids(segments.seqlens_q, segments.device)
     seg_k, pos_k = _row_ids(segments.seqlens_k, segments.device)
@@ -36,8 +85,13 @@ def _block_mask(segments: Segments, causal: bool):
         same = seg_q[q_idx] == seg_k[kv_idx]
         return same & (pos_q[q_idx] >= pos_k[kv_idx]) if causal else same
 
-    return create_block_mask(
-        mask_mod, None, None, segments.cu_q[-1], segments.cu_k[-1], device=segments.device
+    partial, full = _tile_masks(seg_q, seg_k, causal)
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial),
+        *_ordered(full),
+        BLOCK_SIZE=BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(segments.cu_q[-1], segments.cu_k[-1]),
     )
 
 
@@ -45,7 +99,7 @@ def _block_mask(segments: Segments, causal: bool):
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=True)
 
 
 class FlexBackend(AttentionBackend):
