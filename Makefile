@@ -20,7 +20,7 @@ $(STAMP): setup.py Makefile
 	  $(PIP) install --no-deps --ignore-requires-python megatron-core==0.19.2 && \
 	  $(PIP) install triton==3.8.0 && \
 	  $(PIP) install --no-deps -e . && \
-	  $(PIP) install scipy tqdm matplotlib pytest pytest-timeout hypothesis; \
+	  $(PIP) install scipy tqdm matplotlib pytest pytest-timeout hypothesis tensorboard; \
 	else \
 	  $(PIP) install torch==2.13.0 megatron-core==0.19.2 && \
 	  $(PIP) install -e '.[test,plot]'; \

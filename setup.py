@@ -15,7 +15,7 @@ setup(
     # megatron-core); a plain `pip install .` on Python >= 3.12 resolves them normally.
     install_requires=["torch", "megatron-core>=0.19", "numpy", "scipy", "tqdm"],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "tensorboard"],
         "te": ["transformer-engine[pytorch]>=2.0,<3"],  # te_fused attention backend: TE 2.x API
         "plot": ["matplotlib"],
         "megatron-lm": ["pybind11"],  # builds a Megatron-LM checkout's dataset helpers (docs/megatron_lm.md)

@@ -71,6 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2, help="sampled global batches per cell")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite benchmarks/README.md")
+    parser.add_argument("--out", default=str(RESULTS), help="result JSON (a subset run: another file)")
     parser.add_argument("--sensitivity", action=argparse.BooleanOptionalAction, default=True,
                         help="also vary ring bandwidth and C for llama-7b at 2M")
     parser.add_argument("--render", action="store_true",
@@ -226,8 +227,9 @@ def main(argv: list[str]) -> int:
     sensitivity = run_sensitivity(steps=args.steps, seed=args.seed) if args.sensitivity else []
     table = tables(cells, sensitivity)
     print(table)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
         "command": command.strip(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": platform.platform(), "published_speedup_2m": PUBLISHED_2M, "cells": cells,
         "sensitivity": sensitivity,

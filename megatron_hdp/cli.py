@@ -26,6 +26,7 @@ COMMANDS = {
     "simulate": "Predict step time and throughput of each policy on a simulated cluster.",
     "demo": "Train a tiny Llama-style GPT with HDP on 4 gloo CPU ranks, next to static DP x CP.",
     "calibrate": "Measure the cost-model coefficients and bandwidths on this machine; write JSON.",
+    "report": "Dashboard PNG and Markdown summary of a training run's measured telemetry and plans.",
 }
 
 USER_ERRORS = (ValueError, OSError, KeyError, ImportError, argparse.ArgumentTypeError)

@@ -59,12 +59,24 @@ class HDPConfig:
     hdp_cost_model: Optional[str] = None
     """JSON of measured cost-model coefficients (from `megatron-hdp calibrate`); analytic if unset."""
 
+    hdp_ranks_per_node: Optional[int] = None
+    """HDP ranks per node for the planner's topology: rings that fit a node are placed inside one and run
+    on its fast links (the cost model's `intra_node_bandwidth`). Unset: the local world size divided by
+    the tensor-parallel size."""
+
     hdp_global_batch_tokens: Optional[int] = None
     """Tokens per global batch; the sampler takes whole documents until this budget is reached.
     Unset: the global batch is Megatron's --global-batch-size documents."""
 
     hdp_log_interval: int = 1
     """Steps between HDP statistics lines (balance, rings, attention bytes, offload)."""
+
+    hdp_online_refit: bool = False
+    """Refit the cost model's compute coefficients from the measured per-rank compute of every step,
+    plan with the refitted model, and save it with each checkpoint (restored by --load)."""
+
+    hdp_refit_warmup_steps: int = 2
+    """Steps measured before --hdp-online-refit first changes the cost model."""
 
     hdp_overlong_documents: OverlongDocuments = "error"
     """A sequence longer than this run can train: error (stop, naming the document and the limit) or
@@ -108,6 +120,8 @@ class HDPConfig:
             raise ValueError(f"hdp_mock_mix {self.hdp_mock_mix!r} is not one of {', '.join(MOCK_MIXES)}")
         if self.hdp_log_interval <= 0:
             raise ValueError(f"hdp_log_interval must be positive, got {self.hdp_log_interval}")
+        if self.hdp_refit_warmup_steps < 0:
+            raise ValueError(f"hdp_refit_warmup_steps must be >= 0, got {self.hdp_refit_warmup_steps}")
 
     @property
     def max_offload_ratio(self) -> float:

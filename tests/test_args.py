@@ -9,7 +9,7 @@ import pytest
 
 from megatron_hdp.attention.backends import BACKENDS
 from megatron_hdp.config import POLICIES, HDPConfig
-from megatron_hdp.megatron.args import add_hdp_args, parse_and_check, validate_hdp_args
+from megatron_hdp.megatron.args import add_hdp_args, parse_and_check, token_multiple, validate_hdp_args
 
 TINY = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256 "
@@ -76,6 +76,11 @@ BAD = [
     (["--pipeline-model-parallel-size", "2", "--hdp-policy", "megatron-hybrid-cp"], "1", "use --hdp-policy balance"),
     (["--hdp-cost-model", "/nonexistent/cost.json"], "1", "megatron-hdp calibrate"),
     (["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], "1", "virtual"),
+    (["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], "8", "use Megatron DDP"),
+    (["--enable-cuda-graph"], "1", "drop the CUDA-graph flag"),
+    (["--external-cuda-graph"], "1", "--cuda-graph-impl transformer_engine"),
+    (["--cuda-graph-impl", "local"], "1", "--cuda-graph-impl local"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"], "1", "drop --tp-comm-overlap"),
 ]
 
 
@@ -85,6 +90,37 @@ def test_bad_combinations_say_what_to_change(extra, connections, needle):
     with pytest.raises(ValueError, match="--hdp cannot run") as err:
         parse_and_check(TINY + HDP + extra, world_size=4, env={"CUDA_DEVICE_MAX_CONNECTIONS": connections})
     assert needle in str(err.value)
+
+
+def test_dynamic_context_parallel_is_refused():
+    """Newer Megatron-LM's --dynamic-context-parallel (not a flag of 0.19/0.20 yet: set on the namespace)."""
+    args, _ = parse_and_check(TINY + HDP, world_size=4)
+    args.dynamic_context_parallel = True
+    with pytest.raises(ValueError, match="drop --dynamic-context-parallel"):
+        validate_hdp_args(args)
+
+
+@pytest.mark.parametrize("extra,multiple", [
+    ([], 1),
+    (["--fp8-format", "e4m3"], 16),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+    (["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 32),
+])
+def test_fp8_runs_with_micro_batches_padded_to_16_tokens_per_tp_rank(extra, multiple):
+    """FP8 is supported, not refused: every micro-batch is padded (masked) to 16 tokens per TP rank."""
+    import numpy as np
+
+    from megatron_hdp.data.collate import collate_microbatch
+    from megatron_hdp.megatron.hand_plan import plan_from_rings
+
+    args, _ = parse_and_check(TINY + HDP + extra, world_size=4, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert token_multiple(args) == multiple
+    plan = plan_from_rings([37, 5, 300], [(0,), (1,), (0, 1)], [0, 0, 0], num_ranks=2, capacity=256)
+    for rank in range(2):
+        (mb,) = plan.microbatches(rank)
+        packed = collate_microbatch(plan, mb, lambda s, a, b: np.arange(a, b, dtype=np.int64),
+                                    pad_to_multiple=token_multiple(args), rank=rank)
+        assert packed.num_tokens % multiple == 0 and packed.num_loss_tokens == mb.num_tokens
 
 
 def test_missing_per_token_loss_and_cp_are_reported_together():

@@ -56,7 +56,8 @@ def test_shards_on_one_ring_share_one_exchange():
     one = SLOW_RING.microbatch_time([(400, 200, ring), (600, 300, ring)])
     kv, bw, lat = SLOW_RING.kv_bytes_per_token, SLOW_RING.ring_bandwidth, SLOW_RING.ring_latency
     attention = SLOW_RING.a1 * (400 * 200 + 600 * 300)
-    per_layer = SLOW_RING.g + SLOW_RING.b1 * 500 + max(attention, 3 * (kv * 500 / bw + lat))
+    # k = 2 in bf16: forward 1 K/V buffer, backward 1 K/V + 2 fp32 dK/dV (6 K/V units) in 4 messages
+    per_layer = SLOW_RING.g + SLOW_RING.b1 * 500 + max(attention, 6 * kv * 500 / bw + 4 * lat)
     assert one == pytest.approx(per_layer * SLOW_RING.num_layers)
     # two different rings each pay their own exchange; whole documents have none
     two = SLOW_RING.microbatch_time([(400, 200, (0, 1)), (600, 300, (0, 2)), (50, 50, ())])

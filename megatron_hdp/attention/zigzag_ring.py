@@ -23,7 +23,10 @@ the same call, which the identical step plan guarantees.
 Traffic per call and rank (counted in `megatron_hdp.comm.traffic`): forward (k-1) K+V buffers in the
 input dtype; backward (k-1) K+V buffers plus k dK+dV buffers in the accumulation dtype (fp32 for
 half-precision inputs). Accumulation of out, dq, dk, dv is in fp32 (fp64 for fp64 inputs); results
-come back in the input dtype.
+come back in the input dtype. The dK/dV partials travel in fp32 on purpose: sent in bf16 they are rounded
+at every one of the k hops, and `benchmarks/ring_grad_precision.py` measures dK's error against float64
+growing from 3.7e-3 (one rank) to 1.2e-2 at k = 64, while fp32 transport stays at 3.1e-3; bf16 would
+save a quarter of the bytes (190 instead of 254 K/V units per member at k = 64).
 """
 
 from __future__ import annotations
@@ -96,10 +99,15 @@ def _backward(
     plan: RingPlan,
     backend: AttentionBackend,
     scale: float,
+    grad_dtype: torch.dtype | None = None,
 ) -> RingProgram[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """One position's backward: returns (dq, dk, dv) in the dtypes of q, k, v."""
+    """One position's backward: returns (dq, dk, dv) in the dtypes of q, k, v.
+
+    The dK/dV partials travel in `grad_dtype` (default: the accumulation dtype, see the module doc) and
+    are summed in the accumulation dtype on arrival."""
     kv = torch.stack((k, v))
     acc = _accumulation_dtype(q.dtype)
+    transport = grad_dtype or acc
     dq = q.new_zeros(q.shape, dtype=acc)
     dkv_in = None
     q_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -135,8 +143,8 @@ def _backward(
         if not last:
             yield WAIT
             kv = next_kv
-        dkv_in = dkv.new_empty((2, plan.num_tokens[plan.source(step + 1)], *dkv.shape[2:]))
-        yield Post(send=dkv, recv=dkv_in)
+        dkv_in = dkv.new_empty((2, plan.num_tokens[plan.source(step + 1)], *dkv.shape[2:]), dtype=transport)
+        yield Post(send=dkv.to(transport), recv=dkv_in)
     yield WAIT  # after k hops the partials are back with their owner: the local dK, dV
     return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
 
@@ -195,7 +203,7 @@ def ring_attention(
 
 class _SimulatedRing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plans: tuple[RingPlan, ...], backend: AttentionBackend, scale: float, *shards):
+    def forward(ctx, plans: tuple[RingPlan, ...], backend: AttentionBackend, scale: float, grad_dtype, *shards):
         size = len(plans)
         qs, ks, vs = shards[:size], shards[size : 2 * size], shards[2 * size :]
         results = run_in_process(
@@ -203,7 +211,7 @@ class _SimulatedRing(torch.autograd.Function):
         )
         outs = tuple(out for out, _ in results)
         ctx.save_for_backward(*shards, *outs, *(lse for _, lse in results))
-        ctx.plans, ctx.backend, ctx.scale = plans, backend, scale
+        ctx.plans, ctx.backend, ctx.scale, ctx.grad_dtype = plans, backend, scale, grad_dtype
         return outs
 
     @staticmethod
@@ -214,12 +222,13 @@ class _SimulatedRing(torch.autograd.Function):
         outs, lses = saved[3 * size : 4 * size], saved[4 * size :]
         programs = [
             _backward(
-                douts[p], qs[p], ks[p], vs[p], outs[p], lses[p], plan=ctx.plans[p], backend=ctx.backend, scale=ctx.scale
+                douts[p], qs[p], ks[p], vs[p], outs[p], lses[p], plan=ctx.plans[p], backend=ctx.backend,
+                scale=ctx.scale, grad_dtype=ctx.grad_dtype,
             )
             for p in range(size)
         ]
         grads = run_in_process(programs)
-        return (None, None, None, *(g[0] for g in grads), *(g[1] for g in grads), *(g[2] for g in grads))
+        return (None, None, None, None, *(g[0] for g in grads), *(g[1] for g in grads), *(g[2] for g in grads))
 
 
 def simulated_ring_attention(
@@ -232,13 +241,15 @@ def simulated_ring_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    grad_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The ring algorithm of `ring_attention` for k = `ring_size` virtual ranks in this process.
 
     Takes and returns whole packed documents (q [T, Hq, D], k/v [T, Hkv, D]): each virtual position gets
     its zigzag shards, the k ring programs run in lockstep with the messages copied in memory, and the
     outputs are put back in packed order. Differentiable. For tests and for timing the ring's
-    decomposition of the work on one device.
+    decomposition of the work on one device. `grad_dtype` overrides the dtype the dK/dV partials travel
+    in (`benchmarks/ring_grad_precision.py` measures what sending them in the activation dtype costs).
     """
     lengths = check_seqlens(seqlens)
     if ring_size < 1:
@@ -249,6 +260,6 @@ def simulated_ring_attention(
     plans = tuple(ring_plan(lengths, ring_size, p, bool(causal), q.device) for p in range(ring_size))
     rows = [zigzag_token_indices(lengths, ring_size, p).to(q.device) for p in range(ring_size)]
     shards = [x.index_select(0, r) for x in (q, k, v) for r in rows]
-    outs = _SimulatedRing.apply(plans, kernel, scale, *shards)
+    outs = _SimulatedRing.apply(plans, kernel, scale, grad_dtype, *shards)
     order = torch.cat(rows)
     return torch.cat(outs).index_select(0, torch.argsort(order))

@@ -15,9 +15,10 @@ Empty tensors are never sent: both sides know every message's size from the same
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
-from typing import Sequence
+from typing import Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -91,6 +92,29 @@ def current_ring(ranks: Sequence[int], *, group: dist.ProcessGroup | None = None
     return Ring(ranks=ranks, rank=dist.get_rank(), group=group)
 
 
+class P2PObserver(Protocol):
+    """Watches this process's ring messages (the run's telemetry): where bytes go, how long waits take."""
+
+    def sent(self, *, peer: int, num_bytes: int) -> None:
+        """`num_bytes` were posted to global rank `peer`."""
+
+    def waiting(self) -> contextlib.AbstractContextManager:
+        """A context around one wait for posted messages."""
+
+
+_OBSERVERS: list[P2PObserver] = []
+
+
+@contextlib.contextmanager
+def observe_p2p(observer: P2PObserver) -> Iterator[P2PObserver]:
+    """Let `observer` see every `shift` and every wait inside the block."""
+    _OBSERVERS.append(observer)
+    try:
+        yield observer
+    finally:
+        _OBSERVERS.remove(observer)
+
+
 class Pending:
     """Posted sends and receives; `wait()` returns once all of them are complete.
 
@@ -103,8 +127,11 @@ class Pending:
 
     def wait(self) -> None:
         """Block until the exchange is complete (on CUDA: until the current stream is ordered after it)."""
-        for work in self._works:
-            work.wait()
+        with contextlib.ExitStack() as waits:
+            for observer in _OBSERVERS if self._works else ():
+                waits.enter_context(observer.waiting())
+            for work in self._works:
+                work.wait()
         self._works = []
         self._tensors = ()
 
@@ -128,4 +155,6 @@ def shift(ring: Ring, *, send: torch.Tensor, recv: torch.Tensor) -> Pending:
         num_sent=int(send.numel() > 0),
         num_received=int(recv.numel() > 0),
     )
+    for observer in _OBSERVERS:
+        observer.sent(peer=ring.next_rank, num_bytes=send.numel() * send.element_size())
     return Pending(dist.batch_isend_irecv(ops) if ops else [], (send, recv))

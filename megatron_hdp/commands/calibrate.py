@@ -3,6 +3,14 @@
     megatron-hdp calibrate --model llama-7b --output cost_model.json        # on the GPU machine
     ... then train with the Megatron flag --hdp-cost-model cost_model.json
 
+    megatron-hdp calibrate --from-run CHECKPOINT_DIR_OR_JSON --output cost_model.json
+    megatron-hdp calibrate --from-run RUN_DIR --model llama-7b --output cost_model.json
+
+`--from-run` exports what a run learned instead of measuring: the cost model --hdp-online-refit saved
+(hdp_cost_model.json in the --save directory, or that file), or, from a run directory with the
+TensorBoard telemetry and saved plans, the compute coefficients fitted to its measured per-rank times
+(the rest of the model comes from --model and the shape flags).
+
 The JSON is `CostModel.to_json` (what `--hdp-cost-model` reads); the measured points, the fit's
 prediction for each and where the bandwidths came from go next to it (`--report`).
 """
@@ -14,6 +22,8 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+
+import numpy as np
 
 from megatron_hdp.commands.arguments import count_list, one_of, positive_float, positive_int
 
@@ -54,8 +64,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="pinned host memory one rank may fill with activations (default: half this machine's RAM "
         "shared by its GPUs)",
     )
+    parser.add_argument(
+        "--from-run",
+        default=None,
+        help="export a run's learned cost model instead of measuring: its --save directory or "
+        "hdp_cost_model.json (--hdp-online-refit), or its run directory (TensorBoard telemetry + saved plans)",
+    )
     parser.add_argument("--output", default="cost_model.json", help="where the cost model JSON goes")
     parser.add_argument("--report", default=None, help="measurements JSON (default: <output>.measurements.json)")
+
+
+def _from_run(args: argparse.Namespace, shape) -> int:
+    """Write the cost model a run learned (saved by its refit, or fitted to its telemetry)."""
+    from megatron_hdp.plan.cost_model import CostModel
+    from megatron_hdp.plan.online_refit import REFIT_FILE, compute_features, fit_coefficients
+    from megatron_hdp.plan.presets import analytic_cost_model
+    from megatron_hdp.run_logs import per_rank_series, read_plans, read_scalars
+
+    source = Path(args.from_run)
+    saved = source if source.is_file() else source / REFIT_FILE
+    if saved.is_file():
+        data = json.loads(saved.read_text())
+        model = CostModel.from_dict(data["cost_model"] if "cost_model" in data else data)
+        how = f"learned online over {data.get('steps_seen', '?')} steps ({saved})"
+    else:
+        compute = per_rank_series(read_scalars(source), "hdp/rank/compute-s")
+        plans = read_plans(source)
+        steps = sorted(set(plans) & set.intersection(*(set(v) for v in compute.values()))) if compute else []
+        if not steps:
+            raise ValueError(f"{source}: no {REFIT_FILE}, and no step with both telemetry and a saved plan")
+        base = analytic_cost_model(shape, args.hardware)
+        features = [compute_features(plans[s], num_layers=base.num_layers) for s in steps]
+        measured = [[compute[r][s] for r in sorted(compute)] for s in steps]
+        a1, b1, g = fit_coefficients(np.concatenate(features), np.concatenate(measured))
+        model = dataclasses.replace(base, a1=float(a1), b1=float(b1), g=float(g))
+        how = f"fitted to the measured compute of {len(steps)} steps x {len(compute)} ranks ({source})"
+    model.to_json(args.output)
+    print(f"a1={model.a1:.3e} b1={model.b1:.3e} g={model.g:.3e}: {how}")
+    print(f"wrote {args.output}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     shape = model_shape(args.model)
     overrides = {name: getattr(args, name) for name in _SHAPE_FLAGS if getattr(args, name) is not None}
     shape = dataclasses.replace(shape, **overrides)
+    if args.from_run is not None:
+        return _from_run(args, shape)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available here (use --device cpu)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -65,11 +65,13 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             "per sequence how many data-parallel ranks hold it); use --context-parallel-size 1 and fold those "
             "ranks into data parallelism"
         )
-    if getattr(args, "hybrid_context_parallel", False):
-        problems.append(
-            "--hybrid-context-parallel: Megatron's hybrid CP and HDP both re-plan the data-parallel group; drop "
-            "--hybrid-context-parallel (its scheduler is available as --hdp-policy megatron-hybrid-cp)"
-        )
+    for flag in ("hybrid_context_parallel", "dynamic_context_parallel"):  # the second: newer Megatron-LM
+        if getattr(args, flag, False):
+            problems.append(
+                f"{_flag(flag)}: Megatron's dynamic context parallelism and HDP both re-plan the data-parallel "
+                f"group per step; drop {_flag(flag)} (HDP already sizes a ring per sequence; Megatron's "
+                "hybrid-CP scheduler is available as --hdp-policy megatron-hybrid-cp)"
+            )
     if not args.calculate_per_token_loss:
         problems.append(
             "missing --calculate-per-token-loss: ranks hold different numbers of tokens, so HDP's loss is the "
@@ -83,8 +85,11 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
     if args.virtual_pipeline_model_parallel_size is not None:
         problems.append(
             "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
-            "--num-virtual-stages-per-pipeline-rank): HDP gives pipelines different micro-batch counts, which "
-            "the interleaved schedule cannot take; drop the virtual-pipeline flag"
+            "--num-virtual-stages-per-pipeline-rank): the interleaved schedule orders its micro-batches in "
+            "groups of --pipeline-model-parallel-size (and needs a count divisible by it), so a ring's "
+            "micro-batch would sit at a different place in each member pipeline's order when HDP gives "
+            "pipelines different counts, and ring P2P would deadlock; drop the virtual-pipeline flag "
+            "(HDP's PP-balance schedules plain 1F1B)"
         )
     if args.rampup_batch_size is not None:
         problems.append(
@@ -96,6 +101,17 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             "--use-megatron-fsdp / --use-torch-fsdp2: FSDP gathers parameters over the data-parallel group in "
             "every micro-batch, and HDP ranks run different numbers of micro-batches; use Megatron DDP "
             "(optionally --use-distributed-optimizer)"
+        )
+    if args.cuda_graph_impl != "none":
+        problems.append(
+            f"CUDA graphs (--cuda-graph-impl {args.cuda_graph_impl}, or the deprecated --enable-cuda-graph / "
+            "--external-cuda-graph): a graph replays fixed tensor shapes, and every HDP micro-batch has its own "
+            "token count and its own ring P2P; drop the CUDA-graph flag"
+        )
+    if args.tp_comm_overlap:
+        problems.append(
+            "--tp-comm-overlap: Transformer Engine's userbuffers are allocated for a fixed --seq-length x "
+            "--micro-batch-size token count, and HDP micro-batches vary in size; drop --tp-comm-overlap"
         )
     tp = args.tensor_model_parallel_size
     if args.sequence_parallel and config.hdp_capacity % tp:
@@ -115,6 +131,21 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             "or leave the flag out for the analytic cost model"
         )
     return problems
+
+
+FP8_TOKEN_MULTIPLE = 16
+"""FP8 GEMMs (Transformer Engine) need a token dimension divisible by 16."""
+
+
+def token_multiple(args: Namespace) -> int:
+    """The multiple every HDP micro-batch's token count is padded to (with masked tokens) on this run.
+
+    Sequence parallelism splits a micro-batch's tokens over the TP ranks (a multiple of the TP size);
+    FP8 (--fp8-format) needs each GEMM's token dimension, i.e. each TP rank's share, to be a multiple of
+    16. The collation pads with a masked local document, so the loss is unchanged.
+    """
+    tp = args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1
+    return tp * (FP8_TOKEN_MULTIPLE if getattr(args, "fp8", None) else 1)
 
 
 def validate_hdp_args(args: Namespace) -> Optional[HDPConfig]:

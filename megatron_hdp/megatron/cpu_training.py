@@ -267,7 +267,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
       tokens: `ring_block_overhead` from n = 8 documents of k C / n tokens against one of k C on the
       widest ring k (the extra 2 (k-1) (n-1) kernel calls; ring transfers are the same), then
       `ring_latency` from one document of k C on rings of k = 2, 4, 8: the per-message cost that makes
-      the simulator's exposed ring time (3 (k-1) messages, hidden under attention) match the measured
+      the simulator's exposed ring time (3k-2 messages, hidden under attention) match the measured
       excess over T, median over k. On a CPU both are mostly software cost per ring step (message posting,
       one kernel call per block, the merge), which is why they are fitted, not taken from the ping-pong.
     """
@@ -308,12 +308,13 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     for k, per_layer in one.items():
         attention = a1 * k * tokens * tokens
         exposed = per_layer - (g + b1 * tokens + attention + 2 * (k - 1) * block_overhead)
-        latencies.append((exposed + attention) / (3 * (k - 1)) - kv_bytes * tokens / bandwidth)
+        # fp32: each of the 3k-2 messages (CostModel.ring_messages) carries one member's K/V or dK/dV
+        latencies.append((exposed + attention) / CostModel.ring_messages(k) - kv_bytes * tokens / bandwidth)
     latency = max(float(np.median(latencies)), link_latency) if latencies else link_latency
     return CostModel(
         a1=float(a1), b1=float(b1), g=float(g),
         a2=float(4 * (6 * spec.hidden_size + 2 * kv_channels + 4 * spec.ffn_hidden_size)), b2=0.0,
-        kv_bytes_per_token=float(kv_bytes), num_layers=spec.num_layers,
+        kv_bytes_per_token=float(kv_bytes), activation_dtype_bytes=4, num_layers=spec.num_layers,
         ring_bandwidth=float(bandwidth), ring_latency=latency, ring_block_overhead=block_overhead,
     )
 

@@ -262,7 +262,8 @@ def build_hdp_data_loader(
         _say_once("--reset-attention-mask / --reset-position-ids have no effect with --hdp: every document is "
                   "its own sequence (attention and positions already stop at document boundaries)")
     source = document_source(dataset)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    from megatron_hdp.megatron.args import token_multiple
+
     return HDPDataLoader(
         source,
         rank=parallel_state.get_data_parallel_rank(),
@@ -275,7 +276,7 @@ def build_hdp_data_loader(
         max_length=max_length,
         shuffle=not isinstance(dataset, (MegatronDataset, BlendedDataset)),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        pad_to_multiple=tp if getattr(args, "sequence_parallel", False) else 1,
+        pad_to_multiple=token_multiple(args),
         workers=getattr(args, "num_workers", 0),
         group=parallel_state.get_data_parallel_group(),
     )

@@ -2,7 +2,7 @@
 
 Call it once, after `parse_and_validate_args` and before the model config is built from `args`
 (`examples/pretrain_gpt_hdp.py` and the patched `pretrain_gpt.py` do). Without `--hdp` it only checks
-the flags. With `--hdp` it changes five names, each in `megatron.training.training`'s namespace, each
+the flags. With `--hdp` it changes seven names, each in `megatron.training.training`'s namespace, each
 a thin wrapper around Megatron's own function (the whole monkeypatch surface, in call order):
 
 1. `args.spec`: the GPT layer spec is Megatron's with `HDPCoreAttention` as its `core_attention` leaf.
@@ -18,8 +18,11 @@ a thin wrapper around Megatron's own function (the whole monkeypatch surface, in
    token count, summed over the HDP domain; each micro-batch offloads the ratio its plan gives); it also
    keeps `args.consumed_train_samples` equal to the documents the loader consumed.
 5. `training_log`: HDP statistics (balance, rings, ring-attention bytes, micro-batch counts, loader
-   wait, offloaded bytes) in Megatron's log line and its TensorBoard writer, every `--hdp-log-interval`
-   steps.
+   wait, offloaded bytes) and the measured telemetry of `telemetry.py` in Megatron's log line and its
+   TensorBoard / W&B writers, every `--hdp-log-interval` steps; with --hdp-online-refit the measured
+   steps refit the cost model the loader plans with.
+6. `consume_seqlen_stats_in_iteration`: the plan's real tokens and sum of s^2 for Megatron's FLOPs.
+7. `save_checkpoint`: with --hdp-online-refit, the learned cost model is written next to each checkpoint.
 
 With PP > 1 it also sets `args.variable_seq_lengths` before the model config is built from `args`
 (`_pipeline_shapes_per_microbatch`): the tensors between stages take each micro-batch's length.
@@ -28,6 +31,7 @@ Anything else Megatron does (optimizer, DDP gradient reduction over the data-par
 domain, checkpoints, LR schedule) is unchanged.
 """
 
+import contextlib
 import functools
 import logging
 from argparse import Namespace
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.megatron.args import validate_hdp_args
+from megatron_hdp.megatron.args import token_multiple, validate_hdp_args
 from megatron_hdp.megatron.training_compat import check_megatron_version, require_megatron_training
 
 logger = logging.getLogger(__name__)
@@ -53,6 +57,12 @@ class _Installed:
     """The model chunk's ActivationOffloader (--hdp-offload), built by the setup_model_and_optimizer wrapper."""
     last_offload: Any = None
     """OffloadStats of the last training step on this rank."""
+    telemetry: Any = None
+    """The `StepTelemetry` measuring this rank's training steps."""
+    refit: Any = None
+    """The `OnlineRefit` learning the cost model (--hdp-online-refit), else None."""
+    plans: dict = field(default_factory=dict)
+    """Plans of measured steps the refit has not seen yet, by iteration."""
 
 
 _STATE: Optional[_Installed] = None
@@ -84,7 +94,17 @@ def hdp_layer_spec(config: Any) -> Any:
 
 
 def _cost_model(args: Namespace, config: HDPConfig) -> Any:
-    """The planner's cost model: measured (--hdp-cost-model) or analytic from the model's shape."""
+    """The planner's cost model: measured (--hdp-cost-model) or analytic from the model's shape, with the
+    node size (--hdp-ranks-per-node, default: local world size / TP)."""
+    import dataclasses
+    import os
+
+    ranks_per_node = config.hdp_ranks_per_node or max(
+        1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // args.tensor_model_parallel_size)
+    return dataclasses.replace(_base_cost_model(args, config), ranks_per_node=ranks_per_node)
+
+
+def _base_cost_model(args: Namespace, config: HDPConfig) -> Any:
     from megatron_hdp.plan.cost_model import CostModel
     from megatron_hdp.plan.presets import ModelShape, analytic_cost_model
 
@@ -168,6 +188,7 @@ def _account_consumed_samples(step: Any) -> None:
 
 def _forward_backward(schedule):
     """Megatron's schedule, run on one HDP step: this rank's micro-batches, its own count, HDP's forward."""
+    from megatron.core.utils import get_model_config
     from megatron.training import get_args
 
     from megatron_hdp.megatron.forward_step import make_forward_step
@@ -189,8 +210,9 @@ def _forward_backward(schedule):
             _account_consumed_samples(step)
             save_training_step_plan(step, _STATE.config.hdp_save_plans)  # --hdp-save-plans (rank 0)
         state = hdp_state()
-        pad = get_args().tensor_model_parallel_size if get_args().sequence_parallel else 1
-        microbatches = pad_microbatches(step.plan, list(step.microbatches), state=state, pad_to_multiple=pad)
+        microbatches = pad_microbatches(
+            step.plan, list(step.microbatches), state=state, pad_to_multiple=token_multiple(get_args())
+        )
         offload = None
         if training and _STATE.offloader is not None:
             ratios = offload_ratios(step.plan, rank=state.hdp_rank, num_microbatches=len(microbatches))
@@ -198,14 +220,22 @@ def _forward_backward(schedule):
         _STATE.last_step = step
         forward = make_forward_step(hdp_global_ranks=state.hdp_global_ranks, offload_ratios=offload,
                                     backend=_STATE.config.hdp_attention_backend)
-        result = schedule(
-            forward_step_func=forward,
-            data_iterator=iter(microbatches),
-            num_microbatches=len(microbatches),
-            **kwargs,
-        )
-        if offload is not None:  # every backward of the step has run when the schedule returns
-            _STATE.last_offload = _STATE.offloader.pop_step_stats()
+        measure = contextlib.nullcontext()
+        if training:
+            config = get_model_config(kwargs["model"][0])
+            measure = _STATE.telemetry.measure(get_args().curr_iteration + 1, model_config=config)
+            if _STATE.refit is not None:
+                _STATE.plans[get_args().curr_iteration + 1] = step.plan
+        with measure as marks:
+            result = schedule(
+                forward_step_func=forward,
+                data_iterator=iter(microbatches),
+                num_microbatches=len(microbatches),
+                **kwargs,
+            )
+            if offload is not None:  # every backward of the step has run when the schedule returns
+                _STATE.last_offload = _STATE.offloader.pop_step_stats()
+                marks.offload_exposed = float(_STATE.last_offload.exposed_wait_s)
         return result
 
     return forward_backward
@@ -256,20 +286,22 @@ def _training_log(original):
     @functools.wraps(original)
     def training_log(*args: Any, **kwargs: Any):
         from megatron.training import get_args
-        from megatron.training.global_vars import get_tensorboard_writer
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
         from megatron.training.utils import print_rank_last
+
+        from megatron_hdp.megatron.telemetry import learn_from_steps, log_telemetry, write_stats
 
         result = original(*args, **kwargs)
         assert _STATE is not None
         iteration = get_args().curr_iteration + 1
         stats = hdp_statistics()
         if stats and iteration % _STATE.config.hdp_log_interval == 0:
-            writer = get_tensorboard_writer()
-            if writer is not None:
-                for name, value in stats.items():
-                    writer.add_scalar(name, value, iteration)
+            write_stats(iteration, stats, writer=get_tensorboard_writer(), wandb_writer=get_wandb_writer())
             line = " | ".join(f"{name[4:]}: {value:.4g}" for name, value in stats.items())
             print_rank_last(f" [HDP] iteration {iteration:8d} | {line}")
+            measured = log_telemetry(_STATE.telemetry, iteration)
+            if _STATE.refit is not None:
+                _use_cost_model(learn_from_steps(_STATE.refit, measured, _STATE.plans))
         return result
 
     return training_log
@@ -304,11 +336,61 @@ def _pipeline_shapes_per_microbatch(args: Namespace) -> None:
     args.variable_seq_lengths = True
 
 
+def _use_cost_model(model: Any) -> None:
+    """Plan the next steps with `model` (the online refit's) and log its coefficients."""
+    from megatron.training import get_args
+    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+    from megatron_hdp.megatron.telemetry import write_stats
+
+    assert _STATE is not None
+    _STATE.cost_model = model
+    for loader in _STATE.loaders:
+        loader.cost_model = model
+    coefficients = {f"hdp/cost-model/{name}": getattr(model, name) for name in ("a1", "b1", "g")}
+    write_stats(get_args().curr_iteration + 1, coefficients, writer=get_tensorboard_writer(),
+                wandb_writer=get_wandb_writer())
+
+
+def _save_checkpoint(original):
+    @functools.wraps(original)
+    def save_checkpoint(iteration: int, *args: Any, **kwargs: Any):
+        """Megatron's checkpoint, plus the learned cost model next to it (--hdp-online-refit)."""
+        import torch.distributed as dist
+        from megatron.training import get_args
+
+        from megatron_hdp.plan.online_refit import save_refit
+
+        result = original(iteration, *args, **kwargs)
+        assert _STATE is not None
+        if _STATE.refit is not None and get_args().save and dist.get_rank() == 0:
+            save_refit(_STATE.refit, get_args().save, iteration=iteration)
+        return result
+
+    return save_checkpoint
+
+
+def _consume_seqlen_stats(original):
+    @functools.wraps(original)
+    def consume_seqlen_stats_in_iteration():
+        """The real tokens and sum of squared document lengths of the last HDP step, for Megatron's FLOPs
+        (its own per-rank count would take each ring member's shard as a document of its own)."""
+        from megatron_hdp.megatron.telemetry import plan_seqlen_stats
+
+        original()  # drains Megatron's own counters (issues its all-reduce only when something filled them)
+        assert _STATE is not None
+        return plan_seqlen_stats(_STATE.last_step.plan) if _STATE.last_step is not None else (None, None)
+
+    return consume_seqlen_stats_in_iteration
+
+
 _PATCHES = {
     "setup_model_and_optimizer": _setup_model_and_optimizer,
     "build_pretraining_data_loader": _build_data_loader,
     "get_forward_backward_func": _get_forward_backward_func,
     "training_log": _training_log,
+    "consume_seqlen_stats_in_iteration": _consume_seqlen_stats,
+    "save_checkpoint": _save_checkpoint,
 }
 
 
@@ -343,7 +425,16 @@ def install(args: Optional[Namespace] = None) -> Optional[HDPConfig]:
 
     if apply_cpu_shims():
         apply_training_cpu_shims()
-    _STATE = _Installed(config=config, cost_model=_cost_model(args, config))
+    from megatron_hdp.megatron.telemetry import StepTelemetry
+
+    cost_model, refit = _cost_model(args, config), None
+    if config.hdp_online_refit:  # resumed from the checkpoint's learned model when --load has one
+        from megatron_hdp.plan.online_refit import OnlineRefit, RefitSettings, load_refit
+
+        settings = RefitSettings(warmup_steps=config.hdp_refit_warmup_steps)
+        refit = (load_refit(args.load, settings) if args.load else None) or OnlineRefit(cost_model, settings)
+        cost_model = refit.model
+    _STATE = _Installed(config=config, cost_model=cost_model, telemetry=StepTelemetry(), refit=refit)
     for name, wrap in _PATCHES.items():
         current = getattr(training, name)
         if not getattr(current, "_hdp_installed", False):

@@ -226,6 +226,7 @@ def calibrate(
         a2=a2,
         b2=b2,
         kv_bytes_per_token=float(dtype_bytes * 2 * shape.kv_channels),
+        activation_dtype_bytes=dtype_bytes,
         num_layers=shape.num_layers,
         ring_bandwidth=ring_bandwidth,
         d2h_bandwidth=bandwidth.d2h,

@@ -14,7 +14,7 @@ storages (in save order) holding min(1, r * L / (L - R)) of its bytes: in total 
 as planned, whenever r <= (L - R) / L. A fraction of every layer, rather than all of the first layers,
 because:
 - it is what the cost model assumes (`CostModel.hidden_offload_ratio`): each layer's D2H copy of about
-  r * Act(t) hides under that layer's own compute T(t). Whole-layer selection would push Act(t) per
+  r * Act(t) hides under one layer's forward (T(t) / 3; the prefetch under one layer's backward). Whole-layer selection would push Act(t) per
   layer through the link during the first layers, more than one layer's compute hides exactly when the
   planner chose r < 1 because bandwidth is short;
 - memory relief is spread evenly over the forward, and every layer's prefetch is small and runs under

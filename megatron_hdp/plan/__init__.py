@@ -3,10 +3,12 @@
 Entry point: `planner.make_plan(lengths, num_ranks=, config=, cost_model=, pp_size=, policy=)` -> a
 validated `step_plan.StepPlan`. Modules, one job each:
 
-- `cost_model`, `presets`: T(s), Act(s), ring traffic, offload overlap; analytic coefficients.
+- `cost_model`, `presets`: T(s), Act(s), ring traffic (the runtime's bytes per dtype), offload overlap
+  (Eq. 3's windows), topology (ranks per node, link inside / between nodes); analytic coefficients.
+- `timing`: the one step-time model (ring and expert-parallel coupling, the runtime's padding).
 - `sharding`: D(s) and the selective-offload ratio (ByteScale Eq. 3), shard and whole-sequence times.
 - `widening`: ring sizes above D(s) when a long sequence would set the step time.
-- `placement`: aligned ring placement and LPT; `packing`: best-fit micro-batches; `refine`: local search
+- `placement`: ring placement (aligned, and by predicted time at any index) and LPT; `packing`: best-fit micro-batches; `refine`: local search
   and MILP; `assemble`: decisions -> timed StepPlan (the one timing path of every policy).
 - `balance` (policy `balance`), `baselines` (`static`, `naive`); `megatron-hybrid-cp` lives in
   `megatron_hdp/megatron/hybrid_cp_policy.py` and is loaded lazily by `planner`.

@@ -5,12 +5,15 @@ way and can be compared side by side:
 
 - a micro-batch's time is `cost_model.microbatch_time` of its shards on one pipeline stage (documents on
   one ring share one ring exchange, as at run time);
-- a rank's `est_time` is its busy time, the sum of its micro-batch times; with PP it is the makespan of
+- a rank's `est_time` is its busy time, the sum of its micro-batch times, the runtime's padding
+  micro-batches included (`timing.runtime_microbatch_counts`: with PP every pipeline runs the largest
+  count); with PP it is the makespan of
   its 1F1B pipeline (`pipeline.pipeline_time`: (m + pp - 1) t for m equal micro-batches of time t, set
   by the heaviest micro-batches when they differ);
-- `est_step_time` is the time the last rank reaches the gradient all-reduce, from a timeline in which a
-  ring micro-batch starts only when every member has finished its previous micro-batch (members that
-  arrive early wait). A plan whose rings start in step has est_step_time = max est_time.
+- `est_step_time` is the time the last rank reaches the gradient all-reduce, from the timeline of
+  `timing.py` (the one step-time model): a ring micro-batch starts only when every member has finished
+  its previous micro-batch and ends for all of them when the slowest is done. A plan whose rings start
+  in step with equal member times has est_step_time = max est_time.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.layout import zigzag_chunks
 from megatron_hdp.plan.pipeline import pipeline_time
 from megatron_hdp.plan.sharding import whole_times
+from megatron_hdp.plan.timing import coupled_finish, expert_links, link_groups, runtime_microbatch_counts
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, build_many
 
 
@@ -95,6 +99,7 @@ def assemble_plan(
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     ring_index: dict[int, int] = {}
     times: list[list[float]] = []
+    schedules: list[list[MicroBatch]] = []
     ranks: list[RankSchedule] = []
     for rank, microbatches in enumerate(schedule):
         built: list[MicroBatch] = []
@@ -119,9 +124,14 @@ def assemble_plan(
                 time = cost_model.microbatch_time(costs, pp_size=pp_size)
             rank_times.append(time)
             built.append(MicroBatch(shards, max(capacity, held), time))
+        schedules.append(built)
         times.append(rank_times)
-        ranks.append(RankSchedule(rank, tuple(built), pipeline_time(rank_times, pp_size=pp_size)))
-    step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size)
+    ep_size = cost_model.expert_parallel_size
+    counts = runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size, ep_size=ep_size)
+    for rank, count in enumerate(counts):
+        times[rank] += [overhead] * (count - len(times[rank]))  # the runtime's padding micro-batches
+        ranks.append(RankSchedule(rank, tuple(schedules[rank]), pipeline_time(times[rank], pp_size=pp_size)))
+    step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size)
     ratios = np.asarray(offload_ratios, dtype=np.float64).tolist()
     sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios))
     assert len(ranks) == num_ranks
@@ -135,32 +145,14 @@ def step_time(
     rings: Sequence[tuple[int, ...]],
     ring_index: dict[int, int],
     pp_size: int = 1,
+    ep_size: int = 1,
 ) -> float:
-    """Time the last rank finishes when ring micro-batches wait for all their members (see module doc)."""
-    num_ranks = len(times)
-    by_index: dict[int, list[tuple[int, ...]]] = {}
-    for seq, index in ring_index.items():
-        by_index.setdefault(index, []).append(rings[seq])
-    counts = np.array([len(t) for t in times], dtype=np.int64)
-    depth = int(counts.max(initial=0))
-    matrix = np.zeros((num_ranks, depth))
-    for rank, rank_times in enumerate(times):
-        matrix[rank, : len(rank_times)] = rank_times
-    end = np.zeros(num_ranks)
-    for index in range(depth):
-        start = end.copy()
-        groups = by_index.get(index, [])
-        changed = True
-        while changed:  # a rank in two rings of one micro-batch links them: iterate to a fixed point
-            changed = False
-            for ring in groups:
-                members = list(ring)
-                latest = start[members].max()
-                if (start[members] < latest).any():
-                    start[members] = latest
-                    changed = True
-        end = np.where(index < counts, start + matrix[:, index], end)
-    bubble = np.zeros(num_ranks)
+    """Time the last rank finishes when ring micro-batches (and, with `ep_size` > 1, every micro-batch
+    of an expert-parallel group; `times` padded as the runtime runs them) wait for all their members and
+    release them together (`timing.coupled_finish`), plus each rank's PP bubble."""
+    links = [(index, rings[seq]) for seq, index in ring_index.items()]
+    groups = link_groups(links + expert_links([len(t) for t in times], ep_size))
+    end = coupled_finish([times], groups)
     if pp_size > 1:
-        bubble = np.array([pipeline_time(t, pp_size=pp_size) - sum(t) for t in times])
-    return float((end + bubble).max())
+        end = end + np.array([pipeline_time(t, pp_size=pp_size) - sum(t) for t in times])
+    return float(end.max(initial=0.0))

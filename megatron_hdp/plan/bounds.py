@@ -6,11 +6,11 @@ member holds at least that), and D(s) the fewest ranks memory allows (`sharding.
 with step time T has
 
 - T >= T_whole(s) for every short sequence (it stays whole on one rank);
-- T >= min_{D(s) <= k <= D} T_member(s, k) for every long one: the floor. The ring traffic, ~3 s
-  kv-bytes per member and layer whatever k, is why a 2M-token document is slow at any ring size;
+- T >= min_{D(s) <= k <= D} T_member(s, k) for every long one: the floor. The ring traffic, ~(2 + f) s
+  kv-bytes per member and layer whatever k (f = 2 in bf16, whose dK/dV travel in fp32), is why a 2M-token document is slow at any ring size;
 - each long sequence on k_s(T) ranks or more, the smallest k >= D(s) with T_member(s, k) <= T, and a
   ring of k members does k x T_member(s, k) work, which grows with k (the whole sequence's linear and
-  attention work, or, when larger, the ring traffic, 3 (k - 1) kv-bytes per token held). So
+  attention work, or, when larger, the ring traffic, 2 (k - 1) + k f kv-bytes per token held). So
   D x T >= W(T) = sum of T_whole over short sequences + sum of k_s(T) x T_member(s, k_s(T)).
 
 W(T) falls as T rises, so the smallest T meeting all three is found by bisection (`widening.settle_target`

@@ -7,6 +7,11 @@ whose ring micro-batches so far end at the same time F (then no member waits). R
 non-increasing ring size: the ranks that just received a ring of size k form a group of >= k ranks with
 equal m, so the next ring (size <= k) always finds an aligned group — the greedy never gets stuck.
 
+`place_rings_by_time` drops the alignment: each ring goes where it starts earliest, at any micro-batch
+index, and the members with fewer micro-batches get filler slots before it, which `fill_gaps` fills with
+whole sequences that fit the wait (the CPU demo's step 2: all four 2-rings on ranks {0, 1} and a
+predicted balance of 1.12 aligned, 1.01 by time). `balance` builds both and keeps the faster plan.
+
 Whole sequences are then added after the rings by LPT (heaviest first onto the least-loaded rank).
 Weights are seconds for `balance` and tokens for `naive`; the code does not care.
 """
@@ -149,3 +154,106 @@ def _lpt_heap(current: np.ndarray, w: np.ndarray, owner: np.ndarray, first: int,
     for load, rank in heap:
         current[rank] = load
     return stop
+
+
+@dataclass
+class TimedLayout:
+    """Rings placed by predicted start time, at any micro-batch index, with the slots that align them.
+
+    `leading[r]` lists rank r's micro-batches up to its last ring, each a list of sequence ids: a ring's
+    slot holds that one sequence; a *filler* slot (before a ring whose other members run more
+    micro-batches first) holds whole sequences that `fill_gaps` put there, or nothing (an empty
+    micro-batch, which the runtime runs at the micro-batch overhead). `finish[r]`: when rank r is done
+    with them, waits included."""
+
+    num_ranks: int
+    rings: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    leading: list[list[list[int]]] = field(init=False)
+    finish: np.ndarray = field(init=False)
+    gaps: list[tuple[int, int, float]] = field(default_factory=list)
+    """(rank, slot, seconds): filler slots and the idle time before the ring they precede."""
+
+    def __post_init__(self) -> None:
+        self.leading = [[] for _ in range(self.num_ranks)]
+        self.finish = np.zeros(self.num_ranks)
+
+
+def place_rings_by_time(
+    order: Sequence[int],
+    *,
+    ring_sizes: Sequence[int],
+    weights: Sequence[float],
+    num_ranks: int,
+    overhead: float,
+    domains: Sequence[int] | None = None,
+) -> TimedLayout:
+    """Each ring of `order` on the k ranks where it starts earliest, at any micro-batch index.
+
+    The members are the k ranks of least finish time (ties: fewest micro-batches, lowest rank); with
+    `domains` (a node id per rank) the k of least finish time within one node when some node has k
+    ranks, so a ring stays on the fast links (`ClusterSpec`). The ring takes the next index of its
+    member with most micro-batches; the others get filler slots before it (each an empty micro-batch of
+    `overhead` seconds until `fill_gaps` puts whole sequences there), and it starts when its last member
+    is ready. Unlike `place_rings` this never waits for a group of aligned ranks to form.
+    """
+    layout = TimedLayout(num_ranks)
+    count = np.zeros(num_ranks, dtype=np.int64)
+    node = np.zeros(num_ranks, dtype=np.int64) if domains is None else np.asarray(domains, dtype=np.int64)
+    for seq in order:
+        k, weight = int(ring_sizes[seq]), float(weights[seq])
+        best = None
+        for group in _candidate_groups(layout.finish, count, node, k):
+            slot = int(count[group].max())
+            ready = layout.finish[group] + (slot - count[group]) * overhead
+            key = (float(ready.max()), float(ready.sum()))
+            if best is None or key < best[0]:
+                best = (key, group, slot, ready)
+        (start, _), members, slot, ready = best
+        for rank, rank_ready in zip(members.tolist(), ready.tolist()):
+            fillers = slot - int(count[rank])
+            if fillers:
+                layout.gaps.append((rank, slot - 1, start - rank_ready))
+            layout.leading[rank] += [[] for _ in range(fillers)] + [[seq]]
+        layout.rings[seq] = tuple(sorted(members.tolist()))
+        layout.finish[members] = start + overhead + weight
+        count[members] = slot + 1
+    return layout
+
+
+def _candidate_groups(finish: np.ndarray, count: np.ndarray, node: np.ndarray, k: int) -> list[np.ndarray]:
+    """Member sets worth timing for a ring of k: the k earliest ranks of every node that has k, else the k
+    earliest of all (ties: fewer micro-batches, lower rank)."""
+    by_time = np.lexsort((np.arange(len(finish)), count, finish))
+    groups = []
+    for n in np.unique(node):
+        inside = by_time[node[by_time] == n]
+        if len(inside) >= k:
+            groups.append(inside[:k])
+    return groups or [by_time[:k]]
+
+
+def fill_gaps(
+    layout: TimedLayout, order: Sequence[int], *, weights: Sequence[float], tokens: Sequence[int], capacity: int
+) -> list[int]:
+    """Put whole sequences of `order` (heaviest first) into filler slots whose idle time they fit (best
+    fit; <= `capacity` tokens per slot), so they run while the rank waits for a ring's other members and
+    delay nothing. Returns the sequences left over, in order."""
+    room = {g: [seconds, capacity] for g, (_, _, seconds) in enumerate(layout.gaps) if seconds > 0}
+    left = []
+    for at, seq in enumerate(order):
+        if not room:
+            left += order[at:]
+            break
+        weight, size = float(weights[seq]), int(tokens[seq])
+        fitting = [g for g, (seconds, free) in room.items() if weight <= seconds and size <= free]
+        if not fitting:
+            left.append(seq)
+            continue
+        g = min(fitting, key=lambda g: (room[g][0], g))
+        rank, slot, _ = layout.gaps[g]
+        layout.leading[rank][slot].append(seq)
+        room[g][0] -= weight
+        room[g][1] -= size
+        if room[g][0] <= 0 or room[g][1] <= 0:
+            del room[g]
+    return left

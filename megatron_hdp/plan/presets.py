@@ -68,6 +68,9 @@ class HardwareProfile:
     """Seconds of launch overhead per layer per micro-batch."""
     host_memory_bytes: float = 256e9
     """Pinned host memory per GPU for offloaded activations (a 2 TB, 8-GPU node)."""
+    intra_node_bandwidth: float = 450e9
+    """Bytes/s of a point-to-point link inside a node (NVLink 4 per direction; `ring_bandwidth` is the
+    link between nodes)."""
 
 
 MODELS: dict[str, ModelShape] = {
@@ -83,7 +86,7 @@ MODELS: dict[str, ModelShape] = {
 HARDWARE: dict[str, HardwareProfile] = {
     "h100": HardwareProfile(989e12, 0.55, 0.45, 50e9, 25e9, 25e9, 80e9),
     "h200": HardwareProfile(989e12, 0.55, 0.45, 50e9, 25e9, 25e9, 141e9),
-    "a100": HardwareProfile(312e12, 0.55, 0.45, 25e9, 12e9, 12e9, 80e9),
+    "a100": HardwareProfile(312e12, 0.55, 0.45, 25e9, 12e9, 12e9, 80e9, intra_node_bandwidth=300e9),
 }
 
 
@@ -129,9 +132,11 @@ def analytic_cost_model(
         a2=dtype_bytes * (6 * h + 2 * kv + 4 * ffn * experts) / tp_size,
         b2=0.0,
         kv_bytes_per_token=dtype_bytes * 2 * kv / tp_size,
+        activation_dtype_bytes=dtype_bytes,
         num_layers=shape.num_layers,
         ring_bandwidth=hw.ring_bandwidth,
         d2h_bandwidth=hw.d2h_bandwidth,
         h2d_bandwidth=hw.h2d_bandwidth,
         host_memory_bytes=hw.host_memory_bytes,
+        intra_node_bandwidth=hw.intra_node_bandwidth,
     )

@@ -183,8 +183,9 @@ def member_times(
 def fastest_ring_size(member_time: Callable[[int], float], *, lo: int, hi: int) -> int:
     """The ring size in [lo, hi] of least member time (the smallest such k).
 
-    Per layer the member time is b1 s/k + max(a1 s^2/k, 3 (k-1) (kv s/(k bw) + latency)): with u = 1/k
-    both branches are convex in u, so the time is unimodal in k and a ternary search finds the minimum.
+    Per layer the member time is b1 s/k + max(a1 s^2/k, (2 (k-1) + k f) kv s/(k bw) + (3k-2) latency)
+    (f: dK/dV bytes over K/V bytes, `CostModel.layer_ring_bytes`): with u = 1/k both branches are convex
+    in u, so the time is unimodal in k and a ternary search finds the minimum.
     """
     while hi - lo > 2:
         third = (hi - lo) // 3

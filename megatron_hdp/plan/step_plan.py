@@ -111,6 +111,10 @@ class PlanSummary:
     """max / mean of the predicted per-rank times (1.0 is perfect balance)."""
     attention_bytes: float
     """Ring-attention bytes sent by all ranks in the step (0 when no cost model was given)."""
+    rings_across_nodes: int = 0
+    """Rings whose ranks sit on more than one node (the cost model's `ranks_per_node`; 0 without one)."""
+    network_bytes: float = 0.0
+    """Of `attention_bytes`, those sent over links between nodes (ring hops from one node to another)."""
 
 
 def _validate_sequence(seq: SequencePlacement, held: list[tuple[int, int, Shard]]) -> None:
@@ -347,15 +351,19 @@ class StepPlan:
     def summary(self, cost_model: Any = None) -> PlanSummary:
         """Balance, ring sizes and (given a CostModel) ring-attention bytes of this plan."""
         ring_sizes: dict[int, int] = {}
-        attention_bytes = 0.0
+        attention_bytes = network_bytes = 0.0
+        across = 0
         for seq in self.sequences:
             k = len(seq.ring)
             if k > 1:
                 ring_sizes[k] = ring_sizes.get(k, 0) + 1
                 if cost_model is not None:
-                    attention_bytes += k * cost_model.ring_bytes(
-                        num_tokens=-(-seq.length // k), ring_size=k, pp_size=self.pp_size
-                    )
+                    member = cost_model.ring_bytes(num_tokens=-(-seq.length // k), ring_size=k, pp_size=self.pp_size)
+                    attention_bytes += k * member
+                    if cost_model.crosses_nodes(seq.ring):
+                        across += 1
+                        hops = sum(cost_model.crosses_nodes((a, b)) for a, b in zip(seq.ring, seq.ring[1:] + seq.ring[:1]))
+                        network_bytes += hops * member
         times = [r.est_time for r in self.ranks]
         mean = sum(times) / len(times)
         counts = [len(r.microbatches) for r in self.ranks]
@@ -369,6 +377,8 @@ class StepPlan:
             est_step_time=self.est_step_time,
             balance=max(times) / mean if mean > 0 else 1.0,
             attention_bytes=attention_bytes,
+            rings_across_nodes=across,
+            network_bytes=network_bytes,
         )
 
     # --- serialisation -------------------------------------------------------------------------

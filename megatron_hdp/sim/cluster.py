@@ -48,6 +48,11 @@ class ClusterSpec:
     """Tokens per rank per micro-batch (C); derived from GPU memory when unset (`memory_capacity`)."""
     cost_model_path: Optional[str] = None
     """A `megatron-hdp calibrate` JSON to use instead of the analytic cost model."""
+    gpus_per_node: int = 8
+    """GPUs per node: a node holds gpus_per_node / tp_size consecutive HDP ranks of each pipeline stage
+    (Megatron orders TP fastest, then DP), which talk over `intra_node_bandwidth`."""
+    intra_node_bandwidth: Optional[float] = None
+    """Bytes/s of a ring link inside a node; the hardware's NVLink when unset."""
 
     def __post_init__(self) -> None:
         self.shape  # unknown model -> ValueError naming the known ones
@@ -61,7 +66,9 @@ class ClusterSpec:
             )
         if self.shape.num_layers % self.pp_size:
             raise ValueError(f"pp_size {self.pp_size} does not divide {self.model}'s {self.shape.num_layers} layers")
-        for name in ("allreduce_bandwidth", "ring_bandwidth"):
+        if self.gpus_per_node <= 0:
+            raise ValueError(f"gpus_per_node must be positive, got {self.gpus_per_node}")
+        for name in ("allreduce_bandwidth", "ring_bandwidth", "intra_node_bandwidth"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.capacity is not None and self.capacity <= 0:
@@ -93,12 +100,22 @@ class ClusterSpec:
 
     def cost_model(self) -> CostModel:
         """The calibrated cost model when a JSON was given, else the analytic one for this model/TP; with
-        `ring_bandwidth` in place of its own when set."""
+        `ring_bandwidth` in place of its own when set, and this cluster's topology (ranks per node and the
+        link inside a node: rings inside a node run on it, rings across nodes on `ring_bandwidth`)."""
         if self.cost_model_path:
             cost = CostModel.from_json(self.cost_model_path)
         else:
             cost = analytic_cost_model(self.shape, self.hardware_profile, tp_size=self.tp_size)
-        return dataclasses.replace(cost, ring_bandwidth=self.ring_bandwidth) if self.ring_bandwidth else cost
+        if self.ring_bandwidth:
+            cost = dataclasses.replace(cost, ring_bandwidth=self.ring_bandwidth)
+        return dataclasses.replace(cost, ranks_per_node=self.ranks_per_node,
+                                   intra_node_bandwidth=self.intra_node_bandwidth or cost.intra_node_bandwidth
+                                   or self.hardware_profile.intra_node_bandwidth)
+
+    @property
+    def ranks_per_node(self) -> int:
+        """HDP ranks (of one pipeline stage) on one node."""
+        return max(1, self.gpus_per_node // self.tp_size)
 
     def memory_capacity(self) -> int:
         """Largest power-of-two C whose activations fit beside the model states.

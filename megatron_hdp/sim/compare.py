@@ -47,6 +47,10 @@ class PolicyStats:
     """Ring-attention GB one GPU sends per step."""
     plan_seconds: float
     """Wall time of the planner per step on this machine."""
+    rings_across_nodes: float = 0.0
+    """Rings per step whose ranks sit on more than one node (their traffic runs at the inter-node link)."""
+    network_gb_per_rank: float = 0.0
+    """Of the ring-attention GB per GPU, those sent between nodes."""
     speedup: Optional[float] = None
     """Throughput over the static baseline's (None without a baseline)."""
     error: Optional[str] = None
@@ -133,7 +137,8 @@ def compare_policies(
         raise ValueError(f"global_batch_tokens must be positive, got {budget}")
     cost_model = spec.cost_model()
     config = HDPConfig(hdp_capacity=capacity, hdp_offload=offload)
-    totals = {p: {"tokens": 0, "time": 0.0, "balance": 0.0, "idle": 0.0, "comm": 0.0, "bytes": 0.0, "plan": 0.0}
+    totals = {p: {"tokens": 0, "time": 0.0, "balance": 0.0, "idle": 0.0, "comm": 0.0, "bytes": 0.0, "plan": 0.0,
+                  "across": 0.0, "network": 0.0}
               for p in policies}
     errors: dict[str, str] = {}
     plans: dict[str, StepPlan] = {}
@@ -169,6 +174,9 @@ def compare_policies(
             total["comm"] += float(timeline.comm.mean()) / timeline.compute_end if timeline.compute_end else 0.0
             total["bytes"] += timeline.attention_bytes / spec.num_ranks
             total["plan"] += planned
+            summary = plan.summary(cost_model)
+            total["across"] += summary.rings_across_nodes
+            total["network"] += summary.network_bytes / spec.num_ranks
     stats = {}
     for policy, total in totals.items():
         if policy in errors:
@@ -183,6 +191,8 @@ def compare_policies(
             comm_fraction=total["comm"] / steps,
             attention_gb_per_rank=total["bytes"] / steps / 1e9,
             plan_seconds=total["plan"] / steps,
+            rings_across_nodes=total["across"] / steps,
+            network_gb_per_rank=total["network"] / steps / 1e9,
         )
     base = stats.get(BASELINE)
     if base is not None and base.error is None:
@@ -210,17 +220,17 @@ def throughput_sweep(
 def format_table(comparison: Comparison) -> str:
     """The comparison as a markdown table."""
     rows = ["| policy | tokens/s | speedup vs static | step s | balance (max/mean) | idle | exposed comm "
-            "| attention GB/GPU | plan s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| attention GB/GPU | rings across nodes | network GB/GPU | plan s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in comparison.stats.values():
         if s.error:
-            rows.append(f"| {s.policy} | n/a: {s.error} | | | | | | | |")
+            rows.append(f"| {s.policy} | n/a: {s.error} | | | | | | | | | |")
             continue
         speedup = f"{s.speedup:.2f}x" if s.speedup is not None else "-"
         rows.append(f"| {s.policy} | {s.tokens_per_second:,.0f} | {speedup} | {s.step_time:.2f} | {s.balance:.2f} | "
                     f"{s.idle_fraction:.1%} | {s.comm_fraction:.1%} | {s.attention_gb_per_rank:.1f} | "
-                    f"{s.plan_seconds:.2f} |")
+                    f"{s.rings_across_nodes:.1f} | {s.network_gb_per_rank:.1f} | {s.plan_seconds:.2f} |")
     bound = comparison.floor_speedup
     rows.append(f"| (compute floor) | {comparison.floor_tokens_per_second:,.0f} | "
-                f"{f'{bound:.2f}x' if bound is not None else '-'} | | | | | | |")
+                f"{f'{bound:.2f}x' if bound is not None else '-'} | | | | | | | | |")
     return "\n".join(rows)

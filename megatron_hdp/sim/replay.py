@@ -7,7 +7,7 @@ wait uses none) — and the runtime's waits follow from the plan: ring members r
 together, layer by layer, so it ends for all of them when the slowest is done (the layers are identical,
 so waiting per layer adds up to waiting once per forward and once per backward); the gradient all-reduce
 starts when the last rank arrives. `dedicated_step_time` replays the measured phases through exactly
-those waits — the coupling rule of the simulator (`megatron_hdp.sim.simulator`), shared, not copied — so
+those waits — the one timing model of `megatron_hdp.plan.timing`, which the planner and the simulator use — so
 it is the step time the same ranks would reach on dedicated cores, and the measurement a prediction of
 `simulate_step(..., rules=PolicyRules())` is held against. Pipeline parallelism is not replayed.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from megatron_hdp.plan.step_plan import StepPlan
-from megatron_hdp.sim.simulator import PolicyRules, _coupling, _Shards
+from megatron_hdp.plan.timing import coupled_finish, plan_groups
 
 
 def dedicated_step_time(
@@ -47,17 +47,5 @@ def dedicated_step_time(
                 f"rank {r}: {len(forward[r])} forward and {len(backward[r])} backward times for "
                 f"{len(plan.ranks[r].microbatches)} planned micro-batches"
             )
-    coupled = _coupling(plan, PolicyRules(), _Shards.of(plan))
-    clock = [float(b) for b in before]
-    for index in range(max(len(f) for f in forward)):
-        for phase in (forward, backward):
-            groups: dict[object, list[int]] = {}
-            for r in range(n):
-                if index < len(phase[r]):
-                    groups.setdefault(coupled.get((r, index), ("alone", r)), []).append(r)
-            for ranks in groups.values():
-                start = max(clock[r] for r in ranks)
-                end = start + max(phase[r][index] for r in ranks)
-                for r in ranks:
-                    clock[r] = end
-    return max(clock) + max(after)
+    clock = coupled_finish([forward, backward], plan_groups(plan), start=before)
+    return float(clock.max()) + max(after)

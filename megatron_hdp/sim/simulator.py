@@ -11,12 +11,18 @@ What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding n
   (test_plan_sim_agreement checks they agree). One pass per micro-batch (Megatron's hybrid CP runs one pass per sub-sample, see
   `POLICY_RULES`).
 - Offload: a shard of a sequence with offload ratio r copies r * Act(t) per layer to the host and back.
-  Following the cost model's overlap rule (ByteScale Eq. 3: r * Act / B_d2h <= the layer's compute), a
-  layer's copy in each direction overlaps that layer's compute; what exceeds it is exposed.
-- Ring coupling: the members of a ring run ring attention layer by layer together, so a micro-batch that
-  shares a ring with other ranks starts when all of them are ready, and releases them together when the
-  slowest is done (its busy part is its own work; the rest is idle). Coupling is transitive: ranks linked
-  through several rings at the same micro-batch index move as one group.
+  Following the cost model's overlap rule (ByteScale Eq. 3 with its windows,
+  `CostModel.exposed_offload_time`), the D2H copy overlaps one layer's forward and the H2D prefetch one
+  layer's backward; what exceeds either window is exposed.
+- Ring coupling (`plan.timing.plan_groups`, the planner's rule): the members of a ring run ring attention
+  layer by layer together, so a micro-batch that shares a ring with other ranks starts when all of them
+  are ready, and releases them together when the slowest is done (its busy part is its own work; the
+  rest is idle). Coupling is transitive: ranks linked through several rings at the same micro-batch
+  index move as one group.
+- Padding: after its own micro-batches a rank runs the runtime's empty ones (with PP up to the domain's
+  largest count, with EP its group's; an idle rank one), each at the micro-batch overhead (`plan.timing`).
+- Expert parallelism (`CostModel.expert_parallel_size`): micro-batch i of every member of an EP group is
+  coupled like a ring (the MoE all-to-all of every layer), `plan.timing.expert_links`.
 - PP: every stage runs its micro-batches in 1F1B order (warm-up of p-1-s forwards), forward = 1/3 and
   backward = 2/3 of the micro-batch time (backward does twice the forward's FLOPs and ring traffic);
   F of stage s waits for F of stage s-1, B of stage s for B of stage s+1. PP bubbles and the stalls of
@@ -38,6 +44,7 @@ import numpy as np
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.pipeline import FORWARD_SHARE, one_f_one_b_order
 from megatron_hdp.plan.step_plan import MicroBatch, StepPlan
+from megatron_hdp.plan.timing import plan_groups, runtime_microbatch_counts
 
 
 
@@ -151,11 +158,6 @@ class _Shards:
     rings: tuple[tuple[int, ...], ...]
     """The ranks of ring id i."""
 
-    def microbatch_index(self) -> np.ndarray:
-        """Each shard's micro-batch index on its own rank."""
-        rank = np.searchsorted(self.first_microbatch, self.microbatch, side="right") - 1
-        return self.microbatch - self.first_microbatch[rank]
-
     @classmethod
     def of(cls, plan: StepPlan) -> "_Shards":
         mbs = [mb for schedule in plan.ranks for mb in schedule.microbatches]
@@ -197,6 +199,8 @@ def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shard
     num_mbs = int(shards.first_microbatch[-1])
     layers = cost.num_layers / plan.pp_size
     out = np.zeros((num_mbs, 4))
+    # a micro-batch without shards still runs one (empty) forward and backward: the runtime's overhead g
+    out[:, 0] = np.where(np.bincount(shards.microbatch, minlength=num_mbs) == 0, cost.g * layers, 0.0)
     if not len(shards.tokens):
         return out
     # a pass is one forward/backward: the whole micro-batch, or (hybrid CP) each shard alone
@@ -214,8 +218,14 @@ def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shard
     group_size[group_keys] = shards.ring_size
     group_pass = np.zeros(len(group_tokens), dtype=np.int64)
     group_pass[group_keys] = pass_of_shard
-    traffic = _per_ring_size(group_tokens, group_size,
-                             lambda t, k: cost.layer_ring_comm_time(num_tokens=t, ring_size=k))
+    group_ring = np.zeros(len(group_tokens), dtype=np.int64)
+    group_ring[group_keys] = shards.ring
+    bandwidth = np.array([cost.ring_link_bandwidth(ring) for ring in shards.rings])[group_ring]
+    group_ids = np.arange(len(group_tokens))
+    traffic = _per_ring_size(group_ids.astype(np.float64), group_size,
+                             lambda ids, k: cost.layer_ring_comm_time(num_tokens=group_tokens[ids.astype(np.int64)],
+                                                                      ring_size=k,
+                                                                      bandwidth=bandwidth[ids.astype(np.int64)]))
     exposed = np.maximum(0.0, traffic - group_attention)
     # per-block kernel overhead of split documents: work of the rank itself, not hidden by the exchange
     blocks = _per_ring_size(np.bincount(group_keys).astype(np.float64), group_size,
@@ -225,44 +235,13 @@ def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shard
     layer_comm = np.bincount(group_pass, weights=exposed, minlength=num_passes)
     copy = np.bincount(pass_of_shard, weights=shards.offload_ratio * cost.activation_bytes(shards.tokens),
                        minlength=num_passes)
-    copy_time = np.maximum(copy / cost.d2h_bandwidth, copy / cost.h2d_bandwidth)
-    layer_offload = np.maximum(0.0, copy_time - layer_compute - layer_comm)
+    layer_offload = cost.exposed_offload_time(copy, layer_compute + layer_comm)
     for column, per_pass in enumerate((layer_compute, layer_comm, layer_offload)):
-        out[:, column] = np.bincount(mb_of_pass, weights=per_pass * layers, minlength=num_mbs)
+        out[:, column] += np.bincount(mb_of_pass, weights=per_pass * layers, minlength=num_mbs)
     ring_bytes = _per_ring_size(shards.tokens, shards.ring_size,
                                 lambda t, k: cost.ring_bytes(num_tokens=t, ring_size=k, pp_size=plan.pp_size))
     out[:, 3] = np.bincount(shards.microbatch, weights=ring_bytes, minlength=num_mbs)
     return out
-
-
-def _coupling(plan: StepPlan, rules: PolicyRules, shards: _Shards) -> dict[tuple[int, int], int]:
-    """(rank, micro-batch index) -> id of the group of ranks that must run that index together."""
-    parent: dict[tuple[int, int], tuple[int, int]] = {}
-
-    def find(x: tuple[int, int]) -> tuple[int, int]:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    split = shards.ring_size > 1  # validate() puts all shards of a sequence at one index
-    num_rings = len(shards.rings)
-    for key in np.unique(shards.microbatch_index()[split] * num_rings + shards.ring[split]):
-        index, ring = divmod(int(key), num_rings)
-        members = shards.rings[ring]
-        for rank in members[1:]:
-            parent[find((rank, index))] = find((members[0], index))
-    if rules.barrier_per_microbatch:
-        first: dict[int, int] = {}  # micro-batch index -> first rank that has it
-        for schedule in plan.ranks:
-            for index in range(len(schedule.microbatches)):
-                parent[find((schedule.rank, index))] = find((first.setdefault(index, schedule.rank), index))
-    roots: dict[tuple[int, int], int] = {}
-    groups = {key: roots.setdefault(find(key), len(roots)) for key in list(parent)}
-    sizes: dict[int, int] = {}
-    for gid in groups.values():
-        sizes[gid] = sizes.get(gid, 0) + 1
-    return {key: gid for key, gid in groups.items() if sizes[gid] > 1}
 
 
 def simulate_step(
@@ -291,7 +270,15 @@ def simulate_step(
     costs = [mb_costs[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]  # [rank][index] -> 4 numbers
     with_ring = np.bincount(shards.microbatch, weights=shards.ring_size > 1, minlength=len(mb_costs)) > 0
     has_ring = [with_ring[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]
-    coupled = _coupling(plan, rules, shards)
+    # the runtime's padding micro-batches (empty, at the micro-batch overhead) after each rank's own
+    padding = cost_model.microbatch_time([], pp_size=p)
+    extra = np.array(runtime_microbatch_counts([len(c) for c in costs], pp_size=p,
+                                                ep_size=cost_model.expert_parallel_size)) - [len(c) for c in costs]
+    for r in range(n):
+        costs[r] += [[padding, 0.0, 0.0, 0.0]] * int(extra[r])
+        has_ring[r] += [False] * int(extra[r])
+    coupled = plan_groups(plan, barrier_per_microbatch=rules.barrier_per_microbatch,
+                          ep_size=cost_model.expert_parallel_size)
     members: dict[int, list[int]] = {}
     for (rank, _), gid in coupled.items():
         members.setdefault(gid, []).append(rank)
@@ -352,6 +339,7 @@ def simulate_step(
     assert not stuck, f"simulation stalled at rank-stages {stuck[:4]}: the plan breaks the one-index ring rule"
     rank_of_mb = np.repeat(np.arange(n), np.diff(bounds))
     totals = np.stack([np.bincount(rank_of_mb, weights=mb_costs[:, i], minlength=n) for i in range(4)], axis=1)
+    totals[:, 0] += padding * extra
     finish = np.array([max((o.release for stage in ops[r] for o in stage), default=0.0) for r in range(n)])
     return StepTimeline(
         policy=plan.policy,

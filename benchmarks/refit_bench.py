@@ -1,0 +1,214 @@
+"""refit_bench: does the online cost-model refit recover a run that starts from a wrong cost model? (CPU)
+
+Three runs plan the same global batches (8 HDP ranks, long-tailed document lengths) with the balance
+policy; each rank's compute is the sum of its documents' forward + backward through a real Llama-style
+layer, measured on this CPU (`DocumentTimer`), so each step has a measured per-rank compute time and a
+measured balance (max / mean):
+
+- calibrated: the cost model fitted to this machine beforehand (`offload.calibrate.fit_compute`, the fit
+  `megatron-hdp calibrate` makes, on documents of 32..2048 tokens timed by the same clock), never changed;
+- wrong: the calibrated model with a1 x3, b1 / 3, g x3, never changed. (Every coefficient x3 would
+  change no plan: the planner only compares times. A wrong mix of attention and linear cost does.)
+- refit: the wrong model, refitted online from each step's measured per-rank compute
+  (`plan.online_refit.OnlineRefit`, the refit `--hdp-online-refit` runs) after 2 warm-up steps.
+
+Goal: the refit run's measured balance is within 5% of the calibrated run's in <= 20 steps, i.e. from
+some step <= 20 on, the mean balance over every window of 4 steps is at most 5% above the calibrated
+run's on the same steps (a refit that balances better than the calibration counts as converged). Writes benchmarks/results/refit_bench.json and refit_bench.png and prints a table.
+
+    PYTHONPATH=. python benchmarks/refit_bench.py [--steps 30] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_hdp.config import HDPConfig
+from megatron_hdp.offload.calibrate import LayerSample, fit_compute
+from megatron_hdp.offload.reference_model import ReferenceLayer, rope_tables
+from megatron_hdp.plan.online_refit import OnlineRefit, RefitSettings, compute_features
+from megatron_hdp.plan.planner import make_plan
+from megatron_hdp.plan.presets import ModelShape, analytic_cost_model
+
+RESULTS = Path(__file__).parent / "results"
+SHAPE = ModelShape(num_layers=1, hidden_size=128, num_attention_heads=4, num_query_groups=4,
+                   ffn_hidden_size=256, vocab_size=1024)
+NUM_RANKS = 8
+CAPACITY = 2048
+WINDOW = 4
+TOLERANCE = 0.05
+
+
+def global_batches(steps: int, *, docs: int, sigma: float, seed: int) -> list[list[int]]:
+    """Long-tailed document lengths (16..2048 tokens, multiples of 16): many short documents, a few long."""
+    rng = np.random.default_rng(seed)
+    return [(np.clip(rng.lognormal(5.2, sigma, size=docs), 16, CAPACITY) // 16 * 16).astype(int).tolist()
+            for _ in range(steps)]
+
+
+class DocumentTimer:
+    """Forward + backward of one ReferenceLayer on one document, measured on this CPU once per length
+    (the fastest of `repeats`, in process time: what this thread computed, so other work on a shared
+    host adds little). A rank's step is the sum over its documents: measured, and the same every time
+    the same documents come back, so the three runs differ only by their plans."""
+
+    def __init__(self, repeats: int) -> None:
+        torch.manual_seed(0)
+        self.layer = ReferenceLayer(SHAPE, dtype=torch.float32)
+        self.repeats = repeats
+        self._seconds: dict[int, float] = {}
+
+    def document_seconds(self, length: int) -> float:
+        if length not in self._seconds:
+            x = torch.randn(1, length, SHAPE.hidden_size, requires_grad=True)
+            cos, sin = rope_tables(length, self.layer.head_dim, device=torch.device("cpu"), dtype=torch.float32)
+            grad = torch.randn_like(x)
+            self.layer(x, cos, sin).backward(grad)  # warm-up
+            best = float("inf")
+            for _ in range(self.repeats):
+                start = time.process_time()
+                self.layer(x, cos, sin).backward(grad)
+                best = min(best, time.process_time() - start)
+            self._seconds[length] = best
+        return self._seconds[length]
+
+    def rank_seconds(self, documents: list[list[int]]) -> float:
+        """A rank's compute: its micro-batches' documents, one after the other."""
+        return sum(self.document_seconds(length) for microbatch in documents for length in microbatch)
+
+
+def rank_documents(plan) -> list[list[list[int]]]:
+    """Per rank, per micro-batch, the lengths of its documents (every document is whole here)."""
+    lengths = {s.id: s.length for s in plan.sequences}
+    assert all(len(s.ring) == 1 for s in plan.sequences), "the bench keeps every document on one rank"
+    return [[[lengths[sh.seq] for sh in mb.shards] for mb in plan.microbatches(r)] for r in range(plan.num_ranks)]
+
+
+def run(batches, model, timer: DocumentTimer, *, refit: bool) -> dict:
+    """Plan and execute every batch; return per-step measured balance, the model's coefficients and its
+    prediction error (mean over ranks of |predicted - measured| / measured compute)."""
+    config = HDPConfig(hdp=True, hdp_capacity=CAPACITY, hdp_offload=False)
+    learner = OnlineRefit(model, RefitSettings(warmup_steps=2)) if refit else None
+    balances, coefficients, errors = [], [], []
+    for lengths in batches:
+        current = learner.model if learner else model
+        plan = make_plan(lengths, num_ranks=NUM_RANKS, config=config, cost_model=current)
+        seconds = [timer.rank_seconds(docs) for docs in rank_documents(plan)]
+        balances.append(max(seconds) / float(np.mean(seconds)))
+        coefficients.append({"a1": current.a1, "b1": current.b1, "g": current.g})
+        predicted = compute_features(plan, num_layers=current.num_layers) @ [current.a1, current.b1, current.g]
+        errors.append(float(np.mean(np.abs(predicted - seconds) / seconds)))
+        if learner:
+            learner.observe(plan, seconds)
+    return {"balance": balances, "coefficients": coefficients, "prediction_error": errors}
+
+
+def converged_step(refit: list[float], calibrated: list[float]) -> int | None:
+    """First step (1-based) from which every window of WINDOW steps has a mean balance at most TOLERANCE
+    above the calibrated run's on the same steps."""
+    n = len(refit)
+    ok = [
+        np.mean(refit[i:i + WINDOW]) <= (1 + TOLERANCE) * np.mean(calibrated[i:i + WINDOW])
+        for i in range(n - WINDOW + 1)
+    ]
+    for start in range(len(ok)):
+        if all(ok[start:]):
+            return start + 1
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--docs", type=int, default=96, help="documents per global batch")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--wrong", default="3,0.333333,3", help="factors applied to the calibrated a1,b1,g")
+    parser.add_argument("--sigma", type=float, default=1.0, help="spread (lognormal sigma) of document lengths")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    timer = DocumentTimer(args.repeats)
+    # calibrated = `fit_compute` (what `megatron-hdp calibrate` fits) on documents timed by the same clock
+    a1, b1, g = fit_compute([LayerSample(s, timer.document_seconds(s), 0) for s in (32, 128, 256, 512, 1024, 2048)])
+    calibrated = dataclasses.replace(analytic_cost_model(SHAPE, "h100"), a1=a1, b1=b1, g=g)
+    fa1, fb1, fg = (float(x) for x in args.wrong.split(","))
+    wrong = dataclasses.replace(calibrated, a1=a1 * fa1, b1=b1 * fb1, g=g * fg)
+    batches = global_batches(args.steps, docs=args.docs, sigma=args.sigma, seed=args.seed)
+    runs = {
+        "calibrated": run(batches, calibrated, timer, refit=False),
+        "wrong": run(batches, wrong, timer, refit=False),
+        "refit": run(batches, wrong, timer, refit=True),
+    }
+    step = converged_step(runs["refit"]["balance"], runs["calibrated"]["balance"])
+    result = {
+        "command": "python benchmarks/refit_bench.py " + " ".join(sys.argv[1:]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "shape": dataclasses.asdict(SHAPE), "num_ranks": NUM_RANKS, "capacity": CAPACITY, "steps": args.steps,
+        "docs_per_step": args.docs, "sigma": args.sigma, "wrong_factors": [fa1, fb1, fg], "repeats": args.repeats, "window": WINDOW, "tolerance": TOLERANCE,
+        "calibrated_coefficients": {"a1": a1, "b1": b1, "g": g},
+        "runs": runs, "converged_step": step, "goal_met": step is not None and step <= 20,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "refit_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(runs, step, RESULTS / "refit_bench.png")
+
+    print(f"{'':>4} {'measured balance':^28} {'prediction error':^28} {'refit / calibrated':^20}")
+    print(f"{'step':>4} {'calibrated':>10} {'wrong':>8} {'refit':>8} {'calibrated':>10} {'wrong':>8} {'refit':>8} "
+          f"{'a1':>9} {'b1':>9}")
+    for i in range(args.steps):
+        c = runs["refit"]["coefficients"][i]
+        balance = [runs[name]["balance"][i] for name in ("calibrated", "wrong", "refit")]
+        error = [runs[name]["prediction_error"][i] for name in ("calibrated", "wrong", "refit")]
+        print(f"{i + 1:>4} {balance[0]:>10.3f} {balance[1]:>8.3f} {balance[2]:>8.3f} {error[0]:>10.1%} "
+              f"{error[1]:>8.1%} {error[2]:>8.1%} {c['a1'] / a1:>9.3f} {c['b1'] / b1:>9.3f}")
+    means = {name: float(np.mean(r["balance"][-10:])) for name, r in runs.items()}
+    print(f"mean balance of the last 10 steps: {means}")
+    print(f"refit at most {TOLERANCE:.0%} above calibrated (window {WINDOW}) from step {step}; goal (<= 20) "
+          f"{'met' if result['goal_met'] else 'NOT met'}")
+
+
+def plot(runs: dict, step: int | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(17, 4.2))
+    for name, style in (("calibrated", "-"), ("wrong", ":"), ("refit", "o-")):
+        balance = runs[name]["balance"]
+        left.plot(range(1, len(balance) + 1), balance, style, label=name, ms=3)
+    if step is not None:
+        left.axvline(step, color="grey", lw=0.8, ls="--", label=f"within 5% from step {step}")
+    left.set(title="measured balance (max / mean rank compute)", xlabel="step")
+    left.legend()
+    for name, style in (("calibrated", "-"), ("wrong", ":"), ("refit", "o-")):
+        error = runs[name]["prediction_error"]
+        middle.plot(range(1, len(error) + 1), [100 * e for e in error], style, label=name, ms=3)
+    middle.set(title="cost model's error on the measured rank times", xlabel="step", ylabel="%", yscale="log")
+    middle.legend()
+    a1 = runs["calibrated"]["coefficients"][0]["a1"]
+    b1 = runs["calibrated"]["coefficients"][0]["b1"]
+    coefficients = runs["refit"]["coefficients"]
+    steps = range(1, len(coefficients) + 1)
+    right.plot(steps, [c["a1"] / a1 for c in coefficients], "o-", ms=3, label="a1 / calibrated")
+    right.plot(steps, [c["b1"] / b1 for c in coefficients], "s-", ms=3, label="b1 / calibrated")
+    right.axhline(1.0, color="grey", lw=0.8)
+    right.set(title="refit coefficients", xlabel="step", yscale="log")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""One timing model: the planner's step time, `plan.timing` and the simulator agree on random plans.
+
+Random valid plans (`hand_plan.random_plan`: rings of any size at any micro-batch index, overlapping
+rings, uneven micro-batch counts) are timed three ways: the planner's `assemble_plan` (which times each
+micro-batch with `CostModel.microbatch_time` and composes them with `assemble.step_time`), the per-rank
+composition of `plan.timing.coupled_finish` over `CostModel.microbatch_time` written out here, and the
+vectorised simulator (`simulate_step`, pp_size 1, our runtime's rules, no offload). Rank busy times and
+the time the last rank reaches the all-reduce must agree to 1e-9.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_hdp.megatron.hand_plan import random_plan
+from megatron_hdp.plan.assemble import assemble_plan
+from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.presets import analytic_cost_model
+from megatron_hdp.plan.timing import coupled_finish, plan_groups
+from megatron_hdp.sim.simulator import PolicyRules, simulate_step
+
+H100 = analytic_cost_model("llama-7b", tp_size=8)
+SLOW_RING = CostModel.from_dict({**H100.to_dict(), "ring_bandwidth": 2e9, "ring_latency": 1e-4,
+                                 "ring_block_overhead": 3e-5})
+
+
+def _microbatch_times(plan, cost_model):
+    """[rank][index] -> CostModel.microbatch_time of that micro-batch's shards."""
+    rings = [seq.ring for seq in plan.sequences]
+    return [[cost_model.microbatch_time([(plan.lengths[s.seq], s.num_tokens, rings[s.seq] if len(rings[s.seq]) > 1
+                                          else ()) for s in mb.shards]) for mb in schedule.microbatches]
+            for schedule in plan.ranks]
+
+
+def _assembled(plan, cost_model):
+    """The same placement re-timed by the planner's `assemble_plan`."""
+    schedule = [[[s.seq for s in mb.shards] for mb in r.microbatches] for r in plan.ranks]
+    return assemble_plan(policy=plan.policy, lengths=plan.lengths, rings=[s.ring for s in plan.sequences],
+                         offload_ratios=[0.0] * len(plan.lengths), schedule=schedule, capacity=plan.capacity,
+                         cost_model=cost_model)
+
+
+@pytest.mark.parametrize("cost_model", [H100, SLOW_RING], ids=["h100", "slow-ring"])
+def test_planner_timing_and_simulator_agree_on_random_plans(cost_model):
+    rng = np.random.default_rng(0)
+    for seed in range(60):
+        num_ranks = int(rng.integers(1, 7))
+        lengths = rng.integers(1, 20000, size=int(rng.integers(1, 12))).tolist()
+        plan = random_plan(lengths, num_ranks=num_ranks, seed=seed, max_slots=4)
+        times = _microbatch_times(plan, cost_model)
+        for rank_times in times:  # a rank without micro-batches runs one empty one (the runtime's padding)
+            rank_times += [cost_model.microbatch_time([])] * (not rank_times)
+        finish = coupled_finish([times], plan_groups(plan))
+        assembled = _assembled(plan, cost_model)
+        timeline = simulate_step(plan, cost_model, rules=PolicyRules())
+        where = f"seed {seed}, {num_ranks} ranks, lengths {lengths}"
+        busy = [sum(t) for t in times]
+        np.testing.assert_allclose([r.est_time for r in assembled.ranks], busy, rtol=1e-9, err_msg=where)
+        np.testing.assert_allclose(timeline.busy, busy, rtol=1e-9, atol=1e-15, err_msg=where)
+        assert assembled.est_step_time == pytest.approx(float(finish.max()), rel=1e-9), where
+        assert timeline.compute_end == pytest.approx(float(finish.max()), rel=1e-9), where
+
+
+def test_pipelines_are_padded_to_the_largest_microbatch_count():
+    """PP = 2: rank 0 runs three micro-batches, rank 1 one; the runtime pads rank 1's pipeline with two
+    empty micro-batches (`megatron.step.pad_microbatches`). Planner and simulator both time them."""
+    from megatron_hdp.plan.pipeline import pipeline_time
+
+    lengths = [3000, 3000, 3000, 6000]
+    schedule = [[[0], [1], [2]], [[3]]]
+    plan = assemble_plan(policy="hand", lengths=lengths, rings=[(0,), (0,), (0,), (1,)], offload_ratios=[0.0] * 4,
+                         schedule=schedule, capacity=6000, cost_model=H100, pp_size=2)
+    own = H100.microbatch_time([(6000, 6000, ())], pp_size=2)
+    empty = H100.microbatch_time([], pp_size=2)
+    assert plan.ranks[1].est_time == pytest.approx(pipeline_time([own, empty, empty], pp_size=2))
+    assert plan.ranks[1].est_time > pipeline_time([own], pp_size=2)
+    timeline = simulate_step(plan, H100, rules=PolicyRules())
+    assert timeline.busy[1] == pytest.approx(own + 2 * empty)
+    assert timeline.compute_end == pytest.approx(plan.est_step_time)
+
+
+def test_expert_parallel_groups_couple_every_microbatch():
+    """EP = 2: the MoE all-to-all couples micro-batch i of both members; rank 1 has one micro-batch and
+    runs a padding one beside rank 0's second (`megatron.step.num_microbatches_to_run`)."""
+    ep = CostModel.from_dict({**H100.to_dict(), "expert_parallel_size": 2})
+    lengths = [3000, 1000, 6000]
+    plan = assemble_plan(policy="hand", lengths=lengths, rings=[(0,), (0,), (1,)], offload_ratios=[0.0] * 3,
+                         schedule=[[[0], [1]], [[2]]], capacity=6000, cost_model=ep)
+    a, b, c = (ep.microbatch_time([(n, n, ())]) for n in lengths)
+    empty = ep.microbatch_time([])
+    assert plan.est_step_time == pytest.approx(max(a, c) + max(b, empty))
+    assert plan.ranks[1].est_time == pytest.approx(c + empty)
+    timeline = simulate_step(plan, ep, rules=PolicyRules())
+    assert timeline.compute_end == pytest.approx(plan.est_step_time)
+    with pytest.raises(ValueError, match="expert_parallel_size 2 does not divide the 3"):
+        assemble_plan(policy="hand", lengths=lengths, rings=[(0,), (1,), (2,)], offload_ratios=[0.0] * 3,
+                      schedule=[[[0]], [[1]], [[2]]], capacity=6000, cost_model=ep)
+
+
+def test_planner_and_simulator_agree_with_expert_parallelism_on_random_plans():
+    ep = CostModel.from_dict({**SLOW_RING.to_dict(), "expert_parallel_size": 2})
+    rng = np.random.default_rng(1)
+    for seed in range(30):
+        num_ranks = 2 * int(rng.integers(1, 4))
+        lengths = rng.integers(1, 20000, size=int(rng.integers(1, 12))).tolist()
+        plan = random_plan(lengths, num_ranks=num_ranks, seed=seed, max_slots=4)
+        assembled = _assembled(plan, ep)
+        timeline = simulate_step(plan, ep, rules=PolicyRules())
+        where = f"seed {seed}, {num_ranks} ranks, lengths {lengths}"
+        np.testing.assert_allclose(timeline.busy, [r.est_time for r in assembled.ranks], rtol=1e-9, err_msg=where)
+        assert timeline.compute_end == pytest.approx(assembled.est_step_time, rel=1e-9), where
