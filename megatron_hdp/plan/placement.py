@@ -200,8 +200,9 @@ def place_rings_by_time(
     member is ready. Unlike `place_rings` this never waits for a group of aligned ranks to form.
 
     Each node keeps its ranks sorted by (finish, micro-batches, rank), so its candidate members are the
-    head of its list, and a node is timed again only when a ring lands on it or the ring size changes
-    (timing every node for every ring cost ~1 ms a ring at 128 nodes).
+    head of its list, a node is timed again only when a ring lands on it or the ring size changes, and a
+    heap of (start, summed ready time, node) finds the best node (timing every node for every ring cost
+    ~1 ms a ring at 128 nodes).
     """
     layout = TimedLayout(num_ranks)
     node_of = [0] * num_ranks if domains is None else [int(n) for n in domains]
@@ -214,8 +215,12 @@ def place_rings_by_time(
         if k != size:
             size, fitting = k, [n for n, queue in queues.items() if len(queue) >= k]
             keys = {n: _start_key(queues[n][:k], overhead) for n in fitting} if len(fitting) > 1 else {}
+            ranking = [(*key, n) for n, key in keys.items()]  # a heap; entries of re-timed nodes go stale
+            heapq.heapify(ranking)
         if fitting:
-            group = queues[min(keys, key=keys.__getitem__) if keys else fitting[0]][:k]
+            while keys and keys[ranking[0][2]] != ranking[0][:2]:
+                heapq.heappop(ranking)
+            group = queues[ranking[0][2] if keys else fitting[0]][:k]
         else:  # no node holds k ranks: the k earliest of all
             group = list(itertools.islice(heapq.merge(*queues.values()), k))
         slot, ready = _ready_times(group, overhead)
@@ -235,6 +240,7 @@ def place_rings_by_time(
             bisect.insort(queues[node_of[rank]], (finish, slot + 1, rank))
         for n in touched.keys() & keys.keys():
             keys[n] = _start_key(queues[n][:k], overhead)
+            heapq.heappush(ranking, (*keys[n], n))
     return layout
 
 
