@@ -5,7 +5,9 @@ trains a tiny dense and a tiny MoE Llama-style GPT for two steps; each HDP launc
 weights, trains the same two global batches under random plans (whole documents, rings of 2..D ranks
 that overlap, uneven micro-batch counts) and must match loss and gradients after each step — the second
 step after the optimizer update. Layouts: HDP=4; TP=2 x HDP=2 (no sequence parallelism: Megatron's
-torch norms reject it without TE/Apex); PP=2 x HDP=2 (1F1B); EP=2 across HDP=4 with MoE layers. All but
+torch norms reject it without TE/Apex); PP=2 x HDP=2 (1F1B); EP=2 across HDP=4 with MoE layers, their
+load-balancing loss and z-loss on (per document under HDP, as the reference's one-document micro-batches
+compute them; the idle rank's padding micro-batches must add nothing to them). All but
 TP=2 run Megatron DDP with overlap_grad_reduce (several buckets) and a second plan that leaves one HDP rank
 (with PP: a whole pipeline) idle: it runs padding micro-batches only, whose zero loss must still fire
 every parameter's gradient hook, or DDP never issues that bucket's reduction.
@@ -24,6 +26,13 @@ from megatron_hdp.comm.launch import run_gloo
 
 BATCHES = [(11, [37, 5, 64, 12, 23, 50, 9, 3, 1]), (12, [70, 2, 31, 17, 44, 8, 26])]
 NUM_EXPERTS = 4
+MOE_LOSSES = dict(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1)
+"""The MoE router's load-balancing loss and z-loss, large enough that a packing-dependent aux loss would
+move the router gradients far beyond the tolerance. The reference (one document per micro-batch) is
+Megatron's own per-micro-batch loss; HDP computes it per document (megatron_hdp/megatron/moe_aux_loss.py).
+They lift the gradient norm above 1, so the MoE runs do not clip (`MOE_CLIP_GRAD`): clipping scales the
+main_grad the check reads after the step, which the reference reads before its step."""
+MOE_CLIP_GRAD = 0.0
 
 
 def _init(tp=1, pp=1, ep=1):
@@ -42,9 +51,10 @@ def _reference(rank, world_size):
     out = {}
     for kind, experts in (("dense", None), ("moe", NUM_EXPERTS)):
         _init()
-        model = build_gpt(tiny_llama_config(num_moe_experts=experts), vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=False)
+        config = tiny_llama_config(num_moe_experts=experts, **(MOE_LOSSES if experts else {}))
+        model = build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=False)
         init = full_weights(model)
-        ddp, opt = wrap_for_training(model)
+        ddp, opt = wrap_for_training(model, **(dict(clip_grad=MOE_CLIP_GRAD) if experts else {}))
         out[kind] = {"init": init, "steps": reference_steps(ddp, opt, BATCHES)}
         destroy_hdp()
     return out
@@ -91,7 +101,8 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
 
     case = case or {}
     state = _init(tp, pp, ep)
-    config = tiny_llama_config(num_moe_experts=NUM_EXPERTS if ep > 1 else None, sequence_parallel=case.get("sp", False))
+    moe = dict(num_moe_experts=NUM_EXPERTS, **MOE_LOSSES) if ep > 1 else {}
+    config = tiny_llama_config(sequence_parallel=case.get("sp", False), **moe)
     config = _case_config(config, case)
     if case.get("sp"):
         from exactness_cases import build_sp_gpt
@@ -104,6 +115,7 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
     ddp, opt = wrap_for_training(
         model, overlap_grad_reduce=overlap, bucket_size=4000 if overlap else None,
         distributed_optimizer=dist_opt, overlap_param_gather=dist_opt and overlap,
+        **(dict(clip_grad=MOE_CLIP_GRAD) if ep > 1 else {}),
     )
     assert not overlap or pp > 1 or len(ddp.bucket_groups) > 1  # Megatron gives later PP stages one bucket
     offloader = None
@@ -167,7 +179,7 @@ def _check_idle(results):
 @pytest.mark.parametrize(
     "tp,pp,ep,kind,overlap",
     [(1, 1, 1, "dense", True), (2, 1, 1, "dense", False), (1, 2, 1, "dense", True), (1, 1, 2, "moe", True)],
-    ids=["hdp4-overlap-idle", "tp2xhdp2", "pp2xhdp2-overlap-idle", "ep2-moe-hdp4-overlap-idle"],
+    ids=["hdp4-overlap-idle", "tp2xhdp2", "pp2xhdp2-overlap-idle", "ep2-moe-aux-loss-hdp4-overlap-idle"],
 )
 def test_hdp_step_matches_single_process_reference(reference, tp, pp, ep, kind, overlap):
     ref = reference[kind]
