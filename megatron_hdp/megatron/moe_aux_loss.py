@@ -87,15 +87,13 @@ _current_documents: Optional[list[DocumentRows]] = None
 
 def remember_documents(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook (with kwargs) of an HDP model: keep the documents of the micro-batch it is about
-    to run for the model's `DocumentAuxLossRouter`s."""
+    to run for the model's `DocumentAuxLossRouter`s (None without HDP metadata: a forward that needs no
+    aux loss, such as evaluation, runs without it)."""
     global _current_documents
     meta = getattr(kwargs.get("packed_seq_params"), "hdp", None)
-    if meta is None:
-        raise ValueError(
-            "an HDP MoE model needs HDPPackedSeqParams with HDP metadata in packed_seq_params "
-            "(build batches with megatron_hdp.megatron.forward_step)"
-        )
-    _current_documents = document_rows(meta, hdp_rank=meta.hdp_global_ranks.index(dist.get_rank()))
+    _current_documents = (
+        None if meta is None else document_rows(meta, hdp_rank=meta.hdp_global_ranks.index(dist.get_rank()))
+    )
 
 
 def install_document_hook(model: torch.nn.Module) -> None:
@@ -107,7 +105,10 @@ def install_document_hook(model: torch.nn.Module) -> None:
 
 def _documents() -> list[DocumentRows]:
     if _current_documents is None:
-        raise RuntimeError("DocumentAuxLossRouter ran outside an HDP model forward (no document hook)")
+        raise RuntimeError(
+            "the HDP MoE aux loss / z-loss needs the micro-batch's documents: run the model with "
+            "HDPPackedSeqParams (megatron_hdp.megatron.forward_step) after prepare_model_for_hdp"
+        )
     return _current_documents
 
 
