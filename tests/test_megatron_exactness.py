@@ -16,7 +16,8 @@ Further layouts of the same comparison (`CASES`): Megatron's distributed optimiz
 gradient reduce-scatter and overlapped parameter all-gather (the all-gather of step 1's update runs in
 step 2's forward pre-hooks; each rank checks the gradient slice it owns, and the slices must cover every
 element); full and selective activation recomputation, each with and without activation offload of a
-planned ratio; sequence parallelism with TP = 2 (a test-only SP-capable RMSNorm, tests/exactness_cases.py).
+planned ratio; sequence parallelism with TP = 2 (a test-only SP-capable RMSNorm, tests/exactness_cases.py),
+dense and MoE with the load-balancing loss and z-loss (each TP rank routes its slice of the rows).
 """
 
 import pytest
@@ -101,7 +102,8 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
 
     case = case or {}
     state = _init(tp, pp, ep)
-    moe = dict(num_moe_experts=NUM_EXPERTS, **MOE_LOSSES) if ep > 1 else {}
+    is_moe = ep > 1 or case.get("moe", False)
+    moe = dict(num_moe_experts=NUM_EXPERTS, **MOE_LOSSES) if is_moe else {}
     config = tiny_llama_config(sequence_parallel=case.get("sp", False), **moe)
     config = _case_config(config, case)
     if case.get("sp"):
@@ -115,7 +117,7 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
     ddp, opt = wrap_for_training(
         model, overlap_grad_reduce=overlap, bucket_size=4000 if overlap else None,
         distributed_optimizer=dist_opt, overlap_param_gather=dist_opt and overlap,
-        **(dict(clip_grad=MOE_CLIP_GRAD) if ep > 1 else {}),
+        **(dict(clip_grad=MOE_CLIP_GRAD) if is_moe else {}),
     )
     assert not overlap or pp > 1 or len(ddp.bucket_groups) > 1  # Megatron gives later PP stages one bucket
     offloader = None
@@ -196,6 +198,7 @@ CASES = {
     "hdp4-recompute-selective": dict(recompute="selective"),
     "hdp4-recompute-selective-offload": dict(recompute="selective", offload=0.5),
     "tp2xhdp2-sequence-parallel": dict(sp=True),
+    "tp2xhdp2-sequence-parallel-moe-aux-loss": dict(sp=True, moe=True),
 }
 
 
@@ -204,8 +207,9 @@ def test_more_layouts_match_single_process_reference(reference, name):
     case = CASES[name]
     tp = 2 if case.get("sp") else 1
     overlap = case.get("distributed_optimizer", False)
-    results = run_gloo(_hdp, 4, tp, 1, 1, reference["dense"]["init"], 500 + len(name), overlap, case, timeout_s=240)
-    _check(reference["dense"], results)
+    ref = reference["moe" if case.get("moe") else "dense"]
+    results = run_gloo(_hdp, 4, tp, 1, 1, ref["init"], 500 + len(name), overlap, case, timeout_s=240)
+    _check(ref, results)
     if case.get("distributed_optimizer"):
         _check_covered(reference["dense"], results)
         _check_idle(results)

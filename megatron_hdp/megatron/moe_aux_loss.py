@@ -24,6 +24,10 @@ padding micro-batch gives the router no gradient.
 
 The z-loss (`moe_z_loss_coeff`) is a sum over tokens already; it only needs the padding masked out.
 
+Sequence parallelism: each TP rank's router sees its slice of the packed rows; the document counts f_e
+are summed over the TP group, each TP rank adds the aux loss of its rows' probabilities, and Megatron
+sums the router weight's gradient over TP (it is marked `sequence_parallel`).
+
 `DocumentAuxLossRouter` is Megatron's `TopKRouter` with both losses computed that way; the HDP layer
 spec uses it, and `remember_documents` (a forward pre-hook on the model) tells it each micro-batch's
 documents from the `HDPBatchMeta` that travels in `packed_seq_params`.
@@ -145,8 +149,6 @@ class DocumentAuxLossRouter(TopKRouter):
                 "use 'aux_loss' (computed per document under HDP)"
             )
         if self.is_aux_loss_enabled() or config.moe_z_loss_coeff:
-            if config.sequence_parallel:
-                raise ValueError("the HDP MoE aux loss and z-loss do not support sequence_parallel=True")
             if not config.calculate_per_token_loss:
                 raise ValueError("the HDP MoE aux loss needs calculate_per_token_loss=True")
             if config.recompute_granularity == "full" or (
@@ -160,11 +162,22 @@ class DocumentAuxLossRouter(TopKRouter):
                     f"recompute_modules={config.recompute_modules})"
                 )
 
-    def _padding_rows(self, num_tokens: int) -> torch.Tensor:
-        """[num_tokens] bool, True for the rows of this micro-batch outside every document."""
-        padding = torch.ones(num_tokens, dtype=torch.bool)
-        for doc in _documents():
-            padding[doc.rows[0] : doc.rows[1]] = False
+    def _local_rows(self, documents: list[DocumentRows], num_rows: int) -> list[tuple[int, int]]:
+        """Each document's rows among the `num_rows` the router sees, relative to them: with sequence
+        parallelism this TP rank holds rows [tp_rank * num_rows, (tp_rank + 1) * num_rows) of the packed
+        micro-batch, otherwise all of them."""
+        offset = self.tp_group.rank() * num_rows if self.config.sequence_parallel else 0
+        clipped = []
+        for doc in documents:
+            start = min(max(doc.rows[0] - offset, 0), num_rows)
+            clipped.append((start, max(min(doc.rows[1] - offset, num_rows), start)))
+        return clipped
+
+    def _padding_rows(self, num_rows: int) -> torch.Tensor:
+        """[num_rows] bool, True for the rows the router sees that lie outside every document."""
+        padding = torch.ones(num_rows, dtype=torch.bool)
+        for start, end in self._local_rows(_documents(), num_rows):
+            padding[start:end] = False
         return padding
 
     def apply_z_loss(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -185,15 +198,19 @@ class DocumentAuxLossRouter(TopKRouter):
         documents = _documents()
         if coeff == 0 or not documents:
             return probs
-        local_counts = torch.stack([routing_map[a:b].sum(0) for a, b in (d.rows for d in documents)]).float()
+        rows = self._local_rows(documents, routing_map.shape[0])
+        local_counts = torch.stack([routing_map[a:b].sum(0) for a, b in rows]).float()
+        if self.config.sequence_parallel:
+            # this HDP rank's counts of each document: its TP ranks each hold a slice of the rows
+            dist.all_reduce(local_counts, group=self.tp_group)
         counts = document_expert_counts(documents, local_counts)
-        prob_sums = torch.stack([scores_for_aux_loss[a:b].sum(0) for a, b in (d.rows for d in documents)])
+        prob_sums = torch.stack([scores_for_aux_loss[a:b].sum(0) for a, b in rows])
         lengths = torch.tensor([d.length for d in documents], dtype=prob_sums.dtype, device=prob_sums.device)
         num_experts = self.config.num_moe_experts
         weighted = ((prob_sums * counts.to(prob_sums.device)).sum(1) / lengths).sum() * (
             num_experts * coeff / self.topk
         )
-        num_local_tokens = sum(b - a for a, b in (d.rows for d in documents))
+        num_local_tokens = sum(b - a for a, b in rows)
         get_moe_metrics_tracker().record(
             "load_balancing_loss",
             weighted.detach() / (coeff * max(num_local_tokens, 1)),
@@ -202,7 +219,8 @@ class DocumentAuxLossRouter(TopKRouter):
             reduce_group=self.tp_cp_group,
         )
         # with calculate_per_token_loss, finalize_model_grads divides every gradient by the global batch's
-        # loss tokens: `weighted` is already the token-weighted sum of the documents' aux losses
+        # loss tokens: `weighted` is already the token-weighted sum of the documents' aux losses (with
+        # sequence parallelism, of this TP rank's rows: the router weight's gradient is summed over TP)
         return MoEAuxLossAutoScaler.apply(probs, weighted)
 
 
