@@ -17,7 +17,8 @@ gradient reduce-scatter and overlapped parameter all-gather (the all-gather of s
 step 2's forward pre-hooks; each rank checks the gradient slice it owns, and the slices must cover every
 element); full and selective activation recomputation, each with and without activation offload of a
 planned ratio; sequence parallelism with TP = 2 (a test-only SP-capable RMSNorm, tests/exactness_cases.py),
-dense and MoE with the load-balancing loss and z-loss (each TP rank routes its slice of the rows).
+dense and MoE with the load-balancing loss and z-loss (each TP rank routes its slice of the rows); MoE
+with those losses under PP = 2 (1F1B: each stage's routers see the documents of the micro-batch it runs).
 """
 
 import pytest
@@ -199,6 +200,7 @@ CASES = {
     "hdp4-recompute-selective-offload": dict(recompute="selective", offload=0.5),
     "tp2xhdp2-sequence-parallel": dict(sp=True),
     "tp2xhdp2-sequence-parallel-moe-aux-loss": dict(sp=True, moe=True),
+    "pp2xhdp2-moe-aux-loss": dict(pp=2, moe=True),
 }
 
 
@@ -208,7 +210,7 @@ def test_more_layouts_match_single_process_reference(reference, name):
     tp = 2 if case.get("sp") else 1
     overlap = case.get("distributed_optimizer", False)
     ref = reference["moe" if case.get("moe") else "dense"]
-    results = run_gloo(_hdp, 4, tp, 1, 1, ref["init"], 500 + len(name), overlap, case, timeout_s=240)
+    results = run_gloo(_hdp, 4, tp, case.get("pp", 1), 1, ref["init"], 500 + len(name), overlap, case, timeout_s=240)
     _check(ref, results)
     if case.get("distributed_optimizer"):
         _check_covered(reference["dense"], results)
