@@ -16,6 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,11 +85,28 @@ def test_patched_pretrain_gpt_trains_with_and_without_hdp(tmp_path):
     prefix = build_demo_dataset(tmp_path / "data", num_docs=128, vocab_size=256, max_length=256)
     argv = TINY + ["--seq-length", "64", "--global-batch-size", "8", "--train-iters", "3",
                    "--data-path", prefix, "--data-cache-path", str(tmp_path / "cache")]
-    for flags in ([], ["--hdp", "--hdp-capacity", "40", "--no-hdp-offload"]):
+    plans_dir = tmp_path / "plans"
+    for flags in ([], ["--hdp", "--hdp-capacity", "40", "--no-hdp-offload", "--hdp-save-plans", str(plans_dir)]):
         run = run_pretrain(argv + flags, script=tmp_path / "pretrain_gpt.py", python_path=(str(root),))
         losses = logged_losses(run)
         assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
         assert bool(run[0]["stats"][0]) == bool(flags)  # HDP statistics exactly when --hdp is set
+
+    # the patched script's --hdp run planned Megatron's documents (pieces of at most --seq-length), each
+    # piece at most once, and its losses equal plain Megatron (our entry point, the checkout's megatron, one
+    # process) trained on the same pieces, each its own padded sample
+    from pretrain_harness import expected_pieces, read_saved_plans
+
+    index = (Path(prefix + ".idx")).read_bytes()  # Megatron's layout: magic 9, version 8, dtype 1, count 8, ...
+    count = int(np.frombuffer(index, dtype=np.int64, count=1, offset=18)[0])
+    raw = np.frombuffer(index, dtype=np.int32, count=count, offset=34).tolist()  # ... documents 8, lengths
+    pieces = {(doc, offset): length for doc, offset, length in expected_pieces(raw, 64)}
+    planned = [(s["source"]["document"], s["source"]["offset"], s["length"])
+               for plan in read_saved_plans(plans_dir) for s in plan["sequences"]]
+    assert len(planned) == 3 * 8 and len(set(planned)) == len(planned)
+    assert all(pieces[(doc, offset)] == length for doc, offset, length in planned)
+    reference = run_pretrain(argv, world_size=1, python_path=(str(root),), reference_plans=(str(plans_dir), prefix))
+    assert losses == pytest.approx(logged_losses(reference), rel=1e-5, abs=1e-6)
 
 
 def test_apply_script_refuses_a_file_it_does_not_fit(tmp_path):
