@@ -18,6 +18,7 @@ setup(
         "test": ["pytest", "pytest-timeout", "hypothesis", "tensorboard", "ninja"],  # ninja: the fake-GPU harness builds its CUDA guard
         "te": ["transformer-engine[pytorch]>=2.0,<3"],  # te_fused attention backend: TE 2.x API
         "plot": ["matplotlib"],
+        "megatron-lm": ["pybind11"],  # builds a Megatron-LM checkout's dataset helpers (docs/megatron_lm.md)
     },
     entry_points={"console_scripts": ["megatron-hdp=megatron_hdp.cli:main"]},
 )

@@ -2,7 +2,9 @@
 #
 # A model file (examples/models/*.sh) sets NNODES, GPUS_PER_NODE and the arrays MODEL_ARGS,
 # PARALLEL_ARGS, TRAIN_ARGS, HDP_ARGS. DATA_ARGS come from $DATA_PATH (a Megatron indexed dataset
-# prefix) or, when unset, Megatron's mock data. ENTRY is the training script: our
+# prefix: HDP plans its documents, each one sequence, cut into pieces of at most --seq-length) or, when
+# unset, variable-length mock documents drawn from the length mix HDP_MOCK_MIX (--hdp-mock-mix; default
+# byted, the ByteScale paper's long-tailed mix). ENTRY is the training script: our
 # examples/pretrain_gpt_hdp.py by default, or Megatron-LM's patched pretrain_gpt.py.
 # With DRY_RUN=1 the launchers print the environment and the script's arguments, one per line, instead
 # of launching (tests/test_examples.py parses them with Megatron's parser).
@@ -19,7 +21,7 @@ hdp_load_model() {
     if [[ -n "${DATA_PATH:-}" ]]; then
         DATA_ARGS=(--data-path "$DATA_PATH" --split 99,1,0)
     else
-        DATA_ARGS=(--mock-data)
+        DATA_ARGS=(--mock-data --hdp-mock-mix "${HDP_MOCK_MIX:-byted}")
     fi
     ENTRY="${ENTRY:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/pretrain_gpt_hdp.py}"
     SCRIPT_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${HDP_ARGS[@]}")

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 8 examples/pretrain_gpt_hdp.py <Megatron flags> --hdp --calculate-per-token-loss ...
 
-It is Megatron-LM's `pretrain_gpt.py` reduced to what the installed megatron-core (0.19.x, which ships
+It is Megatron-LM's `pretrain_gpt.py` reduced to what the installed megatron-core (0.19.x or 0.20.x, which ship
 `megatron/training`) provides: GPT datasets (indexed `--data-path`, `--mock-data`, `--sft`) and a plain
 token-level forward step. With `--hdp`, `megatron_hdp.megatron.install()` replaces the data loader,
 the forward step and the per-rank micro-batch counts; without it this trains as plain Megatron, which
@@ -92,11 +92,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Parse Megatron's flags plus --hdp*, install HDP when asked, and run `megatron.training.pretrain`."""
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    args = parse_and_validate_args(extra_args_provider=hdp.add_hdp_args, args_defaults={"tokenizer_type": "NullTokenizer"})
     if apply_cpu_shims():  # no CUDA: run megatron.training on the CPU (gloo), with or without --hdp
-        apply_training_cpu_shims()
+        apply_training_cpu_shims()  # before parsing: validate_args asks the GPU's architecture with TP > 1
         if not torch.distributed.is_initialized():  # torchrun: env:// rendezvous, gloo instead of NCCL
             torch.distributed.init_process_group("gloo")
+    args = parse_and_validate_args(extra_args_provider=hdp.add_hdp_args, args_defaults={"tokenizer_type": "NullTokenizer"})
     hdp.install(args)  # with --hdp: HDP data loader, forward step, micro-batch counts, logging; else nothing
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     setattr(datasets_provider, "is_distributed", True)

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Apply megatron_hdp's patch to Megatron-LM's pretrain_gpt.py (release core_v0.19.0 = megatron-core 0.19.x).
+# Apply megatron_hdp's patch to Megatron-LM's pretrain_gpt.py: tag core_v0.19.0 (megatron-core 0.19.x) or
+# main (megatron-core 0.20.0); the same patch fits both (main's hunks sit 13 lines lower).
 #
 #   patches/apply.sh [--check] /path/to/Megatron-LM
 #
-# 1. compares pretrain_gpt.py with the sha256 of the upstream file the patch was written against
-#    (a mismatch is only a warning: the dry run below decides),
+# 1. looks pretrain_gpt.py's sha256 up in pretrain_gpt.py.sha256 (the upstream files the patch was
+#    checked on) and says which one it is (an unknown file is only a warning: the dry run below decides),
 # 2. dry-runs the patch (`patch --dry-run`; nothing is written if any hunk fails),
 # 3. applies it, unless --check was given. A checkout already patched is reported and left alone.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 patch_file="$here/pretrain_gpt.patch"
-expected_sha="$(cut -d' ' -f1 "$here/pretrain_gpt.py.sha256")"
+known_shas="$here/pretrain_gpt.py.sha256"  # lines: <sha256>  <release>
 
 check_only=0
 if [[ "${1:-}" == "--check" ]]; then check_only=1; shift; fi
@@ -21,7 +22,7 @@ if [[ $# -ne 1 ]]; then
 fi
 target="$1/pretrain_gpt.py"
 if [[ ! -f "$target" ]]; then
-    echo "error: $target not found; pass the root of a Megatron-LM checkout (tag core_v0.19.0)" >&2
+    echo "error: $target not found; pass the root of a Megatron-LM checkout (tag core_v0.19.0 or main)" >&2
     exit 2
 fi
 
@@ -31,8 +32,11 @@ if patch --dry-run --reverse --force --silent -p1 -d "$1" < "$patch_file" > /dev
 fi
 
 actual_sha="$(sha256sum "$target" | cut -d' ' -f1)"
-if [[ "$actual_sha" != "$expected_sha" ]]; then
-    echo "warning: $target is not the core_v0.19.0 file the patch was written against (sha256 $actual_sha); trying anyway" >&2
+release="$(awk -v sha="$actual_sha" '$1 == sha { print $2 }' "$known_shas")"
+if [[ -n "$release" ]]; then
+    echo "$target is Megatron-LM $release's pretrain_gpt.py"
+else
+    echo "warning: $target is none of the pretrain_gpt.py files the patch was checked on ($(awk '{ print $2 }' "$known_shas" | paste -sd, -); sha256 $actual_sha); trying anyway" >&2
 fi
 
 if ! patch --dry-run --forward --silent -p1 -d "$1" < "$patch_file"; then
@@ -42,5 +46,5 @@ if ! patch --dry-run --forward --silent -p1 -d "$1" < "$patch_file"; then
 fi
 echo "patch applies cleanly to $target"
 if [[ $check_only -eq 1 ]]; then exit 0; fi
-patch --forward --silent -p1 -d "$1" < "$patch_file"
+patch --forward --silent --no-backup-if-mismatch -p1 -d "$1" < "$patch_file"  # no .orig on main's offset hunks
 echo "patched $target"

@@ -1,9 +1,14 @@
-"""Harness for `megatron.training.pretrain` runs through examples/pretrain_gpt_hdp.py in test processes.
+"""Harness for `megatron.training.pretrain` runs in test processes: examples/pretrain_gpt_hdp.py, or any
+pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron_hdp.megatron.run_pretrain`.
 
 - `TINY`: a tiny GPT's Megatron flags (CPU, gloo, per-token loss, no fusions) without data flags.
 - `pretrain_rank(rank, world_size, argv, reference_plans=None)`: one rank of a run (for `run_gloo`);
   returns the losses, HDP statistics and consumed-sample counts Megatron logged per step. With
   `reference_plans=(plans_dir, data_prefix)` the run trains plain Megatron on `PlannedPiecesDataset`.
+- `run_pretrain(argv, world_size=4, script=None, python_path=(), reference_plans=None)`: a whole run on
+  gloo ranks (`pretrain_rank` on each); `python_path` goes first on each rank's `sys.path` (a Megatron-LM
+  checkout, to train with its own `megatron` package). `logged_losses` / `assert_same_losses` read and
+  compare the per-step losses (Megatron logs them on its last pipeline stage only).
 - `PlannedPiecesDataset`: the reference for document-level HDP. It reads plans saved with
   `--hdp-save-plans` and yields, step after step, each planned sequence as its own Megatron sample: the
   piece's tokens (by its `source`: document, offset, length, read from the indexed dataset directly),
@@ -100,22 +105,25 @@ def _planned_pieces_provider(plans_dir: str, data_prefix: str, train_val_test_nu
 
 
 def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: Optional[tuple[str, str]] = None,
-                  offload_min_tensor_bytes: Optional[int] = 0) -> dict:
-    """Run examples/pretrain_gpt_hdp.main(argv) on this rank; return what Megatron logged per step."""
+                  offload_min_tensor_bytes: Optional[int] = 0, script: Optional[str] = None,
+                  python_path: tuple[str, ...] = ()) -> dict:
+    """Run examples/pretrain_gpt_hdp.main(argv) (or `script` through run_pretrain) on this rank; return what
+    Megatron logged per step."""
     os.environ["RANK"] = str(rank)  # Megatron's parse_args reads RANK and WORLD_SIZE from the environment
+    sys.path[:0] = python_path  # before the first megatron import: a checkout's megatron wins over the wheel
     sys.path.insert(0, str(ROOT / "examples"))
     from megatron_hdp.megatron.training_compat import require_megatron_training
 
     require_megatron_training()
     from megatron.training import training
 
-    import pretrain_gpt_hdp
-
     from megatron_hdp.megatron import training_install
     from megatron_hdp.offload import OffloadConfig
 
     if offload_min_tensor_bytes is not None:  # the tiny model's tensors move too
         training_install.OFFLOAD_CONFIG = OffloadConfig(min_tensor_bytes=offload_min_tensor_bytes)
+    if script is None or reference_plans is not None:
+        import pretrain_gpt_hdp
     if reference_plans is not None:
         pretrain_gpt_hdp.datasets_provider = functools.partial(_planned_pieces_provider, *reference_plans)
 
@@ -130,5 +138,46 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
         return original(loss_dict, *args, **kwargs)
 
     training.training_log = recording_training_log
-    pretrain_gpt_hdp.main(argv)
+    if script is None:
+        pretrain_gpt_hdp.main(argv)
+    else:
+        from megatron_hdp.megatron.run_pretrain import run_script
+
+        run_script(script, argv)
     return {"losses": losses, "stats": stats, "consumed": consumed}
+
+
+def run_pretrain(
+    argv: list[str],
+    *,
+    world_size: int = 4,
+    script: Optional[Path] = None,
+    python_path: tuple[str, ...] = (),
+    reference_plans: Optional[tuple[str, str]] = None,
+    timeout_s: float = 600,
+) -> list[dict]:
+    """`pretrain_rank` on `world_size` gloo ranks (module docstring); what each rank logged, by rank."""
+    from megatron_hdp.comm.launch import run_gloo
+
+    env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # TP > 1 needs it
+    return run_gloo(pretrain_rank, world_size, argv, reference_plans, 0, None if script is None else str(script),
+                    tuple(python_path), timeout_s=timeout_s, env=env)
+
+
+def logged_losses(run: list[dict]) -> list[float]:
+    """The per-step losses of a run: every rank that logged them (the last pipeline stages) logged the same."""
+    logged = [rank["losses"] for rank in run if rank["losses"]]
+    assert logged, "no rank logged a loss"
+    assert all(losses == logged[0] for losses in logged), logged
+    return logged[0]
+
+
+def assert_same_losses(run: list[dict], reference: list[dict], *, rel: float = 1e-5) -> list[float]:
+    """Every step's loss of `run` equals `reference`'s (same documents per step: equal up to summation
+    order); returns `run`'s losses."""
+    import pytest
+
+    losses, expected = logged_losses(run), logged_losses(reference)
+    assert len(losses) == len(expected)
+    assert losses == pytest.approx(expected, rel=rel, abs=1e-6)
+    return losses

@@ -16,7 +16,18 @@ from pathlib import Path
 import pytest
 
 from megatron_hdp.comm.launch import _child, free_port, stop
-from test_pretrain import HDP, ROOT, TINY, data_prefix  # noqa: F401 - data_prefix is a fixture
+from pretrain_harness import ROOT, TINY
+
+HDP = ["--seq-length", "64", "--train-iters", "4", "--hdp", "--hdp-capacity", "24",
+       "--hdp-global-batch-tokens", "512", "--global-batch-size", "4"]
+"""Documents cut at 64 tokens, 512 tokens a step, capacity 24: pieces longer than 24 tokens run on rings."""
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory) -> str:
+    from megatron_hdp.megatron.build_dataset import build_demo_dataset
+
+    return build_demo_dataset(tmp_path_factory.mktemp("data"), num_docs=256, vocab_size=256, max_length=256)
 
 KILLED_RANK, KILL_ITERATION = 3, 3
 TIMEOUT_MINUTES = 1
@@ -99,7 +110,7 @@ def _launch(world_size: int, argv: list[str], *, kill_at: int, timeout_s: float,
 
 
 @pytest.mark.timeout(900)  # three 4-rank pretrain runs and one timeout; ~2 min on an idle 2-core host
-def test_a_dead_rank_stops_the_others_and_a_restart_repeats_no_data(data_prefix, tmp_path):  # noqa: F811
+def test_a_dead_rank_stops_the_others_and_a_restart_repeats_no_data(data_prefix, tmp_path):
     data = ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache")]
     save = ["--save-interval", "2", "--ckpt-format", "torch", "--distributed-timeout-minutes", str(TIMEOUT_MINUTES)]
     env = {"LOCAL_RANK": "0", "WORLD_SIZE": "4", "HDP_FAULT_MARK": str(tmp_path / "killed")}

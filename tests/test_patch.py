@@ -1,12 +1,15 @@
-"""patches/: the pretrain_gpt.py patch applies to Megatron-LM core_v0.19.0 and calls only what we export.
+"""patches/: the pretrain_gpt.py patch applies to Megatron-LM core_v0.19.0 and main, calls only what we
+export, and the patched script trains with and without --hdp.
 
-Megatron-LM's pretrain_gpt.py is not stored in this repository (patches/README.md says why). The apply
-test reads it from a Megatron-LM checkout or git mirror named by MEGATRON_LM_DIR and is skipped, with
-that reason, when none is given; the other tests always run.
+Megatron-LM's pretrain_gpt.py is not stored in this repository (patches/README.md says why). The tests
+that need it read it from a Megatron-LM checkout named by MEGATRON_LM_DIR (the tag or main; a bare git
+mirror also works for applying, at MEGATRON_LM_REF, default core_v0.19.0) and are skipped, with that
+reason, when none is given; they fetch nothing. docs/megatron_lm.md says how to point them at either.
 """
 
 import hashlib
 import inspect
+import math
 import os
 import re
 import shutil
@@ -18,39 +21,74 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches"
 PATCH = PATCHES / "pretrain_gpt.patch"
-RELEASE = "core_v0.19.0"
+KNOWN = dict(line.split() for line in (PATCHES / "pretrain_gpt.py.sha256").read_text().splitlines())
+"""sha256 of each upstream pretrain_gpt.py the patch was checked on -> its release (core_v0.19.0, main-0.20.0)."""
+
+
+def _megatron_lm_dir() -> Path:
+    where = os.environ.get("MEGATRON_LM_DIR")
+    if not where:
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout (core_v0.19.0 or main) or git mirror")
+    return Path(where)
 
 
 def _upstream_pretrain_gpt() -> bytes:
-    """Megatron-LM's pretrain_gpt.py at the supported release, from MEGATRON_LM_DIR (checkout or bare git)."""
-    where = os.environ.get("MEGATRON_LM_DIR")
-    if not where:
-        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout or git mirror to test applying the patch")
-    root = Path(where)
+    """Megatron-LM's pretrain_gpt.py from MEGATRON_LM_DIR (checkout, or bare git at MEGATRON_LM_REF)."""
+    root = _megatron_lm_dir()
     if (root / "pretrain_gpt.py").is_file():
         return (root / "pretrain_gpt.py").read_bytes()
-    shown = subprocess.run(
-        ["git", f"--git-dir={root}", "show", f"{RELEASE}:pretrain_gpt.py"], capture_output=True, check=False
-    )
+    ref = os.environ.get("MEGATRON_LM_REF", "core_v0.19.0")
+    shown = subprocess.run(["git", f"--git-dir={root}", "show", f"{ref}:pretrain_gpt.py"], capture_output=True)
     if shown.returncode != 0:
-        pytest.skip(f"{root} has no pretrain_gpt.py and no git tag {RELEASE}")
+        pytest.skip(f"{root} has no pretrain_gpt.py and no git ref {ref}")
     return shown.stdout
 
 
-def test_patch_applies_to_the_supported_release(tmp_path):
+def _apply(target: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(PATCHES / "apply.sh"), str(target)], capture_output=True, text=True)
+
+
+def test_patch_applies_to_the_checkout(tmp_path):
     upstream = _upstream_pretrain_gpt()
-    expected = (PATCHES / "pretrain_gpt.py.sha256").read_text().split()[0]
-    assert hashlib.sha256(upstream).hexdigest() == expected, "MEGATRON_LM_DIR is not at core_v0.19.0"
+    release = KNOWN.get(hashlib.sha256(upstream).hexdigest())
+    assert release, f"MEGATRON_LM_DIR's pretrain_gpt.py is none of the files the patch was checked on: {KNOWN}"
     (tmp_path / "pretrain_gpt.py").write_bytes(upstream)
-    run = subprocess.run(["bash", str(PATCHES / "apply.sh"), str(tmp_path)], capture_output=True, text=True)
+    run = _apply(tmp_path)
     assert run.returncode == 0, run.stderr
+    assert f"is Megatron-LM {release}'s pretrain_gpt.py" in run.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pretrain_gpt.py"]  # no .orig/.rej left behind
     patched = (tmp_path / "pretrain_gpt.py").read_text()
     assert "partial(hdp.add_hdp_args, then=" in patched and "hdp.install(args)" in patched
     compile(patched, "pretrain_gpt.py", "exec")
     # install() must come before the model config is read from args (it may set the attention spec).
     assert patched.index("hdp.install(args)") < patched.index("gpt_config_from_args(args")
-    again = subprocess.run(["bash", str(PATCHES / "apply.sh"), str(tmp_path)], capture_output=True, text=True)
+    again = _apply(tmp_path)
     assert again.returncode == 0 and "already has" in again.stdout
+
+
+def test_patched_pretrain_gpt_trains_with_and_without_hdp(tmp_path):
+    """The patched script of the checkout, with the checkout's own `megatron` (core and training; for main
+    that is megatron-core 0.20), trains a tiny GPT on 4 CPU ranks: plainly, and with --hdp."""
+    root = _megatron_lm_dir()
+    if not (root / "pretrain_gpt.py").is_file():
+        pytest.skip(f"{root} is not a Megatron-LM checkout (training needs its megatron package)")
+    if not list((root / "megatron/core/datasets").glob("helpers_cpp*.so")):
+        pytest.skip(f"build the dataset helpers first: make -C {root}/megatron/core/datasets LIBEXT=$(python -c "
+                    "\"import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))\")")
+    from pretrain_harness import TINY, logged_losses, run_pretrain
+
+    from megatron_hdp.megatron.build_dataset import build_demo_dataset
+
+    shutil.copy(root / "pretrain_gpt.py", tmp_path / "pretrain_gpt.py")
+    assert _apply(tmp_path).returncode == 0
+    prefix = build_demo_dataset(tmp_path / "data", num_docs=128, vocab_size=256, max_length=256)
+    argv = TINY + ["--seq-length", "64", "--global-batch-size", "8", "--train-iters", "3",
+                   "--data-path", prefix, "--data-cache-path", str(tmp_path / "cache")]
+    for flags in ([], ["--hdp", "--hdp-capacity", "40", "--no-hdp-offload"]):
+        run = run_pretrain(argv + flags, script=tmp_path / "pretrain_gpt.py", python_path=(str(root),))
+        losses = logged_losses(run)
+        assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+        assert bool(run[0]["stats"][0]) == bool(flags)  # HDP statistics exactly when --hdp is set
 
 
 def test_apply_script_refuses_a_file_it_does_not_fit(tmp_path):

@@ -17,34 +17,21 @@ from megatron_hdp.comm.launch import run_gloo
 from megatron_hdp.run_logs import read_scalars
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_pretrain import HDP, TINY, _pretrain  # noqa: E402
+from pretrain_harness import TINY, pretrain_rank  # noqa: E402
 
 STEPS = 4
 WORLD = 4
+HDP = ["--seq-length", "64", "--train-iters", str(STEPS), "--hdp", "--hdp-capacity", "24",
+       "--hdp-global-batch-tokens", "512", "--global-batch-size", "4"]
+"""Documents cut at 64 tokens, 512 tokens a step, capacity 24: pieces longer than 24 tokens run on rings."""
 
 
-def _pretrain_recording(rank: int, world_size: int, argv: list[str], plans_dir: str) -> dict:
-    """`_pretrain` that also saves each step's plan (rank 0) and returns the ring bytes this rank sent,
-    as the traffic counters of `comm.traffic` (independent of the telemetry's own counting) saw them."""
-    from megatron_hdp.megatron.training_compat import require_megatron_training
-
-    require_megatron_training()
-    from megatron.training import training
-
+def _pretrain_recording(rank: int, world_size: int, argv: list[str]) -> dict:
+    """`pretrain_rank` that also returns the ring bytes this rank sent, as the traffic counters of
+    `comm.traffic` (independent of the telemetry's own counting) saw them."""
     from megatron_hdp.comm.traffic import total_traffic
-    from megatron_hdp.megatron import training_install
 
-    original = training.training_log
-
-    def saving_training_log(*args, **kwargs):
-        step = training_install._STATE.last_step
-        if rank == 0:
-            iteration = training.get_args().curr_iteration + 1
-            Path(plans_dir, f"iter_{iteration:07d}.json").write_text(json.dumps(step.plan.to_dict()))
-        return original(*args, **kwargs)
-
-    training.training_log = saving_training_log
-    result = _pretrain(rank, world_size, argv)
+    result = pretrain_rank(rank, world_size, argv)
     result["bytes_sent"] = total_traffic().bytes_sent
     return result
 
@@ -63,14 +50,13 @@ def hdp_run(tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("run")
     prefix = build_demo_dataset(run_dir / "data", num_docs=256, vocab_size=256, max_length=256)
-    (run_dir / "plans").mkdir()
-    argv = TINY + HDP + [
+    argv = TINY + HDP + ["--hdp-save-plans", str(run_dir / "plans"),
         "--data-path", prefix, "--data-cache-path", str(run_dir / "cache"),
         "--tensorboard-dir", str(run_dir / "tensorboard"), "--log-throughput", "--log-timers-to-tensorboard",
         "--hdp-log-interval", "1", "--hdp-online-refit", "--hdp-refit-warmup-steps", "1",
     ]
     env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": "2"}
-    ranks = run_gloo(_pretrain_recording, WORLD, argv, str(run_dir / "plans"), timeout_s=480, env=env)
+    ranks = run_gloo(_pretrain_recording, WORLD, argv, timeout_s=480, env=env)
     return run_dir, ranks, argv
 
 

@@ -13,6 +13,7 @@ MODEL_ARGS=(
     --group-query-attention --num-query-groups 8 --swiglu --normalization RMSNorm
     --position-embedding-type rope --rotary-base 500000 --disable-bias-linear
     --untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0
+    # the longest document piece (= context): documents are sequences, longer ones cut into pieces this long
     --seq-length 262144 --max-position-embeddings 262144
     --tokenizer-type NullTokenizer --vocab-size 128256 --bf16
 )

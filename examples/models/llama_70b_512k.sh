@@ -12,6 +12,7 @@ MODEL_ARGS=(
     --group-query-attention --num-query-groups 8 --swiglu --normalization RMSNorm
     --position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights
     --attention-dropout 0.0 --hidden-dropout 0.0
+    # the longest document piece (= context): documents are sequences, longer ones cut into pieces this long
     --seq-length 524288 --max-position-embeddings 524288
     --tokenizer-type NullTokenizer --vocab-size 32000 --bf16
 )

@@ -14,6 +14,7 @@ MODEL_ARGS=(
     --untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0
     --num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
     --moe-token-dispatcher-type alltoall --moe-grouped-gemm
+    # the longest document piece (= context): documents are sequences, longer ones cut into pieces this long
     --seq-length 2097152 --max-position-embeddings 2097152
     --tokenizer-type NullTokenizer --vocab-size 32768 --bf16
 )

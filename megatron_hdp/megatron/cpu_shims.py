@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
-TESTED_MCORE_VERSIONS = ("0.19",)
+TESTED_MCORE_VERSIONS = ("0.19", "0.20")
 """Megatron-Core versions (major.minor prefixes) these patches were written and tested against."""
 
 _APPLIED: list[TorchFunctionMode] = []
@@ -219,13 +219,17 @@ def apply_training_cpu_shims() -> None:
       initialized with gloo, as `run_gloo` and `examples/pretrain_gpt_hdp.py` do).
     - the rerun state machine saves and restores `torch.cuda`'s RNG state around every step: on the CPU
       there is none, so it saves an empty state and restores nothing.
+    - `validate_args` asks the GPU's compute capability (`get_device_arch_version`, 0.19 and 0.20) once
+      TP > 1: the CPU answers 9 (Hopper), as `args.parse_and_check` does, so TP runs need
+      `CUDA_DEVICE_MAX_CONNECTIONS=1` as on Hopper. Apply these shims before parsing the arguments.
     """
     if torch.cuda.is_available():
         return
     import functools
 
-    from megatron.training import training
+    from megatron.training import arguments, training
 
+    arguments.get_device_arch_version = lambda: 9
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda device: None
     torch.cuda.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)

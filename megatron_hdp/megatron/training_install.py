@@ -1,4 +1,4 @@
-"""`install(args)`: wire HDP into `megatron.training` (megatron-core 0.19.x) after argument parsing.
+"""`install(args)`: wire HDP into `megatron.training` (megatron-core 0.19.x, 0.20.x) after argument parsing.
 
 Call it once, after `parse_and_validate_args` and before the model config is built from `args`
 (`examples/pretrain_gpt_hdp.py` and the patched `pretrain_gpt.py` do). Without `--hdp` it only checks
@@ -24,6 +24,9 @@ a thin wrapper around Megatron's own function (the whole monkeypatch surface, in
 6. `consume_seqlen_stats_in_iteration`: the plan's real tokens and sum of s^2 for Megatron's FLOPs.
 7. `save_checkpoint`: with --hdp-online-refit, the learned cost model is written next to each checkpoint.
 
+With PP > 1 it also sets `args.variable_seq_lengths` before the model config is built from `args`
+(`_pipeline_shapes_per_microbatch`): the tensors between stages take each micro-batch's length.
+
 Anything else Megatron does (optimizer, DDP gradient reduction over the data-parallel group = the HDP
 domain, checkpoints, LR schedule) is unchanged.
 """
@@ -37,7 +40,7 @@ from typing import Any, Optional
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.megatron.args import token_multiple, validate_hdp_args
-from megatron_hdp.megatron.training_compat import require_megatron_training
+from megatron_hdp.megatron.training_compat import check_megatron_version, require_megatron_training
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +311,35 @@ def _training_log(original):
     return training_log
 
 
+def _pipeline_shapes_per_microbatch(args: Namespace) -> None:
+    """With PP > 1, let the tensors between pipeline stages take each micro-batch's own length.
+
+    Megatron sizes them by --seq-length (`variable_seq_lengths`, which validate_args resets to False),
+    but an HDP micro-batch holds the tokens its plan packs (at most --hdp-capacity, often fewer), so the
+    receiving stage would get the wrong shape (a RoPE size mismatch, or gloo's "Received data size doesn't
+    match"; on NCCL a hang or corrupted activations). With `variable_seq_lengths` each send is preceded by
+    its 3-integer shape (`P2PCommunicator._communicate_shapes`), as in the Core-API path
+    (`megatron_hdp.megatron.model.tiny_llama_config`); benchmarks/pp_shapes_bench.py measures that against
+    padding every micro-batch to the step's longest. The model config is built from `args` after
+    install(), so setting the flag here reaches the schedule.
+
+    TransformerConfig rejects `variable_seq_lengths` with the allgather MoE dispatcher, Megatron's default
+    even for a dense model: a dense model gets `alltoall` (it has no dispatcher, the name is only checked);
+    a MoE model with allgather is refused, naming the flag to change.
+    """
+    if args.pipeline_model_parallel_size == 1:
+        return
+    if args.moe_token_dispatcher_type == "allgather":
+        if args.num_experts:
+            raise ValueError(
+                f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with --hdp needs the tensors "
+                "between stages sized per micro-batch (variable_seq_lengths), which Megatron's allgather MoE "
+                "dispatcher does not support: use --moe-token-dispatcher-type alltoall"
+            )
+        args.moe_token_dispatcher_type = "alltoall"
+    args.variable_seq_lengths = True
+
+
 def _use_cost_model(model: Any) -> None:
     """Plan the next steps with `model` (the online refit's) and log its coefficients."""
     from megatron.training import get_args
@@ -370,7 +402,8 @@ def install(args: Optional[Namespace] = None) -> Optional[HDPConfig]:
     """Check the HDP flags and, with `--hdp`, wire HDP into megatron.training (module docstring).
 
     `args` defaults to Megatron's `get_args()`. Returns the HDPConfig, or None when HDP is off. Raises
-    ValueError for flags HDP cannot run with and RuntimeError on an unsupported megatron-core. Calling it
+    ValueError for flags HDP cannot run with and, with --hdp only, RuntimeError on a megatron-core release
+    not in `training_compat.SUPPORTED_MCORE` (without --hdp it only warns). Calling it
     again in the same process re-reads the flags but patches only once.
     """
     global _STATE
@@ -384,6 +417,8 @@ def install(args: Optional[Namespace] = None) -> Optional[HDPConfig]:
     config = validate_hdp_args(args)
     if config is None:
         return None
+    check_megatron_version(hdp=True)
+    _pipeline_shapes_per_microbatch(args)
     if args.spec is not None and tuple(args.spec) != (__name__, "hdp_layer_spec"):
         raise ValueError(
             f"--spec {' '.join(args.spec)} with --hdp: HDP supplies the layer spec (Megatron's GPT layer with "

@@ -1,0 +1,166 @@
+"""Pipeline stages and HDP's variable micro-batch lengths: exchange each shape, or pad to the step's longest?
+
+    python benchmarks/pp_shapes_bench.py                 # both parts, a few minutes on 2 shared cores
+    python benchmarks/pp_shapes_bench.py --steps 3
+
+An HDP micro-batch holds the tokens its plan packs, so the tensors between pipeline stages change length
+from one micro-batch to the next. Megatron offers two ways to run that, compared here side by side:
+
+- `variable`: `variable_seq_lengths=True`; every stage-to-stage send is preceded by its shape (3 int64,
+  one extra small P2P exchange per transfer). What `install()` sets with PP > 1.
+- `padded`: fixed shapes; every micro-batch of a pipeline padded to the step's longest micro-batch of
+  that pipeline (its `seq_length`), including the empty micro-batches that make a short pipeline run the
+  domain's count (each then costs a full-length forward and backward).
+
+Part 1 (plans at scale, no timing): the LLaMA-70B PP 4 launch configuration (pool 32, --hdp-capacity 16K,
+8M-token batches of the `byted` and `github` mixes, the analytic H100 cost model): per step, the tokens
+every pipeline computes under `padded` over those under `variable` (the compute padding adds; attention
+of a padding segment is not counted, so this is a lower bound), and the shape messages `variable` adds.
+Part 2 (measured, CPU): 2 gloo ranks, PP = 2, a 4-layer GPT (hidden 256), the micro-batch lengths of
+the median-padding pipeline of the first `byted` plan scaled by 1/64, Megatron's 1F1B schedule forward
+and backward, both modes alternating step by step; wall seconds (slowest rank) and CPU seconds summed over the two ranks.
+Results: benchmarks/results/pp_shapes_bench.json with the command and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results" / "pp_shapes_bench.json"
+
+
+def plan_padding(mix: str, *, steps: int, seed: int = 0) -> dict:
+    """Part 1: padded/variable token ratio and shape messages per step, LLaMA-70B PP 4 pool 32 C 16K."""
+    from megatron_hdp.config import HDPConfig
+    from megatron_hdp.plan.lengths import sample_global_batch
+    from megatron_hdp.plan.planner import make_plan
+    from megatron_hdp.plan.presets import analytic_cost_model
+
+    pool, pp, capacity = 32, 4, 16384
+    config = HDPConfig(hdp=True, hdp_capacity=capacity)
+    cost = analytic_cost_model("llama-70b", tp_size=8)
+    ratios, messages, lengths_example = [], [], None
+    for step in range(steps):
+        lengths = sample_global_batch(mix, num_tokens=8 * 2**20, seed=seed + step, max_length=pool * capacity)
+        plan = make_plan(lengths, num_ranks=pool, config=config, cost_model=cost, pp_size=pp)
+        per_rank = [[mb.num_tokens for mb in plan.microbatches(r)] for r in range(pool)]
+        count = max(len(m) for m in per_rank)  # with PP every pipeline runs the domain's largest count
+        real = sum(sum(m) for m in per_rank)
+        padded = sum(max(m, default=1) * count for m in per_rank)
+        ratios.append(padded / real)
+        messages.append(pool * count * 2 * (pp - 1))  # one shape message per activation and per gradient send
+        if lengths_example is None:  # the pipeline of median padding, its empty micro-batches as 1 token
+            median = sorted(per_rank, key=lambda m: max(m, default=1) * count / max(sum(m), 1))[pool // 2]
+            lengths_example = median + [1] * (count - len(median))
+    return {
+        "mix": mix,
+        "padded_over_variable_tokens": statistics.mean(ratios),
+        "worst_step_ratio": max(ratios),
+        "shape_messages_per_step": statistics.mean(messages),
+        "example_pipeline_lengths": lengths_example,
+    }
+
+
+def _pipeline_rank(rank: int, world: int, lengths: list[int], steps: int) -> dict:
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_hdp.megatron.exactness import reference_forward_step
+    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
+
+    initialize_hdp(pipeline_model_parallel_size=2)
+    config = tiny_llama_config(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4,
+                               ffn_hidden_size=512)
+    model, _ = wrap_for_training(build_gpt(config, vocab_size=512, max_sequence_length=max(lengths) + 1, hdp=False))
+    longest = max(lengths)
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 512, n + 1) for n in lengths]
+
+    def padded_forward_step(data_iterator, model):  # pad to `longest`: the padding tokens carry no loss
+        from megatron_hdp.megatron.forward_step import token_loss
+
+        raw = torch.from_numpy(next(data_iterator))
+        n = len(raw) - 1
+        tokens = torch.zeros(1, longest, dtype=torch.int64)
+        labels = torch.zeros(1, longest, dtype=torch.int64)
+        tokens[0, :n], labels[0, :n] = raw[:-1], raw[1:]
+        mask = torch.zeros(longest)
+        mask[:n] = 1
+        output = model(input_ids=tokens, position_ids=torch.arange(longest)[None], attention_mask=None, labels=labels)
+        return output, partial(token_loss, mask)
+
+    times: dict[str, list[tuple[float, float]]] = {"variable": [], "padded": []}
+    for step in range(steps + 1):  # the first round is a warm-up
+        for mode in ("variable", "padded"):
+            model.config.variable_seq_lengths = mode == "variable"
+            torch.distributed.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            get_forward_backward_func()(
+                forward_step_func=reference_forward_step if mode == "variable" else padded_forward_step,
+                data_iterator=iter(docs), model=[model], num_microbatches=len(docs),
+                seq_length=longest, micro_batch_size=1, forward_only=False,
+            )
+            if step:
+                times[mode].append((time.perf_counter() - wall, time.process_time() - cpu))
+            model.zero_grad_buffer()
+    ps.destroy_model_parallel()
+    return times
+
+
+def measure(lengths: list[int], steps: int) -> dict:
+    """Part 2: both modes on 2 gloo ranks (PP = 2); median wall (slowest rank) and CPU (sum of ranks)."""
+    from megatron_hdp.comm.launch import run_gloo
+
+    ranks = run_gloo(_pipeline_rank, 2, lengths, steps, timeout_s=1200)
+    out = {}
+    for mode in ("variable", "padded"):
+        walls = [max(r[mode][i][0] for r in ranks) for i in range(steps)]
+        cpus = [sum(r[mode][i][1] for r in ranks) for i in range(steps)]
+        out[mode] = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
+    return out
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan-steps", type=int, default=4, help="planned global batches per mix (part 1)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per mode (part 2)")
+    parser.add_argument("--scale", type=int, default=64, help="part 2 divides part 1's lengths by this")
+    args = parser.parse_args(argv)
+
+    plans = [plan_padding(mix, steps=args.plan_steps) for mix in ("byted", "github")]
+    print(f"{'mix':8} {'padded/variable tokens':>23} {'worst step':>11} {'shape msgs/step':>16}")
+    for row in plans:
+        print(f"{row['mix']:8} {row['padded_over_variable_tokens']:23.3f} {row['worst_step_ratio']:11.3f} "
+              f"{row['shape_messages_per_step']:16.0f}")
+    lengths = [max(1, n // args.scale) for n in plans[0]["example_pipeline_lengths"]]
+    timed = measure(lengths, args.steps)
+    print(f"\nPP=2 on 2 gloo ranks, micro-batch lengths {lengths}")
+    print(f"{'mode':9} {'wall s':>8} {'cpu s':>8}")
+    for mode, row in timed.items():
+        print(f"{mode:9} {row['wall_s']:8.3f} {row['cpu_s']:8.3f}")
+    ratio = timed["padded"]["cpu_s"] / timed["variable"]["cpu_s"]
+    print(f"padded / variable CPU seconds: {ratio:.2f}")
+    RESULTS.write_text(json.dumps({
+        "command": "python benchmarks/pp_shapes_bench.py " + " ".join(argv),
+        "date": datetime.date.today().isoformat(),
+        "host": platform.node(),
+        "plans": plans,
+        "measured": {"lengths": lengths, **timed, "padded_over_variable_cpu": ratio},
+    }, indent=1) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,62 @@
+"""Run a Megatron-LM pretrain script (e.g. Megatron-LM's `pretrain_gpt.py`) on a CPU-only PyTorch.
+
+    python -m megatron_hdp.megatron.run_pretrain /path/to/Megatron-LM/pretrain_gpt.py <Megatron flags>
+    torchrun --nproc-per-node 4 -m megatron_hdp.megatron.run_pretrain <script> <flags>
+
+With or without `--hdp`: the plain-Megatron comparison run needs the same CPU patches as the HDP run,
+and a patched `pretrain_gpt.py` applies them only through `install()` when `--hdp` is set. This entry
+point, before the script runs: binds `typing.override` on Python 3.11 (`require_megatron_training`),
+skips Megatron's `make` of the dataset helpers when `helpers_cpp` already imports (the wheel ships it),
+applies the CPU shims when CUDA is absent (`cpu_shims`) and then, under torchrun, starts the default
+process group with gloo (env:// rendezvous) unless one exists, puts the script's directory first on `sys.path`
+(as `python script.py` would, so `model_provider`, `gpt_builders` etc. import), and runs it as
+`__main__` with the remaining arguments as its `sys.argv`. On a machine with CUDA it changes nothing but
+the path and argv.
+"""
+
+import runpy
+import sys
+from pathlib import Path
+from typing import Optional
+
+
+def run_script(script: str, argv: list[str]) -> None:
+    """Run `script` as `__main__` with `argv`, after the Python 3.11 and CPU set-up (module docstring)."""
+    path = Path(script).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"pretrain script {script} not found")
+    from megatron_hdp.megatron.training_compat import require_megatron_training, use_prebuilt_dataset_helpers
+
+    require_megatron_training()
+    use_prebuilt_dataset_helpers()
+    from megatron_hdp.megatron.cpu_shims import apply_cpu_shims, apply_training_cpu_shims
+
+    if apply_cpu_shims():
+        apply_training_cpu_shims()
+        import os
+
+        import torch.distributed as dist
+
+        if not dist.is_initialized() and "MASTER_ADDR" in os.environ:  # torchrun's env:// rendezvous
+            dist.init_process_group("gloo")
+    sys.path.insert(0, str(path.parent))
+    sys.argv = [str(path), *argv]
+    runpy.run_path(str(path), run_name="__main__")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Command line: `run_pretrain SCRIPT [FLAGS...]`; exit code 2 with one line on stderr for a bad call."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip().splitlines()[0], file=sys.stderr)
+        print("usage: python -m megatron_hdp.megatron.run_pretrain SCRIPT [Megatron flags ...]", file=sys.stderr)
+        return 2 if not argv else 0
+    if not Path(argv[0]).is_file():
+        print(f"error: pretrain script {argv[0]} not found", file=sys.stderr)
+        return 2
+    run_script(argv[0], argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
