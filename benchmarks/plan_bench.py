@@ -2,11 +2,13 @@
 
     python benchmarks/plan_bench.py [--tokens 32M] [--ranks 1024,12288] [--capacity 16K] [--models llama-7b,llama3-8b]
         [--mixes byted,github,wikipedia,prolong,wlbllm] [--policies balance,naive,static,megatron-hybrid-cp]
-        [--repeats 3] [--out benchmarks/results/plan_bench.json]
+        [--ranks-per-node none] [--repeats 3] [--out benchmarks/results/plan_bench.json]
 
 For each mix one batch is sampled (seeded) and planned by every policy at every rank count, under the
 analytic cost model of each model: LLaMA-7B (the paper's; MHA, so a long document's ring traffic is
-heavy) and Llama-3-8B (GQA, a quarter of the K/V bytes). Reported
+heavy) and Llama-3-8B (GQA, a quarter of the K/V bytes), with the topology unknown to the cost model
+(`--ranks-per-node none`) or known (e.g. 8, as the Megatron runtime sets it: rings placed inside nodes,
+timed on their slowest link). Reported
 per plan: the predicted step time, its gap to `bounds.step_time_lower_bound`, balance (max / mean
 predicted rank time), the lower bound's own balance (lower bound / mean: no plan's balance can be
 better when one sequence alone is slower than the mean), rings and ring-attention traffic, and planner
@@ -22,6 +24,7 @@ in <= 1 s; `balance` faster than `megatron-hybrid-cp` on every mix.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -121,11 +124,11 @@ def measure(policy: str, lengths: list[int], *, num_ranks: int, config: HDPConfi
 
 
 def table(records: list[dict]) -> str:
-    header = (f"{'model':<10}{'mix':<10}{'ranks':>6} {'policy':<19}{'step s':>9}{'vs LB':>8}{'bal':>7}{'bal LB':>7}"
+    header = (f"{'model':<10}{'mix':<10}{'ranks':>6}{'rpn':>5} {'policy':<19}{'step s':>9}{'vs LB':>8}{'bal':>7}{'bal LB':>7}"
               f"{'rings':>6}{'ring TB':>9}{'wall ms':>9}{'cpu ms':>8}{'asm ms':>8}{'val ms':>8}{'make ms':>9}")
     lines = [header, "-" * len(header)]
     for r in records:
-        head = f"{r['model']:<10}{r['mix']:<10}{r['ranks']:>6} {r['policy']:<19}"
+        head = f"{r['model']:<10}{r['mix']:<10}{r['ranks']:>6}{str(r.get('ranks_per_node') or '-'):>5} {r['policy']:<19}"
         if "error" in r:
             lines.append(head + f"n/a: {r['error'][:70]}")
             continue
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--mixes", default=",".join(DISTRIBUTIONS))
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--ranks-per-node", default="none",
+                        help="comma list of HDP ranks per node for the cost model; none: topology unknown")
     parser.add_argument("--repeats", type=int, default=3, help="runs of `balance` per batch (fastest kept)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(HERE / "results" / "plan_bench.json"))
@@ -154,14 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     cost_models = {m: analytic_cost_model(m, args.hardware, tp_size=args.tp) for m in models}
     config = HDPConfig(hdp=True, hdp_capacity=args.capacity)
     load_before = os.getloadavg()
+    topologies = [None if n.lower() == "none" else int(n) for n in args.ranks_per_node.split(",")]
     records = []
     for model, mix in ((m, x) for m in models for x in args.mixes.split(",")):
-        cost_model = cost_models[model]
         lengths = sample_global_batch(mix, num_tokens=args.tokens, seed=args.seed)
-        for num_ranks in (int(r) for r in args.ranks.split(",")):
+        for num_ranks, ranks_per_node in ((int(r), n) for r in args.ranks.split(",") for n in topologies):
+            cost_model = dataclasses.replace(cost_models[model], ranks_per_node=ranks_per_node)
             for policy in args.policies.split(","):
-                record = {"model": model, "mix": mix, "ranks": num_ranks, "policy": policy,
-                          "sequences": len(lengths), "tokens": int(sum(lengths)), "longest": int(max(lengths))}
+                record = {"model": model, "mix": mix, "ranks": num_ranks, "ranks_per_node": ranks_per_node,
+                          "policy": policy, "sequences": len(lengths), "tokens": int(sum(lengths)),
+                          "longest": int(max(lengths))}
                 try:
                     record.update(measure(policy, lengths, num_ranks=num_ranks, config=config, cost_model=cost_model,
                                           repeats=args.repeats if policy == "balance" else 1))

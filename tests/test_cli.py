@@ -47,6 +47,7 @@ BAD_INPUT = [
     (["demo", "--ranks", "1"], ["--ranks", "1"]),
     (["demo", "--policies", "foo"], ["--policies", "foo"]),
     (["demo", "--capacity", "0"], ["--capacity", "0"]),
+    (["demo", "--timing-repeats", "0"], ["--timing-repeats", "0"]),
     (["nosuch"], ["nosuch"]),
 ]
 

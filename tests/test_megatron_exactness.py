@@ -5,7 +5,9 @@ trains a tiny dense and a tiny MoE Llama-style GPT for two steps; each HDP launc
 weights, trains the same two global batches under random plans (whole documents, rings of 2..D ranks
 that overlap, uneven micro-batch counts) and must match loss and gradients after each step — the second
 step after the optimizer update. Layouts: HDP=4; TP=2 x HDP=2 (no sequence parallelism: Megatron's
-torch norms reject it without TE/Apex); PP=2 x HDP=2 (1F1B); EP=2 across HDP=4 with MoE layers. All but
+torch norms reject it without TE/Apex); PP=2 x HDP=2 (1F1B); EP=2 across HDP=4 with MoE layers, their
+load-balancing loss and z-loss on (per document under HDP, as the reference's one-document micro-batches
+compute them; the idle rank's padding micro-batches must add nothing to them). All but
 TP=2 run Megatron DDP with overlap_grad_reduce (several buckets) and a second plan that leaves one HDP rank
 (with PP: a whole pipeline) idle: it runs padding micro-batches only, whose zero loss must still fire
 every parameter's gradient hook, or DDP never issues that bucket's reduction.
@@ -14,7 +16,9 @@ Further layouts of the same comparison (`CASES`): Megatron's distributed optimiz
 gradient reduce-scatter and overlapped parameter all-gather (the all-gather of step 1's update runs in
 step 2's forward pre-hooks; each rank checks the gradient slice it owns, and the slices must cover every
 element); full and selective activation recomputation, each with and without activation offload of a
-planned ratio; sequence parallelism with TP = 2 (a test-only SP-capable RMSNorm, tests/exactness_cases.py).
+planned ratio; sequence parallelism with TP = 2 (a test-only SP-capable RMSNorm, tests/exactness_cases.py),
+dense and MoE with the load-balancing loss and z-loss (each TP rank routes its slice of the rows); MoE
+with those losses under PP = 2 (1F1B: each stage's routers see the documents of the micro-batch it runs).
 """
 
 import pytest
@@ -24,6 +28,13 @@ from megatron_hdp.comm.launch import run_gloo
 
 BATCHES = [(11, [37, 5, 64, 12, 23, 50, 9, 3, 1]), (12, [70, 2, 31, 17, 44, 8, 26])]
 NUM_EXPERTS = 4
+MOE_LOSSES = dict(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1)
+"""The MoE router's load-balancing loss and z-loss, large enough that a packing-dependent aux loss would
+move the router gradients far beyond the tolerance. The reference (one document per micro-batch) is
+Megatron's own per-micro-batch loss; HDP computes it per document (megatron_hdp/megatron/moe_aux_loss.py).
+They lift the gradient norm above 1, so the MoE runs do not clip (`MOE_CLIP_GRAD`): clipping scales the
+main_grad the check reads after the step, which the reference reads before its step."""
+MOE_CLIP_GRAD = 0.0
 
 
 def _init(tp=1, pp=1, ep=1):
@@ -42,9 +53,10 @@ def _reference(rank, world_size):
     out = {}
     for kind, experts in (("dense", None), ("moe", NUM_EXPERTS)):
         _init()
-        model = build_gpt(tiny_llama_config(num_moe_experts=experts), vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=False)
+        config = tiny_llama_config(num_moe_experts=experts, **(MOE_LOSSES if experts else {}))
+        model = build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=False)
         init = full_weights(model)
-        ddp, opt = wrap_for_training(model)
+        ddp, opt = wrap_for_training(model, **(dict(clip_grad=MOE_CLIP_GRAD) if experts else {}))
         out[kind] = {"init": init, "steps": reference_steps(ddp, opt, BATCHES)}
         destroy_hdp()
     return out
@@ -91,7 +103,9 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
 
     case = case or {}
     state = _init(tp, pp, ep)
-    config = tiny_llama_config(num_moe_experts=NUM_EXPERTS if ep > 1 else None, sequence_parallel=case.get("sp", False))
+    is_moe = ep > 1 or case.get("moe", False)
+    moe = dict(num_moe_experts=NUM_EXPERTS, **MOE_LOSSES) if is_moe else {}
+    config = tiny_llama_config(sequence_parallel=case.get("sp", False), **moe)
     config = _case_config(config, case)
     if case.get("sp"):
         from exactness_cases import build_sp_gpt
@@ -104,6 +118,7 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
     ddp, opt = wrap_for_training(
         model, overlap_grad_reduce=overlap, bucket_size=4000 if overlap else None,
         distributed_optimizer=dist_opt, overlap_param_gather=dist_opt and overlap,
+        **(dict(clip_grad=MOE_CLIP_GRAD) if is_moe else {}),
     )
     assert not overlap or pp > 1 or len(ddp.bucket_groups) > 1  # Megatron gives later PP stages one bucket
     offloader = None
@@ -167,7 +182,7 @@ def _check_idle(results):
 @pytest.mark.parametrize(
     "tp,pp,ep,kind,overlap",
     [(1, 1, 1, "dense", True), (2, 1, 1, "dense", False), (1, 2, 1, "dense", True), (1, 1, 2, "moe", True)],
-    ids=["hdp4-overlap-idle", "tp2xhdp2", "pp2xhdp2-overlap-idle", "ep2-moe-hdp4-overlap-idle"],
+    ids=["hdp4-overlap-idle", "tp2xhdp2", "pp2xhdp2-overlap-idle", "ep2-moe-aux-loss-hdp4-overlap-idle"],
 )
 def test_hdp_step_matches_single_process_reference(reference, tp, pp, ep, kind, overlap):
     ref = reference[kind]
@@ -184,6 +199,8 @@ CASES = {
     "hdp4-recompute-selective": dict(recompute="selective"),
     "hdp4-recompute-selective-offload": dict(recompute="selective", offload=0.5),
     "tp2xhdp2-sequence-parallel": dict(sp=True),
+    "tp2xhdp2-sequence-parallel-moe-aux-loss": dict(sp=True, moe=True),
+    "pp2xhdp2-moe-aux-loss": dict(pp=2, moe=True),
 }
 
 
@@ -192,8 +209,9 @@ def test_more_layouts_match_single_process_reference(reference, name):
     case = CASES[name]
     tp = 2 if case.get("sp") else 1
     overlap = case.get("distributed_optimizer", False)
-    results = run_gloo(_hdp, 4, tp, 1, 1, reference["dense"]["init"], 500 + len(name), overlap, case, timeout_s=240)
-    _check(reference["dense"], results)
+    ref = reference["moe" if case.get("moe") else "dense"]
+    results = run_gloo(_hdp, 4, tp, case.get("pp", 1), 1, ref["init"], 500 + len(name), overlap, case, timeout_s=240)
+    _check(ref, results)
     if case.get("distributed_optimizer"):
         _check_covered(reference["dense"], results)
         _check_idle(results)

@@ -1,8 +1,9 @@
 """Train the tiny Llama-style GPT with HDP on gloo CPU ranks, policy against policy: the demo and the bench.
 
 Every rank runs `train_policies` (through `megatron_hdp.comm.launch.run_gloo`): it initializes HDP,
-fits the cost model of *this* model on *this* machine, then for each policy builds the model from the same
-seed and trains the same global batches, planned by `make_plan`. Rows of statistics come back from rank 0.
+fits the cost model of *this* model on *this* machine, then builds one model per policy from the same seed
+and trains the same global batches, planned by `make_plan`, the policies taking turns step by step. Rows
+of statistics come back from rank 0.
 Synthetic documents follow ByteScale's long-tailed "byted" mix, scaled down (`length_scale`) and clipped to
 `max_length` so that a CPU can train them.
 
@@ -416,7 +417,8 @@ def _fastest(runs: list) -> "BusyTimes":
 
 def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Optional[dict] = None,
                    measured: Optional[dict] = None) -> dict:
-    """Per rank: fit the cost model, then train `spec.steps` steps under each policy.
+    """Per rank: fit the cost model, then train `spec.steps` steps under each policy, the policies taking
+    turns step by step.
 
     `cost_model` (a CostModel dict), when given, plans and predicts instead of the fit, with the
     "allreduce_bandwidth" and "step_overhead" of `measured` where given (another run's): predictions out
@@ -439,9 +441,12 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     in_run = {"model": fitted, "allreduce_bandwidth": allreduce_bandwidth, "step_overhead": step_overhead}
     predict = {**in_run, "model": model, **{k: v for k, v in (measured or {}).items() if k in in_run}}
     rows = []
-    for policy in spec.policies:
-        trainer = _build(spec, state)
-        for step, (plan, read_tokens) in enumerate(planned_batches(spec, state, config, model, policy)):
+    # The policies take turns step by step (each its own model, built from the same seed), so that a
+    # change of load on a shared host between the start and the end of the run weighs on every policy alike.
+    trainers = [_build(spec, state) for _ in spec.policies]
+    batches = [planned_batches(spec, state, config, model, policy) for policy in spec.policies]
+    for step, planned in enumerate(zip(*batches)):
+        for policy, trainer, (plan, read_tokens) in zip(spec.policies, trainers, planned):
             run_plan, barriers = per_subsample_plan(plan) if policy == HYBRID_CP else (plan, ())
             stats = trainer.step(run_plan, read_tokens)
             runs = [trainer.last_busy]
@@ -455,6 +460,8 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
                 row = _measured_row(policy, step - spec.warmup_steps, plan, stats, busy_by_rank, grad_bytes,
                                     predict, in_run, run_plan, barriers)
                 rows.append(asdict(row))
+    for generator in batches:
+        generator.close()  # leaves the HDP loaders' contexts
     return {"cost_model": model.to_dict(), "fitted_cost_model": fitted.to_dict(), "grad_bytes": grad_bytes,
             "allreduce_bandwidth": predict["allreduce_bandwidth"], "step_overhead": predict["step_overhead"],
             "rows": rows}

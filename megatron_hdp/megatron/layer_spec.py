@@ -35,6 +35,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hdp.attention.core_attention import HDPBatchMeta, hdp_core_attention
+from megatron_hdp.megatron.moe_aux_loss import install_document_hook, with_document_aux_loss_router
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ def get_gpt_layer_with_hdp_spec(*, backend: str = "local", **spec_kwargs: Any) -
     spec = copy.deepcopy(spec)
     attention = spec.submodules.self_attention
     attention.submodules = dataclasses.replace(attention.submodules, core_attention=HDPCoreAttention)
-    return spec
+    return with_document_aux_loss_router(spec)
 
 
 def hdp_core_attention_modules(model: torch.nn.Module) -> list[HDPCoreAttention]:
@@ -178,6 +179,7 @@ def prepare_model_for_hdp(model: torch.nn.Module) -> torch.nn.Module:
             f"context_parallel_size={model.config.context_parallel_size}: HDP replaces context parallelism; "
             "set it to 1 (the HDP domain is Megatron's data-parallel group)"
         )
+    install_document_hook(model)
     rotary = getattr(model, "rotary_pos_emb", None) if kind == "rope" else None
     for core in cores:
         core.set_rotary(rotary)

@@ -30,16 +30,21 @@ def tiny_llama_config(
     ffn_hidden_size: int = 128,
     num_moe_experts: Optional[int] = None,
     moe_router_topk: int = 2,
+    moe_aux_loss_coeff: float = 0.0,
+    moe_z_loss_coeff: Optional[float] = None,
     sequence_parallel: bool = False,
 ) -> TransformerConfig:
-    """A tiny fp32 Llama-style TransformerConfig sized by parallel_state (TP, PP, EP as initialized)."""
+    """A tiny fp32 Llama-style TransformerConfig sized by parallel_state (TP, PP, EP as initialized).
+    With `moe_aux_loss_coeff` > 0 the router adds Megatron's load-balancing loss ("aux_loss"; under HDP
+    per document: megatron_hdp.megatron.moe_aux_loss)."""
     moe: dict[str, Any] = {}
     if num_moe_experts:
         moe = dict(
             num_moe_experts=num_moe_experts,
             moe_router_topk=moe_router_topk,
-            moe_aux_loss_coeff=0.0,  # the load-balancing loss depends on micro-batch composition
-            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=moe_aux_loss_coeff,
+            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
+            moe_z_loss_coeff=moe_z_loss_coeff,
             expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         )
     return TransformerConfig(

@@ -22,7 +22,8 @@ This implementation, step by step:
    at any micro-batch index (`placement.place_rings_by_time`), whole sequences filling the filler slots
    before a ring while the rank waits for the ring's other members (`placement.fill_gaps`) — the latter
    when the aligned plan's step exceeds both the mean rank time and its heaviest micro-batch by more than
-   `RETRY_GAP`, or the cost model knows the nodes;
+   `RETRY_GAP`, or the cost model knows the nodes, and never when it could not win by `PLACEMENT_MARGIN`
+   (the aligned step within that margin of the heaviest micro-batch, which no placement beats);
 4. whole sequences, heaviest first, each to the least-loaded rank (`placement.lpt`);
 5. refinement (`refine.py`): local search (moves and swaps off the slowest rank; with PP on the
    pipeline time), and on request (`exact=True`) an exact HiGHS MILP on small instances;
@@ -173,8 +174,9 @@ def _build(
     nodes = None if cost_model.ranks_per_node is None else np.arange(num_ranks) // cost_model.ranks_per_node
     mean = sum(r.est_time for r in plan.ranks) / num_ranks
     floor = overhead + float(weights.max(initial=0.0))  # no placement beats the heaviest micro-batch
+    can_replace = plan.est_step_time * (1 - PLACEMENT_MARGIN) > floor
     # rings that leave ranks idle, or a topology the aligned placement ignores: also place them by time
-    if order and ((plan.est_step_time > RETRY_GAP * max(mean, floor)) or nodes is not None):
+    if order and can_replace and ((plan.est_step_time > RETRY_GAP * max(mean, floor)) or nodes is not None):
         timed = place_rings_by_time(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
                                     overhead=overhead, domains=nodes)
         left = fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)

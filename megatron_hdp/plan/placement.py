@@ -19,7 +19,9 @@ Weights are seconds for `balance` and tokens for `naive`; the code does not care
 from __future__ import annotations
 
 import bisect
+import collections
 import heapq
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -191,45 +193,69 @@ def place_rings_by_time(
 
     The members are the k ranks of least finish time (ties: fewest micro-batches, lowest rank); with
     `domains` (a node id per rank) the k of least finish time within one node when some node has k
-    ranks, so a ring stays on the fast links (`ClusterSpec`). The ring takes the next index of its
-    member with most micro-batches; the others get filler slots before it (each an empty micro-batch of
-    `overhead` seconds until `fill_gaps` puts whole sequences there), and it starts when its last member
-    is ready. Unlike `place_rings` this never waits for a group of aligned ranks to form.
+    ranks, so a ring stays on the fast links (`ClusterSpec`); among the nodes, the one where the ring
+    starts first (ties: least summed ready time, then lowest node id). The ring takes the next index of
+    its member with most micro-batches; the others get filler slots before it (each an empty micro-batch
+    of `overhead` seconds until `fill_gaps` puts whole sequences there), and it starts when its last
+    member is ready. Unlike `place_rings` this never waits for a group of aligned ranks to form.
+
+    Each node keeps its ranks sorted by (finish, micro-batches, rank), so its candidate members are the
+    head of its list, a node is timed again only when a ring lands on it or the ring size changes, and a
+    heap of (start, summed ready time, node) finds the best node (timing every node for every ring cost
+    ~1 ms a ring at 128 nodes).
     """
     layout = TimedLayout(num_ranks)
-    count = np.zeros(num_ranks, dtype=np.int64)
-    node = np.zeros(num_ranks, dtype=np.int64) if domains is None else np.asarray(domains, dtype=np.int64)
+    node_of = [0] * num_ranks if domains is None else [int(n) for n in domains]
+    queues: dict[int, list[tuple[float, int, int]]] = {n: [] for n in sorted(set(node_of))}
+    for rank, n in enumerate(node_of):
+        queues[n].append((0.0, 0, rank))  # (finish, micro-batches, rank), sorted since all finish at 0
+    size = None
     for seq in order:
         k, weight = int(ring_sizes[seq]), float(weights[seq])
-        best = None
-        for group in _candidate_groups(layout.finish, count, node, k):
-            slot = int(count[group].max())
-            ready = layout.finish[group] + (slot - count[group]) * overhead
-            key = (float(ready.max()), float(ready.sum()))
-            if best is None or key < best[0]:
-                best = (key, group, slot, ready)
-        (start, _), members, slot, ready = best
-        for rank, rank_ready in zip(members.tolist(), ready.tolist()):
-            fillers = slot - int(count[rank])
-            if fillers:
+        if k != size:
+            size, fitting = k, [n for n, queue in queues.items() if len(queue) >= k]
+            keys = {n: _start_key(queues[n][:k], overhead) for n in fitting} if len(fitting) > 1 else {}
+            ranking = [(*key, n) for n, key in keys.items()]  # a heap; entries of re-timed nodes go stale
+            heapq.heapify(ranking)
+        if fitting:
+            while keys and keys[ranking[0][2]] != ranking[0][:2]:
+                heapq.heappop(ranking)
+            group = queues[ranking[0][2] if keys else fitting[0]][:k]
+        else:  # no node holds k ranks: the k earliest of all
+            group = list(itertools.islice(heapq.merge(*queues.values()), k))
+        slot, ready = _ready_times(group, overhead)
+        start = max(ready)
+        for (_, count, rank), rank_ready in zip(group, ready):
+            if slot > count:
                 layout.gaps.append((rank, slot - 1, start - rank_ready))
-            layout.leading[rank] += [[] for _ in range(fillers)] + [[seq]]
-        layout.rings[seq] = tuple(sorted(members.tolist()))
-        layout.finish[members] = start + overhead + weight
-        count[members] = slot + 1
+            layout.leading[rank] += [[] for _ in range(slot - count)] + [[seq]]
+        members = [rank for _, _, rank in group]
+        layout.rings[seq] = tuple(sorted(members))
+        finish = start + overhead + weight
+        layout.finish[members] = finish
+        touched = collections.Counter(node_of[rank] for rank in members)
+        for n, taken in touched.items():  # the group is a head of the list of every node it draws from
+            del queues[n][:taken]
+        for rank in members:
+            bisect.insort(queues[node_of[rank]], (finish, slot + 1, rank))
+        for n in touched.keys() & keys.keys():
+            keys[n] = _start_key(queues[n][:k], overhead)
+            heapq.heappush(ranking, (*keys[n], n))
     return layout
 
 
-def _candidate_groups(finish: np.ndarray, count: np.ndarray, node: np.ndarray, k: int) -> list[np.ndarray]:
-    """Member sets worth timing for a ring of k: the k earliest ranks of every node that has k, else the k
-    earliest of all (ties: fewer micro-batches, lower rank)."""
-    by_time = np.lexsort((np.arange(len(finish)), count, finish))
-    groups = []
-    for n in np.unique(node):
-        inside = by_time[node[by_time] == n]
-        if len(inside) >= k:
-            groups.append(inside[:k])
-    return groups or [by_time[:k]]
+def _ready_times(group: list[tuple[float, int, int]], overhead: float) -> tuple[int, list[float]]:
+    """The micro-batch index a ring on `group` ((finish, micro-batches, rank) per member) takes, and when
+    each member is ready for it: after its filler slots of `overhead` seconds."""
+    slot = max(count for _, count, _ in group)
+    return slot, [finish + (slot - count) * overhead for finish, count, _ in group]
+
+
+def _start_key(group: list[tuple[float, int, int]], overhead: float) -> tuple[float, float]:
+    """(start, summed ready time) of a ring on `group`, earliest members first. The sum is numpy's (a
+    pairwise sum from 8 terms on, not Python's left-to-right one), as it has always been."""
+    ready = _ready_times(group, overhead)[1]
+    return max(ready), float(np.add.reduce(np.array(ready)))
 
 
 def fill_gaps(
