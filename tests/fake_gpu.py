@@ -120,7 +120,13 @@ def install(*, world_size: int, rank: int):
     cuda.get_device_name = lambda device=None: "fake H100"
     cuda.synchronize = lambda device=None: None
     cuda.empty_cache = lambda: None
-    cuda.Stream, cuda.Event = _NullStream, _NullEvent
+    class TimedEvent(_NullEvent):
+        """A CUDA event with timing; fake kernels take no time."""
+
+        def elapsed_time(self, end) -> float:
+            return 0.0
+
+    cuda.Stream, cuda.Event = _NullStream, TimedEvent
     cuda.current_stream = cuda.default_stream = lambda device=None: _NullStream()
     cuda.stream = lambda stream=None: _NullStream()
     cuda.manual_seed = cuda.manual_seed_all = lambda seed: None

@@ -120,3 +120,105 @@ def harness_rules() -> None:
     with pytest.raises(FakeTensorDeviceMismatchError):
         torch.ones(3, device="cuda") + host
     assert (host + 1).tolist() == [2.0, 2.0, 2.0], "host work stays real"
+
+
+INSTALL_ARGS = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+    "--ffn-hidden-size 128 --max-position-embeddings 64 --seq-length 64 --micro-batch-size 1 "
+    "--global-batch-size 6 --train-iters 2 --lr 1e-3 --bf16 --tokenizer-type NullTokenizer --vocab-size 64 "
+    "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+    "--transformer-impl local --calculate-per-token-loss --num-workers 0 --seed 1234 "
+    "--hdp --hdp-capacity 32 --hdp-offload --hdp-attention-backend torch_varlen"
+).split()
+INSTALL_DOCUMENTS = [50, 9, 12, 20, 45, 8, 16, 30, 11, 40, 7, 14]
+"""Document lengths (tokens) of the indexed dataset of `install_step`: the longer ones exceed
+--hdp-capacity 32 and go to rings over both HDP ranks."""
+
+
+def install_step(rank: str = "0") -> None:
+    """The per-step code `megatron_hdp.megatron.install()` wires into megatron.training, called as
+    megatron.training 0.19 calls it, as HDP rank `rank` of 2: the patched `build_pretraining_data_loader`
+    (HDPDataLoader over a real indexed dataset), `setup_model_and_optimizer` (RoPE into the HDP core
+    attention, the offloader), two training steps through `get_forward_backward_func()` (HDP's wrapper
+    around Megatron's schedule, with the finalize/telemetry it measures) and the optimizer, then
+    `training_log` (hdp_statistics, the telemetry gather over the HDP domain) and
+    `consume_seqlen_stats_in_iteration`. Megatron's own model/optimizer setup and log line are stood in
+    for (their originals run Megatron's full initialisation); each wrapper around them is the real one."""
+    import tempfile
+
+    import torch
+    import fake_gpu
+
+    me = int(rank)
+    mode = fake_gpu.install(world_size=WORLD, rank=me)
+    from megatron_hdp.megatron.training_compat import require_megatron_training
+
+    require_megatron_training()
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.num_microbatches_calculator import get_num_microbatches, init_num_microbatches_calculator
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.training import training
+    from megatron.training.global_vars import set_args
+
+    from megatron_hdp.megatron import training_install
+    from megatron_hdp.megatron.args import parse_and_check
+    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config
+    from megatron_hdp.offload import OffloadConfig
+
+    args, _ = parse_and_check(INSTALL_ARGS, world_size=WORLD)
+    set_args(args)
+    init_num_microbatches_calculator(me, None, args.global_batch_size, args.micro_batch_size, WORLD)
+    initialize_hdp()
+    training_install.OFFLOAD_CONFIG = OffloadConfig(min_tensor_bytes=0)
+    training_install.install(args)
+
+    prefix = tempfile.mkdtemp() + "/docs"
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for seq, length in enumerate(INSTALL_DOCUMENTS):
+        builder.add_document(torch.from_numpy(_read_tokens(seq, 0, length).astype(np.int32)), [length])
+    builder.finalize(prefix + ".idx")
+    loader = training.build_pretraining_data_loader(prefix, 0)
+
+    config = tiny_llama_config(num_layers=args.num_layers)
+    config.bf16, config.params_dtype, config.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
+    config.use_cpu_initialization, config.calculate_per_token_loss = False, True
+    with torch.device("cuda"):
+        model = build_gpt(config, vocab_size=VOCAB, max_sequence_length=args.seq_length)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0), [ddp])
+    built = lambda *a, **k: ([ddp], optimizer, None)  # noqa: E731  (Megatron's get_model + optimizer, done above)
+    chunks, optimizer, _ = training_install._setup_model_and_optimizer(built)()
+    config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, ddp.no_sync  # as train() sets them
+    config.grad_scale_func = optimizer.scale_loss
+    assert training_install._STATE.offloader is not None, "--hdp-offload attaches an offloader"
+
+    data_iterator = iter(loader)
+    logged = []
+    for iteration in range(2):
+        args.curr_iteration = iteration
+        if iteration == 1:
+            mode.h2d.clear()
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        training.get_forward_backward_func()(  # train_step's call (megatron/training/training.py 0.19)
+            forward_step_func=None, data_iterator=data_iterator, model=chunks,
+            num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, decoder_seq_length=args.decoder_seq_length, forward_only=False,
+        )
+        optimizer.step()
+        training.consume_seqlen_stats_in_iteration()
+        training_install._training_log(lambda: logged.append(iteration))()  # Megatron's log line: stood in for
+    loader.close()
+    assert logged == [0, 1], logged
+    assert training_install._STATE.telemetry.use_cuda, "the telemetry clocks the step with CUDA events"
+    stats = training_install.hdp_statistics()
+    assert stats["hdp/microbatches-this-rank"] >= 1 and stats["hdp/offload-GB"] >= 0, stats
+    pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
+    assert not pageable, f"blocking host-to-device copies inside layers: {pageable[:3]}"
+    batch_copies = [c for c in mode.h2d if "collate.py" in c["where"]]
+    assert batch_copies and all(c["pinned"] and c["non_blocking"] for c in batch_copies), (
+        f"micro-batches copied to the GPU from pageable memory (a synchronous copy each): {batch_copies[:3]}")
+    print(f"install() path: {len(batch_copies)} micro-batch copies (pinned, non-blocking); "
+          f"hdp statistics {sorted(stats)[:3]}...")

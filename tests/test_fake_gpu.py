@@ -7,7 +7,10 @@ and it patches torch.cuda for the life of the process). What they catch, before 
 * fault 2: the step statistics mixing CPU and CUDA tensors / CPU tensors in NCCL collectives;
 * fault 7: a host sync (`.item()`) inside a layer (RoPE table size), and a blocking host-to-device copy
   of cu_seqlens inside every layer;
-* fault 8: a ring's P2P as the first NCCL operation of the default group.
+* fault 8: a ring's P2P as the first NCCL operation of the default group;
+* the `install()` path (`install_step`): micro-batches handed to Megatron's schedule from pageable
+  memory, ring plans (cu_seqlens, row indices) first copied to the GPU inside a layer whenever the
+  documents change, and the telemetry gather putting a CPU tensor into an NCCL all-gather.
 """
 
 import os
@@ -60,3 +63,15 @@ def test_hdp_step_on_fake_gpu(guard_library, pp_size, rank):
 def test_first_nccl_operation_is_not_a_ring(guard_library):
     """initialize_hdp on 4 ranks, then ring attention among ranks 0 and 1."""
     assert "scenario first_p2p: ok" in _run(guard_library, "first_p2p", "4")
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_megatron_install_path_on_fake_gpu(guard_library, rank):
+    """What install() wires into megatron.training, called as train() calls it, as HDP rank `rank` of 2:
+    the HDP loader over an indexed dataset, two steps through the patched get_forward_backward_func
+    (Megatron's schedule, offloading, finalize timed by the telemetry), then the patched training_log
+    (hdp_statistics, the measured telemetry gathered over the HDP domain; the last rank prints it)."""
+    output = _run(guard_library, "install_step", rank)
+    assert "micro-batch copies (pinned, non-blocking)" in output
+    if rank == "1":
+        assert " [HDP measured] iteration        1 |" in output  # CUDA events are read one step late

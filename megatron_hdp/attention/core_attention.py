@@ -22,6 +22,7 @@ import torch
 from megatron_hdp.attention import local_varlen_attention, ring_attention
 from megatron_hdp.attention.backends import Segments
 from megatron_hdp.attention.local import local_segments
+from megatron_hdp.attention.zigzag_ring import prepare_ring_plan
 from megatron_hdp.data.collate import AttentionGroup
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class HDPBatchMeta:
         device = self.position_ids.device
         segments = tuple(None if g.is_ring else local_segments(g.seqlens, device) for g in self.groups)
         object.__setattr__(self, "segments", segments)
+        for group in filter(lambda g: g.is_ring, self.groups):
+            prepare_ring_plan(group.seqlens, self.global_ring(group), device=device)
 
     def memo(self, key: object, make: Callable[[], object]) -> object:
         """`make()` on the first call with `key` for this micro-batch, the same object after (every layer

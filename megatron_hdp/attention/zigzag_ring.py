@@ -165,6 +165,25 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def prepare_ring_plan(
+    seqlens: Sequence[int],
+    ring: Sequence[int],
+    *,
+    device: torch.device,
+    causal: bool = True,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Build (and cache) this rank's plan of `ring_attention` over `ring` with its kernel tensors
+    (cu_seqlens, row indices) already on `device`. Call it once per micro-batch, outside the layers:
+    a plan first built inside a layer copies them from the host there (synchronously: pageable memory),
+    and document lengths, hence plans, change from one micro-batch to the next."""
+    members = current_ring(ring, group=group)
+    if members.size > 1:
+        plan = ring_plan(check_seqlens(seqlens), members.size, members.position, bool(causal), torch.device(device))
+        for block in filter(None, plan.blocks):
+            block.segments.cu_seqlens_q, block.segments.cu_seqlens_k  # noqa: B018  (made now)
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,

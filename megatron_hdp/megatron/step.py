@@ -170,6 +170,12 @@ def pad_microbatches(
     return batches + [empty_microbatch(rank=state.hdp_rank, num_tokens=pad_to_multiple) for _ in range(num_padding)]
 
 
+def pinned_for(batches: list[PackedMicroBatch], device: torch.device) -> list[PackedMicroBatch]:
+    """`batches` in pinned host memory when the model is on a GPU (the forward step copies each one
+    non-blocking: asynchronous only from pinned memory), else unchanged."""
+    return [b.pin_memory() for b in batches] if device.type == "cuda" else batches
+
+
 def offload_ratios(plan: StepPlan, *, rank: int, num_microbatches: int) -> list[float]:
     """The activation-offload ratio of each of the `num_microbatches` micro-batches rank `rank` runs: the
     largest planned ratio of its sequences (the planner sized the micro-batch with it), 0 for padding."""
@@ -228,7 +234,7 @@ class HDPTrainer:
             for mb in plan.microbatches(rank)
         ]
         batches = pad_microbatches(plan, batches, state=self.state, pad_to_multiple=self.pad_to_multiple)
-        return [b.pin_memory() for b in batches] if self.device.type == "cuda" else batches
+        return pinned_for(batches, self.device)
 
     def step(
         self, plan: StepPlan, read_tokens: TokenReader, *, read_loss_mask: Optional[MaskReader] = None

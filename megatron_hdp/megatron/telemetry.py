@@ -192,13 +192,22 @@ def summarize(table: torch.Tensor) -> dict[str, float]:
     return stats
 
 
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor for a collective over `group` must live: the host when the group's backends take
+    CPU tensors (gloo, or a "cpu:gloo,cuda:nccl" pair), else the current CUDA device (NCCL, however its
+    backend string is spelled, e.g. "nccl" or "cuda:nccl")."""
+    group = group if group is not None else dist.group.WORLD
+    if torch.device("cpu") in group._device_types:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def gather_rows(rows: list[tuple[int, list[float]]], *, group: Any = None) -> list[tuple[int, torch.Tensor]]:
     """All ranks' rows of the same steps: (iteration, [ranks, PER_RANK_FIELDS]) per step. A collective
     over `group`: every rank calls it with rows of the same iterations."""
     if not rows:
         return []
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    mine = torch.tensor([row for _, row in rows], dtype=torch.float64, device=device)
+    mine = torch.tensor([row for _, row in rows], dtype=torch.float64, device=collective_device(group))
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
     table = torch.stack(gathered, dim=1).cpu()  # [steps, ranks, fields]
@@ -270,8 +279,7 @@ def learn_from_steps(refit: Any, measured: list[tuple[int, torch.Tensor]], plans
     for iteration, table in measured:
         compute = table[:, PER_RANK_FIELDS.index("compute")].double()
         if size > 1:
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-            compute = compute.to(device)
+            compute = compute.to(collective_device(group))
             dist.all_reduce(compute, group=group)
             compute = compute.cpu() / size
         refit.observe(plans.pop(iteration), compute.tolist())

@@ -197,7 +197,7 @@ def _forward_backward(schedule):
     from megatron_hdp.megatron.forward_step import make_forward_step
     from megatron_hdp.megatron.initialize import hdp_state
     from megatron_hdp.megatron.saved_plans import save_training_step_plan
-    from megatron_hdp.megatron.step import offload_ratios, pad_microbatches
+    from megatron_hdp.megatron.step import offload_ratios, pad_microbatches, pinned_for
 
     def forward_backward(*, forward_step_func, data_iterator, num_microbatches, **kwargs: Any):
         assert _STATE is not None
@@ -216,6 +216,7 @@ def _forward_backward(schedule):
         microbatches = pad_microbatches(
             step.plan, list(step.microbatches), state=state, pad_to_multiple=token_multiple(get_args())
         )
+        microbatches = pinned_for(microbatches, next(kwargs["model"][0].parameters()).device)
         offload = None
         if training and _STATE.offloader is not None:
             ratios = offload_ratios(step.plan, rank=state.hdp_rank, num_microbatches=len(microbatches))
