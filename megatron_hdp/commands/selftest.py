@@ -77,7 +77,7 @@ def offload_target(path: Path = RESULTS / "offload_bench.json") -> tuple[bool, s
 def plan_steps(num_gpus: int) -> list[Step]:
     """The selftest's steps for a machine with `num_gpus` local GPUs (time limits add up to 29 min)."""
     py = sys.executable
-    train = [py, "-m", "megatron_hdp.commands.selftest", "--train-worker"]
+    train = [py, "-m", "megatron_hdp.megatron.gpu_smoke"]
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={max(num_gpus, 1)}"]
     return [
         Step("GPU tests (pytest -m gpu)", [py, "-m", "pytest", "-q", "-m", "gpu"], 540),
@@ -85,8 +85,7 @@ def plan_steps(num_gpus: int) -> list[Step]:
         Step("offload_bench", [py, "benchmarks/offload_bench.py"], 360, target=offload_target),
         Step("calibrate", [py, "-m", "megatron_hdp.cli", "calibrate"], 240),
         Step("2 training steps, 1 GPU", train, 90),
-        Step("2 training steps, all local GPUs (torchrun, NCCL)", torchrun + ["-m", "megatron_hdp.commands.selftest",
-             "--train-worker"], 150, num_gpus=max(num_gpus, 2)),
+        Step("2 training steps, all local GPUs (torchrun, NCCL)", torchrun + ["-m", "megatron_hdp.megatron.gpu_smoke"], 150, num_gpus=max(num_gpus, 2)),
     ]
 
 
@@ -119,45 +118,6 @@ def report(steps: list[Step], *, dry_run: bool, device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def train_worker() -> None:
-    """Two HDP steps of a tiny bf16 GPT on this rank's GPU (run by the selftest, alone or under torchrun)."""
-    import os
-
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
-    from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config
-    from megatron_hdp.megatron.step import HDPTrainer
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl", rank=rank, world_size=world)
-    state = initialize_hdp()
-    config = tiny_llama_config(num_layers=2)  # bf16: the GPU attention kernels take fp16/bf16
-    config.bf16, config.params_dtype, config.pipeline_dtype, config.use_cpu_initialization = (
-        True, torch.bfloat16, torch.bfloat16, False)
-    with torch.device("cuda"):
-        model = build_gpt(config, vocab_size=256, max_sequence_length=4096)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True), [ddp])
-    trainer = HDPTrainer(model=ddp, optimizer=optimizer, state=state)
-    rings = [tuple(range(world)), (0,)] if world > 1 else [(0,), (0,)]
-    plan = plan_from_rings([2048, 512], rings, [0, 0], num_ranks=world, capacity=4096)
-    for _ in range(2):
-        stats = trainer.step(plan, lambda seq, a, b: (np.arange(a, b) * 31 + seq) % 256)
-    if rank == 0:
-        print(f"loss {stats.loss:.4f} step {stats.step_time:.3f} s")
-    dist.destroy_process_group()
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="list every step and write the report, run nothing")
     parser.add_argument("--report", default=None, help="Markdown report (default benchmarks/results/selftest.md)")
@@ -188,9 +148,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    if "--train-worker" in sys.argv:
-        train_worker()
-    else:
-        parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-        add_arguments(parser)
-        sys.exit(run(parser.parse_args()))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
