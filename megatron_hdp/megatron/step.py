@@ -285,7 +285,7 @@ class HDPTrainer:
             [compute_time, step_time, float(len(batches)), float(bytes_sent)], dtype=torch.float64, device=self.device
         )
         gathered = torch.empty(world * mine.numel(), dtype=mine.dtype, device=self.device)
-        dist.all_gather_into_tensor(gathered, mine)
+        dist.all_gather_single(gathered, mine)
         table = torch.cat([gathered.view(world, -1), counts_loss.expand(world, 2)], dim=1).cpu()
         counts_loss = table[0, 4:]
         times = table[:, 0].tolist()
