@@ -21,8 +21,10 @@ from megatron_hdp.megatron.datasets import (
     BlendedDocumentSource,
     GPTDocumentSource,
     IndexedDocumentSource,
+    blend_quotas,
     build_hdp_data_loader,
     document_source,
+    leading_pieces,
     token_blend_order,
 )
 from megatron_hdp.plan.presets import analytic_cost_model
@@ -117,10 +119,76 @@ def test_blended_source_honours_the_weights_by_tokens(gpt_datasets):
     for start in range(0, blend.lengths.size - 8, 8):  # a global batch of 8 documents
         batch = tokens[start:start + 8].sum(axis=0)
         assert np.abs(batch - batch.sum() * weights).max() <= 3 * SEQ_LENGTH
-    share = taken[-1] / taken[-1].sum()
-    assert share == pytest.approx(weights, abs=SEQ_LENGTH / taken[-1].sum() * 2)
-    # the first member runs out first (Megatron sized it for 40 windows, the second for 20 at 0.4)
+
+def test_sized_blend_epoch_is_exact_by_tokens(gpt_datasets):
+    _, blended = gpt_datasets
+    blend = document_source(blended)
+    members = [document_source(member) for member in blended.datasets]
+    # the epoch holds Megatron's size x seq-length tokens; 0.6 / 0.4 of 50 x 64 = 1920 / 1280 exactly
+    per_member = np.bincount(blend.dataset_index, weights=blend.lengths).astype(int)
+    assert per_member.tolist() == [1920, 1280] and blend.lengths.sum() == 50 * SEQ_LENGTH
+    for member_id, member in enumerate(members):
+        taken = blend.dataset_sample_index[blend.dataset_index == member_id]
+        lengths = blend.lengths[blend.dataset_index == member_id]
+        # the member's leading pieces, whole but for the last, which is cut where the share ends
+        np.testing.assert_array_equal(lengths[:-1], member.lengths[taken[:-1]])
+        assert 1 <= lengths[-1] <= member.lengths[taken[-1]]
+        last = int(np.flatnonzero(blend.dataset_index == member_id)[-1])
+        np.testing.assert_array_equal(blend.read(last, 0, int(blend.lengths[last]) + 1),
+                                      member.read(int(taken[-1]), 0, int(blend.lengths[last]) + 1))
+    # Megatron sized the members with a margin, so their pieces go on past the epoch
     assert blend.lengths.size < len(members[0].lengths) + len(members[1].lengths)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_blend_quotas_are_the_weights_shares_to_a_token(seed):
+    rng = np.random.default_rng(seed)
+    members = int(rng.integers(2, 6))
+    weights = rng.random(members) + 0.01
+    lengths = [rng.integers(1, 300, int(rng.integers(1, 60))) for _ in range(members)]
+    tokens = np.array([piece.sum() for piece in lengths])
+    budget = int(rng.integers(1, 2 * tokens.sum()))
+    quotas = blend_quotas(tokens, weights, budget)
+    epoch = int(quotas.sum())
+    assert epoch <= budget and (quotas <= tokens).all()
+    assert np.abs(quotas - epoch * weights / weights.sum()).max() < 1
+    if epoch < budget:  # only because some member could not supply one more token's share
+        assert ((epoch + 1) * weights / weights.sum() > tokens).any()
+    for piece, quota in zip(lengths, quotas):
+        cut = leading_pieces(piece, int(quota))
+        assert cut.sum() == quota and (cut[:-1] == piece[:cut.size - 1]).all()
+    with pytest.raises(ValueError, match="fewer than"):
+        leading_pieces(lengths[0], int(tokens[0]) + 1)
+
+
+def test_weighted_data_path_blend_built_by_megatron_is_exact_per_epoch(tmp_path):
+    """`--data-path 0.7 A 0.3 B`: Megatron's builder sizes the blend and its members (with its margin)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    from megatron_hdp.megatron.training_compat import use_prebuilt_dataset_helpers
+
+    use_prebuilt_dataset_helpers()
+    rng = np.random.default_rng(9)
+    prefixes = []
+    for name, high in (("short", 60), ("long", 400)):
+        prefixes.append(str(tmp_path / name))
+        write_indexed_dataset(prefixes[-1], [rng.integers(1, 1000, n) for n in rng.integers(2, high, 80)],
+                              vocab_size=1000)
+    config = GPTDatasetConfig(random_seed=3, sequence_length=SEQ_LENGTH, tokenizer=_Tokenizer(), split="100,0,0",
+                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                              blend=(prefixes, [0.7, 0.3]))
+    blended = BlendedMegatronDatasetBuilder(GPTDataset, [123, 0, 0], lambda: True, config).build()[0]
+    assert isinstance(blended, BlendedDataset) and blended.size >= 123  # Megatron rounds the sizes up
+    blend = document_source(blended)
+    per_member = np.bincount(blend.dataset_index, weights=blend.lengths).astype(int)
+    epoch = blended.size * SEQ_LENGTH
+    assert per_member.sum() == epoch and np.abs(per_member - epoch * np.array([0.7, 0.3])).max() < 1
+    for member_id, member in enumerate(blended.datasets):  # each member's documents in Megatron's order
+        pieces = document_source(member).pieces
+        taken = blend.dataset_sample_index[blend.dataset_index == member_id]
+        np.testing.assert_array_equal(taken, np.arange(taken.size))
+        np.testing.assert_array_equal(pieces.document[taken][pieces.offset[taken] == 0],
+                                      np.asarray(member.document_index)[:np.count_nonzero(pieces.offset[taken] == 0)])
 
 
 def test_blend_without_size_takes_every_document_of_every_member(gpt_datasets):

@@ -12,7 +12,8 @@ HDP plans documents, not Megatron's fixed `--seq-length` windows: each adapter (
   positions (`megatron_hdp.data.source.DocumentPieces`). With `eod_mask_loss`, input positions holding
   the EOD token get loss mask 0, as Megatron's `_get_ltor_masks_and_position_ids` does.
 - `BlendedDocumentSource` — a `BlendedDataset`: its members' pieces interleaved so that each member's
-  share of the *tokens* follows the blend weights (`token_blend_order`).
+  share of the *tokens* follows the blend weights (`token_blend_order`); over an epoch of the blend the
+  shares are exact (`blend_quotas`).
 - `SFTConversationSource` (`megatron_hdp.megatron.sft_source`) — Megatron's `SFTDataset`: each
   conversation one sequence with its loss mask.
 
@@ -160,21 +161,76 @@ def token_blend_order(member_lengths: list[np.ndarray], weights: np.ndarray) -> 
     return member[keep][order], sample[keep][order]
 
 
-class BlendedDocumentSource:
-    """A BlendedDataset's members' documents, blended by tokens (`token_blend_order`).
+def apportion_tokens(total: int, weights: np.ndarray) -> np.ndarray:
+    """Split `total` tokens by `weights` into integers that sum to `total`, each within 1 of its share.
 
-    A blend built with a size weighs its members by its (normalised) weights; one built without a size
-    (Megatron's "use every member fully") weighs them by their token counts, so every piece is taken.
+    Largest remainder (Hamilton): every member gets the floor of its exact share, and the tokens left
+    over go to the largest fractional parts (ties: lower member first).
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    exact = total * weights / weights.sum()
+    quotas = np.floor(exact).astype(np.int64)
+    left = int(total - quotas.sum())
+    quotas[np.argsort(-(exact - quotas), kind="stable")[:left]] += 1
+    return quotas
+
+
+def leading_pieces(lengths: np.ndarray, tokens: int) -> np.ndarray:
+    """The lengths of the first pieces holding exactly `tokens` positions: the last one cut where they end.
+
+    A cut piece keeps its start (its `origin` is unchanged) and reads its last label from the document,
+    which goes on past the cut. Raises ValueError when the pieces hold fewer than `tokens` positions.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    if tokens > (ends[-1] if ends.size else 0):
+        raise ValueError(f"the pieces hold {int(ends[-1]) if ends.size else 0} positions, fewer than {tokens}")
+    count = int(np.searchsorted(ends, tokens, side="left")) + 1 if tokens else 0
+    taken = lengths[:count].copy()
+    if count:
+        taken[-1] -= int(ends[count - 1]) - tokens
+    return taken
+
+
+def blend_quotas(member_tokens: np.ndarray, weights: np.ndarray, budget: int) -> np.ndarray:
+    """Each member's tokens in one epoch of a sized blend: exactly the weights' shares of the epoch.
+
+    The epoch holds `budget` tokens (Megatron's size x sequence length) when every member can supply its
+    share, else as many as the scarcest member allows. `apportion_tokens` splits them, so member i gets
+    its share of the epoch rounded to a whole token, and never more than it holds.
+    """
+    member_tokens = np.asarray(member_tokens, dtype=np.int64)
+    weights = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    scarcest = int(np.floor(np.min(member_tokens / weights)))
+    quotas = apportion_tokens(min(int(budget), scarcest), weights)
+    while (quotas > member_tokens).any():  # the floor above can still round a scarce member's share up
+        scarcest -= 1
+        quotas = apportion_tokens(min(int(budget), scarcest), weights)
+    return quotas
+
+
+class BlendedDocumentSource:
+    """A BlendedDataset's members' documents, blended by tokens (`token_blend_order`), exact per epoch.
+
+    A blend built without a size (Megatron's "use every member fully") takes every piece of every member.
+    A blend built with a size holds `size` x `sequence_length` tokens, as Megatron's does: each member
+    contributes exactly its weight's share of them (`blend_quotas`, to a whole token) from its own pieces in
+    order, the last one cut where the share ends. Either way the epoch's shares are exact and within a
+    global batch they are within `token_blend_order`'s bound.
     """
 
     def __init__(self, dataset: BlendedDataset):
         self.members = [document_source(member) for member in dataset.datasets]
         member_lengths = [np.asarray(member.lengths, dtype=np.int64) for member in self.members]
+        member_tokens = np.array([lengths.sum() for lengths in member_lengths], dtype=np.int64)
         if dataset.size is None:
-            weights = np.array([lengths.sum() for lengths in member_lengths], dtype=np.float64)
+            quotas = member_tokens
         else:
-            weights = np.asarray(dataset.weights, dtype=np.float64)
-        self.weights = weights / weights.sum()
+            quotas = blend_quotas(member_tokens, np.asarray(dataset.weights, dtype=np.float64),
+                                  int(dataset.size) * int(dataset.config.sequence_length))
+            member_lengths = [leading_pieces(lengths, int(quota)) for lengths, quota in zip(member_lengths, quotas)]
+        self.member_tokens = quotas
+        self.weights = quotas / quotas.sum()
         self.dataset_index, self.dataset_sample_index = token_blend_order(member_lengths, self.weights)
         self.lengths = np.empty(self.dataset_index.size, dtype=np.int64)
         for member_id, lengths in enumerate(member_lengths):
