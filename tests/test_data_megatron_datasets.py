@@ -1,6 +1,7 @@
 """Megatron dataset adapters (documents of GPT and blended datasets) and the indexed-dataset builder,
 against megatron-core's own readers and index."""
 
+import contextlib
 import json
 import logging
 
@@ -275,6 +276,26 @@ def test_synthetic_corpus_is_seeded_long_tailed_and_learnable(tmp_path):
     assert len(strides) == 1 and strides[0] in (1, 2, 3)  # a document counts with one stride
 
 
+def _build_like_pretrain_gpt(prefix: str, rank: int) -> list[bool]:
+    """Whether this rank gets a training dataset from a builder told to build on rank 0 only (as
+    pretrain_gpt.py tells TP ranks other than 0): plainly, and under install()'s datasets wrapper."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    from megatron_hdp.megatron.training_compat import use_prebuilt_dataset_helpers
+    from megatron_hdp.megatron.training_install import datasets_built_on_every_rank
+
+    use_prebuilt_dataset_helpers()
+    config = GPTDatasetConfig(random_seed=1, sequence_length=SEQ_LENGTH, tokenizer=_Tokenizer(), split="100,0,0",
+                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                              blend=([prefix], None))
+    built = []
+    for scope in (contextlib.nullcontext, datasets_built_on_every_rank):
+        with scope():
+            train = BlendedMegatronDatasetBuilder(GPTDataset, [8, 0, 0], lambda: rank == 0, config).build()[0]
+        built.append(train is not None)
+    return built
+
+
 def _megatron_rank(rank, world_size, prefix):
     from types import SimpleNamespace
 
@@ -292,12 +313,13 @@ def _megatron_rank(rank, world_size, prefix):
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("megatron_hdp.megatron.datasets").addHandler(handler)
+    built = _build_like_pretrain_gpt(prefix, rank)
     build_hdp_data_loader(prefix, 0, cost_model=analytic_cost_model("llama-7b")).close()  # e.g. validation
     loader = build_hdp_data_loader(prefix, 0, cost_model=analytic_cost_model("llama-7b"))
     steps = [next(loader) for _ in range(2)]
     loader.close()
     destroy_hdp()
-    return said, [(s.plan.digest(), s.sample_ids.tolist(), s.consumed_samples,
+    return built, said, [(s.plan.digest(), s.sample_ids.tolist(), s.consumed_samples,
                    sorted(t for mb in s.microbatches for t in mb.tokens[mb.loss_mask > 0].tolist())) for s in steps]
 
 
@@ -305,7 +327,9 @@ def test_build_hdp_data_loader_reads_megatrons_args_and_parallel_state(tmp_path)
     docs = [np.arange(n) + 1000 * d for d, n in enumerate(np.random.default_rng(4).integers(2, 120, 20))]
     prefix = str(tmp_path / "docs")
     write_indexed_dataset(prefix, docs, vocab_size=20_000)
-    said, ranks = zip(*run_gloo(_megatron_rank, 2, prefix, timeout_s=240))
+    built, said, ranks = zip(*run_gloo(_megatron_rank, 2, prefix, timeout_s=240))
+    # pretrain_gpt.py builds datasets on TP rank 0 only; install() makes every rank build (every rank plans)
+    assert built == ([True, True], [False, True])
     # document boundaries replace --reset-attention-mask/--reset-position-ids: said once per process
     assert all(len(messages) == 1 and "no effect with --hdp" in messages[0] for messages in said)
     for index, (r0, r1) in enumerate(zip(*ranks)):

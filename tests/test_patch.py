@@ -67,27 +67,33 @@ def test_patch_applies_to_the_checkout(tmp_path):
     assert again.returncode == 0 and "already has" in again.stdout
 
 
-def test_patched_pretrain_gpt_trains_with_and_without_hdp(tmp_path):
-    """The patched script of the checkout, with the checkout's own `megatron` (core and training; for main
-    that is megatron-core 0.20), trains a tiny GPT on 4 CPU ranks: plainly, and with --hdp."""
+def _patched_checkout(tmp_path: Path) -> tuple[Path, Path, str]:
+    """(checkout, patched pretrain_gpt.py, indexed dataset prefix); skips without a built checkout."""
     root = _megatron_lm_dir()
     if not (root / "pretrain_gpt.py").is_file():
         pytest.skip(f"{root} is not a Megatron-LM checkout (training needs its megatron package)")
     if not list((root / "megatron/core/datasets").glob("helpers_cpp*.so")):
         pytest.skip(f"build the dataset helpers first: make -C {root}/megatron/core/datasets LIBEXT=$(python -c "
                     "\"import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))\")")
-    from pretrain_harness import TINY, logged_losses, run_pretrain
-
     from megatron_hdp.megatron.build_dataset import build_demo_dataset
 
     shutil.copy(root / "pretrain_gpt.py", tmp_path / "pretrain_gpt.py")
     assert _apply(tmp_path).returncode == 0
     prefix = build_demo_dataset(tmp_path / "data", num_docs=128, vocab_size=256, max_length=256)
+    return root, tmp_path / "pretrain_gpt.py", prefix
+
+
+def test_patched_pretrain_gpt_trains_with_and_without_hdp(tmp_path):
+    """The patched script of the checkout, with the checkout's own `megatron` (core and training; for main
+    that is megatron-core 0.20), trains a tiny GPT on 4 CPU ranks: plainly, and with --hdp."""
+    from pretrain_harness import TINY, logged_losses, run_pretrain
+
+    root, script, prefix = _patched_checkout(tmp_path)
     argv = TINY + ["--seq-length", "64", "--global-batch-size", "8", "--train-iters", "3",
                    "--data-path", prefix, "--data-cache-path", str(tmp_path / "cache")]
     plans_dir = tmp_path / "plans"
     for flags in ([], ["--hdp", "--hdp-capacity", "40", "--no-hdp-offload", "--hdp-save-plans", str(plans_dir)]):
-        run = run_pretrain(argv + flags, script=tmp_path / "pretrain_gpt.py", python_path=(str(root),))
+        run = run_pretrain(argv + flags, script=script, python_path=(str(root),))
         losses = logged_losses(run)
         assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
         assert bool(run[0]["stats"][0]) == bool(flags)  # HDP statistics exactly when --hdp is set
@@ -107,6 +113,25 @@ def test_patched_pretrain_gpt_trains_with_and_without_hdp(tmp_path):
     assert all(pieces[(doc, offset)] == length for doc, offset, length in planned)
     reference = run_pretrain(argv, world_size=1, python_path=(str(root),), reference_plans=(str(plans_dir), prefix))
     assert losses == pytest.approx(logged_losses(reference), rel=1e-5, abs=1e-6)
+
+
+def test_patched_pretrain_gpt_with_tp2_pp2_matches_plain_megatron(tmp_path):
+    """pretrain_gpt.py builds its datasets on TP rank 0 of the first and last stages only; under --hdp
+    every rank plans, so install() has every rank build them. TP 2 x PP 2 on 4 ranks, capacity 160 (not
+    --seq-length): every step's loss equals plain Megatron with the same layout on the planned pieces."""
+    from pretrain_harness import TINY, assert_same_losses, read_saved_plans, run_pretrain
+
+    root, script, prefix = _patched_checkout(tmp_path)
+    plans_dir = str(tmp_path / "plans")
+    argv = TINY + ["--seq-length", "64", "--global-batch-size", "8", "--train-iters", "3",
+                   "--data-path", prefix, "--data-cache-path", str(tmp_path / "cache"),
+                   "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    hdp = run_pretrain(argv + ["--hdp", "--hdp-capacity", "160", "--no-hdp-offload", "--hdp-save-plans", plans_dir],
+                       script=script, python_path=(str(root),))
+    reference = run_pretrain(argv, python_path=(str(root),), reference_plans=(plans_dir, prefix))
+    losses = assert_same_losses(hdp, reference)
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert len({s["length"] for plan in read_saved_plans(plans_dir) for s in plan["sequences"]}) > 4
 
 
 def test_apply_script_refuses_a_file_it_does_not_fit(tmp_path):

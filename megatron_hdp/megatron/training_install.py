@@ -2,7 +2,7 @@
 
 Call it once, after `parse_and_validate_args` and before the model config is built from `args`
 (`examples/pretrain_gpt_hdp.py` and the patched `pretrain_gpt.py` do). Without `--hdp` it only checks
-the flags. With `--hdp` it changes seven names, each in `megatron.training.training`'s namespace, each
+the flags. With `--hdp` it changes eight names, each in `megatron.training.training`'s namespace, each
 a thin wrapper around Megatron's own function (the whole monkeypatch surface, in call order):
 
 1. `args.spec`: the GPT layer spec is Megatron's with `HDPCoreAttention` as its `core_attention` leaf.
@@ -10,7 +10,9 @@ a thin wrapper around Megatron's own function (the whole monkeypatch surface, in
    moves RoPE into the HDP core attention of each chunk; with `--hdp-offload` an `ActivationOffloader`
    is attached to the chunk's transformer layers. (Not `get_model`: `pretrain` with a config container,
    as `examples/pretrain_gpt_hdp.py` calls it, builds through the model builder and never calls it.)
-3. `build_pretraining_data_loader`: the HDP loader (our sampler + planner + THD collation) over the same
+3. `build_train_valid_test_datasets`: the datasets provider runs with every rank building its
+   datasets (`datasets_built_on_every_rank`; `pretrain_gpt.py` builds them on TP rank 0 of the first
+   and last stages only, and every rank plans). `build_pretraining_data_loader`: the HDP loader (our sampler + planner + THD collation) over the same
    Megatron dataset; it yields one `HDPStep` per training step.
 4. `get_forward_backward_func`: the schedule is called with this rank's micro-batches of the step and
    its own micro-batch count (from the plan, padded as `step.pad_microbatches` says), and with HDP's
@@ -149,6 +151,41 @@ def _setup_model_and_optimizer(original):
     return setup_model_and_optimizer
 
 
+@contextlib.contextmanager
+def datasets_built_on_every_rank():
+    """Within it, every BlendedMegatronDatasetBuilder builds its datasets on every rank.
+
+    HDP plans from document lengths on every rank of the domain, every tensor-parallel rank and pipeline
+    stage included (each stage needs the plan's lengths for its attention), but Megatron-LM's
+    `pretrain_gpt.py` builds the datasets on tensor-parallel rank 0 of the first and last stages only
+    (its `is_dataset_built_on_rank`) and hands the others None. Building costs a rank only the mmap'd
+    index: tokens are read by the rank that trains them.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    original = BlendedMegatronDatasetBuilder.__init__
+
+    @functools.wraps(original)
+    def on_every_rank(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.is_built_on_rank = lambda: True
+
+    BlendedMegatronDatasetBuilder.__init__ = on_every_rank
+    try:
+        yield
+    finally:
+        BlendedMegatronDatasetBuilder.__init__ = original
+
+
+def _build_datasets(original):
+    @functools.wraps(original)
+    def build_train_valid_test_datasets(*args: Any, **kwargs: Any):
+        with datasets_built_on_every_rank():
+            return original(*args, **kwargs)
+
+    return build_train_valid_test_datasets
+
+
 def _build_data_loader(original):
     @functools.wraps(original)
     def build_pretraining_data_loader(dataset: Any, consumed_samples: int):
@@ -203,9 +240,9 @@ def _forward_backward(schedule):
         assert _STATE is not None
         if data_iterator is None:
             raise ValueError(
-                "HDP needs its data loader on every rank, but this rank got none: build the datasets on "
-                "every rank (examples/pretrain_gpt_hdp.py does; pretrain_gpt.py builds them on TP rank 0 only, "
-                "so use --tensor-model-parallel-size 1 or our entry point)"
+                "HDP needs its data loader on every rank, but this rank got none: the datasets provider "
+                "returned no training dataset here (build it on every rank; install() makes Megatron's "
+                "BlendedMegatronDatasetBuilder do so)"
             )
         step = next(data_iterator)
         training = not kwargs.get("forward_only", False)  # evaluation consumes validation documents
@@ -390,6 +427,7 @@ def _consume_seqlen_stats(original):
 
 _PATCHES = {
     "setup_model_and_optimizer": _setup_model_and_optimizer,
+    "build_train_valid_test_datasets": _build_datasets,
     "build_pretraining_data_loader": _build_data_loader,
     "get_forward_backward_func": _get_forward_backward_func,
     "training_log": _training_log,
