@@ -19,8 +19,9 @@ is that of a cluster with one core per rank: each rank's CPU seconds of each pha
 gloo wait uses none), composed through the plan's ring waits (`megatron_hdp.sim.replay`); wall time on
 this host (ranks sharing its cores: the total work) next to it. The prediction is `simulate_step` with the
 cost model fitted inside the run on this model and this CPU (in-sample), or with `--predict-from` the cost
-model, all-reduce bandwidth and step overhead of an earlier run on another mix and seed (out-of-sample;
-the in-run fit's error is reported next to it). Medians over the reported steps go to
+model, all-reduce bandwidth and step overhead that an earlier run on another mix and seed fitted and
+measured itself (its `in_run_fit`, whatever it planned with: out-of-sample; the in-run fit's error is
+reported next to it). Medians over the reported steps go to
 benchmarks/results/step_bench.json with the command, the date and the host's load.
 """
 
@@ -59,8 +60,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="CostModel JSON (`megatron-hdp calibrate --output`) to plan and predict with instead of "
                              "the in-run fit, e.g. kernel timings calibrated on the model's shape")
     parser.add_argument("--predict-from", default=None,
-                        help="a step_bench result JSON of another run: plan and predict with its cost model, "
-                             "all-reduce bandwidth and step overhead (out-of-sample prediction)")
+                        help="a step_bench result JSON of another run: plan and predict with the cost model, "
+                             "all-reduce bandwidth and step overhead it fitted itself (out-of-sample prediction)")
     parser.add_argument("--simulate-only", action="store_true",
                         help="no training: the simulator's breakdown of every policy on the batches of --mixes, "
                              "with the cost model, all-reduce bandwidth and step overhead of --predict-from")
@@ -185,8 +186,11 @@ def main(argv: list[str]) -> int:
     measured, fitted_on = None, None
     if args.predict_from:
         earlier = json.loads(Path(args.predict_from).read_text())
-        cost_model = CostModel.from_dict(earlier["cost_model"]).to_dict()
-        measured = {k: earlier[k] for k in ("allreduce_bandwidth", "step_overhead")}
+        if "in_run_fit" not in earlier:
+            raise ValueError(f"--predict-from {args.predict_from} has no in_run_fit (written by an older step_bench)")
+        # what that run fitted and measured itself, not what it planned with (itself maybe another run's)
+        cost_model = CostModel.from_dict(earlier["in_run_fit"]["cost_model"]).to_dict()
+        measured = {k: earlier["in_run_fit"][k] for k in ("allreduce_bandwidth", "step_overhead")}
         fitted_on = {"file": args.predict_from, "mix": earlier["spec"]["mix"], "seed": earlier["spec"]["seed"],
                      "date": earlier["date"]}
         if (fitted_on["mix"], fitted_on["seed"]) == (args.mix, args.seed) and not args.simulate_only:
@@ -222,12 +226,10 @@ def main(argv: list[str]) -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "ranks": args.ranks,
                     "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "spec": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(spec).items()},
-        "cost_model": result["cost_model"],
-        "fitted_cost_model": result["fitted_cost_model"],
+        "planned_with": result["planned_with"],
+        "in_run_fit": result["in_run_fit"],
         "prediction": prediction,
         "grad_bytes": result["grad_bytes"],
-        "allreduce_bandwidth": result["allreduce_bandwidth"],
-        "step_overhead": result["step_overhead"],
         "summary": summary,
         "rows": result["rows"],
     }

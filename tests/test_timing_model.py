@@ -23,6 +23,7 @@ from megatron_hdp.sim.simulator import PolicyRules, simulate_step
 H100 = analytic_cost_model("llama-7b", tp_size=8)
 SLOW_RING = CostModel.from_dict({**H100.to_dict(), "ring_bandwidth": 2e9, "ring_latency": 1e-4,
                                  "ring_block_overhead": 3e-5})
+JITTERY = CostModel.from_dict({**SLOW_RING.to_dict(), "jitter": 0.07})
 
 
 def _microbatch_times(plan, cost_model):
@@ -41,7 +42,7 @@ def _assembled(plan, cost_model):
                          cost_model=cost_model)
 
 
-@pytest.mark.parametrize("cost_model", [H100, SLOW_RING], ids=["h100", "slow-ring"])
+@pytest.mark.parametrize("cost_model", [H100, SLOW_RING, JITTERY], ids=["h100", "slow-ring", "jittery"])
 def test_planner_timing_and_simulator_agree_on_random_plans(cost_model):
     rng = np.random.default_rng(0)
     for seed in range(60):
@@ -51,7 +52,7 @@ def test_planner_timing_and_simulator_agree_on_random_plans(cost_model):
         times = _microbatch_times(plan, cost_model)
         for rank_times in times:  # a rank without micro-batches runs one empty one (the runtime's padding)
             rank_times += [cost_model.microbatch_time([])] * (not rank_times)
-        finish = coupled_finish([times], plan_groups(plan))
+        finish = coupled_finish([times], plan_groups(plan), jitter=cost_model.jitter)
         assembled = _assembled(plan, cost_model)
         timeline = simulate_step(plan, cost_model, rules=PolicyRules())
         where = f"seed {seed}, {num_ranks} ranks, lengths {lengths}"
@@ -60,6 +61,20 @@ def test_planner_timing_and_simulator_agree_on_random_plans(cost_model):
         np.testing.assert_allclose(timeline.busy, busy, rtol=1e-9, atol=1e-15, err_msg=where)
         assert assembled.est_step_time == pytest.approx(float(finish.max()), rel=1e-9), where
         assert timeline.compute_end == pytest.approx(float(finish.max()), rel=1e-9), where
+
+
+def test_jitter_adds_the_expected_lead_of_the_slowest_ring_member():
+    """Two ranks on one 2-ring, equal work t: with jitter s the pair finishes at t (1 + s E[max of 2]),
+    E[max of 2 standard normals] = 1 / sqrt(pi); checked against a Monte Carlo of noisy members."""
+    t = JITTERY.microbatch_time([(8000, 4000, (0, 1))])
+    plan = assemble_plan(policy="hand", lengths=[8000], rings=[(0, 1)], offload_ratios=[0.0], schedule=[[[0]], [[0]]],
+                         capacity=4000, cost_model=JITTERY)
+    assert plan.est_step_time == pytest.approx(t * (1 + 0.07 / np.sqrt(np.pi)), rel=1e-6)
+    noisy = t * (1 + 0.07 * np.random.default_rng(0).standard_normal((200_000, 8)))
+    monte_carlo = noisy.max(axis=1).mean()  # a ring of 8: the slowest of 8 noisy members
+    eight = {(rank, 0): 0 for rank in range(8)}  # ranks 0-7 run index 0 as one group
+    assert coupled_finish([[[t]] * 8], eight, jitter=0.07).max() == pytest.approx(monte_carlo, rel=2e-3)
+    assert coupled_finish([[[t]] * 8], eight).max() == pytest.approx(t)  # measured times: no extra
 
 
 def test_pipelines_are_padded_to_the_largest_microbatch_count():

@@ -208,10 +208,15 @@ def _microbatch_seconds(trainer, lengths: list[int], rings: list[tuple[int, ...]
     return best
 
 
-def _median_over_ranks(value: float, ranks: Optional[list[int]] = None) -> float:
+def _over_ranks(value: float, ranks: Optional[list[int]] = None) -> np.ndarray:
+    """`value` of every rank (of `ranks`, default all), in rank order."""
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
-    return float(np.median([gathered[r] for r in (ranks if ranks is not None else range(len(gathered)))]))
+    return np.array([gathered[r] for r in (ranks if ranks is not None else range(len(gathered)))], dtype=np.float64)
+
+
+def _median_over_ranks(value: float, ranks: Optional[list[int]] = None) -> float:
+    return float(np.median(_over_ranks(value, ranks)))
 
 
 def _ring_link(num_bytes: int = 1 << 20, repeats: int = 5) -> tuple[float, float]:
@@ -278,12 +283,37 @@ def measure_step_overhead(trainer, *, grad_bytes: int, allreduce_bandwidth: floa
     return max(0.0, _median_over_ranks(best) - charged)
 
 
+def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches: int = 6) -> float:
+    """`CostModel.jitter`: how much the same phase varies from rank to rank, measured as the steps measure
+    their phases. Every rank runs `microbatches` micro-batches of one whole document of C tokens each
+    (identical work everywhere), `spec.timing_repeats` times after an untimed step, each phase keeping its
+    fewest CPU seconds; the jitter is the median over (micro-batch, forward / backward) of the standard
+    deviation over ranks divided by the mean."""
+    from megatron_hdp.megatron.exactness import token_reader
+    from megatron_hdp.megatron.hand_plan import plan_from_rings
+
+    world = trainer.state.hdp_size
+    lengths = [spec.capacity] * (world * microbatches)
+    rings = [(r,) for r in range(world)] * microbatches
+    indices = [i for i in range(microbatches) for _ in range(world)]
+    plan = plan_from_rings(lengths, rings, indices, num_ranks=world, capacity=spec.capacity)
+    runs = []
+    for repeat in range(spec.timing_repeats + 1):
+        trainer.step(plan, token_reader(0, lengths))
+        if repeat:
+            runs.append(trainer.last_busy)
+    fastest = _fastest(runs)
+    phases = np.stack([_over_ranks(t) for t in (*fastest.forward, *fastest.backward)])  # [phase, rank]
+    return float(np.median(phases.std(axis=1) / phases.mean(axis=1)))
+
+
 def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     """The cost model of this model on this CPU, in CPU seconds of the runtime's own micro-batches (median
     over ranks, which run them at once):
 
     - per layer T(s) = a1 s^2 + b1 s + g: non-negative least squares (relative error) over whole documents
       of `spec.fit_lengths`, one per rank;
+    - `jitter` from `measure_jitter`;
     - ring link: bandwidth from `_ring_link`; the rest from ring micro-batches, each member holding C
       tokens: `ring_block_overhead` from n = 8 documents of k C / n tokens against one of k C on the
       widest ring k (the extra 2 (k-1) (n-1) kernel calls; ring transfers are the same), then
@@ -337,6 +367,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
         a2=float(4 * (6 * spec.hidden_size + 2 * kv_channels + 4 * spec.ffn_hidden_size)), b2=0.0,
         kv_bytes_per_token=float(kv_bytes), activation_dtype_bytes=4, num_layers=spec.num_layers,
         ring_bandwidth=float(bandwidth), ring_latency=latency, ring_block_overhead=block_overhead,
+        jitter=measure_jitter(trainer, spec),
     )
 
 
@@ -422,9 +453,10 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
 
     `cost_model` (a CostModel dict), when given, plans and predicts instead of the fit, with the
     "allreduce_bandwidth" and "step_overhead" of `measured` where given (another run's): predictions out
-    of sample; every row also carries the in-run fit's prediction. Returns {"cost_model": dict (the one
-    that planned), "fitted_cost_model": dict, "grad_bytes": int, "allreduce_bandwidth": float,
-    "step_overhead": float, "rows": [StepRow as dict]} (rows filled on rank 0 only).
+    of sample; every row also carries the in-run fit's prediction. Returns {"planned_with": timing,
+    "in_run_fit": timing, "grad_bytes": int, "rows": [StepRow as dict]} (rows filled on rank 0 only), a
+    timing being {"cost_model": dict, "allreduce_bandwidth": float, "step_overhead": float}: what planned
+    and predicted, and what this run measured (the same when nothing came from outside).
     """
     silence_megatron_warnings()
     from megatron_hdp.megatron.hybrid_cp_policy import per_subsample_plan
@@ -462,6 +494,8 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
                 rows.append(asdict(row))
     for generator in batches:
         generator.close()  # leaves the HDP loaders' contexts
-    return {"cost_model": model.to_dict(), "fitted_cost_model": fitted.to_dict(), "grad_bytes": grad_bytes,
-            "allreduce_bandwidth": predict["allreduce_bandwidth"], "step_overhead": predict["step_overhead"],
-            "rows": rows}
+    def timing(used: dict) -> dict:
+        return {"cost_model": used["model"].to_dict(), "allreduce_bandwidth": used["allreduce_bandwidth"],
+                "step_overhead": used["step_overhead"]}
+
+    return {"planned_with": timing(predict), "in_run_fit": timing(in_run), "grad_bytes": grad_bytes, "rows": rows}

@@ -131,7 +131,8 @@ def assemble_plan(
     for rank, count in enumerate(counts):
         times[rank] += [overhead] * (count - len(times[rank]))  # the runtime's padding micro-batches
         ranks.append(RankSchedule(rank, tuple(schedules[rank]), pipeline_time(times[rank], pp_size=pp_size)))
-    step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size)
+    step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
+                     jitter=cost_model.jitter)
     ratios = np.asarray(offload_ratios, dtype=np.float64).tolist()
     sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios))
     assert len(ranks) == num_ranks
@@ -146,13 +147,15 @@ def step_time(
     ring_index: dict[int, int],
     pp_size: int = 1,
     ep_size: int = 1,
+    jitter: float = 0.0,
 ) -> float:
     """Time the last rank finishes when ring micro-batches (and, with `ep_size` > 1, every micro-batch
     of an expert-parallel group; `times` padded as the runtime runs them) wait for all their members and
-    release them together (`timing.coupled_finish`), plus each rank's PP bubble."""
+    release them together (`timing.coupled_finish`, with the cost model's `jitter`), plus each rank's PP
+    bubble."""
     links = [(index, rings[seq]) for seq, index in ring_index.items()]
     groups = link_groups(links + expert_links([len(t) for t in times], ep_size))
-    end = coupled_finish([times], groups)
+    end = coupled_finish([times], groups, jitter=jitter)
     if pp_size > 1:
         end = end + np.array([pipeline_time(t, pp_size=pp_size) - sum(t) for t in times])
     return float(end.max(initial=0.0))

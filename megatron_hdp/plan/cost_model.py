@@ -88,6 +88,12 @@ class CostModel:
     2 (k-1) more attention-kernel calls (one block per ring step, forward and backward) than a whole one.
     About 0 where one varlen kernel call takes every document of a step; ~40 us on the CPU backend, which
     calls the kernel per document (fitted by `benchmarks/step_bench.py`)."""
+    jitter: float = 0.0
+    """Relative standard deviation of a micro-batch's time from one rank to another running the same work
+    (0: every rank runs at the model's time). Members of a ring finish with the slowest, so rings pay the
+    expected lead of the slowest of k over their mean (`plan.timing.coupled_duration`). About 0 on
+    dedicated GPUs; several percent for CPU processes sharing cores (fitted by `benchmarks/step_bench.py`
+    from the spread over ranks of identical micro-batches)."""
     recompute_granularity: str = "none"
     """Megatron's --recompute-granularity these coefficients hold for: none, full or selective.
     Recomputation trades Act(s) for T(s) (full keeps a layer's input only and runs its forward twice), so
@@ -107,7 +113,8 @@ class CostModel:
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise ValueError(f"cost model {f.name} must be a finite number, got {value!r}")
-        for name in ("a1", "b1", "g", "a2", "b2", "kv_bytes_per_token", "ring_latency", "ring_block_overhead"):
+        for name in ("a1", "b1", "g", "a2", "b2", "kv_bytes_per_token", "ring_latency", "ring_block_overhead",
+                     "jitter"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost model coefficient {name} must be >= 0, got {getattr(self, name)}")
         for name in ("ring_bandwidth", "d2h_bandwidth", "h2d_bandwidth"):

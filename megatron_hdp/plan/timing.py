@@ -8,7 +8,9 @@ coupling (`sim.simulator`):
 - ring coupling: the members of a ring run ring attention layer by layer together, so micro-batch i of
   every member of a ring held at index i starts when all of them are ready and ends for all of them when
   the slowest is done. Coupling is transitive: ranks linked through several rings at one index (or by a
-  barrier) move as one group (`link_groups`);
+  barrier) move as one group (`link_groups`). Where times vary from rank to rank (`CostModel.jitter`),
+  the slowest of k members runs past their mean by the expected maximum of k noisy times
+  (`coupled_duration`): a predicted wait that equal work on every member does not remove;
 - a rank runs its micro-batches in order, each phase (forward, backward, or the whole micro-batch) of
   index i after the previous one (`coupled_finish`);
 - padding: the runtime runs empty micro-batches after a rank's own (`megatron.step.pad_microbatches`):
@@ -24,6 +26,8 @@ random plans.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Collection, Iterable, Sequence
 
 import numpy as np
@@ -112,12 +116,33 @@ def plan_groups(plan: StepPlan, *, barrier_per_microbatch: bool = False, ep_size
     return link_groups(every + expert_links(counts, ep_size))
 
 
+@functools.lru_cache(maxsize=None)
+def expected_max_of_normals(k: int) -> float:
+    """E[max of k independent standard normal variables]: 0 for k = 1, 0.56 for 2, 1.03 for 4, 1.42 for 8."""
+    if k <= 1:
+        return 0.0
+    x = np.linspace(-10.0, 10.0, 20001)
+    cdf = 0.5 * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+    density = k * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi) * cdf ** (k - 1)
+    return float(np.sum(x * density) * (x[1] - x[0]))
+
+
+def coupled_duration(durations: Sequence[float] | np.ndarray, jitter: float = 0.0) -> float:
+    """How long a coupled group holds its members for one phase: the slowest member's time, plus, when
+    each member's time varies by `jitter` (a relative standard deviation, `CostModel.jitter`), the
+    expected lead of the slowest of the k members over their mean."""
+    durations = np.asarray(durations, dtype=np.float64)
+    extra = jitter * float(durations.mean()) * expected_max_of_normals(durations.size) if jitter else 0.0
+    return float(durations.max()) + extra
+
+
 def coupled_finish(
     phases: Sequence[Sequence[Sequence[float]]],
     groups: Groups,
     *,
     start: Sequence[float] | None = None,
     barriers_after: Collection[int] = (),
+    jitter: float = 0.0,
 ) -> np.ndarray:
     """Per-rank clock after running every phase of every micro-batch through the coupling `groups`.
 
@@ -125,7 +150,8 @@ def coupled_finish(
     the phases run in order. A group starts a phase when its last member is ready and ends it for all
     members when the slowest is done. `start[r]`: when rank r begins (default 0). `barriers_after`:
     micro-batch indices after which every rank waits for all (Megatron's hybrid-CP group barrier, for a
-    plan run one sub-sample per micro-batch). Vectorised over ranks:
+    plan run one sub-sample per micro-batch). `jitter`: a prediction's rank-to-rank variation
+    (`coupled_duration`); 0 for measured times, which carry their own. Vectorised over ranks:
     one numpy pass per index and phase plus one small step per coupled group.
     """
     num_ranks = len(phases[0]) if phases else 0
@@ -146,7 +172,7 @@ def coupled_finish(
         for matrix, count in zip(matrices, counts):
             end = clock + matrix[:, index]
             for ranks in coupled.get(index, ()):
-                end[ranks] = clock[ranks].max() + matrix[ranks, index].max()
+                end[ranks] = clock[ranks].max() + coupled_duration(matrix[ranks, index], jitter)
             clock = np.where(index < count, end, clock)
         if index in barriers_after:
             clock = np.full(num_ranks, clock.max())
