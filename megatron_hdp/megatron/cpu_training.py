@@ -196,16 +196,23 @@ def _microbatch_seconds(trainer, lengths: list[int], rings: list[tuple[int, ...]
     """Fewest CPU seconds (forward + backward) of this rank's first micro-batch over `repeats` HDP steps of
     the hand plan (`lengths` on `rings`, all in micro-batch 0), after one untimed step: the runtime's own
     path (collation, Megatron's schedule, DDP hooks), as the measured steps take it."""
-    from megatron_hdp.megatron.exactness import token_reader
     from megatron_hdp.megatron.hand_plan import plan_from_rings
 
     plan = plan_from_rings(lengths, rings, [0] * len(lengths), num_ranks=trainer.state.hdp_size, capacity=capacity)
-    best = float("inf")
+    return min(run.forward[0] + run.backward[0] for run in _timed_runs(trainer, plan, repeats))
+
+
+def _timed_runs(trainer, plan, repeats: int) -> list:
+    """BusyTimes of `repeats` HDP steps of the hand plan `plan` (tokens from `token_reader`), after one
+    untimed step."""
+    from megatron_hdp.megatron.exactness import token_reader
+
+    runs = []
     for repeat in range(repeats + 1):
-        trainer.step(plan, token_reader(0, lengths))
+        trainer.step(plan, token_reader(0, plan.lengths))
         if repeat:
-            best = min(best, trainer.last_busy.forward[0] + trainer.last_busy.backward[0])
-    return best
+            runs.append(trainer.last_busy)
+    return runs
 
 
 def _over_ranks(value: float, ranks: Optional[list[int]] = None) -> np.ndarray:
@@ -268,17 +275,12 @@ def measure_step_overhead(trainer, *, grad_bytes: int, allreduce_bandwidth: floa
     """CPU seconds of a step outside its micro-batches and its gradient all-reduce — plan check,
     collation, optimizer step — which `simulate_step` does not model: fewest over `repeats` steps of one
     short whole document per rank, median over ranks, less the all-reduce the simulator charges."""
-    from megatron_hdp.megatron.exactness import token_reader
     from megatron_hdp.megatron.hand_plan import plan_from_rings
     from megatron_hdp.sim.simulator import allreduce_time
 
     world = trainer.state.hdp_size
     plan = plan_from_rings([16] * world, [(r,) for r in range(world)], [0] * world, num_ranks=world, capacity=16)
-    best = float("inf")
-    for repeat in range(repeats + 1):
-        trainer.step(plan, token_reader(0, plan.lengths))
-        if repeat:
-            best = min(best, trainer.last_busy.before + trainer.last_busy.after)
+    best = min(run.before + run.after for run in _timed_runs(trainer, plan, repeats))
     charged = allreduce_time(grad_bytes=grad_bytes, num_ranks=world, bandwidth=allreduce_bandwidth)
     return max(0.0, _median_over_ranks(best) - charged)
 
@@ -289,7 +291,6 @@ def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches: int = 6) -> float
     (identical work everywhere), `spec.timing_repeats` times after an untimed step, each phase keeping its
     fewest CPU seconds; the jitter is the median over (micro-batch, forward / backward) of the standard
     deviation over ranks divided by the mean."""
-    from megatron_hdp.megatron.exactness import token_reader
     from megatron_hdp.megatron.hand_plan import plan_from_rings
 
     world = trainer.state.hdp_size
@@ -297,12 +298,7 @@ def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches: int = 6) -> float
     rings = [(r,) for r in range(world)] * microbatches
     indices = [i for i in range(microbatches) for _ in range(world)]
     plan = plan_from_rings(lengths, rings, indices, num_ranks=world, capacity=spec.capacity)
-    runs = []
-    for repeat in range(spec.timing_repeats + 1):
-        trainer.step(plan, token_reader(0, lengths))
-        if repeat:
-            runs.append(trainer.last_busy)
-    fastest = _fastest(runs)
+    fastest = _fastest(_timed_runs(trainer, plan, spec.timing_repeats))
     phases = np.stack([_over_ranks(t) for t in (*fastest.forward, *fastest.backward)])  # [phase, rank]
     return float(np.median(phases.std(axis=1) / phases.mean(axis=1)))
 

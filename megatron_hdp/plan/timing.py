@@ -131,9 +131,10 @@ def coupled_duration(durations: Sequence[float] | np.ndarray, jitter: float = 0.
     """How long a coupled group holds its members for one phase: the slowest member's time, plus, when
     each member's time varies by `jitter` (a relative standard deviation, `CostModel.jitter`), the
     expected lead of the slowest of the k members over their mean."""
-    durations = np.asarray(durations, dtype=np.float64)
-    extra = jitter * float(durations.mean()) * expected_max_of_normals(durations.size) if jitter else 0.0
-    return float(durations.max()) + extra
+    longest = float(max(durations))
+    if not jitter or len(durations) < 2:
+        return longest  # the common case, on the simulator's hot path: no array
+    return longest + jitter * float(np.mean(durations)) * expected_max_of_normals(len(durations))
 
 
 def coupled_finish(
