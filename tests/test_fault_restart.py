@@ -5,17 +5,14 @@ an error naming the failure within a bounded time (no hang); a restart from the 
 train iterations 3 and 4 on the same documents (the HDP loader's sample ids) with the same losses as a run
 that was never interrupted."""
 
-import multiprocessing as mp
 import os
-import pickle
-import queue
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from megatron_hdp.comm.launch import _child, free_port, stop
+from megatron_hdp.comm.launch import gloo_reports
 from pretrain_harness import ROOT, TINY
 
 HDP = ["--seq-length", "64", "--train-iters", "4", "--hdp", "--hdp-capacity", "24",
@@ -83,30 +80,14 @@ def _pretrain(rank: int, world_size: int, argv: list[str], kill_at: int) -> dict
 
 
 def _launch(world_size: int, argv: list[str], *, kill_at: int, timeout_s: float, env: dict) -> dict:
-    """Start `world_size` gloo ranks of `_pretrain`; collect what each reports until all have reported or
-    died, or `timeout_s` passes (then the rest are killed and reported as hung)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_child, args=(_pretrain, rank, world_size, port, (argv, kill_at), {}, results,
-                                         60 * TIMEOUT_MINUTES, 1, env), daemon=True)
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    reports, deadline = {}, time.monotonic() + timeout_s
-    try:
-        while len(reports) < world_size and time.monotonic() < deadline:
-            try:
-                rank, ok, value = results.get(timeout=1.0)
-                reports[rank] = pickle.loads(value) if ok else {"error": value, "at": time.time()}
-            except queue.Empty:
-                if all(not p.is_alive() for r, p in enumerate(procs) if r not in reports) and results.empty():
-                    break
-    finally:
-        stop(procs)
-    return {"reports": reports, "exitcodes": [p.exitcode for p in procs]}
+    """Run `world_size` gloo ranks of `_pretrain`; collect what each reports (its return value; a rank that
+    raised or died without a result reports that) until all have reported or `timeout_s` passes (then the
+    rest are killed and are missing: hung)."""
+    reports = {}
+    for report in gloo_reports(_pretrain, world_size, argv, kill_at, timeout_s=timeout_s, env=env,
+                               group_timeout_s=60 * TIMEOUT_MINUTES):
+        reports[report.rank] = report.value if report.error is None else {"error": report.error, "at": report.at}
+    return reports
 
 
 @pytest.mark.timeout(900)  # three 4-rank pretrain runs and one timeout; ~2 min on an idle 2-core host
@@ -117,17 +98,17 @@ def test_a_dead_rank_stops_the_others_and_a_restart_repeats_no_data(data_prefix,
     argv = TINY + data + HDP + save
 
     whole = _launch(4, argv + ["--save", str(tmp_path / "whole")], kill_at=0, timeout_s=240, env=env)
-    assert [r["error"] for r in whole["reports"].values()] == [None] * 4, whole
-    reference = whole["reports"][0]
+    assert [whole[rank]["error"] for rank in range(4)] == [None] * 4, whole
+    reference = whole[0]
     assert sorted(reference["losses"]) == [1, 2, 3, 4]
 
     ckpt = str(tmp_path / "faulty")
     faulty = _launch(4, argv + ["--save", ckpt], kill_at=KILL_ITERATION, timeout_s=240, env=env)
     assert Path(env["HDP_FAULT_MARK"]).exists(), f"rank {KILLED_RANK} never reached iteration {KILL_ITERATION}: {faulty}"
     killed_at = float(Path(env["HDP_FAULT_MARK"]).read_text())
-    assert faulty["exitcodes"][KILLED_RANK] == -9 and KILLED_RANK not in faulty["reports"]
+    assert faulty[KILLED_RANK]["error"] == "died without a result, exit code -9", faulty[KILLED_RANK]
     for rank in set(range(4)) - {KILLED_RANK}:
-        report = faulty["reports"].get(rank)
+        report = faulty.get(rank)
         assert report is not None, f"rank {rank} hung after rank {KILLED_RANK} died: {faulty}"
         assert report["error"], f"rank {rank} finished training without rank {KILLED_RANK}"
         assert report["at"] - killed_at < BOUND_S, f"rank {rank} took {report['at'] - killed_at:.0f} s to stop"
@@ -137,12 +118,12 @@ def test_a_dead_rank_stops_the_others_and_a_restart_repeats_no_data(data_prefix,
     # --no-load-rng: the CPU shims' RNG tracker keeps no CUDA states, so Megatron cannot restore them (no
     # dropout here; the HDP loader's order comes from the seed and the consumed-sample count, not an RNG)
     resumed = _launch(4, argv + ["--save", ckpt, "--load", ckpt, "--no-load-rng"], kill_at=0, timeout_s=240, env=env)
-    assert [r["error"] for r in resumed["reports"].values()] == [None] * 4, resumed
-    for rank, report in resumed["reports"].items():
+    assert [resumed[rank]["error"] for rank in range(4)] == [None] * 4, resumed
+    for rank, report in resumed.items():
         assert sorted(report["losses"]) == [3, 4]  # resumed after the checkpoint of iteration 2
         for iteration in (3, 4):
-            assert report["ids"][iteration] == whole["reports"][rank]["ids"][iteration], f"rank {rank} it {iteration}"
+            assert report["ids"][iteration] == whole[rank]["ids"][iteration], f"rank {rank} it {iteration}"
             assert report["losses"][iteration] == pytest.approx(reference["losses"][iteration], rel=1e-6)
     # and the interrupted run's first two iterations were the uninterrupted run's
     for iteration in (1, 2):
-        assert faulty["reports"][0]["ids"][iteration] == reference["ids"][iteration]
+        assert faulty[0]["ids"][iteration] == reference["ids"][iteration]

@@ -4,11 +4,14 @@ the CPU demo.
 Every child initializes the default process group (gloo, a free loopback port), calls
 `fn(rank, world_size, *args)`, and sends back its return value. The call ends by itself: a child's
 exception is re-raised here with the child's traceback, and a run past `timeout_s` kills every child and
-says which ranks had not finished — a multi-rank test never hangs.
+says which ranks had not finished — a multi-rank test never hangs. `run_gloo` returns the values (the
+first failure fails the run); `gloo_reports` yields every rank's outcome as it comes, for runs where a
+rank is meant to fail (tests/test_fault_restart.py kills one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -17,7 +20,8 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
 
 class RankFailed(RuntimeError):
@@ -68,48 +72,91 @@ def run_gloo(
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return values by rank.
 
     `fn` and its arguments must be picklable (module-level function). `env` is applied in each child
-    before torch is imported there.
+    before torch is imported there. The first rank to fail (raise, or die without a result) fails the run.
+    """
+    values: dict[int, Any] = {}
+    with contextlib.closing(gloo_reports(fn, world_size, *args, timeout_s=timeout_s, num_threads=num_threads,
+                                         env=env, **kwargs)) as reports:  # closed: the children stop now
+        for report in reports:
+            if report.error is not None:
+                raise RankFailed(f"rank {report.rank} failed:\n{report.error}")
+            values[report.rank] = report.value
+    missing = sorted(set(range(world_size)) - set(values))
+    if missing:
+        raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+    return [values[rank] for rank in range(world_size)]
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank of `gloo_reports` came back with."""
+
+    rank: int
+    value: Any = None
+    """`fn`'s return value (when `error` is None)."""
+    error: Optional[str] = None
+    """The child's traceback, or how it died without a result (its exit code)."""
+    at: float = 0.0
+    """`time.time()` when the parent received it."""
+
+
+def gloo_reports(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    num_threads: int = 1,
+    env: dict[str, str] | None = None,
+    group_timeout_s: Optional[float] = None,
+    **kwargs: Any,
+) -> Iterator[RankReport]:
+    """Start `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks and yield each rank's
+    `RankReport` as it comes (a value, a traceback, or a death without a result). Ends when every rank
+    has reported or after `timeout_s`; either way every child is stopped (killed after a grace period)
+    when the iteration ends or is abandoned. `group_timeout_s` bounds each collective's wait in the
+    children (default `timeout_s`).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    group_timeout_s = timeout_s if group_timeout_s is None else group_timeout_s
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, port, args, kwargs, results, timeout_s, num_threads, env or {}),
+            args=(fn, rank, world_size, port, args, kwargs, results, group_timeout_s, num_threads, env or {}),
             daemon=True,
         )
         for rank in range(world_size)
     ]
     for proc in procs:
         proc.start()
-    values: dict[int, Any] = {}
+    reported: set[int] = set()
     deadline = time.monotonic() + timeout_s
     try:
-        while len(values) < world_size:
+        while len(reported) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(values))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+                return
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in values]
-                if dead and all(p.exitcode not in (0, None) for p in (procs[r] for r in dead)):
-                    # A child that died without reporting (segfault, OOM kill) fails the run now.
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in reported]
+                if dead and all(procs[r].exitcode not in (0, None) for r in dead):
+                    # A child that died without reporting (segfault, OOM kill, SIGKILL) reports its exit code.
                     time.sleep(0.5)
                     if results.empty():
-                        codes = {r: procs[r].exitcode for r in dead}
-                        raise RankFailed(f"ranks died without a result, exit codes {codes}")
+                        for r in dead:
+                            reported.add(r)
+                            yield RankReport(r, error=f"died without a result, exit code {procs[r].exitcode}",
+                                             at=time.time())
                 continue
-            if not ok:
-                raise RankFailed(f"rank {rank} failed:\n{value}")
-            values[rank] = pickle.loads(value)
+            reported.add(rank)
+            yield RankReport(rank, value=pickle.loads(value), at=time.time()) if ok else RankReport(
+                rank, error=value, at=time.time())
     finally:
         stop(procs)
-    return [values[rank] for rank in range(world_size)]
 
 
 def stop(procs: list, grace_s: float = 5.0) -> None:
