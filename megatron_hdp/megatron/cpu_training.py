@@ -490,8 +490,11 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
                 rows.append(asdict(row))
     for generator in batches:
         generator.close()  # leaves the HDP loaders' contexts
-    def timing(used: dict) -> dict:
-        return {"cost_model": used["model"].to_dict(), "allreduce_bandwidth": used["allreduce_bandwidth"],
-                "step_overhead": used["step_overhead"]}
+    return {"planned_with": _timing_record(predict), "in_run_fit": _timing_record(in_run), "grad_bytes": grad_bytes,
+            "rows": rows}
 
-    return {"planned_with": timing(predict), "in_run_fit": timing(in_run), "grad_bytes": grad_bytes, "rows": rows}
+
+def _timing_record(timing: dict) -> dict:
+    """A {"model": CostModel, "allreduce_bandwidth", "step_overhead"} set as JSON-ready values."""
+    return {"cost_model": timing["model"].to_dict(), "allreduce_bandwidth": timing["allreduce_bandwidth"],
+            "step_overhead": timing["step_overhead"]}

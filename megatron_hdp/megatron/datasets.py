@@ -203,7 +203,7 @@ def blend_quotas(member_tokens: np.ndarray, weights: np.ndarray, budget: int) ->
     weights = np.asarray(weights, dtype=np.float64) / np.sum(weights)
     scarcest = int(np.floor(np.min(member_tokens / weights)))
     quotas = apportion_tokens(min(int(budget), scarcest), weights)
-    while (quotas > member_tokens).any():  # the floor above can still round a scarce member's share up
+    while (quotas > member_tokens).any():  # floating-point rounding can put a share a hair above the floor
         scarcest -= 1
         quotas = apportion_tokens(min(int(budget), scarcest), weights)
     return quotas

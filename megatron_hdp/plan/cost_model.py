@@ -91,7 +91,7 @@ class CostModel:
     jitter: float = 0.0
     """Relative standard deviation of a micro-batch's time from one rank to another running the same work
     (0: every rank runs at the model's time). Members of a ring finish with the slowest, so rings pay the
-    expected lead of the slowest of k over their mean (`plan.timing.coupled_duration`). About 0 on
+    expected lead of the slowest of k over their mean (`plan.timing.jitter_lead`). About 0 on
     dedicated GPUs; several percent for CPU processes sharing cores (fitted by `benchmarks/step_bench.py`
     from the spread over ranks of identical micro-batches)."""
     recompute_granularity: str = "none"

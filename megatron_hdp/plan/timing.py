@@ -10,7 +10,7 @@ coupling (`sim.simulator`):
   the slowest is done. Coupling is transitive: ranks linked through several rings at one index (or by a
   barrier) move as one group (`link_groups`). Where times vary from rank to rank (`CostModel.jitter`),
   the slowest of k members runs past their mean by the expected maximum of k noisy times
-  (`coupled_duration`): a predicted wait that equal work on every member does not remove;
+  (`jitter_lead`): a predicted wait that equal work on every member does not remove;
 - a rank runs its micro-batches in order, each phase (forward, backward, or the whole micro-batch) of
   index i after the previous one (`coupled_finish`);
 - padding: the runtime runs empty micro-batches after a rank's own (`megatron.step.pad_microbatches`):
@@ -127,14 +127,14 @@ def expected_max_of_normals(k: int) -> float:
     return float(np.sum(x * density) * (x[1] - x[0]))
 
 
-def coupled_duration(durations: Sequence[float] | np.ndarray, jitter: float = 0.0) -> float:
-    """How long a coupled group holds its members for one phase: the slowest member's time, plus, when
-    each member's time varies by `jitter` (a relative standard deviation, `CostModel.jitter`), the
-    expected lead of the slowest of the k members over their mean."""
-    longest = float(max(durations))
+def jitter_lead(durations: Sequence[float] | np.ndarray, jitter: float) -> float:
+    """The wait a coupled group's k members add to a phase when each member's time varies by `jitter` (a
+    relative standard deviation, `CostModel.jitter`): the expected lead of the slowest of k noisy times
+    over their mean, jitter x mean x E[max of k standard normals]; 0 without jitter or for one member. A
+    coupled phase lasts its slowest member's modelled time plus this."""
     if not jitter or len(durations) < 2:
-        return longest  # the common case, on the simulator's hot path: no array
-    return longest + jitter * float(np.mean(durations)) * expected_max_of_normals(len(durations))
+        return 0.0
+    return jitter * float(np.mean(durations)) * expected_max_of_normals(len(durations))
 
 
 def coupled_finish(
@@ -152,7 +152,7 @@ def coupled_finish(
     members when the slowest is done. `start[r]`: when rank r begins (default 0). `barriers_after`:
     micro-batch indices after which every rank waits for all (Megatron's hybrid-CP group barrier, for a
     plan run one sub-sample per micro-batch). `jitter`: a prediction's rank-to-rank variation
-    (`coupled_duration`); 0 for measured times, which carry their own. Vectorised over ranks:
+    (`jitter_lead`); 0 for measured times, which carry their own. Vectorised over ranks:
     one numpy pass per index and phase plus one small step per coupled group.
     """
     num_ranks = len(phases[0]) if phases else 0
@@ -173,7 +173,8 @@ def coupled_finish(
         for matrix, count in zip(matrices, counts):
             end = clock + matrix[:, index]
             for ranks in coupled.get(index, ()):
-                end[ranks] = clock[ranks].max() + coupled_duration(matrix[ranks, index], jitter)
+                members = matrix[ranks, index]
+                end[ranks] = clock[ranks].max() + members.max() + jitter_lead(members, jitter)
             clock = np.where(index < count, end, clock)
         if index in barriers_after:
             clock = np.full(num_ranks, clock.max())

@@ -44,7 +44,7 @@ import numpy as np
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.pipeline import FORWARD_SHARE, one_f_one_b_order
 from megatron_hdp.plan.step_plan import MicroBatch, StepPlan
-from megatron_hdp.plan.timing import coupled_duration, plan_groups, runtime_microbatch_counts
+from megatron_hdp.plan.timing import jitter_lead, plan_groups, runtime_microbatch_counts
 
 
 
@@ -307,7 +307,8 @@ def simulate_step(
     def run(group: dict[int, float], stage: int, kind: str, index: int) -> list[tuple[int, int]]:
         start = max(group.values())
         parts = {rank: op_parts(rank, kind, index) for rank in group}
-        release = start + coupled_duration([sum(part) for part in parts.values()], cost_model.jitter)
+        durations = [sum(part) for part in parts.values()]
+        release = start + max(durations) + jitter_lead(durations, cost_model.jitter)
         for rank, (compute, comm, offload) in parts.items():
             busy_end = start + compute + comm + offload
             ops[rank][stage].append(Op(kind=kind, microbatch=index, start=start, busy_end=busy_end, comm=comm,
