@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import subprocess
 import sys
 import time
@@ -89,23 +90,36 @@ def plan_steps(num_gpus: int) -> list[Step]:
     ]
 
 
-def run_step(step: Step, num_gpus: int) -> None:
-    """Run `step` (or skip it, saying why), recording pass/fail, the time and its result against a target."""
+def log_name(step: Step) -> str:
+    """The file name of a step's full output: its name in letters, digits and dashes."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", step.name).strip("-").lower() + ".log"
+
+
+def run_step(step: Step, num_gpus: int, log_dir: Optional[Path] = None) -> None:
+    """Run `step` (or skip it, saying why), recording pass/fail, the time and its result against a target;
+    its whole output goes to `log_dir` when given (the report keeps only the last line)."""
     if num_gpus < step.num_gpus:
         step.status, step.detail = "skipped", f"needs {step.num_gpus} GPUs, this machine has {num_gpus}"
         return
     start = time.perf_counter()
+    output = ""
     try:
         result = subprocess.run(step.argv, cwd=ROOT, capture_output=True, text=True, timeout=step.timeout_s)
+        output = result.stdout + result.stderr
         ok = result.returncode == 0
-        lines = (result.stdout + result.stderr).strip().splitlines()
+        lines = output.strip().splitlines()
         step.detail = lines[-1][:200] if lines else ""
         if ok and step.target is not None:
             ok, step.detail = step.target()
         step.status = "pass" if ok else "FAIL"
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as timeout:
+        output = "".join(part.decode() if isinstance(part, bytes) else (part or "")
+                         for part in (timeout.stdout, timeout.stderr))
         step.status, step.detail = "FAIL", f"timed out after {step.timeout_s} s"
     step.seconds = time.perf_counter() - start
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / log_name(step)).write_text(output)
 
 
 def report(steps: list[Step], *, dry_run: bool, device: str) -> str:
@@ -118,9 +132,25 @@ def report(steps: list[Step], *, dry_run: bool, device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _chosen_steps(only: str, count: int) -> set[int]:
+    """The step numbers `--only` names; a number outside 1..count is refused, naming it."""
+    try:
+        chosen = {int(part) for part in only.split(",") if part.strip()}
+    except ValueError:
+        raise ValueError(f"--only {only!r}: give step numbers 1-{count}, comma-separated") from None
+    bad = sorted(n for n in chosen if not 1 <= n <= count)
+    if bad or not chosen:
+        raise ValueError(f"--only {only!r}: no step {bad[0] if bad else ''} (steps are 1-{count})")
+    return chosen
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="list every step and write the report, run nothing")
     parser.add_argument("--report", default=None, help="Markdown report (default benchmarks/results/selftest.md)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated step numbers (1-6) to run, e.g. 1,5 (a machine lent for less than "
+                             "the whole selftest's 29 minutes runs it in parts)")
+    parser.add_argument("--log-dir", default=None, help="write each step's whole output there, one file a step")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,6 +159,12 @@ def run(args: argparse.Namespace) -> int:
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = torch.cuda.get_device_name(0) if num_gpus else "no CUDA device"
     steps = plan_steps(num_gpus)
+    if args.only:
+        chosen = _chosen_steps(args.only, len(steps))
+        steps = [step for number, step in enumerate(steps, start=1) if number in chosen]
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    path = Path(args.report) if args.report else RESULTS / "selftest.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
     for step in steps:
         if args.dry_run:
             step.status = "would run" if num_gpus >= step.num_gpus else "would skip"
@@ -138,11 +174,9 @@ def run(args: argparse.Namespace) -> int:
         elif num_gpus == 0:
             step.status, step.detail = "skipped", "no CUDA device"
         else:
-            run_step(step, num_gpus)
+            run_step(step, num_gpus, log_dir)
         print(f"[{step.status}] {step.name}: {' '.join(step.argv)}{' — ' + step.detail if step.detail else ''}")
-    path = Path(args.report) if args.report else RESULTS / "selftest.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(report(steps, dry_run=args.dry_run, device=device))
+        path.write_text(report(steps, dry_run=args.dry_run, device=device))  # after every step: a cut-off run keeps its report
     print(f"report: {path}")
     return 0 if all(s.status in ("pass", "skipped") or args.dry_run for s in steps) else 1
 

@@ -28,6 +28,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_hdp.comm.collectives import all_gather_flat
 from megatron_hdp.comm.traffic import count_traffic
 from megatron_hdp.data.collate import MaskReader, PackedMicroBatch, TokenReader, collate_microbatch, empty_microbatch
 from megatron_hdp.data.loader import check_plan_agreement
@@ -285,7 +286,7 @@ class HDPTrainer:
             [compute_time, step_time, float(len(batches)), float(bytes_sent)], dtype=torch.float64, device=self.device
         )
         gathered = torch.empty(world * mine.numel(), dtype=mine.dtype, device=self.device)
-        dist.all_gather_single(gathered, mine)
+        all_gather_flat(gathered, mine)
         table = torch.cat([gathered.view(world, -1), counts_loss.expand(world, 2)], dim=1).cpu()
         counts_loss = table[0, 4:]
         times = table[:, 0].tolist()
