@@ -127,7 +127,7 @@ INSTALL_ARGS = (
     "--ffn-hidden-size 128 --max-position-embeddings 64 --seq-length 64 --micro-batch-size 1 "
     "--global-batch-size 6 --train-iters 2 --lr 1e-3 --bf16 --tokenizer-type NullTokenizer --vocab-size 64 "
     "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
-    "--transformer-impl local --calculate-per-token-loss --num-workers 0 --seed 1234 "
+    "--transformer-impl local --calculate-per-token-loss --attention-dropout 0.0 --num-workers 0 --seed 1234 "
     "--hdp --hdp-capacity 32 --hdp-offload --hdp-attention-backend torch_varlen"
 ).split()
 INSTALL_DOCUMENTS = [50, 9, 12, 20, 45, 8, 16, 30, 11, 40, 7, 14]

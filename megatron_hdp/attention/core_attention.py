@@ -84,11 +84,13 @@ def hdp_core_attention(
     *,
     meta: HDPBatchMeta,
     softmax_scale: float | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a packed HDP micro-batch: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     Whole documents attend locally; each ring group calls `ring_attention` with its ring's global ranks,
-    in the packed (= global) order. Differentiable in q, k, v.
+    in the packed (= global) order. Differentiable in q, k, v. `deterministic`: every kernel call runs a
+    deterministic backward (Megatron's `deterministic_mode`).
     """
     check_group_order(meta.groups, num_tokens=q.shape[0])
     outputs = []
@@ -104,11 +106,12 @@ def hdp_core_attention(
                 causal=True,
                 softmax_scale=softmax_scale,
                 backend=meta.backend,
+                deterministic=deterministic,
             )
         else:
             out = local_varlen_attention(
                 q[lo:hi], k[lo:hi], v[lo:hi], seqlens=group.seqlens, causal=True,
-                softmax_scale=softmax_scale, backend=meta.backend, segments=segments,
+                softmax_scale=softmax_scale, backend=meta.backend, segments=segments, deterministic=deterministic,
             )
         outputs.append(out)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

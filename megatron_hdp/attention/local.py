@@ -77,6 +77,7 @@ def local_varlen_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     segments: Segments | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Attention within each packed document of `seqlens` (THD: q [T, Hq, D], k/v [T, Hkv, D]).
 
@@ -84,10 +85,11 @@ def local_varlen_attention(
     `megatron_hdp.attention.backends` ("auto": the fastest available for the device and dtype).
     `segments`, when given, are `local_segments(seqlens, device)` made once per micro-batch, so that
     the layers of a model share its cu_seqlens tensors (no host-to-device copy per layer).
+    `deterministic` asks the kernel for a deterministic backward (Megatron's `deterministic_mode`).
     """
     lengths = check_seqlens(seqlens)
     check_qkv(q, k, v, num_tokens=sum(lengths))
-    kernel = get_backend(backend, device=q.device, dtype=q.dtype)
+    kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     if segments is None:
         segments = local_segments(lengths, q.device)
     assert segments.seqlens_q == lengths and segments.device.type == q.device.type, (segments, lengths, q.device)

@@ -195,6 +195,7 @@ def ring_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     group: dist.ProcessGroup | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Attention within each document of `seqlens`, the documents split over the ranks of `ring`.
 
@@ -204,6 +205,8 @@ def ring_attention(
     out [T_local, Hq, D], differentiable in q, k, v, equal to full (causal) attention over each
     document. Any document length >= 1 works. ValueError before any message for a rank outside the
     ring, token counts that do not match `seqlens`, or kv heads not dividing query heads.
+    `deterministic` asks every block's kernel for a deterministic backward (the ring adds the block
+    gradients in a fixed order, so the whole backward is deterministic then).
     """
     lengths = check_seqlens(seqlens)
     members = current_ring(ring, group=group)
@@ -213,7 +216,7 @@ def ring_attention(
         plan = ring_plan(lengths, members.size, members.position, bool(causal), q.device)
         num_tokens = plan.num_tokens[members.position]
     check_qkv(q, k, v, num_tokens=num_tokens)
-    kernel = get_backend(backend, device=q.device, dtype=q.dtype)
+    kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     scale = default_scale(softmax_scale, q.shape[2])
     if not plan_needed:
         return _LocalAttention.apply(q, k, v, kernel, Segments(lengths, lengths, q.device), bool(causal), scale)
@@ -261,6 +264,7 @@ def simulated_ring_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     grad_dtype: torch.dtype | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """The ring algorithm of `ring_attention` for k = `ring_size` virtual ranks in this process.
 
@@ -274,7 +278,7 @@ def simulated_ring_attention(
     if ring_size < 1:
         raise ValueError(f"ring_size must be >= 1, got {ring_size}")
     check_qkv(q, k, v, num_tokens=sum(lengths))
-    kernel = get_backend(backend, device=q.device, dtype=q.dtype)
+    kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     scale = default_scale(softmax_scale, q.shape[2])
     plans = tuple(ring_plan(lengths, ring_size, p, bool(causal), q.device) for p in range(ring_size))
     rows = [zigzag_token_indices(lengths, ring_size, p).to(q.device) for p in range(ring_size)]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_hdp.config import HDPConfig
+from megatron_hdp.megatron.options import flag_problems
 from megatron_hdp.megatron.training_compat import require_megatron_training
 
 require_megatron_training()
@@ -132,7 +133,7 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             f"--hdp-cost-model {config.hdp_cost_model}: no such file; write one with `megatron-hdp calibrate` "
             "or leave the flag out for the analytic cost model"
         )
-    return problems
+    return problems + flag_problems(args)
 
 
 FP8_TOKEN_MULTIPLE = 16

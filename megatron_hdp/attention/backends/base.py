@@ -94,19 +94,26 @@ class KernelShape:
     heads_kv: int
     head_dim: int
     max_seqlen: int
+    deterministic: bool = False
+    """Whether the backward must be deterministic (Megatron's `deterministic_mode`): kernels without a
+    deterministic backward have no kernel for such calls."""
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, segments: Segments) -> KernelShape:
+    def of(cls, q: torch.Tensor, k: torch.Tensor, segments: Segments, *, deterministic: bool = False) -> KernelShape:
         """The shape signature of one kernel call."""
-        return cls(
-            q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], _length_bucket(max(segments.max_q, segments.max_k))
-        )
+        length = _length_bucket(max(segments.max_q, segments.max_k))
+        return cls(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], length, deterministic)
 
 
 class AttentionBackend(abc.ABC):
     """A local attention kernel: forward returning (out, lse), backward taking (out, lse)."""
 
     name: ClassVar[str]
+
+    def __init__(self, *, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
+        """Run a deterministic backward (bitwise-equal gradients for equal inputs): Megatron's
+        `deterministic_mode`. A backend without one says so in `shape_problem`."""
 
     @classmethod
     @abc.abstractmethod

@@ -21,7 +21,7 @@ import importlib.util
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, Segments, grads_by_recompute
+from megatron_hdp.attention.backends.base import AttentionBackend, KernelShape, Segments, grads_by_recompute
 
 
 BLOCK = 128
@@ -114,6 +114,12 @@ class FlexBackend(AttentionBackend):
             and dtype in (torch.float32, torch.float16, torch.bfloat16)
             and importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
         )
+
+    @classmethod
+    def shape_problem(cls, shape: KernelShape) -> str | None:
+        if shape.deterministic:
+            return "compiled flex attention's backward is not deterministic (deterministic_mode)"
+        return None
 
     def _attend(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
         from torch.nn.attention.flex_attention import AuxRequest

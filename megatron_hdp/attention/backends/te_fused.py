@@ -126,7 +126,8 @@ def _selector_args(shape: KernelShape, mask: str, minor: int) -> list:
         args.append(fused_attn.SoftmaxType["vanilla"])
     args += [0.0, shape.heads_q, shape.heads_kv, shape.max_seqlen, shape.max_seqlen, shape.head_dim, shape.head_dim]
     args += _window(mask == "padding_causal")
-    args += [False] * ((minor >= 9) + (minor >= 10) + (minor >= 12))  # return_max_logit, cuda_graph, deterministic
+    args += [False] * ((minor >= 9) + (minor >= 10))  # return_max_logit, cuda_graph
+    args += [shape.deterministic] * (minor >= 12)  # TE >= 2.12 selects kernels by determinism too
     return args
 
 
@@ -293,7 +294,7 @@ class TeFusedBackend(AttentionBackend):
             o=out.contiguous(),
             d_o=dout.contiguous(),
             aux_ctx_tensors=[lse_to_stats(lse, segments, layout=layout), rng_state],
-            deterministic=False,
+            deterministic=self.deterministic,
             **_call_kwargs(q, k, v, segments=segments, causal=causal, scale=scale, sub_backend=api.sub_backend),
             **api.bwd_kwargs(q.dtype),
         )[:3]
