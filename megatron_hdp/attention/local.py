@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from megatron_hdp.attention.backends import AttentionBackend, Segments, get_backend
+from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.layout import check_seqlens
 
 
@@ -42,11 +43,15 @@ def default_scale(softmax_scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
-def local_segments(seqlens: Sequence[int], device: torch.device) -> Segments:
-    """The kernel segments of whole documents `seqlens`, with their cu_seqlens tensors already on `device`."""
+def local_segments(seqlens: Sequence[int], device: torch.device, tables: HostTables | None = None) -> Segments:
+    """The kernel segments of whole documents `seqlens`, their cu_seqlens tensors on `device`: delivered by
+    `tables` (the micro-batch's one asynchronous copy) when given, else made now (outside any layer)."""
     lengths = tuple(int(n) for n in seqlens)
     segments = Segments(lengths, lengths, torch.device(device))
-    segments.cu_seqlens_q, segments.cu_seqlens_k  # noqa: B018  (made now, outside any layer)
+    if tables is not None:
+        segments.schedule_tables(tables)
+    else:
+        segments.cu_seqlens_q, segments.cu_seqlens_k  # noqa: B018
     return segments
 
 

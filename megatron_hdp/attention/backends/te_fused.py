@@ -54,7 +54,13 @@ from typing import Callable
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, KernelShape, Segments, half_precision_cuda_problem
+from megatron_hdp.attention.backends.base import (
+    AttentionBackend,
+    KernelShape,
+    Segments,
+    half_precision_cuda_problem,
+    segment_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -185,11 +191,8 @@ def _te_api() -> _TeApi:
 @functools.lru_cache(maxsize=256)
 def _padded_rows(segments: Segments, max_seqlen: int) -> torch.Tensor:
     """For each packed q row, its index b * max_seqlen + i in padded [B, max_seqlen] statistics."""
-    device = segments.device
-    lengths = torch.tensor(segments.seqlens_q, device=device)
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-    starts = torch.tensor(segments.cu_q[:-1], device=device)
-    return segment * max_seqlen + torch.arange(segments.cu_q[-1], device=device) - starts[segment]
+    segment, position = segment_rows(segments.cu_seqlens_q, segments.cu_q[-1])
+    return segment * max_seqlen + position
 
 
 def stats_layout(stats: torch.Tensor, segments: Segments) -> str:
