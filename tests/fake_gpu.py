@@ -367,7 +367,8 @@ def blocking_copies_in_microbatches(mode, *, code: str = CODE[0]) -> list[dict]:
             windows.append((start, backward[-1]))
     return [
         c for c in mode.h2d
-        if code in c["where"] and not (c["pinned"] and c["non_blocking"]) and any(a < c["clock"] < b for a, b in windows)
+        if code in c["where"] and not (c["pinned"] and c["non_blocking"])
+        and any(a < c["clock"] < b for a, b in windows)
     ]
 
 

@@ -98,6 +98,7 @@ REFUSED_FLAGS = [
     (["--softmax-type", "off-by-one"], "--softmax-type off-by-one:"),
     (["--softmax-type", "learnable"], "use --softmax-type vanilla"),
     (["--mtp-num-layers", "1", "--position-embedding-type", "rope"], "--mtp-num-layers 1: multi-token prediction"),
+    (["--window-size", "(128,0)"], "--window-size (128, 0): sliding-window attention"),
 ]
 
 
@@ -116,7 +117,10 @@ def test_without_hdp_megatrons_defaults_pass():
     assert config is None
 
 
-BAD_AND_GOOD = {"attention_dropout": (0.1, 0.0), "softmax_type": ("learnable", "vanilla"), "mtp_num_layers": (1, None)}
+BAD_AND_GOOD = {
+    "attention_dropout": (0.1, 0.0), "softmax_type": ("learnable", "vanilla"), "mtp_num_layers": (1, None),
+    "window_size": ((128, 0), None),
+}
 
 
 @pytest.mark.parametrize("refusal", REFUSALS, ids=lambda r: r.field)

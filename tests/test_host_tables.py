@@ -62,7 +62,9 @@ def test_ring_steps_gather_each_set_of_local_rows_once(monkeypatch):
     shards = [[torch.randn(plan.num_tokens[p], h, 8, generator=gen) for h in (4, 2, 2)] for p, plan in enumerate(plans)]
     gathers = collections.Counter()
     take = Rows.take
-    monkeypatch.setattr(Rows, "take", lambda self, x, dim=0: gathers.update([(id(x), self.key, dim)]) or take(self, x, dim))
+    monkeypatch.setattr(
+        Rows, "take", lambda self, x, dim=0: gathers.update([(id(x), self.key, dim)]) or take(self, x, dim)
+    )
     backend = get_backend("cpu_flash", device=CPU, dtype=torch.float32)
     results = run_in_process(
         [_forward(*shards[p], plan=plans[p], backend=backend, scale=0.3) for p in range(size)]

@@ -44,8 +44,9 @@ def config_reads(source: str, class_name: str | None) -> set[str]:
             if isinstance(node, ast.Attribute) and _is_config(node.value):
                 fields.add(node.attr)
             elif (
-                isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-                and len(node.args) >= 2 and _is_config(node.args[0]) and isinstance(node.args[1], ast.Constant)
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+                and _is_config(node.args[0]) and isinstance(node.args[1], ast.Constant)
             ):
                 fields.add(node.args[1].value)
     return fields

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_hdp.config import HDPConfig
+from megatron_hdp.megatron.options import flag_name as _flag
 from megatron_hdp.megatron.options import flag_problems
 from megatron_hdp.megatron.training_compat import require_megatron_training
 
@@ -38,10 +39,6 @@ def add_hdp_args(
     """
     ArgumentGroupFactory(HDPConfig).build_group(parser, title=GROUP_TITLE)
     return then(parser) if then is not None else parser
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 _USED_WITHOUT_HDP = ("hdp", "hdp_mock_mix")

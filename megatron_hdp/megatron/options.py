@@ -102,7 +102,8 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
-def _flag(field: str) -> str:
+def flag_name(field: str) -> str:
+    """The Megatron-LM flag of a config field: `window_size` -> `--window-size`."""
     return "--" + field.replace("_", "-")
 
 
@@ -114,10 +115,10 @@ def flag_problems(args: Any) -> list[str]:
     """One line per refused option among Megatron-LM's parsed `args` (flag name = field name)."""
     problems = []
     for refusal in REFUSALS:
-        value = getattr(args, refusal.field, None)
+        value, flag = getattr(args, refusal.field, None), flag_name(refusal.field)
         if refusal.refused(value):
-            fix = f"use {_flag(refusal.field)} {refusal.fix}" if refusal.fix is not None else f"drop {_flag(refusal.field)}"
-            problems.append(f"{_flag(refusal.field)}{_flag_value(value)}: {refusal.why}; {fix}")
+            fix = f"use {flag} {refusal.fix}" if refusal.fix is not None else f"drop {flag}"
+            problems.append(f"{flag}{_flag_value(value)}: {refusal.why}; {fix}")
     return problems
 
 
@@ -127,7 +128,8 @@ def config_problems(config: Any) -> list[str]:
     for refusal in REFUSALS:
         value = getattr(config, refusal.field, None)
         if refusal.refused(value):
-            fix = f"set {refusal.field}={refusal.fix!r}" if refusal.fix is not None else f"leave {refusal.field} at its default"
+            fix = refusal.fix if refusal.fix is not None or not isinstance(value, bool) else False
+            fix = f"leave {refusal.field} unset" if fix is None else f"set {refusal.field}={fix!r}"
             problems.append(f"{refusal.field}={value!r}: {refusal.why}; {fix}")
     return problems
 
