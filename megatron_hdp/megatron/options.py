@@ -94,6 +94,19 @@ REFUSALS: tuple[Refusal, ...] = (
         None,
     ),
     Refusal(
+        "fused_single_qkv_rope",
+        bool,
+        "the fused QKV+RoPE kernel rotates at packed positions inside Megatron's attention; HDP rotates every "
+        "token at its document position (zigzag shards)",
+        None,
+    ),
+    Refusal(
+        "moe_n_hash_layers",
+        bool,
+        "hash-routed MoE layers are not checked with HDP's per-document router",
+        None,
+    ),
+    Refusal(
         "moe_paged_stash",
         bool,
         "the paged expert-activation stash is not checked under HDP's variable micro-batch sizes",
