@@ -79,3 +79,23 @@ def test_ring_steps_gather_each_set_of_local_rows_once(monkeypatch):
     fixed |= {id(t) for t in douts} | {id(t) for result in results for t in result}
     repeated = [key for key, n in gathers.items() if key[0] in fixed and n > 1]
     assert not repeated, f"{len(repeated)} row sets gathered on every ring step"
+
+
+def test_kernel_row_tables_are_computed_from_cu_seqlens_not_copied_from_the_host(monkeypatch):
+    """TE's statistics rows and flex's block mask (made in a micro-batch's first layer) come from the
+    cu_seqlens that arrived with the micro-batch: no torch.tensor(lengths, device=...) copy, no sync."""
+    from megatron_hdp.attention.backends import flex, te_fused
+
+    segments = Segments((3, 5), (3, 5), CPU)
+    segments.cu_seqlens_q, segments.cu_seqlens_k  # noqa: B018  (delivered with the micro-batch)
+
+    def no_host_copy(*args, **kwargs):
+        raise AssertionError("a table copied from the host inside a layer")
+
+    monkeypatch.setattr(torch, "tensor", no_host_copy)
+    te_fused._padded_rows.cache_clear()
+    flex._block_mask.cache_clear()
+    assert te_fused._padded_rows(segments, 8).tolist() == [0, 1, 2, 8, 9, 10, 11, 12]
+    flex._block_mask(segments, True)
+    te_fused._padded_rows.cache_clear()
+    flex._block_mask.cache_clear()
