@@ -9,11 +9,19 @@ import torch
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[int], *, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqlens: Sequence[int],
+    *,
+    causal: bool,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention within each packed document, computed densely in float64 (differentiable).
 
-    q [T, Hq, D], k and v [T, Hkv, D]; query head h uses kv head h // (Hq / Hkv).
+    q [T, Hq, D], k and v [T, Hkv, D]; query head h uses kv head h // (Hq / Hkv). `window`: sliding
+    window, key j visible to query i only when i - j <= window (Megatron's window_size (window, 0)).
     """
     group = q.shape[1] // k.shape[1]
     q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
@@ -24,6 +32,9 @@ def reference_attention(
         if causal:
             future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
             scores = scores.masked_fill(future, -math.inf)
+        if window is not None:
+            distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
+            scores = scores.masked_fill((distance > window).to(q.device), -math.inf)
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[rows]))
         start += length
     return torch.cat(outs)
@@ -38,9 +49,10 @@ def reference_with_grads(
     *,
     causal: bool,
     scale: float,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, dq, dk, dv) of `reference_attention` for the output gradient `dout`, all float64."""
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    out = reference_attention(*leaves, seqlens, causal=causal, scale=scale)
+    out = reference_attention(*leaves, seqlens, causal=causal, scale=scale, window=window)
     dq, dk, dv = torch.autograd.grad(out, leaves, dout.double())
     return out.detach(), dq, dk, dv

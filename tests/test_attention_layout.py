@@ -50,9 +50,7 @@ def _pairs_of_plan(seqlens, ring_size, position, causal):
     rows = [zigzag_token_indices(seqlens, ring_size, p) for p in range(ring_size)]
     doc_of = torch.repeat_interleave(torch.arange(len(seqlens)), torch.tensor(seqlens))
     pairs = []
-    for step, block in enumerate(plan.blocks):
-        if block is None:
-            continue
+    for step, block in ((s, b) for s, calls in enumerate(plan.blocks) for b in calls):
         src = plan.source(step)
         q_tokens = block.q_rows.take(rows[position])
         kv_tokens = block.kv_rows.take(rows[src])

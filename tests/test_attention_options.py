@@ -98,7 +98,7 @@ REFUSED_FLAGS = [
     (["--softmax-type", "off-by-one"], "--softmax-type off-by-one:"),
     (["--softmax-type", "learnable"], "use --softmax-type vanilla"),
     (["--mtp-num-layers", "1", "--position-embedding-type", "rope"], "--mtp-num-layers 1: multi-token prediction"),
-    (["--window-size", "(128,0)"], "--window-size (128, 0): sliding-window attention"),
+    (["--window-size", "(128,4)"], "--window-size (128, 4): HDP honours causal sliding windows (left, 0)"),
 ]
 
 
@@ -119,7 +119,7 @@ def test_without_hdp_megatrons_defaults_pass():
 
 BAD_AND_GOOD = {
     "attention_dropout": (0.1, 0.0), "softmax_type": ("learnable", "vanilla"), "mtp_num_layers": (1, None),
-    "window_size": ((128, 0), None),
+    "window_size": ((128, 4), (128, 0)),
 }
 
 
@@ -152,3 +152,28 @@ def test_mup_softmax_scale_reaches_the_kernels(monkeypatch):
     x = torch.zeros(3, 4, 16)
     core(x, x, x, packed_seq_params=layer_spec.HDPPackedSeqParams(qkv_format="thd", hdp=object()))
     assert seen == [pytest.approx(1 / 16)]
+
+
+def test_sliding_window_reaches_the_kernels_on_the_layers_megatron_picks(monkeypatch):
+    """`--window-size (left, 0)` runs under --hdp; each layer's HDP core attention passes `left` to the
+    kernels on the layers Megatron's own `is_layer_window_attention` picks (`window_attn_skip_freq`),
+    None on the others; (-1, 0) is no window."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    base = [a for a in TINY if a not in ("--attention-dropout", "0.0")] + ["--attention-dropout", "0.0"]
+    args, _ = parse_and_check(base + HDP + ["--window-size", "(5,0)"], world_size=2)
+    assert tuple(args.window_size) == (5, 0)
+    seen = []
+    monkeypatch.setattr(layer_spec, "hdp_core_attention", lambda *a, **kw: seen.append(kw["window"]))
+    x = torch.zeros(3, 2, 4)
+    params = layer_spec.HDPPackedSeqParams(qkv_format="thd", hdp=object())
+    for window, skip in [((5, 0), None), ((5, 0), 2), ((5, 0), [1, 0, 0, 1]), ((-1, 0), None), (None, None)]:
+        config = TransformerConfig(num_layers=4, hidden_size=8, num_attention_heads=2, attention_dropout=0.0,
+                                   window_size=window, window_attn_skip_freq=skip)
+        seen.clear()
+        for layer in range(1, 5):
+            layer_spec.HDPCoreAttention(config, layer_number=layer, attn_mask_type=AttnMaskType.causal)(
+                x, x, x, packed_seq_params=params
+            )
+        megatron = [is_layer_window_attention(window, skip, n) and window[0] >= 0 for n in range(1, 5)]
+        assert seen == [5 if picked else None for picked in megatron], (window, skip)

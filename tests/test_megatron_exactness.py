@@ -93,6 +93,8 @@ def _case_config(config, case):
         return dataclasses.replace(config, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if recompute == "selective":
         return dataclasses.replace(config, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    if case.get("window"):
+        return dataclasses.replace(config, window_size=case["window"], window_attn_skip_freq=case.get("skip"))
     return config
 
 
@@ -190,6 +192,60 @@ def test_hdp_step_matches_single_process_reference(reference, tp, pp, ep, kind, 
     _check(ref, results)
     if overlap:
         _check_idle(results)
+
+
+WINDOW = dict(window=(6, 0), skip=2)
+"""Sliding window of 6 keys before each query on layer 1 of 2 (`window_attn_skip_freq=2` leaves layer 2
+full): shorter than most documents and than the ring chunks of the long ones, so pieces are trimmed and
+skipped, and the model holds both a windowed and a full layer."""
+
+
+def _megatron_window_mask_on_cpu():
+    """Megatron's own `get_sliding_window_causal_mask` with its `torch.ones(..., device="cuda")` made on
+    the CPU: the same function body (triu/tril of Megatron's bounds), evaluated with a torch whose `ones`
+    ignores the device."""
+    import types
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    original = utils.get_sliding_window_causal_mask
+    shim = types.SimpleNamespace(
+        ones=lambda *shape, device=None, **kw: torch.ones(*shape, **kw), triu=torch.triu, tril=torch.tril,
+        bool=torch.bool,
+    )
+    fused_softmax.get_sliding_window_causal_mask = types.FunctionType(
+        original.__code__, {**original.__globals__, "torch": shim}, original.__name__
+    )
+
+
+def _window_reference(rank, world_size):
+    """The dense reference of `_reference` with `WINDOW`: Megatron's DotProductAttention masks the window."""
+    from megatron_hdp.megatron.exactness import VOCAB_SIZE, full_weights, reference_steps
+    from megatron_hdp.megatron.initialize import destroy_hdp
+    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
+
+    _megatron_window_mask_on_cpu()
+    _init()
+    config = _case_config(tiny_llama_config(), WINDOW)
+    model = build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=False)
+    init = full_weights(model)
+    ddp, opt = wrap_for_training(model)
+    out = {"init": init, "steps": reference_steps(ddp, opt, BATCHES)}
+    destroy_hdp()
+    return out
+
+
+def test_sliding_window_matches_single_process_reference(reference):
+    """`window_size=(6, 0)` with `window_attn_skip_freq=2` under HDP (rings of 2..4 ranks, idle rank):
+    loss and gradients equal Megatron's own windowed attention on one process, and the loss differs from
+    the run without the window (the option is not ignored)."""
+    want = run_gloo(_window_reference, 1, timeout_s=240)[0]
+    assert all((w == reference["dense"]["init"][name]).all() for name, w in want["init"].items())  # same model
+    for step, (windowed, full) in enumerate(zip(want["steps"], reference["dense"]["steps"])):
+        assert windowed["loss"] != pytest.approx(full["loss"], rel=1e-4), f"step {step}: the window changed nothing"
+    results = run_gloo(_hdp, 4, 1, 1, 1, want["init"], 777, True, WINDOW, timeout_s=240)
+    _check(want, results)
 
 
 CASES = {

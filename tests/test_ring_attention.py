@@ -18,8 +18,9 @@ from megatron_hdp.comm.launch import run_gloo
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _case(rings, *, heads=(4, 2), causal=True, seed=0, head_dim=8):
-    return dict(rings=[(tuple(r), tuple(s)) for r, s in rings], heads=heads, causal=causal, seed=seed, dim=head_dim)
+def _case(rings, *, heads=(4, 2), causal=True, seed=0, head_dim=8, window=None):
+    rings = [(tuple(r), tuple(s)) for r, s in rings]
+    return dict(rings=rings, heads=heads, causal=causal, seed=seed, dim=head_dim, window=window)
 
 
 def _ring_tensors(case, ring_id):
@@ -48,7 +49,9 @@ def _run_cases(rank, world_size, cases):
                 q, k, v, dout = _ring_tensors(case, ring_id)
                 rows = zigzag_token_indices(seqlens, len(ranks), ranks.index(rank))
                 mine = [x[rows].requires_grad_() for x in (q, k, v)]
-                out = ring_attention(*mine, seqlens=seqlens, ring=ranks, causal=case["causal"], softmax_scale=0.3)
+                out = ring_attention(
+                    *mine, seqlens=seqlens, ring=ranks, causal=case["causal"], softmax_scale=0.3, window=case["window"]
+                )
                 outs.append(out)
                 leaves.append(mine)
                 douts.append(dout[rows])
@@ -69,7 +72,9 @@ def _check(cases, world_size):
     for c, case in enumerate(cases):
         for ring_id, (ranks, seqlens) in enumerate(case["rings"]):
             q, k, v, dout = _ring_tensors(case, ring_id)
-            want = reference_with_grads(q, k, v, dout, seqlens, causal=case["causal"], scale=0.3)
+            want = reference_with_grads(
+                q, k, v, dout, seqlens, causal=case["causal"], scale=0.3, window=case["window"]
+            )
             for position, rank in enumerate(ranks):
                 rows = zigzag_token_indices(seqlens, len(ranks), position)
                 got = by_rank[rank][c][0][ring_id]
@@ -93,6 +98,10 @@ def test_two_ranks():
         _case([([0, 1], _edge(2))]),
         _case([([1, 0], [9, 1, 4])], heads=(2, 2), causal=False, seed=1),
         _case([([0], [5, 3]), ([1, 0], [11]), ([1], [1, 2]), ([0, 1], [2, 7])], heads=(4, 1), seed=2),
+        # sliding windows (Megatron's window_size (w, 0)): smaller than a chunk, about a chunk, several
+        _case([([0, 1], _edge(2) + [23]), ([1], [9, 4])], heads=(4, 1), seed=7, window=2),
+        _case([([1, 0], [3, 40, 5])], seed=8, window=0),
+        _case([([0, 1], [17, 2, 26]), ([0], [12])], heads=(4, 2), seed=9, window=9),
     ]
     _check(cases, 2)
 
@@ -102,6 +111,8 @@ def test_three_ranks_and_traffic():
         _case([([0, 1, 2], _edge(3) + [17])]),
         _case([([2, 0, 1], [13, 4]), ([1, 2], [6]), ([0], [3]), ([0, 2], [1, 5])], heads=(2, 1), seed=3),
         _case([([1], [4])], seed=4),
+        _case([([0, 1, 2], _edge(3) + [37]), ([2, 1], [15])], heads=(4, 1), seed=10, window=3),
+        _case([([2, 0, 1], [29, 6, 2]), ([0, 2], [8, 3])], seed=11, window=13),
     ]
     by_rank = _check(cases, 3)
     # Case 0, a ring over all three ranks, fp32, Hkv=2, D=8: forward (k-1) K+V buffers, backward (k-1)
@@ -122,6 +133,8 @@ def test_four_ranks_overlapping_rings():
         _case([([0, 1, 2, 3], _edge(4) + [30])]),
         _case([([3, 1, 0, 2], [5, 16]), ([2, 0], [9]), ([1, 3, 0], [2, 1, 12]), ([3], [4]), ([1, 2], [3, 3])], seed=5),
         _case([([0, 2], [7]), ([2, 3], [8]), ([3, 1], [6]), ([1, 0], [5])], heads=(2, 2), causal=False, seed=6),
+        _case([([0, 1, 2, 3], _edge(4) + [45]), ([3, 1, 0], [19, 2])], heads=(4, 1), seed=12, window=4),
+        _case([([3, 1, 0, 2], [33, 9]), ([2, 0], [14])], seed=13, window=11),
     ]
     _check(cases, 4)
 

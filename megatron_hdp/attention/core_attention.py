@@ -13,6 +13,7 @@ the Megatron side carries inside its `PackedSeqParams`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -45,6 +46,8 @@ class HDPBatchMeta:
     """[T] position of every packed token inside its document (RoPE)."""
     backend: str = "auto"
     """Local kernel of `megatron_hdp.attention.backends` ("auto": the best available)."""
+    windows: tuple[Optional[int], ...] = (None,)
+    """The sliding windows the model's layers use (None: full causal): ring plans are prepared for each."""
     segments: tuple[Optional[Segments], ...] = field(init=False, repr=False, compare=False)
     """Per group: the kernel segments of a local group, cu_seqlens on the device of `position_ids`."""
     document_lengths: torch.Tensor = field(init=False, repr=False, compare=False)
@@ -58,8 +61,8 @@ class HDPBatchMeta:
         device, tables = self.position_ids.device, HostTables()
         segments = tuple(None if g.is_ring else local_segments(g.seqlens, device, tables) for g in self.groups)
         object.__setattr__(self, "segments", segments)
-        for group in filter(lambda g: g.is_ring, self.groups):
-            prepare_ring_plan(group.seqlens, self.global_ring(group), tables=tables, device=device)
+        for group, window in itertools.product(filter(lambda g: g.is_ring, self.groups), self.windows):
+            prepare_ring_plan(group.seqlens, self.global_ring(group), tables=tables, device=device, window=window)
         lengths = [n for g in self.groups if g.seq_ids for n in g.seqlens]
         tables.add(lengths, lambda t: object.__setattr__(self, "document_lengths", t), dtype=torch.int64)
         tables.transfer(device)
@@ -94,12 +97,14 @@ def hdp_core_attention(
     meta: HDPBatchMeta,
     softmax_scale: float | None = None,
     deterministic: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed HDP micro-batch: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     Whole documents attend locally; each ring group calls `ring_attention` with its ring's global ranks,
     in the packed (= global) order. Differentiable in q, k, v. `deterministic`: every kernel call runs a
-    deterministic backward (Megatron's `deterministic_mode`).
+    deterministic backward (Megatron's `deterministic_mode`). `window`: sliding-window attention, query i
+    sees keys i - window .. i of its document (Megatron's `window_size = (window, 0)`); None: all earlier keys.
     """
     check_group_order(meta.groups, num_tokens=q.shape[0])
     outputs = []
@@ -116,11 +121,13 @@ def hdp_core_attention(
                 softmax_scale=softmax_scale,
                 backend=meta.backend,
                 deterministic=deterministic,
+                window=window,
             )
         else:
             out = local_varlen_attention(
                 q[lo:hi], k[lo:hi], v[lo:hi], seqlens=group.seqlens, causal=True,
                 softmax_scale=softmax_scale, backend=meta.backend, segments=segments, deterministic=deterministic,
+                window=window,
             )
         outputs.append(out)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from megatron_hdp.attention.backends import AttentionBackend, Segments, get_backend
+from megatron_hdp.attention.backends import AttentionBackend, BlockWindow, Segments, get_backend
 from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.layout import check_seqlens
 
@@ -43,6 +43,23 @@ def default_scale(softmax_scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
+def check_window(window: int | None, *, causal: bool) -> int | None:
+    """The sliding window's `left` (None: no window), ValueError for a negative one or one without the
+    causal mask. Megatron's `window_size = (left, 0)`: query i sees keys i - left .. i of its document."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be None or an int >= 0 (keys i - window .. i are visible), got {window!r}")
+    if not causal:
+        raise ValueError("a sliding window needs causal=True (Megatron applies window_size under the causal mask)")
+    return window
+
+
+def document_window(window: int | None, segments: Segments) -> BlockWindow | None:
+    """The `BlockWindow` of whole documents (every segment a causal square at shift 0)."""
+    return None if window is None else BlockWindow(window, (0,) * segments.num_segments)
+
+
 def local_segments(seqlens: Sequence[int], device: torch.device, tables: HostTables | None = None) -> Segments:
     """The kernel segments of whole documents `seqlens`, their cu_seqlens tensors on `device`: delivered by
     `tables` (the micro-batch's one asynchronous copy) when given, else made now (outside any layer)."""
@@ -57,19 +74,19 @@ def local_segments(seqlens: Sequence[int], device: torch.device, tables: HostTab
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, backend: AttentionBackend, segments: Segments, causal: bool, scale: float):
-        out, lse = backend.forward(q, k, v, segments=segments, causal=causal, scale=scale)
+    def forward(ctx, q, k, v, backend: AttentionBackend, segments: Segments, causal: bool, scale: float, window=None):
+        out, lse = backend.forward(q, k, v, segments=segments, causal=causal, scale=scale, window=window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.backend, ctx.segments, ctx.causal, ctx.scale = backend, segments, causal, scale
+        ctx.backend, ctx.segments, ctx.causal, ctx.scale, ctx.window = backend, segments, causal, scale, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.backend.backward(
-            dout, q, k, v, out, lse, segments=ctx.segments, causal=ctx.causal, scale=ctx.scale
+            dout, q, k, v, out, lse, segments=ctx.segments, causal=ctx.causal, scale=ctx.scale, window=ctx.window
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def local_varlen_attention(
@@ -83,6 +100,7 @@ def local_varlen_attention(
     backend: str = "auto",
     segments: Segments | None = None,
     deterministic: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention within each packed document of `seqlens` (THD: q [T, Hq, D], k/v [T, Hkv, D]).
 
@@ -91,11 +109,15 @@ def local_varlen_attention(
     `segments`, when given, are `local_segments(seqlens, device)` made once per micro-batch, so that
     the layers of a model share its cu_seqlens tensors (no host-to-device copy per layer).
     `deterministic` asks the kernel for a deterministic backward (Megatron's `deterministic_mode`).
+    `window` (sliding-window attention, Megatron's `window_size = (window, 0)`): query i sees the keys
+    i - window .. i of its document; None: all earlier keys.
     """
     lengths = check_seqlens(seqlens)
+    left = check_window(window, causal=causal)
     check_qkv(q, k, v, num_tokens=sum(lengths))
     kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     if segments is None:
         segments = local_segments(lengths, q.device)
     assert segments.seqlens_q == lengths and segments.device.type == q.device.type, (segments, lengths, q.device)
-    return _LocalAttention.apply(q, k, v, kernel, segments, causal, default_scale(softmax_scale, q.shape[2]))
+    scale = default_scale(softmax_scale, q.shape[2])
+    return _LocalAttention.apply(q, k, v, kernel, segments, causal, scale, document_window(left, segments))

@@ -11,7 +11,15 @@ whose piece is empty on either side (possible when its length is below 2k) is le
 every local row still sees its own document at step 0, so no row ends with an empty softmax.
 Without the causal mask every step is every local row over all received rows.
 
-Plans are pure functions of (lengths, k, p, causal) and cached: every layer of a micro-batch reuses them.
+With a sliding window (query at position x sees keys x - left .. x of its document) a step's work is
+split by chunk pairs instead: every (local chunk, received chunk) piece of a document is trimmed to the
+query rows that see some key of it and the keys some of those rows see, and carries its true offset
+(`BlockWindow.shifts`); a piece wholly outside every query's window is dropped, and so is a step with
+no piece left (no compute). A step makes one kernel call per received chunk (chunk src, chunk 2k-1-src),
+so no local row appears twice in one call.
+
+Plans are pure functions of (lengths, k, p, causal, window) and cached: every layer of a micro-batch
+reuses them.
 """
 
 from __future__ import annotations
@@ -22,9 +30,10 @@ from typing import Sequence
 
 import torch
 
-from megatron_hdp.attention.backends.base import Segments
+from megatron_hdp.attention.backends.base import BlockWindow, Segments
 from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.layout import zigzag_chunk_lengths
+from megatron_hdp.plan.layout import zigzag_chunks
 
 
 class Rows:
@@ -90,6 +99,8 @@ class Block:
     """Rows of the KV held at this step (the source position's local layout)."""
     segments: Segments
     causal: bool
+    window: BlockWindow | None = None
+    """The sliding window of the call at the pieces' true offsets (None: the causal flag alone)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +111,8 @@ class RingPlan:
     position: int
     num_tokens: tuple[int, ...]
     """Tokens each ring position holds (sizes of the KV buffers that travel)."""
-    blocks: tuple[Block | None, ...]
-    """Per step, the kernel call (None: nothing of the held KV is visible to local rows)."""
+    blocks: tuple[tuple[Block, ...], ...]
+    """Per step, its kernel calls (none: nothing of the held KV is visible to local rows)."""
 
     def source(self, step: int) -> int:
         """Ring position whose KV this position holds at `step`."""
@@ -109,30 +120,76 @@ class RingPlan:
 
     def schedule_tables(self, tables: HostTables) -> None:
         """Have `tables` deliver every device table of the plan not made yet (cu_seqlens, row indices)."""
-        for block in filter(None, self.blocks):
+        for block in (b for step in self.blocks for b in step):
             block.segments.schedule_tables(tables)
             block.q_rows.schedule_tables(tables)
             block.kv_rows.schedule_tables(tables)
 
 
-def _block(pieces: list[tuple[int, int, int, int]], causal: bool, device: torch.device) -> Block | None:
-    """Block from per-document (q_start, q_len, kv_start, kv_len), dropping documents with an empty side."""
-    pieces = [p for p in pieces if p[1] > 0 and p[3] > 0]
-    if not pieces:
-        return None
-    return Block(
-        q_rows=Rows([(qs, qs + ql) for qs, ql, _, _ in pieces], device),
-        kv_rows=Rows([(ks, ks + kl) for _, _, ks, kl in pieces], device),
-        segments=Segments(tuple(p[1] for p in pieces), tuple(p[3] for p in pieces), device),
-        causal=causal,
+def _block(
+    pieces: list[tuple[int, int, int, int]], causal: bool, device: torch.device, window: int | None = None,
+    shifts: Sequence[int] = (),
+) -> tuple[Block, ...]:
+    """The call of per-document (q_start, q_len, kv_start, kv_len) pieces (with their window shifts),
+    dropping pieces with an empty side; no call when none is left."""
+    kept = [i for i, p in enumerate(pieces) if p[1] > 0 and p[3] > 0]
+    if not kept:
+        return ()
+    pieces = [pieces[i] for i in kept]
+    return (
+        Block(
+            q_rows=Rows([(qs, qs + ql) for qs, ql, _, _ in pieces], device),
+            kv_rows=Rows([(ks, ks + kl) for _, _, ks, kl in pieces], device),
+            segments=Segments(tuple(p[1] for p in pieces), tuple(p[3] for p in pieces), device),
+            causal=causal,
+            window=None if window is None else BlockWindow(window, tuple(shifts[i] for i in kept)),
+        ),
     )
+
+
+def window_piece(q: tuple[int, int], k: tuple[int, int], left: int) -> tuple[int, int, int, int] | None:
+    """The part of the (query positions q, key positions k) pair of one document that a window of `left`
+    makes visible: (x0, x1, y0, y1), queries x0..x1-1 each seeing some key, keys y0..y1-1 each seen by
+    some of them; None when no query of q sees any key of k (x sees y when 0 <= x - y <= left)."""
+    x0, x1 = max(q[0], k[0]), min(q[1], k[1] + left)
+    y0, y1 = max(k[0], x0 - left), min(k[1], x1)
+    return (x0, x1, y0, y1) if x0 < x1 and y0 < y1 else None
+
+
+def _window_calls(
+    seqlens: Sequence[int], ring_size: int, position: int, src: int, starts: list[list[int]], window: int,
+    device: torch.device,
+) -> tuple[Block, ...]:
+    """The windowed calls of one step: per received chunk, the trimmed pieces of every local chunk."""
+    calls = []
+    for theirs in (0, 1):  # chunk src, then chunk 2k-1-src of every document
+        pieces, shifts = [], []
+        for doc, length in enumerate(seqlens):
+            mine, held = zigzag_chunks(length, ring_size, position), zigzag_chunks(length, ring_size, src)
+            k = held[theirs]
+            k_row = starts[src][doc] + (0 if theirs == 0 else held[0][1] - held[0][0]) - k[0]
+            for m, q in enumerate(mine):
+                piece = window_piece(q, k, window)
+                if piece is None:
+                    continue
+                x0, x1, y0, y1 = piece
+                q_row = starts[position][doc] + (0 if m == 0 else mine[0][1] - mine[0][0]) - q[0]
+                pieces.append((q_row + x0, x1 - x0, k_row + y0, y1 - y0))
+                shifts.append(x0 - y0)
+        calls += _block(pieces, True, device, window, shifts)
+    return tuple(calls)
 
 
 @functools.lru_cache(maxsize=256)
 def ring_plan(
-    seqlens: tuple[int, ...], ring_size: int, position: int, causal: bool, device: torch.device
+    seqlens: tuple[int, ...], ring_size: int, position: int, causal: bool, device: torch.device,
+    window: int | None = None,
 ) -> RingPlan:
-    """The plan of ring position `position` for documents of `seqlens` (validated by the caller)."""
+    """The plan of ring position `position` for documents of `seqlens` (validated by the caller), with a
+    sliding window of `window` keys before each query (None: none; a window reaching every earlier
+    key of every document is no window)."""
+    if window is not None and window >= max(seqlens) - 1:
+        window = None
     chunks = [zigzag_chunk_lengths(seqlens, ring_size, p) for p in range(ring_size)]  # [pos][doc] = (a, b)
     starts = []  # [pos][doc] = first local row of the document
     for per_doc in chunks:
@@ -147,6 +204,9 @@ def ring_plan(
     blocks = []
     for step in range(ring_size):
         src = (position - step) % ring_size
+        if window is not None:
+            blocks.append(_window_calls(seqlens, ring_size, position, src, starts, window, device))
+            continue
         theirs, their_starts = chunks[src], starts[src]
         pieces = []
         for doc, ((a, b), (sa, sb)) in enumerate(zip(mine, theirs)):

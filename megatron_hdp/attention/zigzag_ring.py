@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megatron_hdp.attention.backends import AttentionBackend, Segments, get_backend
 from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.layout import check_seqlens, zigzag_token_indices
-from megatron_hdp.attention.local import _LocalAttention, check_qkv, default_scale
+from megatron_hdp.attention.local import _LocalAttention, check_qkv, check_window, default_scale, document_window
 from megatron_hdp.attention.merge import merge_attention
 from megatron_hdp.attention.ring_plan import RingPlan, ring_plan
 from megatron_hdp.comm.p2p import Ring, current_ring
@@ -56,14 +56,15 @@ def _forward(
     """One position's forward: returns (out [T, Hq, D] in q's dtype, lse [Hq, T])."""
     kv = torch.stack((k, v))
     acc = _accumulation_dtype(q.dtype)
-    out = lse = None
+    out = q.new_zeros(q.shape, dtype=acc)  # rows see their own document's diagonal in some call
+    lse = q.new_full((q.shape[1], q.shape[0]), -torch.inf, dtype=acc)
     q_cache: dict[tuple, torch.Tensor] = {}
-    for step, block in enumerate(plan.blocks):
+    for step, calls in enumerate(plan.blocks):
         last = step + 1 == plan.ring_size
         if not last:
             next_kv = kv.new_empty((2, plan.num_tokens[plan.source(step + 1)], *kv.shape[2:]))
             yield Post(send=kv, recv=next_kv)
-        if block is not None:
+        for block in calls:
             if block.q_rows.key not in q_cache:  # (setdefault would gather the rows on every step)
                 q_cache[block.q_rows.key] = block.q_rows.take(q)
             q_block = q_cache[block.q_rows.key]
@@ -74,20 +75,16 @@ def _forward(
                 segments=block.segments,
                 causal=block.causal,
                 scale=scale,
+                window=block.window,
             )
-            if step == 0:  # the diagonal block covers every local row
-                out, lse = block_out.to(acc), block_lse.to(acc)
-            else:
-                merged_out, merged_lse = merge_attention(
-                    block.q_rows.take(out), block.q_rows.take(lse, 1), block_out, block_lse
-                )
-                block.q_rows.put(out, merged_out)
-                block.q_rows.put(lse, merged_lse, 1)
+            merged_out, merged_lse = merge_attention(
+                block.q_rows.take(out), block.q_rows.take(lse, 1), block_out, block_lse
+            )
+            block.q_rows.put(out, merged_out)
+            block.q_rows.put(lse, merged_lse, 1)
         if not last:
             yield WAIT
             kv = next_kv
-    if out is None:  # this position holds no token of any document (all shorter than 2k)
-        out, lse = q.new_zeros(q.shape, dtype=acc), q.new_zeros((q.shape[1], 0), dtype=acc)
     return out.to(q.dtype), lse
 
 
@@ -114,14 +111,14 @@ def _backward(
     dq = q.new_zeros(q.shape, dtype=acc)
     dkv_in = None
     q_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
-    for step, block in enumerate(plan.blocks):
+    for step, calls in enumerate(plan.blocks):
         last = step + 1 == plan.ring_size
         if not last:
             next_kv = kv.new_empty((2, plan.num_tokens[plan.source(step + 1)], *kv.shape[2:]))
             yield Post(send=kv, recv=next_kv)
         # dK/dV partials of the KV held now, owned by position source(step); they travel with it.
         dkv = kv.new_zeros(kv.shape, dtype=acc)
-        if block is not None:
+        for block in calls:
             rows = block.q_rows
             if rows.key not in q_cache:
                 q_cache[rows.key] = (rows.take(dout), rows.take(q), rows.take(out), rows.take(lse, 1))
@@ -136,6 +133,7 @@ def _backward(
                 segments=block.segments,
                 causal=block.causal,
                 scale=scale,
+                window=block.window,
             )
             rows.add(dq, dq_b)
             block.kv_rows.add(dkv[0], dk_b)
@@ -176,6 +174,7 @@ def prepare_ring_plan(
     device: torch.device,
     causal: bool = True,
     group: dist.ProcessGroup | None = None,
+    window: int | None = None,
 ) -> None:
     """Build (and cache) this rank's plan of `ring_attention` over `ring`, its kernel tables (cu_seqlens,
     row indices) scheduled on `tables`, the micro-batch's one asynchronous copy to `device`. Call it once
@@ -183,7 +182,8 @@ def prepare_ring_plan(
     there, synchronously, and document lengths, hence plans, change from one micro-batch to the next."""
     members = current_ring(ring, group=group)
     if members.size > 1:
-        plan = ring_plan(check_seqlens(seqlens), members.size, members.position, bool(causal), torch.device(device))
+        left = check_window(window, causal=causal)
+        plan = ring_plan(check_seqlens(seqlens), members.size, members.position, bool(causal), torch.device(device), left)
         plan.schedule_tables(tables)
 
 
@@ -199,6 +199,7 @@ def ring_attention(
     backend: str = "auto",
     group: dist.ProcessGroup | None = None,
     deterministic: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention within each document of `seqlens`, the documents split over the ranks of `ring`.
 
@@ -209,20 +210,23 @@ def ring_attention(
     document. Any document length >= 1 works. ValueError before any message for a rank outside the
     ring, token counts that do not match `seqlens`, or kv heads not dividing query heads.
     `deterministic` asks every block's kernel for a deterministic backward (the ring adds the block
-    gradients in a fixed order, so the whole backward is deterministic then).
+    gradients in a fixed order, so the whole backward is deterministic then). `window`: sliding-window
+    attention (query i sees keys i - window .. i of its document; `ring_plan` skips pieces outside it).
     """
     lengths = check_seqlens(seqlens)
+    left = check_window(window, causal=causal)
     members = current_ring(ring, group=group)
     plan_needed = members.size > 1
     num_tokens = sum(lengths)
     if plan_needed:
-        plan = ring_plan(lengths, members.size, members.position, bool(causal), q.device)
+        plan = ring_plan(lengths, members.size, members.position, bool(causal), q.device, left)
         num_tokens = plan.num_tokens[members.position]
     check_qkv(q, k, v, num_tokens=num_tokens)
     kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     scale = default_scale(softmax_scale, q.shape[2])
     if not plan_needed:
-        return _LocalAttention.apply(q, k, v, kernel, Segments(lengths, lengths, q.device), bool(causal), scale)
+        segments = Segments(lengths, lengths, q.device)
+        return _LocalAttention.apply(q, k, v, kernel, segments, bool(causal), scale, document_window(left, segments))
     return _RingAttention.apply(q, k, v, plan, members, kernel, scale)
 
 
@@ -268,6 +272,7 @@ def simulated_ring_attention(
     backend: str = "auto",
     grad_dtype: torch.dtype | None = None,
     deterministic: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The ring algorithm of `ring_attention` for k = `ring_size` virtual ranks in this process.
 
@@ -278,12 +283,13 @@ def simulated_ring_attention(
     in (`benchmarks/ring_grad_precision.py` measures what sending them in the activation dtype costs).
     """
     lengths = check_seqlens(seqlens)
+    left = check_window(window, causal=causal)
     if ring_size < 1:
         raise ValueError(f"ring_size must be >= 1, got {ring_size}")
     check_qkv(q, k, v, num_tokens=sum(lengths))
     kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     scale = default_scale(softmax_scale, q.shape[2])
-    plans = tuple(ring_plan(lengths, ring_size, p, bool(causal), q.device) for p in range(ring_size))
+    plans = tuple(ring_plan(lengths, ring_size, p, bool(causal), q.device, left) for p in range(ring_size))
     rows = [zigzag_token_indices(lengths, ring_size, p).to(q.device) for p in range(ring_size)]
     shards = [x.index_select(0, r) for x in (q, k, v) for r in rows]
     outs = _SimulatedRing.apply(plans, kernel, scale, grad_dtype, *shards)

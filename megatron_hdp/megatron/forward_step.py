@@ -17,7 +17,7 @@ import torch
 
 from megatron_hdp.attention.core_attention import HDPBatchMeta
 from megatron_hdp.data.collate import PackedMicroBatch
-from megatron_hdp.megatron.layer_spec import HDPPackedSeqParams
+from megatron_hdp.megatron.layer_spec import HDPPackedSeqParams, model_windows
 
 
 def packed_seq_params(
@@ -26,10 +26,12 @@ def packed_seq_params(
     hdp_global_ranks: tuple[int, ...],
     backend: str = "auto",
     host: Optional[PackedMicroBatch] = None,
+    windows: tuple[Optional[int], ...] = (None,),
 ) -> HDPPackedSeqParams:
     """Megatron THD parameters of `batch` with its HDP metadata (rings as global ranks, positions).
 
-    `max_seqlen` is read from the host copy `host` of the micro-batch when given (no device sync)."""
+    `max_seqlen` is read from the host copy `host` of the micro-batch when given (no device sync).
+    `windows`: the sliding windows of the model's layers, whose ring plans are prepared with the batch."""
     max_seqlen = (host if host is not None else batch).max_segment_length
     return HDPPackedSeqParams(
         qkv_format="thd",
@@ -42,6 +44,7 @@ def packed_seq_params(
             hdp_global_ranks=hdp_global_ranks,
             position_ids=batch.position_ids,
             backend=backend,
+            windows=windows,
         ),
     )
 
@@ -71,7 +74,10 @@ def make_forward_step(*, hdp_global_ranks: tuple[int, ...], backend: str = "auto
     def forward_step(data_iterator: Iterator[PackedMicroBatch], model: torch.nn.Module):
         host = next(data_iterator)
         batch = host.to(next(model.parameters()).device, non_blocking=True)
-        params = packed_seq_params(batch, hdp_global_ranks=hdp_global_ranks, backend=backend, host=host)
+        windows = model_windows(model)
+        params = packed_seq_params(
+            batch, hdp_global_ranks=hdp_global_ranks, backend=backend, host=host, windows=windows
+        )
         inputs = dict(
             input_ids=batch.tokens[None],
             position_ids=batch.position_ids[None],

@@ -68,6 +68,19 @@ def rope_angles(rotary: torch.nn.Module, position_ids: torch.Tensor) -> torch.Te
     return emb[:, None, None, :]
 
 
+def layer_window(config: TransformerConfig, layer_number: int) -> Optional[int]:
+    """The sliding window's `left` of layer `layer_number` (1-based), None for full causal attention: Megatron's
+    `window_size = (left, 0)` on the layers its `is_layer_window_attention` picks (`window_attn_skip_freq`),
+    as `DotProductAttention` and `TEDotProductAttention` decide it. (-1, 0) and (-1, -1) are no window;
+    other right bounds are refused (`megatron/options.py`)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    window = config.window_size
+    if not is_layer_window_attention(window, config.window_attn_skip_freq, layer_number) or window[0] < 0:
+        return None
+    return int(window[0])
+
+
 class HDPCoreAttention(MegatronModule):
     """Drop-in `core_attention`: per-token RoPE, then `hdp_core_attention` (local kernel or ring).
 
@@ -94,6 +107,13 @@ class HDPCoreAttention(MegatronModule):
             raise ValueError(f"HDP core attention supports self attention only, got {attention_type!r}")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
+        self.window = layer_window(config, layer_number)
+        if self.window is not None and config.deterministic_mode and torch.cuda.is_available():
+            raise ValueError(
+                f"window_size={config.window_size} with deterministic_mode: on a GPU the ring pieces of a sliding "
+                "window run on flex attention (flash-attn, TE and varlen_attn take one window per call), whose "
+                "backward is not deterministic; drop --deterministic-mode or --window-size"
+            )
         self._rotary: tuple = ()  # the model's RotaryEmbedding, set by prepare_model_for_hdp (not a submodule)
 
     def set_rotary(self, rotary: Optional[torch.nn.Module]) -> None:
@@ -129,7 +149,8 @@ class HDPCoreAttention(MegatronModule):
             query = self._rope(query, meta)
             key = self._rope(key, meta)
         return hdp_core_attention(
-            query, key, value, meta=meta, softmax_scale=self.softmax_scale, deterministic=self.config.deterministic_mode
+            query, key, value, meta=meta, softmax_scale=self.softmax_scale,
+            deterministic=self.config.deterministic_mode, window=self.window,
         )
 
 
@@ -158,6 +179,12 @@ def get_gpt_layer_with_hdp_spec(*, backend: str = "local", **spec_kwargs: Any) -
 def hdp_core_attention_modules(model: torch.nn.Module) -> list[HDPCoreAttention]:
     """Every `HDPCoreAttention` in `model`."""
     return [m for m in model.modules() if isinstance(m, HDPCoreAttention)]
+
+
+def model_windows(model: torch.nn.Module) -> tuple[Optional[int], ...]:
+    """The distinct sliding windows of `model`'s HDP core attentions (None: full causal), None first."""
+    windows = {core.window for core in hdp_core_attention_modules(model)}
+    return tuple(sorted(windows, key=lambda w: -1 if w is None else w)) or (None,)
 
 
 def prepare_model_for_hdp(model: torch.nn.Module) -> torch.nn.Module:

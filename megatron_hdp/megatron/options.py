@@ -56,8 +56,9 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "window_size",
-        lambda w: w is not None and tuple(w) not in ((-1, -1), (-1, 0)),
-        "sliding-window attention is not in HDP's kernels and ring yet",
+        lambda w: w is not None and tuple(w) != (-1, -1) and not (w[1] == 0 and w[0] >= -1),
+        "HDP honours causal sliding windows (left, 0); a right bound other than 0 has no one meaning under "
+        "the causal mask (TE sets it to 0, Megatron's local attention masks the diagonal out)",
         None,
     ),
     Refusal(

@@ -22,7 +22,13 @@ import logging
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, KernelShape, Segments, grads_by_recompute
+from megatron_hdp.attention.backends.base import (
+    AttentionBackend,
+    BlockWindow,
+    KernelShape,
+    Segments,
+    grads_by_recompute,
+)
 from megatron_hdp.attention.backends.cpu_flash import CpuFlashBackend
 from megatron_hdp.attention.backends.flash_attn_varlen import FlashAttnVarlenBackend
 from megatron_hdp.attention.backends.flex import FlexBackend
@@ -92,16 +98,22 @@ class ShapeDispatch(AttentionBackend):
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
         return bool(available_backends(device, dtype))
 
-    def kernel_for(self, q: torch.Tensor, k: torch.Tensor, segments: Segments) -> AttentionBackend:
+    def kernel_for(
+        self, q: torch.Tensor, k: torch.Tensor, segments: Segments, window: BlockWindow | None = None
+    ) -> AttentionBackend:
         """The backend that runs calls of this shape. ValueError when none of the candidates has a kernel."""
-        return _kernel_for(self.name, self.candidates, KernelShape.of(q, k, segments, deterministic=self.deterministic))
+        shape = KernelShape.of(q, k, segments, deterministic=self.deterministic, window=window)
+        return _kernel_for(self.name, self.candidates, shape)
 
-    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
-        return self.kernel_for(q, k, segments).forward(q, k, v, segments=segments, causal=causal, scale=scale)
+    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None):
+        kernel = self.kernel_for(q, k, segments, window)
+        return kernel.forward(q, k, v, segments=segments, causal=causal, scale=scale, window=window)
 
-    def backward(self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float):
-        kernel = self.kernel_for(q, k, segments)
-        return kernel.backward(dout, q, k, v, out, lse, segments=segments, causal=causal, scale=scale)
+    def backward(
+        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None
+    ):
+        kernel = self.kernel_for(q, k, segments, window)
+        return kernel.backward(dout, q, k, v, out, lse, segments=segments, causal=causal, scale=scale, window=window)
 
 
 def get_backend(
@@ -123,6 +135,7 @@ def get_backend(
 __all__ = [
     "AttentionBackend",
     "BACKENDS",
+    "BlockWindow",
     "KernelShape",
     "PREFERENCE",
     "Segments",

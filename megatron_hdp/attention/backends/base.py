@@ -10,6 +10,11 @@ Shapes: q [Tq, Hq, D], k and v [Tk, Hkv, D] with Hkv dividing Hq (query head h u
 h // (Hq / Hkv)); out [Tq, Hq, D] in q's dtype; lse [Hq, Tq], float32 (float64 for float64 inputs).
 Segment i pairs q rows cu_q[i]:cu_q[i+1] with kv rows cu_k[i]:cu_k[i+1]; every segment is non-empty.
 A causal segment has as many q as kv rows and uses the plain lower-triangular mask.
+A windowed call (`window`, a `BlockWindow`: Megatron's sliding-window attention) replaces that mask by
+the window rule at the segments' true positions: row i of segment s sees key j when
+0 <= (i + shift_s) - j <= left, shift_s being the position of the segment's first query minus that of
+its first key (0 for a whole document; a ring's piece of two chunks carries their distance). Every query
+row of a call must see at least one key (the ring plan trims its pieces to such rows).
 
 Whether a kernel runs is decided in two steps: `supports(device, dtype)` (is it importable and built for
 this device and dtype at all) when a backend is named, and `shape_problem(KernelShape)` (does it have a
@@ -87,6 +92,55 @@ class Segments:
         return max(self.seqlens_k)
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockWindow:
+    """A sliding window over the segments of one kernel call: key j of segment s is visible to query i
+    when 0 <= (i + shifts[s]) - j <= left (Megatron's `window_size = (left, 0)` under the causal mask)."""
+
+    left: int
+    shifts: tuple[int, ...]
+    """Per segment: position of its first query minus position of its first key (within the document)."""
+
+    def __post_init__(self) -> None:
+        assert self.left >= 0, self.left
+
+    def aligned(self, segments: Segments) -> bool:
+        """Whether every segment is a whole causal square (shift 0, as many q as kv rows): the form that
+        flash-attn, TE and `varlen_attn` express as the window (left, 0) with the causal mask."""
+        return all(d == 0 for d in self.shifts) and segments.seqlens_q == segments.seqlens_k
+
+    def mask(self, segment: int, num_q: int, num_k: int, device: torch.device) -> torch.Tensor:
+        """The [num_q, num_k] bool mask (True: visible) of one segment."""
+        diff = (
+            torch.arange(num_q, device=device)[:, None] + self.shifts[segment] - torch.arange(num_k, device=device)[None, :]
+        )
+        return (diff >= 0) & (diff <= self.left)
+
+
+def window_form(window: BlockWindow | None, segments: Segments) -> str:
+    """How a call's mask is shaped, for kernel choice: "" (no window), "aligned" (`BlockWindow.aligned`)
+    or "offset" (pieces at other offsets: only kernels taking a mask over positions express it)."""
+    if window is None:
+        return ""
+    return "aligned" if window.aligned(segments) else "offset"
+
+
+def window_pair(causal: bool, window: BlockWindow | None) -> tuple[int, int]:
+    """The (left, right) window of kernels taking one per call (flash-attn, TE, `varlen_attn`; -1: no
+    bound): (-1, 0) causal, (-1, -1) full, (left, 0) for an aligned window."""
+    if window is None:
+        return (-1, 0) if causal else (-1, -1)
+    assert causal and all(d == 0 for d in window.shifts), "a window at offsets is not one (left, right) pair"
+    return (window.left, 0)
+
+
+def offset_window_problem(shape: KernelShape) -> str | None:
+    """Why a kernel taking one bottom-right (left, right) window per call has no kernel for `shape`."""
+    if shape.window == "offset":
+        return "its window is one (left, right) pair per call, bottom-right aligned: no ring pieces at offsets"
+    return None
+
+
 def segment_rows(cu_seqlens: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per packed row: its segment id and its position inside the segment, computed on the device of
     `cu_seqlens` (no copy from the host and no sync, unlike building them from the Python lengths)."""
@@ -119,12 +173,25 @@ class KernelShape:
     deterministic: bool = False
     """Whether the backward must be deterministic (Megatron's `deterministic_mode`): kernels without a
     deterministic backward have no kernel for such calls."""
+    window: str = ""
+    """`window_form` of the call: kernels that cannot express an "offset" window have no kernel for it."""
+    window_left: int = -1
+    """The window's `left` (-1: no window); TE's kernel selector is asked with it."""
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, segments: Segments, *, deterministic: bool = False) -> KernelShape:
+    def of(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        segments: Segments,
+        *,
+        deterministic: bool = False,
+        window: BlockWindow | None = None,
+    ) -> KernelShape:
         """The shape signature of one kernel call."""
         length = _length_bucket(max(segments.max_q, segments.max_k))
-        return cls(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], length, deterministic)
+        form, left = window_form(window, segments), -1 if window is None else window.left
+        return cls(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], length, deterministic, form, left)
 
 
 class AttentionBackend(abc.ABC):
@@ -145,14 +212,24 @@ class AttentionBackend(abc.ABC):
     @classmethod
     def shape_problem(cls, shape: KernelShape) -> str | None:
         """Why the kernel has no kernel for calls of `shape` (None: it has). Asked once per shape, for a
-        backend whose `supports(shape.device, shape.dtype)` holds; by default every shape runs."""
+        backend whose `supports(shape.device, shape.dtype)` holds; by default every shape runs (a kernel
+        taking one bottom-right window per call says `offset_window_problem` for windows at offsets)."""
         return None
 
     @abc.abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segments: Segments, causal: bool, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        segments: Segments,
+        causal: bool,
+        scale: float,
+        window: BlockWindow | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of each q segment over its kv segment: (out [Tq, Hq, D], lse [Hq, Tq])."""
+        """Attention of each q segment over its kv segment: (out [Tq, Hq, D], lse [Hq, Tq]). With a
+        `window` the window rule (module doc) is the mask and `causal` must be True."""
 
     @abc.abstractmethod
     def backward(
@@ -167,6 +244,7 @@ class AttentionBackend(abc.ABC):
         segments: Segments,
         causal: bool,
         scale: float,
+        window: BlockWindow | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq, dk, dv) of this block, in the dtypes of q, k, v, for the rows' final `out` and `lse`."""
 

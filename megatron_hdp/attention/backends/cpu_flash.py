@@ -3,14 +3,15 @@
 The op works on [B, H, S, D] and returns the log-sum-exp, handles GQA natively and accepts strided
 inputs, so a THD segment is passed as a free view (rows -> [1, H, S, D]). Varlen is a loop over segments:
 one call per document, no mask and no padding, so no work is spent on masked-out blocks. The op cannot
-take an empty sequence (it crashes), which the segment contract already excludes.
+take an empty sequence (it crashes), which the segment contract already excludes. A sliding window
+(`BlockWindow`, any offsets) is the op's boolean `attn_mask` per segment.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, Segments
+from megatron_hdp.attention.backends.base import AttentionBackend, BlockWindow, Segments
 
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -31,6 +32,23 @@ def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
+def _bounds(segments: Segments):
+    """(q0, q1, k0, k1) row bounds of each segment."""
+    return zip(segments.cu_q, segments.cu_q[1:], segments.cu_k, segments.cu_k[1:])
+
+
+def _mask(
+    segment: int, num_q: int, num_k: int, causal: bool, window: BlockWindow | None, x: torch.Tensor
+) -> tuple[bool, torch.Tensor | None]:
+    """(is_causal, attn_mask) of one segment's op call: the causal flag alone, or the window's mask as
+    the additive 0 / -inf mask in `x`'s dtype (the op takes no boolean mask)."""
+    if window is None:
+        return causal, None
+    assert causal, "a sliding window is a causal mask"
+    visible = window.mask(segment, num_q, num_k, x.device)
+    return False, torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, -torch.inf)
+
+
 class CpuFlashBackend(AttentionBackend):
     """One CPU flash call per segment."""
 
@@ -40,17 +58,23 @@ class CpuFlashBackend(AttentionBackend):
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cpu" and dtype in _DTYPES
 
-    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
+    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None):
         outs, lses = [], []
-        for q0, q1, k0, k1 in zip(segments.cu_q, segments.cu_q[1:], segments.cu_k, segments.cu_k[1:]):
-            out, lse = _FORWARD(_bhsd(q[q0:q1]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]), 0.0, causal, scale=scale)
+        for s, (q0, q1, k0, k1) in enumerate(_bounds(segments)):
+            causal_s, mask = _mask(s, q1 - q0, k1 - k0, causal, window, q)
+            out, lse = _FORWARD(
+                _bhsd(q[q0:q1]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]), 0.0, causal_s, attn_mask=mask, scale=scale
+            )
             outs.append(_thd(out))
             lses.append(lse.squeeze(0))
         return _cat(outs, 0), _cat(lses, 1)
 
-    def backward(self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float):
+    def backward(
+        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None
+    ):
         dqs, dks, dvs = [], [], []
-        for q0, q1, k0, k1 in zip(segments.cu_q, segments.cu_q[1:], segments.cu_k, segments.cu_k[1:]):
+        for s, (q0, q1, k0, k1) in enumerate(_bounds(segments)):
+            causal_s, mask = _mask(s, q1 - q0, k1 - k0, causal, window, q)
             dq, dk, dv = _BACKWARD(
                 _bhsd(dout[q0:q1]),
                 _bhsd(q[q0:q1]),
@@ -59,7 +83,8 @@ class CpuFlashBackend(AttentionBackend):
                 _bhsd(out[q0:q1]),
                 lse[:, q0:q1].unsqueeze(0),
                 0.0,
-                causal,
+                causal_s,
+                attn_mask=mask,
                 scale=scale,
             )
             dqs.append(_thd(dq))

@@ -28,7 +28,15 @@ from typing import Callable
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, Segments, half_precision_cuda_problem
+from megatron_hdp.attention.backends.base import (
+    AttentionBackend,
+    BlockWindow,
+    KernelShape,
+    Segments,
+    half_precision_cuda_problem,
+    offset_window_problem,
+    window_pair,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +89,10 @@ class _FlashApi:
     window_tuple: bool
     """2.6.x: `window_size=(left, right)` and an eight-value forward; 2.7+: left/right, four values."""
 
-    def window_kwargs(self) -> dict:
-        """No sliding window (the causal flag alone makes the mask)."""
-        return {"window_size": (-1, -1)} if self.window_tuple else {"window_size_left": -1, "window_size_right": -1}
+    def window_kwargs(self, window: BlockWindow | None) -> dict:
+        """The sliding window: none (the causal flag alone makes the mask) or an aligned (left, 0)."""
+        left, right = (-1, -1) if window is None else window_pair(True, window)
+        return {"window_size": (left, right)} if self.window_tuple else {"window_size_left": left, "window_size_right": right}
 
     def out_and_lse(self, results: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         return (results[0], results[5]) if self.window_tuple else (results[0], results[1])
@@ -111,7 +120,11 @@ class FlashAttnVarlenBackend(AttentionBackend):
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
         return cls.unsupported_reason(device, dtype) is None
 
-    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
+    @classmethod
+    def shape_problem(cls, shape: KernelShape) -> str | None:
+        return offset_window_problem(shape)
+
+    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None):
         api = _flash_api()
         results = api.fwd(
             q=q,
@@ -128,11 +141,13 @@ class FlashAttnVarlenBackend(AttentionBackend):
             alibi_slopes=None,
             return_softmax=False,
             block_table=None,
-            **api.window_kwargs(),
+            **api.window_kwargs(window),
         )
         return api.out_and_lse(results)
 
-    def backward(self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float):
+    def backward(
+        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None
+    ):
         api = _flash_api()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         api.bwd(
@@ -155,6 +170,6 @@ class FlashAttnVarlenBackend(AttentionBackend):
             softcap=0.0,
             alibi_slopes=None,
             deterministic=self.deterministic,
-            **api.window_kwargs(),
+            **api.window_kwargs(window),
         )
         return dq, dk, dv

@@ -23,6 +23,7 @@ import torch
 
 from megatron_hdp.attention.backends.base import (
     AttentionBackend,
+    BlockWindow,
     KernelShape,
     Segments,
     grads_by_recompute,
@@ -71,9 +72,21 @@ def _tile_masks(seg_q: torch.Tensor, seg_k: torch.Tensor, causal: bool) -> tuple
     return some & ~full, full
 
 
+def window_mask_mod(seg_q: torch.Tensor, pos_q: torch.Tensor, seg_k: torch.Tensor, pos_k: torch.Tensor, window: BlockWindow):
+    """flex's mask_mod of a windowed call: same segment and 0 <= (i + shift) - j <= left (`BlockWindow`)."""
+    shifts = torch.tensor(window.shifts, dtype=torch.int64, device=seg_q.device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        diff = pos_q[q_idx] + shifts[seg_q[q_idx]] - pos_k[kv_idx]
+        return (seg_q[q_idx] == seg_k[kv_idx]) & (diff >= 0) & (diff <= window.left)
+
+    return mask_mod
+
+
 @functools.lru_cache(maxsize=64)
-def _block_mask(segments: Segments, causal: bool):
-    """The BlockMask of one call, built at tile level: O(T + (T / BLOCK)^2) memory, never [T, T]."""
+def _block_mask(segments: Segments, causal: bool, window: BlockWindow | None = None):
+    """The BlockMask of one call, built at tile level: O(T + (T / BLOCK)^2) memory, never [T, T]. A
+    windowed call keeps every tile pair of a shared segment partial (the mask_mod decides each pair)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     seg_q, pos_q = segment_rows(segments.cu_seqlens_q, segments.cu_q[-1])
@@ -83,7 +96,10 @@ def _block_mask(segments: Segments, causal: bool):
         same = seg_q[q_idx] == seg_k[kv_idx]
         return same & (pos_q[q_idx] >= pos_k[kv_idx]) if causal else same
 
-    partial, full = _tile_masks(seg_q, seg_k, causal)
+    partial, full = _tile_masks(seg_q, seg_k, causal and window is None)
+    if window is not None:
+        mask_mod = window_mask_mod(seg_q, pos_q, seg_k, pos_k, window)
+        partial, full = partial | full, torch.zeros_like(full)
     return BlockMask.from_kv_blocks(
         *_ordered(partial),
         *_ordered(full),
@@ -119,27 +135,29 @@ class FlexBackend(AttentionBackend):
             return "compiled flex attention's backward is not deterministic (deterministic_mode)"
         return None
 
-    def _attend(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
+    def _attend(self, q, k, v, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None):
         from torch.nn.attention.flex_attention import AuxRequest
 
         out, aux = _compiled_flex()(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
-            block_mask=_block_mask(segments, causal),
+            block_mask=_block_mask(segments, causal, window),
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
             return_aux=AuxRequest(lse=True),
         )
         return out.squeeze(0).transpose(0, 1), aux.lse.squeeze(0)
 
-    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
-        out, lse = self._attend(q, k, v, segments=segments, causal=causal, scale=scale)
+    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None):
+        out, lse = self._attend(q, k, v, segments=segments, causal=causal, scale=scale, window=window)
         return out, lse.float()
 
-    def backward(self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float):
+    def backward(
+        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None
+    ):
         return grads_by_recompute(
-            lambda q_, k_, v_: self._attend(q_, k_, v_, segments=segments, causal=causal, scale=scale),
+            lambda q_, k_, v_: self._attend(q_, k_, v_, segments=segments, causal=causal, scale=scale, window=window),
             dout,
             q,
             k,

@@ -56,10 +56,13 @@ import torch
 
 from megatron_hdp.attention.backends.base import (
     AttentionBackend,
+    BlockWindow,
     KernelShape,
     Segments,
     half_precision_cuda_problem,
+    offset_window_problem,
     segment_rows,
+    window_pair,
 )
 
 logger = logging.getLogger(__name__)
@@ -114,11 +117,6 @@ def get_max_tokens(num_tokens: int) -> int:
     return -(-num_tokens // 32768) * 32768
 
 
-def _window(causal: bool) -> tuple[int, int]:
-    """The sliding window TE's DotProductAttention sets for the mask (`check_set_window_size`): none."""
-    return (-1, 0) if causal else (-1, -1)
-
-
 def _selector_args(shape: KernelShape, mask: str, minor: int) -> list:
     """The positional arguments of `get_fused_attn_backend` of TE 2.`minor` for one THD call shape."""
     from transformer_engine.pytorch.constants import TE_DType
@@ -131,7 +129,8 @@ def _selector_args(shape: KernelShape, mask: str, minor: int) -> list:
     if minor >= 8:
         args.append(fused_attn.SoftmaxType["vanilla"])
     args += [0.0, shape.heads_q, shape.heads_kv, shape.max_seqlen, shape.max_seqlen, shape.head_dim, shape.head_dim]
-    args += _window(mask == "padding_causal")
+    causal = mask == "padding_causal"
+    args += (shape.window_left, 0) if causal and shape.window else window_pair(causal, None)
     args += [False] * ((minor >= 9) + (minor >= 10))  # return_max_logit, cuda_graph
     args += [shape.deterministic] * (minor >= 12)  # TE >= 2.12 selects kernels by determinism too
     return args
@@ -142,6 +141,9 @@ def te_shape_problem(shape: KernelShape) -> str | None:
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend
 
+    problem = offset_window_problem(shape)
+    if problem is not None:
+        return problem
     minor = te_minor_version()
     with torch.cuda.device(shape.device):
         for mask in _MASKS:
@@ -235,9 +237,12 @@ def _mask(causal: bool) -> str:
     return "padding_causal" if causal else "padding"
 
 
-def _call_kwargs(q, k, v, *, segments: Segments, causal: bool, scale: float, sub_backend) -> dict:
+def _call_kwargs(
+    q, k, v, *, segments: Segments, causal: bool, scale: float, sub_backend, window: BlockWindow | None
+) -> dict:
     """The keyword arguments `fused_attn_fwd` and `fused_attn_bwd` share: packed THD tensors without
-    padding, the mask, the scale, no dropout and no bias."""
+    padding, the mask and its window (an aligned sliding window is (left, 0) under the causal mask, as
+    TE's `check_set_window_size` makes it), the scale, no dropout and no bias."""
     return dict(
         max_seqlen_q=segments.max_q,
         max_seqlen_kv=segments.max_k,
@@ -255,7 +260,7 @@ def _call_kwargs(q, k, v, *, segments: Segments, causal: bool, scale: float, sub
         qkv_layout="thd_thd_thd",
         attn_bias_type="no_bias",
         attn_mask_type=_mask(causal),
-        window_size=_window(causal),
+        window_size=window_pair(causal, window),
     )
 
 
@@ -277,18 +282,20 @@ class TeFusedBackend(AttentionBackend):
     def shape_problem(cls, shape: KernelShape) -> str | None:
         return te_shape_problem(shape)
 
-    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
+    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None):
         api = _te_api()
         out, aux = api.fwd(
             is_training=True,
-            **_call_kwargs(q, k, v, segments=segments, causal=causal, scale=scale, sub_backend=api.sub_backend),
+            **_call_kwargs(q, k, v, segments=segments, causal=causal, scale=scale, sub_backend=api.sub_backend, window=window),
             **api.fwd_kwargs(),
         )[:2]
         stats = aux[0]
         _STATS_LAYOUT[str(q.device)] = stats_layout(stats, segments)
         return out, stats_to_lse(stats, segments)
 
-    def backward(self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float):
+    def backward(
+        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None
+    ):
         api = _te_api()
         layout = _STATS_LAYOUT.get(str(q.device))
         assert layout is not None, f"te_fused backward on {q.device} before any forward there"
@@ -298,7 +305,7 @@ class TeFusedBackend(AttentionBackend):
             d_o=dout.contiguous(),
             aux_ctx_tensors=[lse_to_stats(lse, segments, layout=layout), rng_state],
             deterministic=self.deterministic,
-            **_call_kwargs(q, k, v, segments=segments, causal=causal, scale=scale, sub_backend=api.sub_backend),
+            **_call_kwargs(q, k, v, segments=segments, causal=causal, scale=scale, sub_backend=api.sub_backend, window=window),
             **api.bwd_kwargs(q.dtype),
         )[:3]
         return dq, dk, dv

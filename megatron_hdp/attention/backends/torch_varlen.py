@@ -12,12 +12,14 @@ import importlib.util
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, KernelShape, Segments
-
-
-def _window(causal: bool) -> tuple[int, int]:
-    """varlen_attn expresses the causal mask as the window (-1, 0)."""
-    return (-1, 0) if causal else (-1, -1)
+from megatron_hdp.attention.backends.base import (
+    AttentionBackend,
+    BlockWindow,
+    KernelShape,
+    Segments,
+    offset_window_problem,
+    window_pair,
+)
 
 
 class TorchVarlenBackend(AttentionBackend):
@@ -37,9 +39,9 @@ class TorchVarlenBackend(AttentionBackend):
     def shape_problem(cls, shape: KernelShape) -> str | None:
         if shape.deterministic:
             return "varlen_attn's backward op takes no deterministic flag (deterministic_mode)"
-        return None
+        return offset_window_problem(shape)
 
-    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
+    def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None):
         from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
         out, lse = varlen_attn(
@@ -52,13 +54,15 @@ class TorchVarlenBackend(AttentionBackend):
             segments.max_k,
             return_aux=AuxRequest(lse=True),
             scale=scale,
-            window_size=_window(causal),
+            window_size=window_pair(causal, window),
             enable_gqa=q.shape[1] != k.shape[1],
         )
         assert lse.shape == (q.shape[1], q.shape[0]), f"varlen_attn lse has shape {tuple(lse.shape)}"
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float):
+    def backward(
+        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None
+    ):
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is unused
         dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
             dout.contiguous(),
@@ -74,6 +78,6 @@ class TorchVarlenBackend(AttentionBackend):
             causal,
             rng_state,
             scale,
-            list(_window(causal)),
+            list(window_pair(causal, window)),
         )
         return dq, dk, dv
