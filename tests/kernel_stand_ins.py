@@ -39,8 +39,10 @@ def positional(impl, names):
     return call
 
 
-def segment_attention(q, k, v, segments: Segments, causal: bool, scale: float):
-    """Differentiable (out, lse [H, T]) of packed segments in plain torch (GQA by repeating kv heads)."""
+def segment_attention(q, k, v, segments: Segments, causal: bool, scale: float, window=(-1, -1)):
+    """Differentiable (out, lse [H, T]) of packed segments in plain torch (GQA by repeating kv heads).
+    `window` (left, right) as flash-attn documents it: bottom-right aligned, key j visible to query i when
+    i + Lk - Lq - left <= j <= i + Lk - Lq + right, a negative bound meaning none."""
     group = q.shape[1] // k.shape[1]
     outs, lses = [], []
     for q0, q1, k0, k1 in zip(segments.cu_q, segments.cu_q[1:], segments.cu_k, segments.cu_k[1:]):
@@ -48,6 +50,11 @@ def segment_attention(q, k, v, segments: Segments, causal: bool, scale: float):
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1], kk) * scale
         if causal:
             scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
+        aligned = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0) - torch.arange(k1 - k0)[None, :]  # i' - j
+        if window[0] >= 0:
+            scores = scores.masked_fill(aligned > window[0], float("-inf"))
+        if window[1] >= 0:
+            scores = scores.masked_fill(aligned < -window[1], float("-inf"))
         lses.append(scores.logsumexp(-1))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
     return torch.cat(outs), torch.cat(lses, 1)

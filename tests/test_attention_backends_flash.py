@@ -13,9 +13,10 @@ import types
 
 import pytest
 import torch
+from attention_reference import reference_with_grads
 from kernel_stand_ins import check_backend_in_ring, cleared_caches, segment_attention, with_signature
 
-from megatron_hdp.attention import get_backend
+from megatron_hdp.attention import get_backend, local_varlen_attention, simulated_ring_attention
 from megatron_hdp.attention.backends import Segments, flash_attn_varlen, grads_by_recompute
 
 CUDA = torch.device("cuda")
@@ -53,20 +54,21 @@ def fake_flash_attn(version: str) -> dict[str, types.ModuleType]:
         assert (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (segments.max_q, segments.max_k)
         window = kw.get("window_size", (-1, -1)) if num_results == 8 else (
             kw.get("window_size_left", -1), kw.get("window_size_right", -1))  # the defaults, where there are
-        assert tuple(window) == (-1, -1) and kw["dropout_p"] == 0.0 and kw.get("softcap", 0.0) == 0.0
-        return segments
+        assert kw["dropout_p"] == 0.0 and kw.get("softcap", 0.0) == 0.0
+        return segments, tuple(window)
 
     def fwd(**kw):
-        out, lse = segment_attention(kw["q"], kw["k"], kw["v"], segments_of(kw), kw["causal"], kw["softmax_scale"])
+        segments, window = segments_of(kw)
+        out, lse = segment_attention(kw["q"], kw["k"], kw["v"], segments, kw["causal"], kw["softmax_scale"], window)
         rng_state = torch.zeros(2, dtype=torch.int64)
         if num_results == 8:  # out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state
             return out, kw["q"], kw["k"], kw["v"], out, lse, None, rng_state
         return out, lse, None, rng_state
 
     def bwd(**kw):
-        segments = segments_of(kw)
+        segments, window = segments_of(kw)
         grads = grads_by_recompute(
-            lambda q, k, v: segment_attention(q, k, v, segments, kw["causal"], kw["softmax_scale"]),
+            lambda q, k, v: segment_attention(q, k, v, segments, kw["causal"], kw["softmax_scale"], window),
             kw["dout"], kw["q"], kw["k"], kw["v"], kw["out"], kw["softmax_lse"],
         )
         for target, grad in zip((kw["dq"], kw["dk"], kw["dv"]), grads):
@@ -108,6 +110,28 @@ def test_flash_attn_calls_against_reference(monkeypatch, fresh_caches, version):
         flash_attn_varlen.FlashAttnVarlenBackend, "supports", classmethod(lambda cls, device, dtype: True)
     )
     check_backend_in_ring("flash_attn", version)
+
+
+@pytest.mark.parametrize("version", ["2.6.3", "2.7.4"])
+def test_flash_attn_sliding_window_of_whole_documents(monkeypatch, fresh_caches, version):
+    """Whole documents: flash-attn gets the window as (left, 0) in each release's keywords, and the result
+    equals the float64 reference with the window; a ring's pieces at offsets are no call for flash-attn
+    (one bottom-right window per call): a named flash_attn backend says so, "auto" takes another kernel."""
+    install(monkeypatch, fake_flash_attn(version), version)
+    monkeypatch.setattr(
+        flash_attn_varlen.FlashAttnVarlenBackend, "supports", classmethod(lambda cls, device, dtype: True)
+    )
+    seqlens = [1, 5, 12, 23]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(sum(seqlens), h, 8, generator=gen) for h in (4, 2, 2, 4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = local_varlen_attention(*leaves, seqlens=seqlens, softmax_scale=0.3, backend="flash_attn", window=3)
+    got = [out, *torch.autograd.grad(out, leaves, dout)]
+    want = reference_with_grads(q, k, v, dout, seqlens, causal=True, scale=0.3, window=3)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=lambda m: f"{version} {name}: {m}")
+    with pytest.raises(ValueError, match="offsets"):
+        simulated_ring_attention(q, k, v, seqlens=seqlens, ring_size=3, softmax_scale=0.3, backend="flash_attn", window=3)
 
 
 def _namespace_flash_attn() -> dict:
