@@ -234,3 +234,41 @@ def test_bad_calls_raise_everywhere_before_any_message():
         else:  # the good call after the bad ones: no stray message was left behind
             rows = zigzag_token_indices([12], 2, [1, 0].index(rank))
             torch.testing.assert_close(torch.from_numpy(out).double(), want[rows], **TOL)
+
+
+def _steps_needed(seqlens, ring_size, window):
+    """Brute force, [position][step]: whether some token of position p sees, within the window, some token
+    of its document held by position p - step."""
+    starts = [sum(seqlens[:d]) for d in range(len(seqlens))]
+    doc_of = {t: d for d, (s, n) in enumerate(zip(starts, seqlens)) for t in range(s, s + n)}
+    held = [set(zigzag_token_indices(seqlens, ring_size, p).tolist()) for p in range(ring_size)]
+    return [
+        [any(doc_of[x] == doc_of[y] and 0 <= x - y <= window for x in held[p] for y in held[(p - s) % ring_size])
+         for s in range(ring_size)]
+        for p in range(ring_size)
+    ]
+
+
+def test_windowed_ring_moves_only_the_kv_a_window_sees():
+    """A windowed ring sends K/V straight to the position that needs it and the dK/dV partials straight
+    back, and nothing for a step no token of a position can see. Bytes received by position p (fp32,
+    Hkv=1, D=8): the K/V of p - s twice (forward, backward) for each step s p needs, and its own dK/dV
+    partials back from p + s for each step s at which p + s needs p; fewer than the relay's buffers."""
+    cases = [
+        _case([([0, 1, 2, 3], [64])], heads=(2, 1), seed=14, window=3),
+        _case([([0, 1, 2, 3], [40, 7, 30])], heads=(2, 1), seed=15, window=5),
+    ]
+    by_rank = _check(cases, 4)
+    per_token = 2 * 1 * 8 * 4
+    for c, case in enumerate(cases):
+        (ranks, seqlens), = case["rings"]
+        tokens = [len(zigzag_token_indices(seqlens, 4, p)) for p in range(4)]
+        needed = _steps_needed(seqlens, 4, case["window"])
+        for p in range(4):
+            kv = sum(2 * tokens[(p - s) % 4] for s in range(1, 4) if needed[p][s])
+            partials = sum(tokens[p] for s in range(1, 4) if needed[(p + s) % 4][s])
+            want = (kv + partials) * per_token
+            assert by_rank[p][c][1][1] == want, (case, p)  # bytes received
+            relayed = (2 * sum(tokens[(p - s) % 4] for s in range(3)) + sum(tokens[(p - s) % 4] for s in range(4)))
+            assert want < relayed * per_token
+        assert sum(not n for row in needed for n in row[1:]) > 0  # some steps are skipped

@@ -16,7 +16,10 @@ split by chunk pairs instead: every (local chunk, received chunk) piece of a doc
 query rows that see some key of it and the keys some of those rows see, and carries its true offset
 (`BlockWindow.shifts`); a piece wholly outside every query's window is dropped, and so is a step with
 no piece left (no compute). A step makes one kernel call per received chunk (chunk src, chunk 2k-1-src),
-so no local row appears twice in one call.
+so no local row appears twice in one call. Windowed plans are `direct`: K/V relayed hop by hop would
+have to visit positions that do not need it (chunk 2k-1-p needs chunk 2k-2-p, one hop *back*), so each
+step's K/V goes straight from its owner to the position that needs it, and a step no one needs at a
+given distance posts nothing (`RingPlan.sends`).
 
 Plans are pure functions of (lengths, k, p, causal, window) and cached: every layer of a micro-batch
 reuses them.
@@ -113,6 +116,12 @@ class RingPlan:
     """Tokens each ring position holds (sizes of the KV buffers that travel)."""
     blocks: tuple[tuple[Block, ...], ...]
     """Per step, its kernel calls (none: nothing of the held KV is visible to local rows)."""
+    direct: bool = False
+    """K/V go straight from their owner to the position that needs them (step s: from position p-s, and
+    the dK/dV partials straight back), instead of hop by hop around the ring; steps without a call move
+    nothing. Windowed plans (a relayed K/V would have to visit positions that do not need it)."""
+    sends: tuple[bool, ...] = ()
+    """Direct plans, per step s: whether position p+s has a call at step s (needs this position's K/V)."""
 
     def source(self, step: int) -> int:
         """Ring position whose KV this position holds at `step`."""
@@ -181,6 +190,20 @@ def _window_calls(
 
 
 @functools.lru_cache(maxsize=256)
+def _windowed_steps(
+    seqlens: tuple[int, ...], ring_size: int, position: int, device: torch.device, window: int
+) -> tuple[tuple[Block, ...], ...]:
+    """Per step, the windowed calls of ring position `position`."""
+    starts = []  # [pos][doc] = first local row of the document
+    for per_doc in (zigzag_chunk_lengths(seqlens, ring_size, p) for p in range(ring_size)):
+        starts.append([sum(a + b for a, b in per_doc[:doc]) for doc in range(len(per_doc))])
+    return tuple(
+        _window_calls(seqlens, ring_size, position, (position - step) % ring_size, starts, window, device)
+        for step in range(ring_size)
+    )
+
+
+@functools.lru_cache(maxsize=256)
 def ring_plan(
     seqlens: tuple[int, ...], ring_size: int, position: int, causal: bool, device: torch.device,
     window: int | None = None,
@@ -199,14 +222,18 @@ def ring_plan(
             offset += a + b
         starts.append(offsets)
     num_tokens = tuple(sum(a + b for a, b in per_doc) for per_doc in chunks)
+    if window is not None:
+        steps = _windowed_steps(seqlens, ring_size, position, device, window)
+        sends = tuple(
+            bool(_windowed_steps(seqlens, ring_size, (position + s) % ring_size, device, window)[s])
+            for s in range(ring_size)
+        )
+        return RingPlan(ring_size, position, num_tokens, steps, direct=True, sends=sends)
 
     mine, my_starts = chunks[position], starts[position]
     blocks = []
     for step in range(ring_size):
         src = (position - step) % ring_size
-        if window is not None:
-            blocks.append(_window_calls(seqlens, ring_size, position, src, starts, window, device))
-            continue
         theirs, their_starts = chunks[src], starts[src]
         pieces = []
         for doc, ((a, b), (sa, sb)) in enumerate(zip(mine, theirs)):

@@ -50,11 +50,26 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _post_kv(plan: RingPlan, step: int, *, held: torch.Tensor, own: torch.Tensor) -> RingProgram[torch.Tensor]:
+    """Post the K/V exchange of `step` (before computing step - 1); returns the buffer it arrives in.
+    Relayed: pass the K/V held now to the next position. Direct: send this position's own K/V to the
+    position `step` ahead if that one needs it, receive from the one `step` behind if this one does
+    (an empty tensor: nothing is posted for that side)."""
+    if not plan.direct:
+        recv = held.new_empty((2, plan.num_tokens[plan.source(step)], *held.shape[2:]))
+        yield Post(send=held, recv=recv)
+        return recv
+    rows = plan.num_tokens[plan.source(step)] if plan.blocks[step] else 0
+    recv = own.new_empty((2, rows, *own.shape[2:]))
+    yield Post(send=own if plan.sends[step] else own[:, :0], recv=recv, hops=step)
+    return recv
+
+
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: RingPlan, backend: AttentionBackend, scale: float
 ) -> RingProgram[tuple[torch.Tensor, torch.Tensor]]:
     """One position's forward: returns (out [T, Hq, D] in q's dtype, lse [Hq, T])."""
-    kv = torch.stack((k, v))
+    kv = own = torch.stack((k, v))
     acc = _accumulation_dtype(q.dtype)
     out = q.new_zeros(q.shape, dtype=acc)  # rows see their own document's diagonal in some call
     lse = q.new_full((q.shape[1], q.shape[0]), -torch.inf, dtype=acc)
@@ -62,8 +77,7 @@ def _forward(
     for step, calls in enumerate(plan.blocks):
         last = step + 1 == plan.ring_size
         if not last:
-            next_kv = kv.new_empty((2, plan.num_tokens[plan.source(step + 1)], *kv.shape[2:]))
-            yield Post(send=kv, recv=next_kv)
+            next_kv = yield from _post_kv(plan, step + 1, held=kv, own=own)
         for block in calls:
             if block.q_rows.key not in q_cache:  # (setdefault would gather the rows on every step)
                 q_cache[block.q_rows.key] = block.q_rows.take(q)
@@ -88,6 +102,26 @@ def _forward(
     return out.to(q.dtype), lse
 
 
+def _return_partials(
+    plan: RingPlan, step: int, dkv: torch.Tensor, dkv_own: torch.Tensor | None, transport: torch.dtype, last: bool
+) -> RingProgram[torch.Tensor]:
+    """Direct plans, end of `step`: wait for the step's K/V exchange (posted first), send the dK/dV partials
+    of the K/V held (position source(step)'s) straight back to it, receive this position's from the one
+    `step` ahead (if that one had a call), and return this position's sum so far."""
+    if step == 0:
+        if not last:
+            yield WAIT
+        return dkv
+    rows = plan.num_tokens[plan.position] if plan.sends[step] else 0
+    dkv_in = dkv.new_empty((2, rows, *dkv.shape[2:]), dtype=transport)
+    send = dkv.to(transport) if plan.blocks[step] else dkv.new_empty((2, 0, *dkv.shape[2:]), dtype=transport)
+    yield Post(send=send, recv=dkv_in, hops=-step)
+    if not last:
+        yield WAIT  # the K/V of the next step
+    yield WAIT  # the partials
+    return dkv_own + dkv_in if rows else dkv_own
+
+
 def _backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -105,18 +139,17 @@ def _backward(
 
     The dK/dV partials travel in `grad_dtype` (default: the accumulation dtype, see the module doc) and
     are summed in the accumulation dtype on arrival."""
-    kv = torch.stack((k, v))
+    kv = own = torch.stack((k, v))
     acc = _accumulation_dtype(q.dtype)
     transport = grad_dtype or acc
     dq = q.new_zeros(q.shape, dtype=acc)
-    dkv_in = None
+    dkv_in = dkv_own = None
     q_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
     for step, calls in enumerate(plan.blocks):
         last = step + 1 == plan.ring_size
         if not last:
-            next_kv = kv.new_empty((2, plan.num_tokens[plan.source(step + 1)], *kv.shape[2:]))
-            yield Post(send=kv, recv=next_kv)
-        # dK/dV partials of the KV held now, owned by position source(step); they travel with it.
+            next_kv = yield from _post_kv(plan, step + 1, held=kv, own=own)
+        # dK/dV partials of the KV held now, owned by position source(step): relayed, they travel with it
         dkv = kv.new_zeros(kv.shape, dtype=acc)
         for block in calls:
             rows = block.q_rows
@@ -138,6 +171,11 @@ def _backward(
             rows.add(dq, dq_b)
             block.kv_rows.add(dkv[0], dk_b)
             block.kv_rows.add(dkv[1], dv_b)
+        if plan.direct:  # the partials go straight back to their owner, position source(step)
+            dkv_own = yield from _return_partials(plan, step, dkv, dkv_own, transport, last)
+            if not last:
+                kv = next_kv
+            continue
         if step > 0:
             yield WAIT  # the partials of the same owner, from the previous position
             dkv += dkv_in
@@ -146,6 +184,8 @@ def _backward(
             kv = next_kv
         dkv_in = dkv.new_empty((2, plan.num_tokens[plan.source(step + 1)], *dkv.shape[2:]), dtype=transport)
         yield Post(send=dkv.to(transport), recv=dkv_in)
+    if plan.direct:
+        return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
     yield WAIT  # after k hops the partials are back with their owner: the local dK, dV
     return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
 

@@ -136,19 +136,22 @@ class Pending:
         self._tensors = ()
 
 
-def shift(ring: Ring, *, send: torch.Tensor, recv: torch.Tensor) -> Pending:
-    """Post `send` to the next member and a receive into `recv` from the previous one; do not wait.
+def shift(ring: Ring, *, send: torch.Tensor, recv: torch.Tensor, hops: int = 1) -> Pending:
+    """Post `send` to the member `hops` positions ahead and a receive into `recv` from the member `hops`
+    behind (default: next and previous); do not wait. An empty `send` or `recv` posts nothing for it.
 
     One `batch_isend_irecv` call (an NCCL group on GPU). `send` must not be modified and `recv` not
     read until `wait()` returns. A ring of one posts nothing.
     """
     if ring.size == 1:
         return Pending([])
+    to_rank = ring.ranks[(ring.position + hops) % ring.size]
+    from_rank = ring.ranks[(ring.position - hops) % ring.size]
     ops = []
     if send.numel():
-        ops.append(dist.P2POp(dist.isend, send, peer=ring.next_rank, group=ring.group))
+        ops.append(dist.P2POp(dist.isend, send, peer=to_rank, group=ring.group))
     if recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, peer=ring.prev_rank, group=ring.group))
+        ops.append(dist.P2POp(dist.irecv, recv, peer=from_rank, group=ring.group))
     traffic.record(
         bytes_sent=send.numel() * send.element_size(),
         bytes_received=recv.numel() * recv.element_size(),
@@ -156,5 +159,5 @@ def shift(ring: Ring, *, send: torch.Tensor, recv: torch.Tensor) -> Pending:
         num_received=int(recv.numel() > 0),
     )
     for observer in _OBSERVERS:
-        observer.sent(peer=ring.next_rank, num_bytes=send.numel() * send.element_size())
+        observer.sent(peer=to_rank, num_bytes=send.numel() * send.element_size())
     return Pending(dist.batch_isend_irecv(ops) if ops else [], (send, recv))

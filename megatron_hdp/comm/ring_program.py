@@ -2,8 +2,10 @@
 
 A ring program is a generator that yields communication requests and finally returns its result:
 
-* `Post(send, recv)` — start sending `send` to the next member and receiving `recv` from the previous
-  one; the program goes on computing (this is where communication overlaps computation);
+* `Post(send, recv, hops)` — start sending `send` to the member `hops` positions ahead (default 1: the
+  next) and receiving `recv` from the member `hops` behind; an empty tensor posts nothing for its side
+  (the peer's matching side is empty too); the program goes on computing (this is where communication
+  overlaps computation);
 * `WAIT` — block until the oldest posted exchange not yet waited for is complete.
 
 Every member of a ring runs the same program shape (the sequence of posts and waits depends only on the
@@ -48,10 +50,11 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class Post:
-    """Start sending `send` to the next member and receiving into `recv` from the previous one."""
+    """Start sending `send` to the member `hops` ahead and receiving into `recv` from the one `hops` behind."""
 
     send: torch.Tensor
     recv: torch.Tensor
+    hops: int = 1
 
 
 class Wait:
@@ -74,7 +77,7 @@ def run_on_ring(program: RingProgram[T], ring: Ring) -> T:
         request = next(program)
         while True:
             if isinstance(request, Post):
-                pending.append(shift(ring, send=request.send, recv=request.recv))
+                pending.append(shift(ring, send=request.send, recv=request.recv, hops=request.hops))
             else:
                 pending.popleft().wait()
             request = next(program)
@@ -86,7 +89,7 @@ def run_on_ring(program: RingProgram[T], ring: Ring) -> T:
 def run_in_process(programs: Sequence[RingProgram[T]]) -> list[T]:
     """Run the programs of all k members of one ring (index = ring position) in lockstep; their results.
 
-    A member's receive is filled from the previous position's send of the same exchange; nothing leaves
+    A member's receive is filled from the send, in the same exchange, of the position `hops` behind; nothing leaves
     the process and no bytes are counted.
     """
     num_members = len(programs)
@@ -112,7 +115,9 @@ def run_in_process(programs: Sequence[RingProgram[T]]) -> list[T]:
         assert not any(done), "ring programs of one ring went out of step"
         oldest = [queue.popleft() for queue in posted]
         for position, post in enumerate(oldest):
-            post.recv.copy_(oldest[(position - 1) % num_members].send)
+            send = oldest[(position - post.hops) % num_members].send
+            assert post.recv.shape == send.shape, f"position {position} receives {tuple(post.recv.shape)}, sent {tuple(send.shape)}"
+            post.recv.copy_(send)
         for position in range(num_members):
             advance(position)
     assert not any(posted), "ring programs ended with exchanges never waited for"
