@@ -27,6 +27,10 @@ come back in the input dtype. The dK/dV partials travel in fp32 on purpose: sent
 at every one of the k hops, and `benchmarks/ring_grad_precision.py` measures dK's error against float64
 growing from 3.7e-3 (one rank) to 1.2e-2 at k = 64, while fp32 transport stays at 3.1e-3; bf16 would
 save a quarter of the bytes (190 instead of 254 K/V units per member at k = 64).
+
+Sliding windows (`window`): the plan is direct (`RingPlan.direct`, see `ring_plan`): at step s the K/V of
+position p-s comes straight from it and its dK/dV partials go straight back, only for the steps some
+token of p can see; traffic per rank is then (2 K/V + 1 partial) buffers per needed step.
 """
 
 from __future__ import annotations

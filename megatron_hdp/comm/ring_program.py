@@ -28,7 +28,9 @@ R has either not reached R yet — it is then busy with an earlier ring, which c
 earliest ring anyone is blocked in) so it arrives — or is in R; the members of R then complete R's steps
 together, so nobody stays blocked. Message matching is safe too: two ranks post the messages they
 exchange in the same order (same rings in the same order, same program shape), and both gloo and NCCL
-match the messages of a pair in posting order. Backward passes run the rings in the reverse global
+match the messages of a pair in posting order (a `Post` with `hops` != 1 pairs p with p + hops; both
+sides post it at the same exchange of the same program shape, an empty side on both or neither, as the
+plans of all members agree). Backward passes run the rings in the reverse global
 order: autograd runs ready nodes of one device highest sequence number first, and a ring's backward
 never waits for an earlier ring's backward, so every rank takes its rings' backwards in descending key
 order, again one global order. (A runtime that re-runs forwards in backward, activation recompute,
