@@ -227,7 +227,8 @@ def prepare_ring_plan(
     members = current_ring(ring, group=group)
     if members.size > 1:
         left = check_window(window, causal=causal)
-        plan = ring_plan(check_seqlens(seqlens), members.size, members.position, bool(causal), torch.device(device), left)
+        lengths, device = check_seqlens(seqlens), torch.device(device)
+        plan = ring_plan(lengths, members.size, members.position, bool(causal), device, left)
         plan.schedule_tables(tables)
 
 

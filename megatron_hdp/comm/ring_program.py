@@ -118,7 +118,9 @@ def run_in_process(programs: Sequence[RingProgram[T]]) -> list[T]:
         oldest = [queue.popleft() for queue in posted]
         for position, post in enumerate(oldest):
             send = oldest[(position - post.hops) % num_members].send
-            assert post.recv.shape == send.shape, f"position {position} receives {tuple(post.recv.shape)}, sent {tuple(send.shape)}"
+            assert post.recv.shape == send.shape, (
+                f"position {position} receives {tuple(post.recv.shape)}, sent {tuple(send.shape)}"
+            )
             post.recv.copy_(send)
         for position in range(num_members):
             advance(position)

@@ -110,7 +110,8 @@ class ShapeDispatch(AttentionBackend):
         return kernel.forward(q, k, v, segments=segments, causal=causal, scale=scale, window=window)
 
     def backward(
-        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None
+        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float,
+        window: BlockWindow | None = None,
     ):
         kernel = self.kernel_for(q, k, segments, window)
         return kernel.backward(dout, q, k, v, out, lse, segments=segments, causal=causal, scale=scale, window=window)

@@ -112,7 +112,9 @@ class BlockWindow:
     def mask(self, segment: int, num_q: int, num_k: int, device: torch.device) -> torch.Tensor:
         """The [num_q, num_k] bool mask (True: visible) of one segment."""
         diff = (
-            torch.arange(num_q, device=device)[:, None] + self.shifts[segment] - torch.arange(num_k, device=device)[None, :]
+            torch.arange(num_q, device=device)[:, None]
+            + self.shifts[segment]
+            - torch.arange(num_k, device=device)[None, :]
         )
         return (diff >= 0) & (diff <= self.left)
 

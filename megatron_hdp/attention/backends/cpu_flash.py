@@ -70,7 +70,8 @@ class CpuFlashBackend(AttentionBackend):
         return _cat(outs, 0), _cat(lses, 1)
 
     def backward(
-        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None
+        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float,
+        window: BlockWindow | None = None,
     ):
         dqs, dks, dvs = [], [], []
         for s, (q0, q1, k0, k1) in enumerate(_bounds(segments)):

@@ -92,7 +92,9 @@ class _FlashApi:
     def window_kwargs(self, window: BlockWindow | None) -> dict:
         """The sliding window: none (the causal flag alone makes the mask) or an aligned (left, 0)."""
         left, right = (-1, -1) if window is None else window_pair(True, window)
-        return {"window_size": (left, right)} if self.window_tuple else {"window_size_left": left, "window_size_right": right}
+        if self.window_tuple:
+            return {"window_size": (left, right)}
+        return {"window_size_left": left, "window_size_right": right}
 
     def out_and_lse(self, results: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         return (results[0], results[5]) if self.window_tuple else (results[0], results[1])
@@ -146,7 +148,8 @@ class FlashAttnVarlenBackend(AttentionBackend):
         return api.out_and_lse(results)
 
     def backward(
-        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None
+        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float,
+        window: BlockWindow | None = None,
     ):
         api = _flash_api()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

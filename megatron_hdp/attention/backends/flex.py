@@ -72,7 +72,9 @@ def _tile_masks(seg_q: torch.Tensor, seg_k: torch.Tensor, causal: bool) -> tuple
     return some & ~full, full
 
 
-def window_mask_mod(seg_q: torch.Tensor, pos_q: torch.Tensor, seg_k: torch.Tensor, pos_k: torch.Tensor, window: BlockWindow):
+def window_mask_mod(
+    seg_q: torch.Tensor, pos_q: torch.Tensor, seg_k: torch.Tensor, pos_k: torch.Tensor, window: BlockWindow
+):
     """flex's mask_mod of a windowed call: same segment and 0 <= (i + shift) - j <= left (`BlockWindow`)."""
     shifts = torch.tensor(window.shifts, dtype=torch.int64, device=seg_q.device)
 
@@ -154,7 +156,8 @@ class FlexBackend(AttentionBackend):
         return out, lse.float()
 
     def backward(
-        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None
+        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float,
+        window: BlockWindow | None = None,
     ):
         return grads_by_recompute(
             lambda q_, k_, v_: self._attend(q_, k_, v_, segments=segments, causal=causal, scale=scale, window=window),

@@ -286,7 +286,9 @@ class TeFusedBackend(AttentionBackend):
         api = _te_api()
         out, aux = api.fwd(
             is_training=True,
-            **_call_kwargs(q, k, v, segments=segments, causal=causal, scale=scale, sub_backend=api.sub_backend, window=window),
+            **_call_kwargs(
+                q, k, v, segments=segments, causal=causal, scale=scale, sub_backend=api.sub_backend, window=window
+            ),
             **api.fwd_kwargs(),
         )[:2]
         stats = aux[0]
@@ -294,7 +296,8 @@ class TeFusedBackend(AttentionBackend):
         return out, stats_to_lse(stats, segments)
 
     def backward(
-        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None
+        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float,
+        window: BlockWindow | None = None,
     ):
         api = _te_api()
         layout = _STATS_LAYOUT.get(str(q.device))
@@ -305,7 +308,9 @@ class TeFusedBackend(AttentionBackend):
             d_o=dout.contiguous(),
             aux_ctx_tensors=[lse_to_stats(lse, segments, layout=layout), rng_state],
             deterministic=self.deterministic,
-            **_call_kwargs(q, k, v, segments=segments, causal=causal, scale=scale, sub_backend=api.sub_backend, window=window),
+            **_call_kwargs(
+                q, k, v, segments=segments, causal=causal, scale=scale, sub_backend=api.sub_backend, window=window
+            ),
             **api.bwd_kwargs(q.dtype),
         )[:3]
         return dq, dk, dv

@@ -61,7 +61,8 @@ class TorchVarlenBackend(AttentionBackend):
         return out, lse
 
     def backward(
-        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None
+        self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float,
+        window: BlockWindow | None = None,
     ):
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is unused
         dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
