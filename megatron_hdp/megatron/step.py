@@ -33,6 +33,7 @@ from megatron_hdp.comm.traffic import count_traffic
 from megatron_hdp.data.collate import MaskReader, PackedMicroBatch, TokenReader, collate_microbatch, empty_microbatch
 from megatron_hdp.data.loader import check_plan_agreement
 from megatron_hdp.megatron.forward_step import make_forward_step
+from megatron_hdp.megatron import quantization
 from megatron_hdp.megatron.initialize import HDPState
 from megatron_hdp.plan.step_plan import StepPlan
 
@@ -125,6 +126,9 @@ def check_model_config(config: TransformerConfig, *, state: HDPState) -> None:
         raise ValueError("HDP with pipeline parallelism needs variable_seq_lengths=True (micro-batch sizes vary)")
     if config.sequence_parallel and state.tp_size == 1:
         raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1")
+    refused = quantization.problems(config)
+    if refused:
+        raise ValueError(refused[0])
 
 
 def check_plan(plan: StepPlan, *, state: HDPState) -> None:
@@ -206,7 +210,7 @@ class HDPTrainer:
         self.offloader = offloader
         self.config: TransformerConfig = model.config
         check_model_config(self.config, state=state)
-        self.pad_to_multiple = state.tp_size if self.config.sequence_parallel else 1
+        self.pad_to_multiple = quantization.token_multiple(self.config)
         self.device = next(model.parameters()).device
         """Where the model lives: micro-batches are moved there, the step's statistics reduced there."""
         self._finalize_start = 0.0
