@@ -37,14 +37,15 @@ def _read_tokens(seq: int, start: int, end: int) -> np.ndarray:
 
 
 
-def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
+def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: bool = False):
     """Two HDP steps (collate -> forward -> backward -> finalize -> optimizer -> stats) of a tiny bf16
-    GPTModel with the HDP spec, torch varlen attention and offloading, as HDP rank `rank` of 2 (PP=1:
-    a ring between both ranks plus whole documents) or as PP stage `rank` of 2 (PP=2)."""
+    GPTModel with the HDP spec, torch varlen attention and offloading, as HDP rank `me` of 2 (PP=1: a
+    ring between both ranks plus whole documents; rank 0 runs two micro-batches, rank 1 one) or as PP
+    stage `me` of 2 (PP=2). `fp8_recipe` turns on Megatron's FP8 (TE's collectives stood in for by
+    `fake_te_fp8`). Returns the harness's `HostAndDevice` mode with the second step's copies."""
     import torch
     import fake_gpu
 
-    pp, me = int(pp_size), int(rank)
     mode = fake_gpu.install(world_size=WORLD, rank=me)
     from megatron_hdp.megatron.hand_plan import plan_from_rings
     from megatron_hdp.megatron.initialize import initialize_hdp
@@ -61,6 +62,11 @@ def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
     config = tiny_llama_config(num_layers=4)
     config.bf16, config.params_dtype, config.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
     config.use_cpu_initialization = False
+    if fp8_recipe:
+        import fake_te_fp8
+
+        fake_te_fp8.install()
+        config.fp8, config.fp8_recipe, config.tp_only_amax_red = "hybrid", fp8_recipe, tp_only_amax_red
     with torch.device("cuda"):  # Megatron's own layers init on the GPU; torch's norms need the default device
         model = build_gpt(config, vocab_size=VOCAB, max_sequence_length=64)
     assert next(model.parameters()).device.type == "cuda", "the model must be built on the (fake) GPU"
@@ -78,12 +84,35 @@ def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
     mode.h2d.clear()
     stats = trainer.step(plan, _read_tokens)
     assert len(stats.compute_times) == WORLD  # values are placeholders: fake tensors hold none
+    return mode
+
+
+def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
+    """`_run_hdp_steps` as global rank `rank` of 2, then the step's host-to-device copies checked."""
+    mode = _run_hdp_steps(int(pp_size), int(rank))
     pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
     assert not pageable, f"blocking host-to-device copies inside layers (one per layer per micro-batch): {pageable[:3]}"
     batch_copies = [c for c in mode.h2d if "collate.py" in c["where"]]
     assert batch_copies and all(c["pinned"] and c["non_blocking"] for c in batch_copies), batch_copies
     print(f"host-to-device copies of the step: {len(batch_copies)} of micro-batch tensors (pinned, non-blocking), "
           f"{len(mode.h2d) - len(batch_copies)} others; host syncs outside layers: {len(mode.host_syncs)}")
+
+
+def fp8_collectives(rank: str, recipe: str, tp_only_amax_red: str, log_path: str) -> None:
+    """`_run_hdp_steps` at PP=1 with FP8 `recipe` as HDP rank `rank` of 2 (rank 0 runs two micro-batches,
+    rank 1 one); writes this rank's per-communicator collective log, or the refusal, as JSON."""
+    import json
+
+    import fake_gpu
+
+    try:
+        _run_hdp_steps(1, int(rank), fp8_recipe=recipe, tp_only_amax_red=tp_only_amax_red == "1")
+    except ValueError as err:
+        result = {"refused": str(err)}
+    else:
+        result = {"log": fake_gpu.collective_log()}
+    with open(log_path, "w") as out:
+        json.dump(result, out, indent=1)
 
 
 def first_p2p(world_size: str = "4") -> None:

@@ -75,3 +75,29 @@ def test_megatron_install_path_on_fake_gpu(guard_library, rank):
     assert "micro-batch copies (pinned, non-blocking)" in output
     if rank == "1":
         assert " [HDP measured] iteration        1 |" in output  # CUDA events are read one step late
+
+
+FP8_RUNS = [("delayed", "0"), ("delayed", "1"), ("tensorwise", "0")]
+
+
+@pytest.mark.parametrize("recipe,tp_only", FP8_RUNS, ids=["delayed", "delayed-tp-only-amax", "tensorwise"])
+def test_ranks_with_different_microbatch_counts_post_the_same_collectives(guard_library, tmp_path, recipe, tp_only):
+    """Two played HDP ranks of one world (rank 0 runs two micro-batches, rank 1 one) with Megatron's FP8
+    and TE's amax reductions stood in for (`fake_te_fp8`): on every communicator both belong to, they
+    post the same collectives in the same order with the same sizes (NCCL pairs the n-th collective of
+    each member); P2P (the ring) is left out. A configuration that cannot meet this is refused on both."""
+    import json
+
+    results = []
+    for rank in ("0", "1"):
+        log = tmp_path / f"rank{rank}.json"
+        _run(guard_library, "fp8_collectives", rank, recipe, tp_only, str(log))
+        results.append(json.loads(log.read_text()))
+    if "refused" in results[0] or "refused" in results[1]:
+        assert all("--fp8-recipe delayed" in r.get("refused", "") for r in results), results
+        return
+    logs = [r["log"] for r in results]
+    shared = sorted(set(logs[0]) & set(logs[1]))
+    assert any(key.startswith("0,1#") for key in shared), f"no communicator of both ranks: {shared}"
+    for key in shared:
+        assert logs[0][key] == logs[1][key], f"communicator {key}: rank 0 posted {logs[0][key]}, rank 1 {logs[1][key]}"
