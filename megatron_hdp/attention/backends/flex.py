@@ -17,6 +17,7 @@ evaluates; block masks are cached per segment layout.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 
 import torch
@@ -113,7 +114,8 @@ class FlexBackend(AttentionBackend):
             device.type == "cuda"
             and dtype in (torch.float32, torch.float16, torch.bfloat16)
             and importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
-        )
+            and hasattr(importlib.import_module("torch.nn.attention.flex_attention"), "AuxRequest")
+        )  # AuxRequest (the LSE): torch >= 2.9 (README "Supported versions")
 
     def _attend(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
         from torch.nn.attention.flex_attention import AuxRequest

@@ -9,6 +9,7 @@ the unused dropout RNG state). Not run in this repository's CI (no GPU there).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import torch
 
@@ -31,6 +32,10 @@ class TorchVarlenBackend(AttentionBackend):
             return False
         if importlib.util.find_spec("torch.nn.attention.varlen") is None:
             return False
+        from torch.nn.attention.varlen import varlen_attn
+
+        if not {"window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters):
+            return False  # torch < 2.12: varlen_attn without GQA (README "Supported versions")
         return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device)[0] >= 8
 
     def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
