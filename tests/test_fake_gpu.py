@@ -8,6 +8,9 @@ and it patches torch.cuda for the life of the process). What they catch, before 
 * fault 7: a host sync (`.item()`) inside a layer (RoPE table size), and a blocking host-to-device copy
   of cu_seqlens inside every layer;
 * fault 8: a ring's P2P as the first NCCL operation of the default group;
+* issue 21 item 1: FP8 delayed scaling at PP=1, where TE all-reduces amaxes over TP x DP twice per
+  micro-batch and HDP ranks run different numbers of micro-batches (rank 0 posted 8 all-reduces on the
+  amax group, rank 1 four);
 * the `install()` path (`install_step`): micro-batches handed to Megatron's schedule from pageable
   memory, ring plans (cu_seqlens, row indices) first copied to the GPU inside a layer whenever the
   documents change, and the telemetry gather putting a CPU tensor into an NCCL all-gather.
