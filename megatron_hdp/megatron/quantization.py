@@ -6,8 +6,8 @@ tensor_model_parallel_size), so `pretrain_gpt.py --hdp` and the Core-API `HDPTra
 
 Padding. Every micro-batch (a padding micro-batch of an idle rank included) is padded with masked tokens
 to `token_multiple`: the TP size when sequence parallelism splits the tokens, times the per-GEMM-input
-multiple of the recipe. The multiples come from Transformer Engine's shape checks, the strictest over
-the TE releases Megatron 0.19 runs with (2.1 to 2.18; none was relaxed in that range):
+multiple of the recipe. The multiples come from Transformer Engine's shape checks, the strictest over the TE 2.x
+releases (2.1 to 2.18; where a later release dropped a check, noted below, the padding is still valid):
 
 * delayed, tensorwise (per-tensor FP8): 16. `module/linear.py` asserts `assert_dim_for_fp8_exec`
   (utils.py: leading dims % 8, last dim % 16) on every FP8 GEMM input; the weight-gradient GEMM takes the
