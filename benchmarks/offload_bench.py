@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
         run_step(model, offloader, batch, ratio, device)  # warm-up: kernels, allocator, pinned pool
         runs = [run_step(model, offloader, batch, ratio, device) for _ in range(args.steps)]
         stats = runs[-1]["stats"]
-        row = {
+        rows.append({
             "ratio": ratio,
             "step_time_s": statistics.median(r["seconds"] for r in runs),
             "activation_peak_bytes": runs[-1]["activation_peak_bytes"],
@@ -179,20 +179,22 @@ def main(argv: list[str]) -> int:
             "bytes_offloaded": stats.bytes_offloaded,
             "bytes_prefetched": stats.bytes_prefetched,
             "exposed_wait_s": statistics.median(r["stats"].exposed_wait_s for r in runs),
-        }
+        })
+    # The searches come after every ratio is timed: a trial that runs out of GPU memory can leave the
+    # allocator fragmented, which must not weigh on the timed rows.
+    for row in rows:
         if args.no_search:
             row["longest_seq_len"], row["longest_kind"] = None, "not searched"
         elif cuda:
             row["longest_seq_len"], limit = longest_fitting(
-                model, offloader, shape, ratio, device, seq_len, args.search_granularity,
-                stats.bytes_offloaded / seq_len, args.host_memory_gib * 2**30,
+                model, offloader, shape, row["ratio"], device, seq_len, args.search_granularity,
+                row["bytes_offloaded"] / seq_len, args.host_memory_gib * 2**30,
             )
             row["longest_kind"] = f"measured (search; next size stopped by {limit})"
         else:
             per_token = row["saved_bytes_resident"] / seq_len
             row["longest_seq_len"] = int(args.cpu_budget_mib * 2**20 / per_token)
             row["longest_kind"] = f"estimated: {args.cpu_budget_mib:g} MiB / resident saved bytes per token"
-        rows.append(row)
     report(rows, shape, seq_len, device, args)
     return 0
 
