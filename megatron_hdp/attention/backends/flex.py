@@ -103,6 +103,13 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
+_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+"""Always inductor's main flex kernel. Its split-KV decoding kernel, picked when a graph's query length
+hints < 128 tokens, failed to lower under the dynamic-shape compile on an H100 with torch 2.11
+("NoValidChoicesError", GQA, bf16, a 3-rank ring's short shards); packed micro-batches of any T must take
+one kernel family."""
+
+
 class FlexBackend(AttentionBackend):
     """One compiled flex-attention call per block."""
 
@@ -128,6 +135,7 @@ class FlexBackend(AttentionBackend):
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
             return_aux=AuxRequest(lse=True),
+            kernel_options=_KERNEL_OPTIONS,
         )
         return out.squeeze(0).transpose(0, 1), aux.lse.squeeze(0)
 

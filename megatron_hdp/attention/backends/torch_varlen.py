@@ -21,6 +21,15 @@ def _window(causal: bool) -> tuple[int, int]:
     return (-1, 0) if causal else (-1, -1)
 
 
+def _takes_enable_gqa() -> bool:
+    """torch 2.13 added `enable_gqa` (and refuses Hq != Hkv without it); torch 2.11 (seen on an H100) has no such
+    argument and pass differing head counts straight to the FlashAttention-2 kernel, which does GQA. Asked
+    per call (microseconds against a kernel's milliseconds), so it follows the function actually bound."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
 class TorchVarlenBackend(AttentionBackend):
     """One `varlen_attn` call per block (all segments at once)."""
 
@@ -52,7 +61,7 @@ class TorchVarlenBackend(AttentionBackend):
             return_aux=AuxRequest(lse=True),
             scale=scale,
             window_size=_window(causal),
-            enable_gqa=q.shape[1] != k.shape[1],
+            **({"enable_gqa": q.shape[1] != k.shape[1]} if _takes_enable_gqa() else {}),
         )
         assert lse.shape == (q.shape[1], q.shape[0]), f"varlen_attn lse has shape {tuple(lse.shape)}"
         return out, lse
