@@ -43,8 +43,8 @@ class TorchVarlenBackend(AttentionBackend):
             return False
         from torch.nn.attention.varlen import varlen_attn
 
-        if not {"window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters):
-            return False  # torch < 2.12: varlen_attn without GQA (README "Supported versions")
+        if "window_size" not in inspect.signature(varlen_attn).parameters:
+            return False  # torch < 2.10: is_causal only, no window (README "Supported versions")
         return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device)[0] >= 8
 
     def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
