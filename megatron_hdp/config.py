@@ -13,7 +13,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Literal, Optional, get_args
 
-PolicyName = Literal["balance", "naive", "static", "megatron-hybrid-cp"]
+PolicyName = Literal["balance", "naive", "naive-offload", "static", "megatron-hybrid-cp"]
 POLICIES: tuple[str, ...] = get_args(PolicyName)
 
 OverlongDocuments = Literal["error", "truncate"]

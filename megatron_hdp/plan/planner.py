@@ -19,6 +19,7 @@ from megatron_hdp.plan.step_plan import StepPlan
 POLICIES: dict[str, tuple[str, str]] = {
     "balance": ("megatron_hdp.plan.balance", "plan_balance"),
     "naive": ("megatron_hdp.plan.baselines", "plan_naive"),
+    "naive-offload": ("megatron_hdp.plan.baselines", "plan_naive_offload"),
     "static": ("megatron_hdp.plan.baselines", "plan_static"),
     "megatron-hybrid-cp": ("megatron_hdp.megatron.hybrid_cp_policy", "plan_megatron_hybrid_cp"),
 }
