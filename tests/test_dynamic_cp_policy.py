@@ -60,7 +60,7 @@ CASES = list(_cases())
 def megatron_answers():
     """Megatron's raw sample_id_groups for every case, from one process that imports the checkout."""
     env = {**os.environ, "PYTHONPATH": CHECKOUT}
-    done = subprocess.run([sys.executable, "-P", "-c", REFERENCE], input=json.dumps(CASES), env=env,
+    done = subprocess.run([sys.executable, "-c", REFERENCE], input=json.dumps(CASES), env=env, cwd=CHECKOUT,
                           capture_output=True, text=True, timeout=300, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -53,9 +53,12 @@ class _Worker:
 
     def __init__(self, checkout: str) -> None:
         env = {**os.environ, "PYTHONPATH": checkout, CHECKOUT_VARIABLE: checkout}
-        # -P: the worker's own directory (megatron_hdp/megatron, with a datasets.py) stays off sys.path
-        self._process = subprocess.Popen([sys.executable, "-P", str(WORKER)], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        # Run by path through `-c`, in the checkout: sys.path starts with the checkout, never with the
+        # worker's own directory (megatron_hdp/megatron holds a datasets.py) or the caller's directory.
+        command = [sys.executable, "-c", "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')",
+                   str(WORKER)]
+        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True, env=env, cwd=checkout)
         atexit.register(self.close)
         hello = self._read()
         if "error" in hello:

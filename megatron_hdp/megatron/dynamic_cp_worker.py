@@ -1,7 +1,7 @@
 """Child process of policy `megatron-dynamic-cp`: runs the Megatron-LM checkout's DefaultDynamicCPScheduler.
 
-Started by `dynamic_cp_policy` as `python -P dynamic_cp_worker.py` with PYTHONPATH = the checkout
-(MEGATRON_LM_DIR), so `megatron` here is the checkout's package, never the installed megatron-core, and
+Started by `dynamic_cp_policy` in the checkout (MEGATRON_LM_DIR) with PYTHONPATH = the checkout, so
+`megatron` here is the checkout's package, never the installed megatron-core, and
 this file imports nothing of megatron_hdp. The scheduler lives in a Megatron newer than the installed one
 (`megatron.core.datasets.data_schedule` on the dev branch; it imports parts of megatron.core that 0.19.2
 lacks), and one process cannot hold two packages named `megatron`: a child keeps the parent untouched.
