@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.megatron import quantization
+from megatron_hdp.megatron.dynamic_cp_policy import scheduler_checkout
 from megatron_hdp.megatron.quantization import token_multiple  # noqa: F401  (the padding of this run's flags)
 from megatron_hdp.megatron.training_compat import require_megatron_training
 
@@ -130,6 +131,11 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             f"{args.pipeline_model_parallel_size}: Megatron's hybrid-CP scheduler has no pipeline support; "
             "use --hdp-policy balance"
         )
+    if config.hdp_policy == "megatron-dynamic-cp":
+        try:
+            scheduler_checkout()
+        except ValueError as error:
+            problems.append(f"--hdp-policy megatron-dynamic-cp: {error}")
     if config.hdp_cost_model is not None and not os.path.isfile(config.hdp_cost_model):
         problems.append(
             f"--hdp-cost-model {config.hdp_cost_model}: no such file; write one with `megatron-hdp calibrate` "

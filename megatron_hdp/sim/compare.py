@@ -25,7 +25,7 @@ from megatron_hdp.sim.simulator import StepTimeline, allreduce_time, simulate_st
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_POLICIES = ("static", "megatron-hybrid-cp", "naive", "balance")
+DEFAULT_POLICIES = ("static", "megatron-hybrid-cp", "megatron-dynamic-cp", "naive", "balance")
 BASELINE = "static"
 MICROBATCHES_PER_RANK = 4
 """Default global batch: this many full micro-batches (C tokens) per HDP rank."""
@@ -131,6 +131,7 @@ def compare_policies(
         raise ValueError(f"steps must be positive, got {steps}")
     if not policies:
         raise ValueError("no policies to compare")
+    policies = list(dict.fromkeys(policies))  # a policy named twice would count its tokens and time twice
     capacity = spec.rank_capacity
     budget = global_batch_tokens or MICROBATCHES_PER_RANK * capacity * spec.num_ranks
     if budget <= 0:
