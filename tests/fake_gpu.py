@@ -159,15 +159,22 @@ def install(*, world_size: int, rank: int):
             self.host_syncs: list[str] = []
             """Where each host sync outside a layer happened (placeholders were returned)."""
             self._pinned = WeakTensorKeyDictionary()
+            self.clock = 0
+            """Operations dispatched so far: the position of a copy (`clock` of `h2d`) or a backward op."""
+            self.backward_ops: list[int] = []
+            """Clock of every operation run by autograd's device thread (a backward)."""
 
         def _h2d(self, src, non_blocking: bool) -> None:
             self.h2d.append(
                 dict(bytes=src.numel() * src.element_size(), non_blocking=bool(non_blocking),
-                     pinned=src in self._pinned, layer=_in_layer(), where=_where())
+                     pinned=src in self._pinned, layer=_in_layer(), where=_where(), clock=self.clock)
             )
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            self.clock += 1
+            if threading.current_thread() is not threading.main_thread():
+                self.backward_ops.append(self.clock)
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             fake = any(isinstance(t, FakeTensor) for t in tensors)
             if func is aten._local_scalar_dense.default and fake:
@@ -373,6 +380,25 @@ def collective_log() -> dict[str, list[str]]:
         seen[ranks] += 1
         log[key] = [op for op in communicator.ops if not op.startswith(("send ", "recv "))]
     return log
+
+
+def blocking_copies_in_microbatches(mode, *, code: str = CODE[0]) -> list[dict]:
+    """The blocking host-to-device copies (not both pinned and non-blocking) that code under `code` (by
+    default megatron_hdp) made between a micro-batch's own transfer (its copies
+    from `collate.py`) and the end of its backward: each drains the GPU's queue while the micro-batch's
+    work is in it. A micro-batch's window runs from its last transfer copy to the last backward operation
+    before the next micro-batch's transfer."""
+    starts = [c["clock"] for c in mode.h2d if "collate.py" in c["where"]]
+    windows = []
+    for start, following in zip(starts, starts[1:] + [float("inf")]):
+        backward = [t for t in mode.backward_ops if start < t < following]
+        if backward:
+            windows.append((start, backward[-1]))
+    return [
+        c for c in mode.h2d
+        if code in c["where"] and not (c["pinned"] and c["non_blocking"])
+        and any(a < c["clock"] < b for a, b in windows)
+    ]
 
 
 def _all_gather_object_on_cuda(dist, torch):

@@ -17,8 +17,12 @@ CPU = torch.device("cpu")
 
 def _reference_block_mask(segments: Segments, causal: bool):
     """torch's own create_block_mask (dense evaluation) of the same document mask."""
-    seg_q, pos_q = flex._row_ids(segments.seqlens_q, CPU)
-    seg_k, pos_k = flex._row_ids(segments.seqlens_k, CPU)
+    def row_ids(lengths):  # segment id and position of every packed row, from the Python lengths
+        return (torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]),
+                torch.cat([torch.arange(n) for n in lengths]))
+
+    seg_q, pos_q = row_ids(segments.seqlens_q)
+    seg_k, pos_k = row_ids(segments.seqlens_k)
 
     def mask_mod(b, h, q_idx, kv_idx):
         same = seg_q[q_idx] == seg_k[kv_idx]

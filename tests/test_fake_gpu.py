@@ -11,6 +11,9 @@ and it patches torch.cuda for the life of the process). What they catch, before 
 * issue 21 item 1: FP8 delayed scaling at PP=1, where TE all-reduces amaxes over TP x DP twice per
   micro-batch and HDP ranks run different numbers of micro-batches (rank 0 posted 8 all-reduces on the
   amax group, rank 1 four);
+* issue 21 item 7: blocking copies of small tables (cu_seqlens per local group and ring plan, ring
+  row indices, the MoE loss's lengths and z-loss mask in every MoE layer) between a micro-batch's own
+  non-blocking transfer and its backward (`fake_gpu.blocking_copies_in_microbatches`);
 * the `install()` path (`install_step`): micro-batches handed to Megatron's schedule from pageable
   memory, ring plans (cu_seqlens, row indices) first copied to the GPU inside a layer whenever the
   documents change, and the telemetry gather putting a CPU tensor into an NCCL all-gather.
@@ -58,9 +61,18 @@ def test_harness_enforces_nccl_and_device_rules(guard_library):
 def test_hdp_step_on_fake_gpu(guard_library, pp_size, rank):
     """Two HDP steps as global rank `rank` of 2 of a bf16 GPTModel with the HDP spec, torch varlen
     attention, activation offloading, Megatron DDP and optimizer: PP=1 (HDP rank of 2, a ring over both
-    ranks and whole documents) and PP=2 (one pipeline stage)."""
+    ranks and whole documents) and PP=2 (one pipeline stage). No blocking host-to-device copy between a
+    micro-batch's own transfer and its backward (issue 21 item 7: cu_seqlens, ring row indices)."""
     output = _run(guard_library, "hdp_step", pp_size, rank)
     assert "of micro-batch tensors (pinned, non-blocking)" in output
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_moe_router_losses_on_fake_gpu(guard_library, rank):
+    """HDP's MoE routers (per-document load-balancing loss and z-loss) of three layers over a plan's
+    micro-batches, forward and backward: no blocking host-to-device copy between a micro-batch's transfer
+    and its backward (issue 21 item 7: the documents' lengths and the z-loss padding mask, every layer)."""
+    assert "none blocking" in _run(guard_library, "moe_routers", rank)
 
 
 def test_first_nccl_operation_is_not_a_ring(guard_library):

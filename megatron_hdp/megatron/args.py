@@ -19,6 +19,8 @@ from typing import Callable, Optional
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.megatron import quantization
 from megatron_hdp.megatron.dynamic_cp_policy import scheduler_checkout
+from megatron_hdp.megatron.options import flag_name as _flag
+from megatron_hdp.megatron.options import flag_problems
 from megatron_hdp.megatron.quantization import token_multiple  # noqa: F401  (the padding of this run's flags)
 from megatron_hdp.megatron.training_compat import require_megatron_training
 
@@ -40,10 +42,6 @@ def add_hdp_args(
     """
     ArgumentGroupFactory(HDPConfig).build_group(parser, title=GROUP_TITLE)
     return then(parser) if then is not None else parser
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 _USED_WITHOUT_HDP = ("hdp", "hdp_mock_mix")
@@ -141,7 +139,7 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             f"--hdp-cost-model {config.hdp_cost_model}: no such file; write one with `megatron-hdp calibrate` "
             "or leave the flag out for the analytic cost model"
         )
-    return problems
+    return problems + flag_problems(args)
 
 
 def validate_hdp_args(args: Namespace) -> Optional[HDPConfig]:

@@ -22,19 +22,17 @@ import importlib.util
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, Segments, grads_by_recompute
+from megatron_hdp.attention.backends.base import (
+    AttentionBackend,
+    KernelShape,
+    Segments,
+    grads_by_recompute,
+    segment_rows,
+)
 
 
 BLOCK = 128
 """flex's sparse block size (`_DEFAULT_SPARSE_BLOCK_SIZE`), for q and kv tiles alike."""
-
-
-def _row_ids(seqlens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per packed row: its segment id and its position inside the segment."""
-    lengths = torch.tensor(seqlens, device=device)
-    segment = torch.repeat_interleave(torch.arange(len(seqlens), device=device), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    return segment, torch.arange(int(lengths.sum()), device=device) - starts[segment]
 
 
 def _tile_segments(segment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,8 +77,8 @@ def _block_mask(segments: Segments, causal: bool):
     """The BlockMask of one call, built at tile level: O(T + (T / BLOCK)^2) memory, never [T, T]."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    seg_q, pos_q = _row_ids(segments.seqlens_q, segments.device)
-    seg_k, pos_k = _row_ids(segments.seqlens_k, segments.device)
+    seg_q, pos_q = segment_rows(segments.cu_seqlens_q, segments.cu_q[-1])
+    seg_k, pos_k = segment_rows(segments.cu_seqlens_k, segments.cu_k[-1])
 
     def mask_mod(b, h, q_idx, kv_idx):
         same = seg_q[q_idx] == seg_k[kv_idx]
@@ -123,6 +121,12 @@ class FlexBackend(AttentionBackend):
             and importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
             and hasattr(importlib.import_module("torch.nn.attention.flex_attention"), "AuxRequest")
         )  # AuxRequest (the LSE): torch >= 2.9 (README "Supported versions")
+
+    @classmethod
+    def shape_problem(cls, shape: KernelShape) -> str | None:
+        if shape.deterministic:
+            return "compiled flex attention's backward is not deterministic (deterministic_mode)"
+        return None
 
     def _attend(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
         from torch.nn.attention.flex_attention import AuxRequest

@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, Segments
+from megatron_hdp.attention.backends.base import AttentionBackend, KernelShape, Segments
 
 
 def _window(causal: bool) -> tuple[int, int]:
@@ -46,6 +46,12 @@ class TorchVarlenBackend(AttentionBackend):
         if "window_size" not in inspect.signature(varlen_attn).parameters:
             return False  # torch < 2.10: is_causal only, no window (README "Supported versions")
         return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device)[0] >= 8
+
+    @classmethod
+    def shape_problem(cls, shape: KernelShape) -> str | None:
+        if shape.deterministic:
+            return "varlen_attn's backward op takes no deterministic flag (deterministic_mode)"
+        return None
 
     def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
         from torch.nn.attention.varlen import AuxRequest, varlen_attn
