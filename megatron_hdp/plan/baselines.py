@@ -62,7 +62,8 @@ def _member_tokens(lengths: np.ndarray, cp: int) -> np.ndarray:
 
 @gc_paused()  # like `balance`: the whole build, not only its assembly (see `assemble.gc_paused`)
 def plan_static(
-    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1
+    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1,
+    vpp_size: int = 1,
 ) -> StepPlan:
     """Static DP x CP (see the module doc)."""
     capacity = config.hdp_capacity
@@ -91,12 +92,14 @@ def plan_static(
         for seq in seqs:
             rings[seq] = group
     return assemble_plan(policy="static", lengths=lengths, rings=rings, offload_ratios=np.zeros(len(lengths)),
-                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
+                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                         vpp_size=vpp_size)
 
 
 @gc_paused()
 def plan_naive(
-    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1
+    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1,
+    vpp_size: int = 1,
 ) -> StepPlan:
     """ByteScale Algorithm 1: data-aware sharding, token-balanced placement (see the module doc)."""
     capacity = config.hdp_capacity
@@ -119,5 +122,6 @@ def plan_naive(
         packed = best_fit([lengths[i] for i in items], capacity=capacity, order="given")
         schedule.append([[seq] for seq in layout.ring_microbatches[rank]] + [[items[j] for j in b] for b in packed])
     return assemble_plan(policy="naive", lengths=lengths, rings=rings, offload_ratios=sharding.offload_ratios,
-                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
+                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                         vpp_size=vpp_size)
 
