@@ -1,8 +1,9 @@
 """The planner's one entry point: lengths of a global batch in, a validated StepPlan out.
 
 Policies are looked up by name in `POLICIES` (module path, function name), imported lazily so that
-`megatron-hybrid-cp` — an adapter over Megatron-Core's own scheduler, which imports Megatron — is loaded
-only when asked for and the rest of `plan/` stays free of torch and Megatron.
+`megatron-hybrid-cp` and `megatron-dynamic-cp` — adapters over Megatron's own schedulers (the installed
+megatron-core's, and a Megatron-LM dev checkout's in a child process) — are loaded only when asked for
+and the rest of `plan/` stays free of torch and Megatron.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from megatron_hdp.plan.step_plan import StepPlan
 POLICIES: dict[str, tuple[str, str]] = {
     "balance": ("megatron_hdp.plan.balance", "plan_balance"),
     "naive": ("megatron_hdp.plan.baselines", "plan_naive"),
+    "naive-offload": ("megatron_hdp.plan.baselines", "plan_naive_offload"),
     "static": ("megatron_hdp.plan.baselines", "plan_static"),
     "megatron-hybrid-cp": ("megatron_hdp.megatron.hybrid_cp_policy", "plan_megatron_hybrid_cp"),
+    "megatron-dynamic-cp": ("megatron_hdp.megatron.dynamic_cp_policy", "plan_megatron_dynamic_cp"),
 }
 
-VIRTUAL_STAGE_POLICIES = ("balance", "naive", "static")
+VIRTUAL_STAGE_POLICIES = ("balance", "naive", "naive-offload", "static", "megatron-dynamic-cp")
 """Policies whose function takes `vpp_size` (plans for Megatron's interleaved schedule)."""
 
 

@@ -25,7 +25,7 @@ from megatron_hdp.sim.simulator import StepTimeline, allreduce_time, simulate_st
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_POLICIES = ("static", "megatron-hybrid-cp", "naive", "balance")
+DEFAULT_POLICIES = ("static", "megatron-hybrid-cp", "megatron-dynamic-cp", "naive", "balance")
 BASELINE = "static"
 MICROBATCHES_PER_RANK = 4
 """Default global batch: this many full micro-batches (C tokens) per HDP rank."""
