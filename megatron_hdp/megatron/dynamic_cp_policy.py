@@ -155,4 +155,5 @@ def plan_megatron_dynamic_cp(
     schedule = [[list(per_rank[rank]) for per_rank in groups] for rank in range(num_ranks)]
     logger.debug("%s: %d micro-batches for %d sequences on %d ranks", POLICY, len(groups), len(lengths), num_ranks)
     return assemble_plan(policy=POLICY, lengths=lengths, rings=rings, offload_ratios=[0.0] * len(lengths),
-                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
+                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                         vpp_size=vpp_size)

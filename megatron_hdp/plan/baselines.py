@@ -70,7 +70,8 @@ def _member_tokens(lengths: np.ndarray, cp: int) -> np.ndarray:
 
 @gc_paused()  # like `balance`: the whole build, not only its assembly (see `assemble.gc_paused`)
 def plan_static(
-    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1
+    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1,
+    vpp_size: int = 1,
 ) -> StepPlan:
     """Static DP x CP (see the module doc)."""
     capacity = config.hdp_capacity
@@ -99,12 +100,13 @@ def plan_static(
         for seq in seqs:
             rings[seq] = group
     return assemble_plan(policy="static", lengths=lengths, rings=rings, offload_ratios=np.zeros(len(lengths)),
-                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
+                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                         vpp_size=vpp_size)
 
 
 def _token_balanced_plan(
     lengths: list[int], *, num_ranks: int, capacity: int, cost_model: CostModel, pp_size: int,
-    max_offload_ratio: float, policy: str,
+    max_offload_ratio: float, policy: str, vpp_size: int = 1,
 ) -> StepPlan:
     """Algorithm 1's placement on the sharding that `max_offload_ratio` allows (see the module doc)."""
     sharding = shard_sequences(lengths, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
@@ -126,22 +128,26 @@ def _token_balanced_plan(
         packed = best_fit([lengths[i] for i in items], capacity=capacity, order="given")
         schedule.append([[seq] for seq in layout.ring_microbatches[rank]] + [[items[j] for j in b] for b in packed])
     return assemble_plan(policy=policy, lengths=lengths, rings=rings, offload_ratios=sharding.offload_ratios,
-                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
+                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                         vpp_size=vpp_size)
 
 
 @gc_paused()
 def plan_naive(
-    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1
+    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1,
+    vpp_size: int = 1,
 ) -> StepPlan:
     """ByteScale Algorithm 1: sharding without offload, token-balanced placement (see the module doc)."""
     return _token_balanced_plan(lengths, num_ranks=num_ranks, capacity=config.hdp_capacity, cost_model=cost_model,
-                                pp_size=pp_size, max_offload_ratio=0.0, policy="naive")
+                                pp_size=pp_size, max_offload_ratio=0.0, policy="naive", vpp_size=vpp_size)
 
 
 @gc_paused()
 def plan_naive_offload(
-    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1
+    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1,
+    vpp_size: int = 1,
 ) -> StepPlan:
     """Algorithm 1's placement on selective-offload sharding (ByteScale Eq. 3; see the module doc)."""
     return _token_balanced_plan(lengths, num_ranks=num_ranks, capacity=config.hdp_capacity, cost_model=cost_model,
-                                pp_size=pp_size, max_offload_ratio=config.max_offload_ratio, policy="naive-offload")
+                                pp_size=pp_size, max_offload_ratio=config.max_offload_ratio, policy="naive-offload",
+                                vpp_size=vpp_size)
