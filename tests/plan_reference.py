@@ -7,11 +7,14 @@ with `megatron_hdp.plan.timing` (the waiting rule) or the planner's sharding (wh
   ranks 0, 1 and 2 one group): the group starts when its last member is ready and releases every member
   when its slowest is done. A sweep over indices with its own breadth-first search for the groups.
 - `member_tokens` / `fits_without_offload`: the zigzag layout's largest member share, from the contract's
-  chunk bounds floor(j L / (2k)), and whether a batch surely fits the pool with no offload at all.
+  chunk bounds floor(j L / (2k)), and whether a batch surely fits the pool with no offload at all;
+  `assert_refusal_is_justified`: a planner's refusal of well-formed lengths only where they cannot be
+  planned, naming the offending length.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 
@@ -83,3 +86,38 @@ def member_tokens(length: int, ring_size: int) -> int:
 def fits_without_offload(length: int, *, num_ranks: int, capacity: int) -> bool:
     """Whether a document surely fits the pool: whole on one rank, or zigzag over all ranks within C."""
     return length <= capacity or member_tokens(length, num_ranks) <= capacity
+
+
+def static_cp(longest: int, *, capacity: int, num_ranks: int) -> int:
+    """Static DP x CP's CP size: the smallest power of two whose zigzag members hold <= C tokens of the
+    longest document (Megatron sizes its CP group for the longest sequence); the first power of two
+    above `num_ranks` when none of the pool's does (a member may hold 2 tokens however large the ring)."""
+    cp = 1
+    while cp <= num_ranks and member_tokens(longest, cp) > capacity:
+        cp *= 2
+    return cp
+
+
+def _names(text: str, value: int) -> bool:
+    """Whether `text` names the number `value` as a whole number (1 does not match inside 10 or 2.1)."""
+    return re.search(rf"(?<![\d.]){value}(?!\d|\.\d)", text) is not None
+
+
+def assert_refusal_is_justified(text: str, lengths: Sequence[int], *, num_ranks: int, capacity: int,
+                                policy: str) -> None:
+    """A planner's ValueError on well-formed lengths is right only when the batch cannot be planned, as
+    computed here, and the message names an offending length. Static refuses when its CP group (sized
+    for the longest document) exceeds or does not divide the pool; Megatron's Hybrid-CP on a pool that is
+    not a power of two; every policy when a document does not fit on all ranks (without offload: with
+    it a policy may still plan it, so such a refusal is accepted too)."""
+    if policy == "static":
+        longest, cp = max(lengths), static_cp(max(lengths), capacity=capacity, num_ranks=num_ranks)
+        assert cp > num_ranks or num_ranks % cp, f"static refused CP {cp} on {num_ranks} ranks: {text}"
+        assert _names(text, longest), f"static's refusal does not name the longest length {longest}: {text}"
+        return
+    if policy == "megatron-hybrid-cp" and num_ranks & (num_ranks - 1):
+        assert str(num_ranks) in text and "power-of-two" in text, text
+        return
+    unfit = [n for n in lengths if not fits_without_offload(n, num_ranks=num_ranks, capacity=capacity)]
+    assert unfit, f"{policy} refused a batch whose every document fits {num_ranks} ranks of {capacity}: {text}"
+    assert any(_names(text, n) for n in unfit), f"the refusal names none of the lengths that do not fit {unfit}: {text}"
