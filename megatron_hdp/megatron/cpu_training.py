@@ -23,8 +23,9 @@ simulator does not model (plan check, collation, optimizer step).
 The fit is timed once, before the steps, but a shared host's CPU seconds per unit of work change over a
 run (other processes' load, contention, frequency): a fit timed under other conditions than the steps
 mis-predicts every policy alike (the run-wide drift of issue 24). So a probe — one whole document of C
-tokens per rank, timed like the fit — runs right after the fit and again before each round of steps,
-and each step's prediction is scaled by probe now / probe at the fit (`measure_speed_probe`); an
+tokens per rank, timed like the fit — runs before and after the fit (their median: the fit's
+conditions) and before and after each round of steps (their mean: the round's), and each step's
+prediction is scaled by probe now / probe at the fit (`measure_speed_probe`); an
 out-of-sample prediction divides by the probe of the run that fitted its model. Rows keep the unscaled
 prediction too.
 Wall time is reported too; it measures the total work of all ranks on the shared cores.
@@ -122,7 +123,7 @@ class StepRow:
     predicted_time_in_run_fit: float
     """The same prediction with this run's own fit and measurements (in-sample)."""
     speed_factor: float
-    """Probe seconds before this step's round / probe seconds at the fit that predicts it (this run's, or
+    """Probe seconds over this step's round / probe seconds at the fit that predicts it (this run's, or
     the earlier run's for an out-of-sample prediction): `predicted_time` is scaled by it."""
     speed_factor_in_run: float
     """The same for this run's own fit (`predicted_time_in_run_fit` is scaled by it)."""
@@ -297,13 +298,14 @@ def measure_step_overhead(trainer, *, grad_bytes: int, allreduce_bandwidth: floa
     return max(0.0, _median_over_ranks(best) - charged)
 
 
-def measure_speed_probe(trainer, spec: CpuRunSpec) -> float:
-    """CPU seconds of one whole document of C tokens per rank (median over ranks, fewest over
-    `spec.timing_repeats` runs, as the steps keep theirs): timed after the fit and before each round of
-    steps, the ratio of two probes is how much slower the host runs the same work now (module doc)."""
+def measure_speed_probe(trainer, spec: CpuRunSpec, *, repeats: int = 3) -> float:
+    """CPU seconds of one whole document of C tokens per rank (median over ranks, fewest over `repeats`
+    runs, as the fit and the steps keep their fewest): the median of the probes before the fit, after it
+    and after the measurements that follow it is the fit's conditions, the mean of those before and after
+    a round of steps the round's; their ratio is how much slower the host runs the same work (module doc)."""
     world = trainer.state.hdp_size
     mine = _microbatch_seconds(trainer, [spec.capacity] * world, [(r,) for r in range(world)],
-                               capacity=spec.capacity, repeats=spec.timing_repeats)
+                               capacity=spec.capacity, repeats=repeats)
     return _median_over_ranks(mine)
 
 
@@ -489,13 +491,16 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     state = initialize_hdp(seed=spec.seed)
     config = HDPConfig(hdp=True, hdp_capacity=spec.capacity, hdp_offload=False)
     first = _build(spec, state)
+    probes = [measure_speed_probe(first, spec)]  # around the fit, so that their median is the fit's conditions
     fitted = fit_cost_model(first, spec)
+    probes.append(measure_speed_probe(first, spec))
     model = CostModel.from_dict(cost_model) if cost_model else fitted
     grad_bytes = grad_buffer_bytes(first)
     allreduce_bandwidth = measure_allreduce_bandwidth(grad_bytes)
     step_overhead = measure_step_overhead(first, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth)
+    probes.append(measure_speed_probe(first, spec))
     in_run = {"model": fitted, "allreduce_bandwidth": allreduce_bandwidth, "step_overhead": step_overhead,
-              "speed_probe": measure_speed_probe(first, spec)}
+              "speed_probe": statistics.median(probes)}
     predict = {**in_run, "model": model, **{k: v for k, v in (measured or {}).items() if k in in_run}}
     rows = []
     # The policies take turns step by step (each its own model, built from the same seed), so that a
@@ -503,7 +508,8 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     trainers = [_build(spec, state) for _ in spec.policies]
     batches = [planned_batches(spec, state, config, model, policy) for policy in spec.policies]
     for step, planned in enumerate(zip(*batches)):
-        probe_now = measure_speed_probe(first, spec)  # the host's speed at this round (module doc)
+        probe_before = measure_speed_probe(first, spec)  # the host's speed over this round (module doc)
+        measured_round = []
         for policy, trainer, (plan, read_tokens) in zip(spec.policies, trainers, planned):
             run_plan, barriers = per_subsample_plan(plan) if policy == HYBRID_CP else (plan, ())
             stats = trainer.step(run_plan, read_tokens)
@@ -514,7 +520,10 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
                 stats = dataclasses.replace(stats, step_time=min(stats.step_time, wall))
             busy_by_rank = [None] * world_size
             dist.all_gather_object(busy_by_rank, _fastest(runs))
-            if step >= spec.warmup_steps and rank == 0:
+            measured_round.append((policy, plan, stats, busy_by_rank, run_plan, barriers))
+        probe_now = (probe_before + measure_speed_probe(first, spec)) / 2
+        if step >= spec.warmup_steps and rank == 0:
+            for policy, plan, stats, busy_by_rank, run_plan, barriers in measured_round:
                 row = _measured_row(policy, step - spec.warmup_steps, plan, stats, busy_by_rank, grad_bytes,
                                     predict, in_run, probe_now, run_plan, barriers)
                 rows.append(asdict(row))
