@@ -83,5 +83,4 @@ def test_step_time_follows_the_independent_waiting_rule(cost_model):
             step = max(reference_finish(plan, times, barrier_per_index=rules.barrier_per_microbatch))
             timeline = simulate_step(plan, cost_model, rules=rules, grad_bytes=0)
             assert timeline.compute_end == pytest.approx(step, rel=1e-9), f"{policy} on {name}"
-            if policy != "megatron-hybrid-cp":  # (its adapter's own estimate has no barriers: the simulator's do)
-                assert plan.est_step_time == pytest.approx(step, rel=1e-9), f"{policy} on {name}"
+            assert plan.est_step_time == pytest.approx(step, rel=1e-9), f"{policy} on {name}"
