@@ -84,8 +84,9 @@ def member_tokens(length: int, ring_size: int) -> int:
 
 
 def fits_without_offload(length: int, *, num_ranks: int, capacity: int) -> bool:
-    """Whether a document surely fits the pool: whole on one rank, or zigzag over all ranks within C."""
-    return length <= capacity or member_tokens(length, num_ranks) <= capacity
+    """Whether a document surely fits the pool: whole on one rank, or zigzag within C over some ring of at
+    most all ranks (not always the widest: 3 tokens over 4 ranks give a member 2, over 3 ranks 1)."""
+    return length <= capacity or any(member_tokens(length, k) <= capacity for k in range(2, num_ranks + 1))
 
 
 def static_cp(longest: int, *, capacity: int, num_ranks: int) -> int:
