@@ -158,6 +158,51 @@ def harness_rules() -> None:
     assert (host + 1).tolist() == [2.0, 2.0, 2.0], "host work stays real"
 
 
+def host_sync_rule() -> None:
+    """The host-sync rule fires: `.item()` on a CUDA tensor inside a transformer layer's forward (a
+    Megatron `TransformerLayer`, as the harness's hooks recognise it) and inside a backward raises
+    `HostSyncInLayer`; the same call outside a layer returns a placeholder and is recorded."""
+    import pytest
+    import torch
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    import fake_gpu
+
+    mode = fake_gpu.install(world_size=1, rank=0)
+
+    class SyncingLayer(TransformerLayer):
+        """A TransformerLayer whose forward reads a value back to the host (Megatron's own init skipped:
+        only its class matters to the rule)."""
+
+        __call__ = torch.nn.Module.__call__  # (MegatronModule's reads the config we skipped)
+
+        def __init__(self) -> None:
+            torch.nn.Module.__init__(self)
+
+        def forward(self, hidden):
+            if hidden.sum().item() > 0:  # a host sync: the CPU waits for the GPU in every layer
+                return hidden * 2
+            return hidden
+
+    class SyncInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad.abs().max().item()  # e.g. a clipping norm read on the host in the middle of the backward
+            return grad
+
+    x = torch.ones(4, device="cuda", requires_grad=True)
+    with pytest.raises(fake_gpu.HostSyncInLayer, match="inside a layer at forward"):
+        SyncingLayer()(x)
+    fake_gpu._LAYER_DEPTH[0] = 0  # the raise skipped the layer's exit hook (a real run stops here)
+    with pytest.raises(RuntimeError, match="inside a layer at backward"):  # raised on the autograd thread
+        SyncInBackward.apply(x).sum().backward()
+    assert x.sum().item() == 0.0 and mode.host_syncs, "outside a layer: a placeholder, recorded"
+
+
 INSTALL_ARGS = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
     "--ffn-hidden-size 128 --max-position-embeddings 64 --seq-length 64 --micro-batch-size 1 "

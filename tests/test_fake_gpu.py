@@ -75,6 +75,12 @@ def test_moe_router_losses_on_fake_gpu(guard_library, rank):
     assert "none blocking" in _run(guard_library, "moe_routers", rank)
 
 
+def test_host_sync_inside_a_layer_is_caught(guard_library):
+    """The README says the harness catches a host sync inside a layer: `.item()` in a TransformerLayer's
+    forward and in a backward raise `HostSyncInLayer`; outside a layer it passes (recorded)."""
+    assert "scenario host_sync_rule: ok" in _run(guard_library, "host_sync_rule")
+
+
 def test_first_nccl_operation_is_not_a_ring(guard_library):
     """initialize_hdp on 4 ranks, then ring attention among ranks 0 and 1."""
     assert "scenario first_p2p: ok" in _run(guard_library, "first_p2p", "4")

@@ -96,12 +96,38 @@ def _case_config(config, case):
     return config
 
 
+class _WithoutAllReduce:
+    """torch.distributed for `moe_aux_loss` with its one all-reduce (the TP sum of the document counts)
+    left out: the negative control of that sum."""
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_reduce(*args, **kwargs):
+        return None
+
+
+def _plant(case):
+    """Negative controls (`NEGATIVE`): Megatron's stock router instead of the per-document one, or the
+    per-document router without the TP sum of its counts."""
+    if case.get("stock_router"):
+        from megatron_hdp.megatron import layer_spec
+
+        layer_spec.with_document_aux_loss_router = lambda spec: spec
+    if case.get("no_tp_sum"):
+        from megatron_hdp.megatron import moe_aux_loss
+
+        moe_aux_loss.dist = _WithoutAllReduce()
+
+
 def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
     from megatron_hdp.megatron.exactness import VOCAB_SIZE, load_full_weights, local_grads, token_reader
     from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
     from megatron_hdp.megatron.step import HDPTrainer
 
     case = case or {}
+    _plant(case)
     state = _init(tp, pp, ep)
     is_moe = ep > 1 or case.get("moe", False)
     moe = dict(num_moe_experts=NUM_EXPERTS, **MOE_LOSSES) if is_moe else {}
@@ -224,3 +250,21 @@ def test_more_layouts_match_single_process_reference(reference, name):
             assert offloaded == [0] * len(BATCHES)
         else:
             assert all(b > 0 for b in offloaded), offloaded
+
+
+NEGATIVE = {
+    "ep2-moe-aux-loss-hdp4-overlap-idle-stock-router": (1, 1, 2, True, dict(stock_router=True)),
+    "tp2xhdp2-sequence-parallel-moe-aux-loss-without-tp-sum": (2, 1, 1, False, dict(sp=True, moe=True, no_tp_sum=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(NEGATIVE))
+def test_moe_cases_fail_with_the_stock_router_or_without_the_tp_sum(reference, name):
+    """The README says Megatron's stock router fails the EP=2 x HDP=4 case and the per-document router
+    fails TP=2 + SP without the TP sum of its counts: the same launches as the passing cases above
+    (same plans and seeds), with that one change, must differ from the reference."""
+    tp, pp, ep, overlap, case = NEGATIVE[name]
+    seed = 100 * tp + 10 * pp + ep if case.get("stock_router") else 500 + len("tp2xhdp2-sequence-parallel-moe-aux-loss")
+    results = run_gloo(_hdp, 4, tp, pp, ep, reference["moe"]["init"], seed, overlap, case, timeout_s=240)
+    with pytest.raises(AssertionError, match="grad of"):
+        _check(reference["moe"], results)

@@ -66,6 +66,7 @@ def test_updates_are_bounded_and_converge_from_a_wrong_model():
     assert refit.updates == 10
     assert refit.model.a1 == pytest.approx(TRUE.a1, rel=1e-6)
     assert refit.model.b1 == pytest.approx(TRUE.b1, rel=1e-6)
+    assert refit.model.g == pytest.approx(TRUE.g, rel=1e-6)  # started 3x too large
     assert refit.model.ring_bandwidth == TRUE.ring_bandwidth  # everything else is kept
     resumed = OnlineRefit.from_state_dict(refit.state_dict())
     assert resumed.model == refit.model and resumed.steps_seen == 12

@@ -14,8 +14,7 @@ from megatron_hdp.sim.cluster import ClusterSpec, format_tokens
 from megatron_hdp.sim.compare import compare_policies, compute_floor
 from megatron_hdp.sim.plots import plot_gantt, plot_plans, plot_throughput
 from megatron_hdp.sim.simulator import simulate_step
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+from picture_check import assert_real_picture
 
 
 def test_token_counts():
@@ -116,8 +115,7 @@ def test_compute_floor_with_pp_is_set_by_one_long_document():
 
 
 def _check_png(path):
-    data = path.read_bytes()
-    assert data[:8] == PNG_MAGIC and len(data) > 10_000, f"{path} is not a real picture ({len(data)} bytes)"
+    assert_real_picture(path)
 
 
 def test_pictures(tmp_path):
