@@ -33,15 +33,20 @@ MOE_LOSSES = dict(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1)
 move the router gradients far beyond the tolerance. The reference (one document per micro-batch) is
 Megatron's own per-micro-batch loss; HDP computes it per document (megatron_hdp/megatron/moe_aux_loss.py).
 They lift the gradient norm above 1, so the MoE runs do not clip (`MOE_CLIP_GRAD`): clipping scales the
-main_grad the check reads after the step, which the reference reads before its step."""
+main_grad the check reads after the step, which the reference reads before its step. The 4-layer model of
+the virtual-pipeline case has a gradient norm above 1 too, and does not clip either."""
 MOE_CLIP_GRAD = 0.0
+VPP_LAYERS = 4
+"""Layers of the dense model the virtual-pipeline case trains: PP 2 x 2 virtual stages of one layer each."""
+VPP_KIND = "dense-4-layers"
 
 
-def _init(tp=1, pp=1, ep=1):
+def _init(tp=1, pp=1, ep=1, vpp=None):
     from megatron_hdp.megatron.initialize import initialize_hdp
 
     return initialize_hdp(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, seed=7
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=vpp, seed=7,
     )
 
 
@@ -51,12 +56,13 @@ def _reference(rank, world_size):
     from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
 
     out = {}
-    for kind, experts in (("dense", None), ("moe", NUM_EXPERTS)):
+    for kind, experts, num_layers in (("dense", None, 2), ("moe", NUM_EXPERTS, 2), (VPP_KIND, None, VPP_LAYERS)):
         _init()
-        config = tiny_llama_config(num_moe_experts=experts, **(MOE_LOSSES if experts else {}))
+        config = tiny_llama_config(num_layers=num_layers, num_moe_experts=experts, **(MOE_LOSSES if experts else {}))
         model = build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=False)
         init = full_weights(model)
-        ddp, opt = wrap_for_training(model, **(dict(clip_grad=MOE_CLIP_GRAD) if experts else {}))
+        unclipped = experts or kind == VPP_KIND
+        ddp, opt = wrap_for_training(model, **(dict(clip_grad=MOE_CLIP_GRAD) if unclipped else {}))
         out[kind] = {"init": init, "steps": reference_steps(ddp, opt, BATCHES)}
         destroy_hdp()
     return out
@@ -98,44 +104,53 @@ def _case_config(config, case):
 
 def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
     from megatron_hdp.megatron.exactness import VOCAB_SIZE, load_full_weights, local_grads, token_reader
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.megatron.model import build_gpt_chunks, tiny_llama_config, wrap_chunks_for_training
     from megatron_hdp.megatron.step import HDPTrainer
 
     case = case or {}
-    state = _init(tp, pp, ep)
+    state = _init(tp, pp, ep, case.get("vpp"))
     is_moe = ep > 1 or case.get("moe", False)
     moe = dict(num_moe_experts=NUM_EXPERTS, **MOE_LOSSES) if is_moe else {}
-    config = tiny_llama_config(sequence_parallel=case.get("sp", False), **moe)
+    config = tiny_llama_config(num_layers=VPP_LAYERS if case.get("vpp") else 2, sequence_parallel=case.get("sp", False),
+                               **moe)
     config = _case_config(config, case)
     if case.get("sp"):
         from exactness_cases import build_sp_gpt
 
-        model = build_sp_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)
+        chunks = [build_sp_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)]
     else:
-        model = build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)
-    load_full_weights(model, init)
+        chunks = build_gpt_chunks(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)
+    for chunk in chunks:
+        load_full_weights(chunk, init)
     dist_opt = case.get("distributed_optimizer", False)
-    ddp, opt = wrap_for_training(
-        model, overlap_grad_reduce=overlap, bucket_size=4000 if overlap else None,
+    ddps, opt = wrap_chunks_for_training(
+        chunks, overlap_grad_reduce=overlap, bucket_size=4000 if overlap else None,
         distributed_optimizer=dist_opt, overlap_param_gather=dist_opt and overlap,
-        **(dict(clip_grad=MOE_CLIP_GRAD) if is_moe else {}),
+        **(dict(clip_grad=MOE_CLIP_GRAD) if is_moe or case.get("vpp") else {}),
     )
-    assert not overlap or pp > 1 or len(ddp.bucket_groups) > 1  # Megatron gives later PP stages one bucket
-    offloader = None
+    assert not overlap or pp > 1 or len(ddps[0].bucket_groups) > 1  # Megatron gives later PP stages one bucket
+    offloaders = None
     if case.get("offload"):
         from megatron_hdp.offload import ActivationOffloader, OffloadConfig
 
-        offloader = ActivationOffloader(layers=model.decoder.layers, config=OffloadConfig(min_tensor_bytes=0))
-    trainer = HDPTrainer(model=ddp, optimizer=opt, state=state, offloader=offloader)
+        offload_config = OffloadConfig(min_tensor_bytes=0, num_resident_layers=case.get("resident_layers", 1))
+        offloaders = [ActivationOffloader(layers=chunk.decoder.layers, config=offload_config) for chunk in chunks]
+    trainer = HDPTrainer(model=ddps, optimizer=opt, state=state, offloader=offloaders)
     steps = []
     for step, (seed, lengths) in enumerate(BATCHES):
-        plan = _plan(lengths, num_ranks=state.hdp_size, seed=plan_seed + step, pp_size=pp, idle=overlap and step == 1,
-                     offload=case.get("offload", 0.0))
+        if "plans" in case:
+            plan = case["plans"][step]
+        else:
+            plan = _plan(lengths, num_ranks=state.hdp_size, seed=plan_seed + step, pp_size=pp,
+                         idle=overlap and step == 1, offload=case.get("offload", 0.0))
         stats = trainer.step(plan, token_reader(seed, lengths))
         idle = [len(r.microbatches) == 0 for r in plan.ranks]
         offloaded = stats.offload.bytes_offloaded if stats.offload is not None else 0
-        steps.append({"loss": stats.loss, "grads": local_grads(ddp, opt if dist_opt else None), "rings": stats.num_rings,
-                      "idle": idle, "offloaded": offloaded})
+        grads = {}
+        for ddp in ddps:
+            grads.update(local_grads(ddp, opt if dist_opt else None))
+        steps.append({"loss": stats.loss, "grads": grads, "rings": stats.num_rings, "idle": idle,
+                      "offloaded": offloaded, "num_microbatches": stats.num_microbatches})
     return steps
 
 
@@ -224,3 +239,30 @@ def test_more_layouts_match_single_process_reference(reference, name):
             assert offloaded == [0] * len(BATCHES)
         else:
             assert all(b > 0 for b in offloaded), offloaded
+
+
+def _vpp_plans():
+    """Hand plans for HDP = 2 pipelines of PP 2: a ring across the pipelines in each step (one of them in a
+    later micro-batch), uneven counts (4 and 2, then 1 and 3), a planned offload ratio on one sequence."""
+    from megatron_hdp.megatron.hand_plan import plan_from_rings
+
+    (_, first), (_, second) = BATCHES
+    return [
+        plan_from_rings(first, [(0, 1), (0,), (1, 0), (0,), (1,), (0,), (0,), (1,), (0,)], [0, 1, 1, 2, 0, 3, 2, 1, 3],
+                        num_ranks=2, capacity=sum(first), pp_size=2,
+                        offload_ratios=[0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0]),
+        plan_from_rings(second, [(0, 1), (1,), (1,), (1,), (1,), (1,), (0,)], [0, 1, 2, 0, 2, 1, 0],
+                        num_ranks=2, capacity=sum(second), pp_size=2),
+    ]
+
+
+def test_virtual_pipeline_matches_single_process_reference(reference):
+    """VPP 2 x PP 2 x HDP 2 (Megatron's interleaved schedule, one layer per model chunk): every chunk runs
+    each micro-batch with its rings, positions and offload ratio; the pipelines' plan counts differ."""
+    plans = _vpp_plans()
+    assert [len(r.microbatches) for r in plans[0].ranks] == [4, 2] and [len(r.microbatches) for r in plans[1].ranks] == [1, 3]
+    case = dict(vpp=2, plans=plans, offload=0.5, resident_layers=0)
+    results = run_gloo(_hdp, 4, 1, 2, 1, reference[VPP_KIND]["init"], 0, False, case, timeout_s=240)
+    _check(reference[VPP_KIND], results)
+    offloaded = [sum(rank_steps[0]["offloaded"] for rank_steps in results)]
+    assert offloaded[0] > 0  # the planned ratio of sequence 5 moved activations in every chunk of its rank
