@@ -21,18 +21,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from megatron_hdp.plan.interleaved import stage_order
+
 FORWARD_SHARE = 1.0 / 3.0
 """Fraction of a micro-batch's time spent in the forward pass (backward = 2x forward)."""
 
 
 def one_f_one_b_order(num_microbatches: int, pp_size: int, stage: int) -> list[tuple[str, int]]:
-    """The 1F1B op order of one stage: warm-up forwards, alternating F/B, cool-down backwards."""
-    warmup = min(pp_size - 1 - stage, num_microbatches)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(num_microbatches - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    order += [("B", i) for i in range(num_microbatches - warmup, num_microbatches)]
-    return order
+    """The 1F1B op order of one stage (warm-up forwards, alternating F/B, cool-down backwards): Megatron's
+    order with one model chunk, `interleaved.stage_order` with vpp_size = 1, as (kind, micro-batch)."""
+    return [(kind, mb) for kind, _, mb in stage_order(num_microbatches, pp_size=pp_size, stage=stage)]
 
 
 def pipeline_time(times: Sequence[float], *, pp_size: int) -> float:
