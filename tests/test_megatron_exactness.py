@@ -91,9 +91,11 @@ def _plan(lengths, *, num_ranks, seed, pp_size, idle, offload=0.0):
 
 
 def _case_config(config, case):
-    """`config` with the case's recompute setting."""
+    """`config` with the case's recompute setting and micro-batch group size of virtual pipeline stages."""
     import dataclasses
 
+    if case.get("group_size"):
+        config = dataclasses.replace(config, microbatch_group_size_per_vp_stage=case["group_size"])
     recompute = case.get("recompute")
     if recompute == "full":
         return dataclasses.replace(config, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -241,28 +243,41 @@ def test_more_layouts_match_single_process_reference(reference, name):
             assert all(b > 0 for b in offloaded), offloaded
 
 
+VPP_GROUP = 3
+"""microbatch_group_size_per_vp_stage of the virtual-pipeline case: above PP = 2, where Megatron runs last
+groups of G + r micro-batches (pp <= r < G) and the ring rule pads beyond Megatron's own constraints."""
+
+
 def _vpp_plans():
-    """Hand plans for HDP = 2 pipelines of PP 2: a ring across the pipelines in each step (one of them in a
-    later micro-batch), uneven counts (4 and 2, then 1 and 3), a planned offload ratio on one sequence."""
+    """Hand plans for HDP = 2 pipelines of PP 2, each with two rings across the pipelines and a planned
+    offload ratio. Step 0: counts 6 and 5, rings at micro-batches 0 and 3. Both counts run in Megatron
+    (G = 3), but together they deadlock (plan.interleaved.deadlock_cycle finds the cycle): the ring rule
+    pads the second pipeline to 6. Step 1: counts 4 and 2, rings at 0 and 1: the pipelines run 5 and 3."""
     from megatron_hdp.megatron.hand_plan import plan_from_rings
 
     (_, first), (_, second) = BATCHES
     return [
-        plan_from_rings(first, [(0, 1), (0,), (1, 0), (0,), (1,), (0,), (0,), (1,), (0,)], [0, 1, 1, 2, 0, 3, 2, 1, 3],
+        plan_from_rings(first, [(0, 1), (0,), (1, 0), (0,), (1,), (0,), (1,), (1,), (0,)], [0, 1, 3, 2, 1, 4, 2, 4, 5],
                         num_ranks=2, capacity=sum(first), pp_size=2,
                         offload_ratios=[0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0]),
-        plan_from_rings(second, [(0, 1), (1,), (1,), (1,), (1,), (1,), (0,)], [0, 1, 2, 0, 2, 1, 0],
-                        num_ranks=2, capacity=sum(second), pp_size=2),
+        plan_from_rings(second, [(0, 1), (0,), (0,), (0,), (1, 0), (1,), (0,)], [0, 1, 2, 3, 1, 0, 3],
+                        num_ranks=2, capacity=sum(second), pp_size=2, offload_ratios=[0.5] + [0.0] * 6),
     ]
 
 
 def test_virtual_pipeline_matches_single_process_reference(reference):
     """VPP 2 x PP 2 x HDP 2 (Megatron's interleaved schedule, one layer per model chunk): every chunk runs
-    each micro-batch with its rings, positions and offload ratio; the pipelines' plan counts differ."""
+    each micro-batch with its rings, positions and offload ratio, and pipelines run the counts the ring
+    rule gives them (`_vpp_plans`)."""
+    from megatron_hdp.plan.interleaved import deadlock_cycle
+
     plans = _vpp_plans()
-    assert [len(r.microbatches) for r in plans[0].ranks] == [4, 2] and [len(r.microbatches) for r in plans[1].ranks] == [1, 3]
-    case = dict(vpp=2, plans=plans, offload=0.5, resident_layers=0)
+    assert [len(r.microbatches) for r in plans[0].ranks] == [6, 5] and [len(r.microbatches) for r in plans[1].ranks] == [4, 2]
+    assert deadlock_cycle([6, 5], rings=[(0, (0, 1)), (3, (1, 0))], pp_size=2, vpp_size=2, group_size=VPP_GROUP)
+    case = dict(vpp=2, group_size=VPP_GROUP, plans=plans, offload=0.5, resident_layers=0)
     results = run_gloo(_hdp, 4, 1, 2, 1, reference[VPP_KIND]["init"], 0, False, case, timeout_s=240)
     _check(reference[VPP_KIND], results)
-    offloaded = [sum(rank_steps[0]["offloaded"] for rank_steps in results)]
-    assert offloaded[0] > 0  # the planned ratio of sequence 5 moved activations in every chunk of its rank
+    # global rank = stage x 2 + HDP rank: both stages of a pipeline run its count
+    assert [rank_steps[0]["num_microbatches"] for rank_steps in results] == [[6, 6, 6, 6]] * 4
+    assert [rank_steps[1]["num_microbatches"] for rank_steps in results] == [[5, 3, 5, 3]] * 4
+    assert all(sum(rank_steps[step]["offloaded"] for rank_steps in results) > 0 for step in range(2))

@@ -36,6 +36,7 @@ from megatron_hdp.data.collate import MaskReader, PackedMicroBatch, TokenReader,
 from megatron_hdp.data.loader import check_plan_agreement
 from megatron_hdp.megatron.forward_step import make_forward_step
 from megatron_hdp.megatron.initialize import HDPState
+from megatron_hdp.plan.interleaved import megatron_constraint_error, padded_counts, satisfies_ring_rule
 from megatron_hdp.plan.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -129,12 +130,14 @@ def check_model_config(config: TransformerConfig, *, state: HDPState) -> None:
         raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1")
 
 
-def check_plan(plan: StepPlan, *, state: HDPState) -> None:
+def check_plan(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> None:
     """ValueError on every rank unless `plan` is valid for this domain and the same on every rank.
 
     The data layer's `check_plan_agreement` over all ranks (every TP rank and PP stage must run the same
     plan too), with this domain's checks as its local check: a rank that rejects the plan still joins the
-    digest all-gather, so no peer hangs in it."""
+    digest all-gather, so no peer hangs in it. With virtual pipeline stages the local check includes the
+    counts the pipelines will run against Megatron's constraints and the ring rule
+    (`check_pipeline_counts`; `group_size`: microbatch_group_size_per_vp_stage)."""
 
     def fits_domain(plan: StepPlan) -> None:
         plan.validate()
@@ -142,37 +145,80 @@ def check_plan(plan: StepPlan, *, state: HDPState) -> None:
             raise ValueError(f"the plan is for {plan.num_ranks} HDP ranks but the HDP domain has {state.hdp_size}")
         if plan.pp_size != state.pp_size:
             raise ValueError(f"the plan was made for pp_size={plan.pp_size} but PP is {state.pp_size}")
+        check_pipeline_counts(plan, state=state, group_size=group_size)
 
     check_plan_agreement(plan, check=fits_domain)
 
 
-def vpp_count(count: int, *, pp_size: int, group_size: int) -> int:
-    """The smallest micro-batch count >= `count` that Megatron's interleaved schedule runs with
-    `group_size` (microbatch_group_size_per_vp_stage) contiguous micro-batches per virtual stage: at
-    least `group_size`, and the last group either full or at least `pp_size` long
-    (schedules.py `forward_backward_pipelining_with_interleaving` raises otherwise)."""
-    if group_size < pp_size:
+def ring_slots(plan: StepPlan) -> list[tuple[int, tuple[int, ...]]]:
+    """(micro-batch index, member HDP ranks) of every ring of `plan` (a validated plan puts all members of
+    a ring at one index): the `rings` of `plan.interleaved`, whose pipelines are the HDP ranks."""
+    index_of = {}
+    for schedule in plan.ranks:
+        for index, mb in enumerate(schedule.microbatches):
+            for shard in mb.shards:
+                index_of[shard.seq] = index
+    return [(index_of[seq.id], tuple(seq.ring)) for seq in plan.sequences if len(seq.ring) > 1]
+
+
+def pipeline_counts(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> list[int]:
+    """Micro-batches each HDP rank (with PP: each pipeline) runs for `plan`.
+
+    Its own count, raised to its EP group's largest (the MoE all-to-all binds the group in every layer),
+    to the domain's largest with 1F1B (PP > 1), and at least one (every rank takes part in the gradient
+    reduction). With virtual pipeline stages, `plan.interleaved.padded_counts`: the least counts
+    Megatron's interleaved schedule runs (`group_size` = microbatch_group_size_per_vp_stage, None: the
+    PP size) that keep THE RING RULE written there, so pipelines run different counts and every ring's
+    (chunk, micro-batch) is reached without a cycle of waits. An EP group is linked like a ring."""
+    counts = [len(r.microbatches) for r in plan.ranks]
+    groups = ep_groups(state)
+    for group in groups:
+        counts[group[0]:group[-1] + 1] = [max(counts[r] for r in group)] * len(group)
+    if state.vpp_size > 1:
+        links = [(0, group) for group in groups if len(group) > 1]
+        return padded_counts(counts, pp_size=state.pp_size, vpp_size=state.vpp_size, group_size=group_size,
+                             rings=ring_slots(plan) + links)
+    if state.pp_size > 1:
+        return [max(1, max(counts))] * len(counts)
+    return [max(1, n) for n in counts]
+
+
+def ep_groups(state: HDPState) -> list[tuple[int, ...]]:
+    """The HDP ranks of every expert-parallel group of the domain: consecutive blocks of `ep_size`
+    (Megatron orders expert parallelism inside data parallelism, as this rank's own group shows)."""
+    groups = [tuple(range(first, first + state.ep_size)) for first in range(0, state.hdp_size, state.ep_size)]
+    assert tuple(sorted(state.ep_hdp_ranks)) in groups, f"EP group {state.ep_hdp_ranks} is not a block of {groups}"
+    return groups
+
+
+def check_pipeline_counts(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> list[int]:
+    """`pipeline_counts`, checked against Megatron's interleaved-schedule constraints and THE RING RULE
+    (plan.interleaved) before any micro-batch runs: ValueError naming the broken constraint, raised alike
+    on every rank (same plan, same counts), so no rank enters a ring P2P that a peer never reaches."""
+    counts = pipeline_counts(plan, state=state, group_size=group_size)
+    if state.vpp_size == 1:
+        return counts
+    for rank, count in enumerate(counts):
+        error = megatron_constraint_error(count, pp_size=state.pp_size, vpp_size=state.vpp_size,
+                                          group_size=group_size)
+        if error:
+            raise ValueError(f"HDP rank {rank}'s pipeline would run {count} micro-batches: {error}; set "
+                             "--microbatch-group-size-per-virtual-pipeline-stage within [pp, micro-batches]")
+    rings = ring_slots(plan)
+    if not satisfies_ring_rule(counts, rings=rings, pp_size=state.pp_size, vpp_size=state.vpp_size,
+                               group_size=group_size):
         raise ValueError(
-            f"microbatch_group_size_per_vp_stage={group_size} is below the pipeline size {pp_size}: Megatron's "
-            f"interleaved schedule needs at least {pp_size} (--microbatch-group-size-per-virtual-pipeline-stage)"
+            f"micro-batch counts {counts} of the pipelines break the ring rule of the interleaved schedule for "
+            f"rings (micro-batch, pipelines) {rings}: in each set of pipelines linked by rings every count must "
+            "be the set's largest or a multiple of microbatch_group_size_per_vp_stage, or ring P2P can deadlock "
+            "(plan.interleaved); pad with plan.interleaved.padded_counts"
         )
-    count = max(count, group_size)
-    while 0 < count % group_size < pp_size:
-        count += 1
-    return count
+    return counts
 
 
 def num_microbatches_to_run(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> int:
-    """Micro-batches this rank runs: its own, raised to its EP group's largest, to the domain's largest
-    with PP, and at least one (every rank takes part in the gradient reduction). With virtual pipeline
-    stages the count meets the interleaved schedule's constraints (`vpp_count`, `group_size` =
-    microbatch_group_size_per_vp_stage, default the PP size as in Megatron's config)."""
-    counts = [len(r.microbatches) for r in plan.ranks]
-    if state.vpp_size > 1:
-        return vpp_count(max(counts), pp_size=state.pp_size, group_size=group_size or state.pp_size)
-    if state.pp_size > 1:
-        return max(1, max(counts))
-    return max(1, max(counts[r] for r in state.ep_hdp_ranks))
+    """Micro-batches this rank runs (`check_pipeline_counts` at its HDP rank)."""
+    return check_pipeline_counts(plan, state=state, group_size=group_size)[state.hdp_rank]
 
 
 def pad_microbatches(
@@ -306,7 +352,7 @@ class HDPTrainer:
         """One training step of the global batch `plan` describes (the same plan on every rank)."""
         start = time.perf_counter()
         self._stamps = [time.process_time()]
-        check_plan(plan, state=self.state)
+        check_plan(plan, state=self.state, group_size=self.config.microbatch_group_size_per_vp_stage)
         batches = self.collate(plan, read_tokens, read_loss_mask)
         ratios = offload_ratios(plan, rank=self.state.hdp_rank, num_microbatches=len(batches))
         forward_step = make_forward_step(
