@@ -192,7 +192,7 @@ def install_step(rank: str = "0") -> None:
     chunks, optimizer, _ = training_install._setup_model_and_optimizer(built)()
     config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, ddp.no_sync  # as train() sets them
     config.grad_scale_func = optimizer.scale_loss
-    assert training_install._STATE.offloader is not None, "--hdp-offload attaches an offloader"
+    assert training_install._STATE.offloaders, "--hdp-offload attaches an offloader"
 
     data_iterator = iter(loader)
     logged = []
