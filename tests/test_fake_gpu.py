@@ -60,6 +60,13 @@ def test_hdp_step_on_fake_gpu(guard_library, pp_size, rank):
     assert "of micro-batch tensors (pinned, non-blocking)" in output
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_virtual_pipeline_step_on_fake_gpu(guard_library, rank):
+    """Two HDP steps as PP stage `rank` of 2 with 2 virtual pipeline stages: model chunks on "cuda", a DDP
+    and an offloader per chunk, Megatron's interleaved schedule with overlapped P2P."""
+    assert "micro-batch copies (pinned, non-blocking) over 2 chunks" in _run(guard_library, "hdp_step_vpp", rank)
+
+
 def test_first_nccl_operation_is_not_a_ring(guard_library):
     """initialize_hdp on 4 ranks, then ring attention among ranks 0 and 1."""
     assert "scenario first_p2p: ok" in _run(guard_library, "first_p2p", "4")
