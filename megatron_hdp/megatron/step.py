@@ -297,7 +297,7 @@ class HDPTrainer:
         offloader: Any = None,
     ) -> None:
         self.model = model
-        self.chunks: list[torch.nn.Module] = [model] if isinstance(model, torch.nn.Module) else list(model)
+        self.chunks: list[torch.nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]
         if len(self.chunks) != state.vpp_size:
             raise ValueError(
                 f"{len(self.chunks)} model chunks for {state.vpp_size} virtual pipeline stages per PP rank: "
