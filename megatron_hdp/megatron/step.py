@@ -231,7 +231,7 @@ def pad_microbatches(
 ) -> list[PackedMicroBatch]:
     """`batches` (this rank's collated micro-batches of `plan`) followed by the empty micro-batches that
     make up the count `num_microbatches_to_run` asks for: an idle rank runs one, an EP group's or (with
-    PP) the domain's ranks run the same count.
+    1F1B) the domain's ranks run the same count, with virtual pipeline stages the ring rule's count.
 
     A padding micro-batch is a real forward and backward through the whole model, with a loss mask of
     zeros: its loss is exactly 0 and adds nothing to the token-level sum, yet every parameter gets a
