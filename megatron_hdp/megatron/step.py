@@ -9,11 +9,13 @@ that could hang):
    ranks together: the ranks of one expert-parallel group run the same count (MoE all-to-all in every
    layer), and with PP every pipeline runs the domain's largest count, so that the 1F1B order of every
    pipeline reaches a ring's micro-batch at the same place (ring members share a micro-batch index);
-   with virtual pipeline stages the count also meets Megatron's interleaved schedule (`vpp_count`);
+   with virtual pipeline stages pipelines run different counts, padded only where Megatron's interleaved
+   schedule or the ring rule of `plan.interleaved` needs it (`pipeline_counts`, checked before any P2P);
 3. Megatron's `get_forward_backward_func()` (no pipelining, 1F1B, or the interleaved schedule over
    several model chunks, with `variable_seq_lengths`) runs them, each chunk reading the same micro-batches
-   in order from its own iterator (`chunk_iterators`); `finalize_model_grads` all-reduces the gradients over the data-parallel group (= HDP domain)
-   and divides them by the global loss-token count (`calculate_per_token_loss`);
+   in order from its own iterator (`chunk_iterators`); `finalize_model_grads` all-reduces the gradients
+   over the data-parallel group (= HDP domain) and divides them by the global loss-token count
+   (`calculate_per_token_loss`);
 4. the optimizer steps; the statistics of the step are gathered (loss, times, balance, ring bytes).
 """
 
