@@ -154,3 +154,10 @@ def test_hdp_flags_without_hdp_warn_once(caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_hdp.megatron.args"):
         assert validate_hdp_args(args) is None
     assert [r.getMessage() for r in caplog.records] == ["HDP is off (no --hdp): ignoring --hdp-capacity"]
+
+
+def test_dynamic_cp_policy_without_a_checkout_is_refused(monkeypatch):
+    monkeypatch.delenv("MEGATRON_LM_DIR", raising=False)
+    with pytest.raises(ValueError, match="--hdp-policy megatron-dynamic-cp: .*set MEGATRON_LM_DIR"):
+        parse_and_check(TINY + HDP + ["--hdp-policy", "megatron-dynamic-cp"], world_size=4,
+                        env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})

@@ -72,15 +72,6 @@ def test_constraints_are_megatrons():
     assert il.megatron_constraint_error(3, pp_size=4, vpp_size=1) is None
 
 
-def test_one_f_one_b_is_the_same_family():
-    from megatron_hdp.plan.pipeline import one_f_one_b_order
-
-    for num, pp in itertools.product(range(1, 9), range(1, 6)):
-        for stage in range(pp):
-            assert one_f_one_b_order(num, pp, stage) == [
-                (kind, mb) for kind, _, mb in il.stage_order(num, pp_size=pp, stage=stage)]
-
-
 BREAKS_THE_RULE = dict(counts=[8, 6], rings=[(0, (0, 1)), (4, (0, 1))], pp_size=2, vpp_size=2, group_size=4)
 """Rings at micro-batches 0 and 4 of two pipelines of 8 and 6 (6 = 4 + 2 is a count Megatron runs with
 pp 2, its last group [4, 5] holding 2). Micro-batch 4 sits in a full group [4..7] on pipeline 0 and in the

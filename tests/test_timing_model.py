@@ -125,3 +125,38 @@ def test_planner_and_simulator_agree_with_expert_parallelism_on_random_plans():
         where = f"seed {seed}, {num_ranks} ranks, lengths {lengths}"
         np.testing.assert_allclose(timeline.busy, [r.est_time for r in assembled.ranks], rtol=1e-9, err_msg=where)
         assert timeline.compute_end == pytest.approx(assembled.est_step_time, rel=1e-9), where
+
+
+def test_virtual_stages_with_rings_on_random_plans():
+    """Random plans with rings at any index and uneven counts, run with virtual pipeline stages: the
+    runtime's counts (`plan.interleaved.padded_counts`: multiples of pp here) keep the ring rule, so the
+    brute-force wait-for graph is acyclic and the simulator completes; its busy time is the planner's
+    micro-batch times plus the padding, and coupling only adds waits: every rank finishes no earlier than
+    its own pipeline alone (`pipeline_time`, the planner's rank time)."""
+    from megatron_hdp.plan.interleaved import deadlock_free
+    from megatron_hdp.plan.timing import plan_runtime_counts
+
+    rng = np.random.default_rng(4)
+    for seed in range(12):
+        pp, vpp = (2, 2) if seed % 2 else (4, 2)
+        num_ranks = int(rng.integers(2, 6))
+        lengths = rng.integers(1, 20000, size=int(rng.integers(2, 10))).tolist()
+        drawn = random_plan(lengths, num_ranks=num_ranks, seed=seed, max_slots=5)
+        schedule = [[[s.seq for s in mb.shards] for mb in r.microbatches] for r in drawn.ranks]
+        plan = assemble_plan(policy="random", lengths=lengths, rings=[s.ring for s in drawn.sequences],
+                             offload_ratios=[0.0] * len(lengths), schedule=schedule, capacity=drawn.capacity,
+                             cost_model=SLOW_RING, pp_size=pp, vpp_size=vpp)
+        counts = plan_runtime_counts(plan)
+        assert all(n % pp == 0 and n >= len(r.microbatches) for n, r in zip(counts, plan.ranks))
+        rings = [(index, seq.ring) for seq in plan.sequences if len(seq.ring) > 1
+                 for index, mb in enumerate(plan.ranks[seq.ring[0]].microbatches)
+                 if any(s.seq == seq.id for s in mb.shards)]
+        assert deadlock_free(counts, rings=rings, pp_size=pp, vpp_size=vpp)
+        timeline = simulate_step(plan, SLOW_RING, rules=PolicyRules())
+        padding = SLOW_RING.microbatch_time([], pp_size=pp)
+        busy = [sum(mb.est_time for mb in r.microbatches) + padding * (n - len(r.microbatches))
+                for r, n in zip(plan.ranks, counts)]
+        where = f"seed {seed}, {num_ranks} ranks, pp {pp}, lengths {lengths}"
+        np.testing.assert_allclose(timeline.busy, busy, rtol=1e-9, err_msg=where)
+        assert all(f >= r.est_time * (1 - 1e-9) for f, r in zip(timeline.finish, plan.ranks)), where
+        assert sum(len(stage) for stage in timeline.ops[0]) == 2 * vpp * pp * counts[0]

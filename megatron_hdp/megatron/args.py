@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_hdp.config import HDPConfig
+from megatron_hdp.megatron.dynamic_cp_policy import scheduler_checkout
 from megatron_hdp.megatron.training_compat import require_megatron_training
 
 require_megatron_training()
@@ -124,6 +125,11 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             f"{args.pipeline_model_parallel_size}: Megatron's hybrid-CP scheduler has no pipeline support; "
             "use --hdp-policy balance"
         )
+    if config.hdp_policy == "megatron-dynamic-cp":
+        try:
+            scheduler_checkout()
+        except ValueError as error:
+            problems.append(f"--hdp-policy megatron-dynamic-cp: {error}")
     if config.hdp_cost_model is not None and not os.path.isfile(config.hdp_cost_model):
         problems.append(
             f"--hdp-cost-model {config.hdp_cost_model}: no such file; write one with `megatron-hdp calibrate` "

@@ -101,6 +101,7 @@ def plan_balance(
     config: HDPConfig,
     cost_model: CostModel,
     pp_size: int = 1,
+    vpp_size: int = 1,
     exact: bool = False,
 ) -> StepPlan:
     """Plan a global batch with ByteScale's balance scheduler plus refinement (see the module doc).
@@ -110,7 +111,7 @@ def plan_balance(
     """
     with gc_paused():  # the whole build allocates ~100K short-lived objects (see `assemble.gc_paused`)
         return _plan_balance(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model,
-                             pp_size=pp_size, exact=exact)
+                             pp_size=pp_size, vpp_size=vpp_size, exact=exact)
 
 
 def _plan_balance(
@@ -120,6 +121,7 @@ def _plan_balance(
     config: HDPConfig,
     cost_model: CostModel,
     pp_size: int,
+    vpp_size: int,
     exact: bool,
 ) -> StepPlan:
     capacity = config.hdp_capacity
@@ -130,7 +132,7 @@ def _plan_balance(
         tokens, sharding.ring_sizes, sharding.offload_ratios, num_ranks=num_ranks, capacity=capacity,
         cost_model=cost_model, max_offload_ratio=config.max_offload_ratio, pp_size=pp_size, alternatives=True)
     common = dict(tokens=tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
-                  exact=exact)
+                  vpp_size=vpp_size, exact=exact)
     plan = _build(lengths, *options[0], **common)
     mean = sum(r.est_time for r in plan.ranks) / num_ranks
     if pp_size > 1 or (plan.est_step_time > RETRY_GAP * mean
@@ -157,6 +159,7 @@ def _build(
     capacity: int,
     cost_model: CostModel,
     pp_size: int,
+    vpp_size: int,
     exact: bool,
 ) -> StepPlan:
     """Steps 3-6 of the module doc for one choice of ring sizes (`tokens`: the lengths as an array)."""
@@ -167,7 +170,7 @@ def _build(
     whole_order = whole_ids[np.lexsort((whole_ids, -weights[whole_ids]))].tolist()
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     common = dict(lengths=lengths, weights=weights, tokens=tokens, offload_ratios=offload_ratios, capacity=capacity,
-                  cost_model=cost_model, pp_size=pp_size, exact=exact, overhead=overhead)
+                  cost_model=cost_model, pp_size=pp_size, vpp_size=vpp_size, exact=exact, overhead=overhead)
     aligned = place_rings(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks)
     plan = _finish([[[seq] for seq in ring_mbs] for ring_mbs in aligned.ring_microbatches], aligned.rings,
                    aligned.finish, whole_order, **common)
@@ -199,6 +202,7 @@ def _finish(
     capacity: int,
     cost_model: CostModel,
     pp_size: int,
+    vpp_size: int,
     exact: bool,
     overhead: float,
 ) -> StepPlan:
@@ -208,7 +212,7 @@ def _finish(
     num_ranks = len(leading)
     counts = np.array([len(mbs) for mbs in leading], dtype=np.int64)
     given = assign_whole(whole_order, weights=weights, tokens=tokens,
-                         base=finish, cost=PipelineCost(pp_size, capacity, counts), exact=exact)
+                         base=finish, cost=PipelineCost(pp_size, capacity, counts, vpp_size), exact=exact)
     rings: list[tuple[int, ...]] = [()] * len(lengths)
     for seq, ring in ring_of.items():
         rings[seq] = ring
@@ -225,7 +229,9 @@ def _finish(
             rings[seq] = whole
         times = [overhead + sum(map(seconds.__getitem__, mb)) for mb in leading[rank]]
         bins = pack_for_pipeline(list(map(lengths.__getitem__, items)), list(map(seconds.__getitem__, items)),
-                                 capacity=capacity, leading=times, overhead=overhead, pp_size=pp_size)
+                                 capacity=capacity, leading=times, overhead=overhead, pp_size=pp_size,
+                                 vpp_size=vpp_size)
         schedule.append([list(mb) for mb in leading[rank]] + [[items[j] for j in b] for b in bins])
     return assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
-                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
+                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                         vpp_size=vpp_size)

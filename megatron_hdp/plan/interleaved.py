@@ -17,7 +17,7 @@ alternates forward W + k / backward k (1F1B steady state), then the remaining ba
 
 so forward id j runs before backward id k iff j <= W + k. Megatron refuses, for v > 1, G outside
 [pp, N] and a remainder N mod G in (0, pp) (`megatron_constraint_error`). With v = 1 the table is
-micro-batch order and `stage_order` is the classic 1F1B order (`plan.pipeline.one_f_one_b_order`).
+micro-batch order and `stage_order` is the classic 1F1B order.
 
 The ring rule
 -------------
