@@ -112,7 +112,7 @@ def hdp_step_vpp(rank: str = "0") -> None:
     ddps, optimizer = wrap_chunks_for_training(chunks, bf16=True)
     offloaders = [ActivationOffloader(layers=list(c.decoder.layers)) for c in chunks]
     trainer = HDPTrainer(model=ddps, optimizer=optimizer, state=state, backend="torch_varlen", offloader=offloaders)
-    plan = plan_from_rings([PP_TOKENS] * 4, [(0,)] * 4, [0, 1, 2, 3], num_ranks=1, capacity=16, pp_size=2,
+    plan = plan_from_rings([PP_TOKENS] * 4, [(0,)] * 4, [0, 1, 2, 3], num_ranks=1, capacity=16, pp_size=2, vpp_size=2,
                            offload_ratios=[0.5, 0.0, 0.5, 0.0])
     trainer.step(plan, _read_tokens)
     mode.h2d.clear()

@@ -258,10 +258,10 @@ def _vpp_plans():
     (_, first), (_, second) = BATCHES
     return [
         plan_from_rings(first, [(0, 1), (0,), (1, 0), (0,), (1,), (0,), (1,), (1,), (0,)], [0, 1, 3, 2, 1, 4, 2, 4, 5],
-                        num_ranks=2, capacity=sum(first), pp_size=2,
+                        num_ranks=2, capacity=sum(first), pp_size=2, vpp_size=2,
                         offload_ratios=[0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0]),
         plan_from_rings(second, [(0, 1), (0,), (0,), (0,), (1, 0), (1,), (0,)], [0, 1, 2, 3, 1, 0, 3],
-                        num_ranks=2, capacity=sum(second), pp_size=2, offload_ratios=[0.5] + [0.0] * 6),
+                        num_ranks=2, capacity=sum(second), pp_size=2, vpp_size=2, offload_ratios=[0.5] + [0.0] * 6),
     ]
 
 

@@ -30,7 +30,8 @@ def _plan(counts, rings, num_ranks=2):
     for rank, count in enumerate(counts):
         for slot in range(count):
             lengths.append(1), placed.append((rank,)), slots.append(slot)
-    return plan_from_rings(lengths, placed, slots, num_ranks=num_ranks, capacity=sum(lengths), pp_size=2)
+    return plan_from_rings(lengths, placed, slots, num_ranks=num_ranks, capacity=sum(lengths), pp_size=2,
+                           vpp_size=2)
 
 
 def test_rule_pads_only_where_a_cycle_would_form():
@@ -65,7 +66,9 @@ def test_counts_that_break_the_ring_rule_are_refused_before_the_schedule(monkeyp
             least.append(n)
         return least
 
-    monkeypatch.setattr(step, "padded_counts", per_pipeline)
+    from megatron_hdp.plan import timing
+
+    monkeypatch.setattr(timing, "padded_counts", per_pipeline)
     plan = _plan([6, 5], [(0, (0, 1)), (3, (1, 0))])
     with pytest.raises(ValueError, match=r"counts \[6, 5\] of the pipelines break the ring rule"):
         step.check_pipeline_counts(plan, state=_state(hdp_rank=1), group_size=3)

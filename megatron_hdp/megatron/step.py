@@ -38,8 +38,9 @@ from megatron_hdp.data.collate import MaskReader, PackedMicroBatch, TokenReader,
 from megatron_hdp.data.loader import check_plan_agreement
 from megatron_hdp.megatron.forward_step import make_forward_step
 from megatron_hdp.megatron.initialize import HDPState
-from megatron_hdp.plan.interleaved import megatron_constraint_error, padded_counts, satisfies_ring_rule
+from megatron_hdp.plan.interleaved import megatron_constraint_error, satisfies_ring_rule
 from megatron_hdp.plan.step_plan import StepPlan
+from megatron_hdp.plan.timing import runtime_microbatch_counts
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,9 @@ def check_plan(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = N
             raise ValueError(f"the plan is for {plan.num_ranks} HDP ranks but the HDP domain has {state.hdp_size}")
         if plan.pp_size != state.pp_size:
             raise ValueError(f"the plan was made for pp_size={plan.pp_size} but PP is {state.pp_size}")
+        if plan.vpp_size != state.vpp_size:
+            raise ValueError(f"the plan was made for vpp_size={plan.vpp_size} but the model has {state.vpp_size} "
+                             "virtual pipeline stages per PP rank: plan with the model's vpp_size")
         check_pipeline_counts(plan, state=state, group_size=group_size)
 
     check_plan_agreement(plan, check=fits_domain)
@@ -164,7 +168,8 @@ def ring_slots(plan: StepPlan) -> list[tuple[int, tuple[int, ...]]]:
 
 
 def pipeline_counts(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> list[int]:
-    """Micro-batches each HDP rank (with PP: each pipeline) runs for `plan`.
+    """Micro-batches each HDP rank (with PP: each pipeline) runs for `plan`: the counts the planner times
+    (`plan.timing.runtime_microbatch_counts`, one function for both).
 
     Its own count, raised to its EP group's largest (the MoE all-to-all binds the group in every layer),
     to the domain's largest with 1F1B (PP > 1), and at least one (every rank takes part in the gradient
@@ -172,25 +177,10 @@ def pipeline_counts(plan: StepPlan, *, state: HDPState, group_size: Optional[int
     Megatron's interleaved schedule runs (`group_size` = microbatch_group_size_per_vp_stage, None: the
     PP size) that keep THE RING RULE written there, so pipelines run different counts and every ring's
     (chunk, micro-batch) is reached without a cycle of waits. An EP group is linked like a ring."""
-    counts = [len(r.microbatches) for r in plan.ranks]
-    groups = ep_groups(state)
-    for group in groups:
-        counts[group[0]:group[-1] + 1] = [max(counts[r] for r in group)] * len(group)
-    if state.vpp_size > 1:
-        links = [(0, group) for group in groups if len(group) > 1]
-        return padded_counts(counts, pp_size=state.pp_size, vpp_size=state.vpp_size, group_size=group_size,
-                             rings=ring_slots(plan) + links)
-    if state.pp_size > 1:
-        return [max(1, max(counts))] * len(counts)
-    return [max(1, n) for n in counts]
-
-
-def ep_groups(state: HDPState) -> list[tuple[int, ...]]:
-    """The HDP ranks of every expert-parallel group of the domain: consecutive blocks of `ep_size`
-    (Megatron orders expert parallelism inside data parallelism, as this rank's own group shows)."""
-    groups = [tuple(range(first, first + state.ep_size)) for first in range(0, state.hdp_size, state.ep_size)]
-    assert tuple(sorted(state.ep_hdp_ranks)) in groups, f"EP group {state.ep_hdp_ranks} is not a block of {groups}"
-    return groups
+    return runtime_microbatch_counts(
+        [len(r.microbatches) for r in plan.ranks], pp_size=state.pp_size, ep_size=state.ep_size,
+        vpp_size=state.vpp_size, rings=[members for _, members in ring_slots(plan)], group_size=group_size,
+    )
 
 
 def check_pipeline_counts(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> list[int]:
