@@ -55,8 +55,8 @@ def run_mix(mix: str, *, ring_bandwidth: float | None, steps: int, seed: int) ->
     spec = ClusterSpec("llama-7b", num_gpus=1024, tp_size=8, ring_bandwidth=ring_bandwidth)
     results: dict[str, dict] = {}
     for offload in (True, False):
-        policies = sorted({policy for _, policy, allowed in STEPS if allowed == offload})
-        comparison = compare_policies(spec, context=CONTEXT, distribution=mix, policies=["static", *policies],
+        policies = sorted({"static"} | {policy for _, policy, allowed in STEPS if allowed == offload})
+        comparison = compare_policies(spec, context=CONTEXT, distribution=mix, policies=policies,
                                       steps=steps, seed=seed, offload=offload, progress=False)
         for step, policy, allowed in STEPS:
             if allowed != offload:

@@ -37,14 +37,15 @@ def _read_tokens(seq: int, start: int, end: int) -> np.ndarray:
 
 
 
-def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
+def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: bool = False):
     """Two HDP steps (collate -> forward -> backward -> finalize -> optimizer -> stats) of a tiny bf16
-    GPTModel with the HDP spec, torch varlen attention and offloading, as HDP rank `rank` of 2 (PP=1:
-    a ring between both ranks plus whole documents) or as PP stage `rank` of 2 (PP=2)."""
+    GPTModel with the HDP spec, torch varlen attention and offloading, as HDP rank `me` of 2 (PP=1: a
+    ring between both ranks plus whole documents; rank 0 runs two micro-batches, rank 1 one) or as PP
+    stage `me` of 2 (PP=2). `fp8_recipe` turns on Megatron's FP8 (TE's collectives stood in for by
+    `fake_te_fp8`). Returns the harness's `HostAndDevice` mode with the second step's copies."""
     import torch
     import fake_gpu
 
-    pp, me = int(pp_size), int(rank)
     mode = fake_gpu.install(world_size=WORLD, rank=me)
     from megatron_hdp.megatron.hand_plan import plan_from_rings
     from megatron_hdp.megatron.initialize import initialize_hdp
@@ -61,6 +62,11 @@ def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
     config = tiny_llama_config(num_layers=4)
     config.bf16, config.params_dtype, config.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
     config.use_cpu_initialization = False
+    if fp8_recipe:
+        import fake_te_fp8
+
+        fake_te_fp8.install()
+        config.fp8, config.fp8_recipe, config.tp_only_amax_red = "hybrid", fp8_recipe, tp_only_amax_red
     with torch.device("cuda"):  # Megatron's own layers init on the GPU; torch's norms need the default device
         model = build_gpt(config, vocab_size=VOCAB, max_sequence_length=64)
     assert next(model.parameters()).device.type == "cuda", "the model must be built on the (fake) GPU"
@@ -78,10 +84,21 @@ def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
     mode.h2d.clear()
     stats = trainer.step(plan, _read_tokens)
     assert len(stats.compute_times) == WORLD  # values are placeholders: fake tensors hold none
+    return mode
+
+
+def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
+    """`_run_hdp_steps` as global rank `rank` of 2, then the step's host-to-device copies checked."""
+    mode = _run_hdp_steps(int(pp_size), int(rank))
     pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
     assert not pageable, f"blocking host-to-device copies inside layers (one per layer per micro-batch): {pageable[:3]}"
     batch_copies = [c for c in mode.h2d if "collate.py" in c["where"]]
     assert batch_copies and all(c["pinned"] and c["non_blocking"] for c in batch_copies), batch_copies
+    blocking = fake_gpu.blocking_copies_in_microbatches(mode)
+    assert not blocking, (f"{len(blocking)} blocking host-to-device copies between a micro-batch's transfer and "
+                          f"its backward: {[(c['where'], c['bytes']) for c in blocking[:4]]}")
+    megatrons = fake_gpu.blocking_copies_in_microbatches(mode, code="/megatron/core/")  # e.g. PP shapes
+    print(f"blocking copies in micro-batches: none of ours, {len(megatrons)} of Megatron's")
     print(f"host-to-device copies of the step: {len(batch_copies)} of micro-batch tensors (pinned, non-blocking), "
           f"{len(mode.h2d) - len(batch_copies)} others; host syncs outside layers: {len(mode.host_syncs)}")
 
@@ -125,6 +142,23 @@ def hdp_step_vpp(rank: str = "0") -> None:
     print(f"virtual pipeline: {len(batch_copies)} micro-batch copies (pinned, non-blocking) over 2 chunks")
 
 
+def fp8_collectives(rank: str, recipe: str, tp_only_amax_red: str, log_path: str) -> None:
+    """`_run_hdp_steps` at PP=1 with FP8 `recipe` as HDP rank `rank` of 2 (rank 0 runs two micro-batches,
+    rank 1 one); writes this rank's per-communicator collective log, or the refusal, as JSON."""
+    import json
+
+    import fake_gpu
+
+    try:
+        _run_hdp_steps(1, int(rank), fp8_recipe=recipe, tp_only_amax_red=tp_only_amax_red == "1")
+    except ValueError as err:
+        result = {"refused": str(err)}
+    else:
+        result = {"log": fake_gpu.collective_log()}
+    with open(log_path, "w") as out:
+        json.dump(result, out, indent=1)
+
+
 def first_p2p(world_size: str = "4") -> None:
     """initialize_hdp on a world of 4, then a ring among ranks 0 and 1 (its first NCCL operation on the
     default group must not be the ring's P2P)."""
@@ -166,7 +200,7 @@ INSTALL_ARGS = (
     "--ffn-hidden-size 128 --max-position-embeddings 64 --seq-length 64 --micro-batch-size 1 "
     "--global-batch-size 6 --train-iters 2 --lr 1e-3 --bf16 --tokenizer-type NullTokenizer --vocab-size 64 "
     "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
-    "--transformer-impl local --calculate-per-token-loss --num-workers 0 --seed 1234 "
+    "--transformer-impl local --calculate-per-token-loss --attention-dropout 0.0 --num-workers 0 --seed 1234 "
     "--hdp --hdp-capacity 32 --hdp-offload --hdp-attention-backend torch_varlen"
 ).split()
 INSTALL_DOCUMENTS = [50, 9, 12, 20, 45, 8, 16, 30, 11, 40, 7, 14]
@@ -259,5 +293,60 @@ def install_step(rank: str = "0") -> None:
     batch_copies = [c for c in mode.h2d if "collate.py" in c["where"]]
     assert batch_copies and all(c["pinned"] and c["non_blocking"] for c in batch_copies), (
         f"micro-batches copied to the GPU from pageable memory (a synchronous copy each): {batch_copies[:3]}")
+    blocking = fake_gpu.blocking_copies_in_microbatches(mode)
+    assert not blocking, (f"{len(blocking)} blocking host-to-device copies between a micro-batch's transfer and "
+                          f"its backward: {[(c['where'], c['bytes']) for c in blocking[:4]]}")
     print(f"install() path: {len(batch_copies)} micro-batch copies (pinned, non-blocking); "
           f"hdp statistics {sorted(stats)[:3]}...")
+
+
+def moe_routers(rank: str = "0") -> None:
+    """The MoE routers of three layers (`DocumentAuxLossRouter`: per-document load-balancing loss and
+    z-loss) over the micro-batches of a plan with a ring over both ranks and whole documents, forward and
+    backward, as HDP rank `rank` of 2. Megatron's token dispatcher and experts are left out: they read
+    their split sizes on the host by design, which fake tensors cannot answer. No blocking host-to-device
+    copy between a micro-batch's transfer and its backward (the lengths, the z-loss mask)."""
+    import torch
+    import fake_gpu
+
+    me = int(rank)
+    mode = fake_gpu.install(world_size=WORLD, rank=me)
+    from megatron_hdp.data.collate import collate_microbatch
+    from megatron_hdp.megatron.forward_step import packed_seq_params
+    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.model import tiny_llama_config
+    from megatron_hdp.megatron.moe_aux_loss import DocumentAuxLossRouter, remember_documents
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    initialize_hdp()
+    config = tiny_llama_config(num_layers=3, num_moe_experts=4, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    with torch.device("cuda"):
+        routers = [DocumentAuxLossRouter(config, pg_collection=groups) for _ in range(3)]
+    for number, router in enumerate(routers, start=1):
+        router.set_layer_number(number)
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device="cuda"))  # as Megatron's schedule sets it
+    plan = plan_from_rings([24, 10, 8], [(0, 1), (0,), (1,)], [0, 1, 0], num_ranks=2, capacity=32)
+    for step in range(2):  # the second step reuses the ring plans the first one built
+        mode.h2d.clear()
+        for microbatch in plan.ranks[me].microbatches:
+            host = collate_microbatch(plan, microbatch, _read_tokens, rank=me).pin_memory()
+            batch = host.to("cuda", non_blocking=True)
+            params = packed_seq_params(batch, hdp_global_ranks=(0, 1), host=host)
+            remember_documents(None, (), {"packed_seq_params": params})
+            hidden = torch.randn(host.num_tokens, config.hidden_size, device="cuda", requires_grad=True)
+            fake_gpu._LAYER_DEPTH[0] += 1  # the routers run inside their transformer layers
+            probs = [router(hidden)[0] for router in routers]
+            fake_gpu._LAYER_DEPTH[0] -= 1
+            torch.stack([p.sum() for p in probs]).sum().backward()
+    assert mode.backward_ops, "the backward ran on autograd's device thread"
+    pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
+    assert not pageable, f"blocking host-to-device copies inside MoE layers: {[c['where'] for c in pageable[:3]]}"
+    blocking = fake_gpu.blocking_copies_in_microbatches(mode)
+    assert not blocking, (f"{len(blocking)} blocking host-to-device copies between a micro-batch's transfer and "
+                          f"its backward: {[(c['where'], c['bytes']) for c in blocking[:4]]}")
+    print(f"MoE routers: {len(mode.h2d)} host-to-device copies in the last step, none blocking")

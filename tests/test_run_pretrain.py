@@ -15,7 +15,7 @@ from megatron_hdp.megatron.training_install import _pipeline_shapes_per_microbat
 FLAGS = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
     "--micro-batch-size 1 --global-batch-size 8 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer "
-    "--vocab-size 256 --mock-data --transformer-impl local --calculate-per-token-loss --hdp"
+    "--vocab-size 256 --mock-data --transformer-impl local --calculate-per-token-loss --attention-dropout 0.0 --hdp"
 ).split()
 
 

@@ -21,6 +21,7 @@ import torch
 
 from megatron_hdp.attention import local_varlen_attention, ring_attention
 from megatron_hdp.attention.backends import Segments
+from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.local import local_segments
 from megatron_hdp.attention.zigzag_ring import prepare_ring_plan
 from megatron_hdp.data.collate import AttentionGroup
@@ -46,14 +47,22 @@ class HDPBatchMeta:
     """Local kernel of `megatron_hdp.attention.backends` ("auto": the best available)."""
     segments: tuple[Optional[Segments], ...] = field(init=False, repr=False, compare=False)
     """Per group: the kernel segments of a local group, cu_seqlens on the device of `position_ids`."""
+    document_lengths: torch.Tensor = field(init=False, repr=False, compare=False)
+    """[documents] int64 on the device: the full length of each document of the micro-batch, in packed
+    order (padding left out); the MoE router's per-document losses divide by them."""
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        device = self.position_ids.device
-        segments = tuple(None if g.is_ring else local_segments(g.seqlens, device) for g in self.groups)
+        # every device table the layers need (cu_seqlens, ring row indices, lengths) in one asynchronous
+        # copy from pinned memory: a synchronous copy per table would drain the GPU queue each time
+        device, tables = self.position_ids.device, HostTables()
+        segments = tuple(None if g.is_ring else local_segments(g.seqlens, device, tables) for g in self.groups)
         object.__setattr__(self, "segments", segments)
         for group in filter(lambda g: g.is_ring, self.groups):
-            prepare_ring_plan(group.seqlens, self.global_ring(group), device=device)
+            prepare_ring_plan(group.seqlens, self.global_ring(group), tables=tables, device=device)
+        lengths = [n for g in self.groups if g.seq_ids for n in g.seqlens]
+        tables.add(lengths, lambda t: object.__setattr__(self, "document_lengths", t), dtype=torch.int64)
+        tables.transfer(device)
 
     def memo(self, key: object, make: Callable[[], object]) -> object:
         """`make()` on the first call with `key` for this micro-batch, the same object after (every layer
@@ -84,11 +93,13 @@ def hdp_core_attention(
     *,
     meta: HDPBatchMeta,
     softmax_scale: float | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a packed HDP micro-batch: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     Whole documents attend locally; each ring group calls `ring_attention` with its ring's global ranks,
-    in the packed (= global) order. Differentiable in q, k, v.
+    in the packed (= global) order. Differentiable in q, k, v. `deterministic`: every kernel call runs a
+    deterministic backward (Megatron's `deterministic_mode`).
     """
     check_group_order(meta.groups, num_tokens=q.shape[0])
     outputs = []
@@ -104,11 +115,12 @@ def hdp_core_attention(
                 causal=True,
                 softmax_scale=softmax_scale,
                 backend=meta.backend,
+                deterministic=deterministic,
             )
         else:
             out = local_varlen_attention(
                 q[lo:hi], k[lo:hi], v[lo:hi], seqlens=group.seqlens, causal=True,
-                softmax_scale=softmax_scale, backend=meta.backend, segments=segments,
+                softmax_scale=softmax_scale, backend=meta.backend, segments=segments, deterministic=deterministic,
             )
         outputs.append(out)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

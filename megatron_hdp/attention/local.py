@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from megatron_hdp.attention.backends import AttentionBackend, Segments, get_backend
+from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.layout import check_seqlens
 
 
@@ -42,11 +43,15 @@ def default_scale(softmax_scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
-def local_segments(seqlens: Sequence[int], device: torch.device) -> Segments:
-    """The kernel segments of whole documents `seqlens`, with their cu_seqlens tensors already on `device`."""
+def local_segments(seqlens: Sequence[int], device: torch.device, tables: HostTables | None = None) -> Segments:
+    """The kernel segments of whole documents `seqlens`, their cu_seqlens tensors on `device`: delivered by
+    `tables` (the micro-batch's one asynchronous copy) when given, else made now (outside any layer)."""
     lengths = tuple(int(n) for n in seqlens)
     segments = Segments(lengths, lengths, torch.device(device))
-    segments.cu_seqlens_q, segments.cu_seqlens_k  # noqa: B018  (made now, outside any layer)
+    if tables is not None:
+        segments.schedule_tables(tables)
+    else:
+        segments.cu_seqlens_q, segments.cu_seqlens_k  # noqa: B018
     return segments
 
 
@@ -77,6 +82,7 @@ def local_varlen_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     segments: Segments | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Attention within each packed document of `seqlens` (THD: q [T, Hq, D], k/v [T, Hkv, D]).
 
@@ -84,10 +90,11 @@ def local_varlen_attention(
     `megatron_hdp.attention.backends` ("auto": the fastest available for the device and dtype).
     `segments`, when given, are `local_segments(seqlens, device)` made once per micro-batch, so that
     the layers of a model share its cu_seqlens tensors (no host-to-device copy per layer).
+    `deterministic` asks the kernel for a deterministic backward (Megatron's `deterministic_mode`).
     """
     lengths = check_seqlens(seqlens)
     check_qkv(q, k, v, num_tokens=sum(lengths))
-    kernel = get_backend(backend, device=q.device, dtype=q.dtype)
+    kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     if segments is None:
         segments = local_segments(lengths, q.device)
     assert segments.seqlens_q == lengths and segments.device.type == q.device.type, (segments, lengths, q.device)

@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from megatron_hdp.attention.backends.base import Segments
+from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.layout import zigzag_chunk_lengths
 
 
@@ -40,11 +41,23 @@ class Rows:
         """Hashable identity: equal keys select the same rows."""
         self.num_rows = sum(stop - start for start, stop in merged)
         self._slice = merged[0] if len(merged) == 1 else None
-        self._index = (
-            None
-            if self._slice is not None
-            else torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in merged]).to(device)
-        )
+        self._device = device
+        self._device_index: torch.Tensor | None = None
+
+    @property
+    def _index(self) -> torch.Tensor:
+        """The row index on the device (made here, synchronously, unless `schedule_tables` delivered it)."""
+        if self._device_index is None:
+            self._device_index = torch.tensor(self._host_index(), dtype=torch.int64, device=self._device)
+        return self._device_index
+
+    def _host_index(self) -> list[int]:
+        return [row for start, stop in self.key for row in range(start, stop)]
+
+    def schedule_tables(self, tables: HostTables) -> None:
+        """Have `tables` deliver the row index (of non-contiguous rows) with the micro-batch's one copy."""
+        if self._slice is None and self._device_index is None:
+            tables.add(self._host_index(), lambda t: setattr(self, "_device_index", t), dtype=torch.int64)
 
     def take(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """The selected rows of `x` along `dim` (a view when contiguous)."""
@@ -93,6 +106,13 @@ class RingPlan:
     def source(self, step: int) -> int:
         """Ring position whose KV this position holds at `step`."""
         return (self.position - step) % self.ring_size
+
+    def schedule_tables(self, tables: HostTables) -> None:
+        """Have `tables` deliver every device table of the plan not made yet (cu_seqlens, row indices)."""
+        for block in filter(None, self.blocks):
+            block.segments.schedule_tables(tables)
+            block.q_rows.schedule_tables(tables)
+            block.kv_rows.schedule_tables(tables)
 
 
 def _block(pieces: list[tuple[int, int, int, int]], causal: bool, device: torch.device) -> Block | None:

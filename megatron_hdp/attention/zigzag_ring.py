@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hdp.attention.backends import AttentionBackend, Segments, get_backend
+from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.layout import check_seqlens, zigzag_token_indices
 from megatron_hdp.attention.local import _LocalAttention, check_qkv, default_scale
 from megatron_hdp.attention.merge import merge_attention
@@ -63,7 +64,9 @@ def _forward(
             next_kv = kv.new_empty((2, plan.num_tokens[plan.source(step + 1)], *kv.shape[2:]))
             yield Post(send=kv, recv=next_kv)
         if block is not None:
-            q_block = q_cache.setdefault(block.q_rows.key, block.q_rows.take(q))
+            if block.q_rows.key not in q_cache:  # (setdefault would gather the rows on every step)
+                q_cache[block.q_rows.key] = block.q_rows.take(q)
+            q_block = q_cache[block.q_rows.key]
             block_out, block_lse = backend.forward(
                 q_block,
                 block.kv_rows.take(kv[0]),
@@ -120,9 +123,9 @@ def _backward(
         dkv = kv.new_zeros(kv.shape, dtype=acc)
         if block is not None:
             rows = block.q_rows
-            dout_b, q_b, out_b, lse_b = q_cache.setdefault(
-                rows.key, (rows.take(dout), rows.take(q), rows.take(out), rows.take(lse, 1))
-            )
+            if rows.key not in q_cache:
+                q_cache[rows.key] = (rows.take(dout), rows.take(q), rows.take(out), rows.take(lse, 1))
+            dout_b, q_b, out_b, lse_b = q_cache[rows.key]
             dq_b, dk_b, dv_b = backend.backward(
                 dout_b,
                 q_b,
@@ -169,19 +172,19 @@ def prepare_ring_plan(
     seqlens: Sequence[int],
     ring: Sequence[int],
     *,
+    tables: HostTables,
     device: torch.device,
     causal: bool = True,
     group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Build (and cache) this rank's plan of `ring_attention` over `ring` with its kernel tensors
-    (cu_seqlens, row indices) already on `device`. Call it once per micro-batch, outside the layers:
-    a plan first built inside a layer copies them from the host there (synchronously: pageable memory),
-    and document lengths, hence plans, change from one micro-batch to the next."""
+    """Build (and cache) this rank's plan of `ring_attention` over `ring`, its kernel tables (cu_seqlens,
+    row indices) scheduled on `tables`, the micro-batch's one asynchronous copy to `device`. Call it once
+    per micro-batch, outside the layers: a plan first built inside a layer would copy them from the host
+    there, synchronously, and document lengths, hence plans, change from one micro-batch to the next."""
     members = current_ring(ring, group=group)
     if members.size > 1:
         plan = ring_plan(check_seqlens(seqlens), members.size, members.position, bool(causal), torch.device(device))
-        for block in filter(None, plan.blocks):
-            block.segments.cu_seqlens_q, block.segments.cu_seqlens_k  # noqa: B018  (made now)
+        plan.schedule_tables(tables)
 
 
 def ring_attention(
@@ -195,6 +198,7 @@ def ring_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     group: dist.ProcessGroup | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Attention within each document of `seqlens`, the documents split over the ranks of `ring`.
 
@@ -204,6 +208,8 @@ def ring_attention(
     out [T_local, Hq, D], differentiable in q, k, v, equal to full (causal) attention over each
     document. Any document length >= 1 works. ValueError before any message for a rank outside the
     ring, token counts that do not match `seqlens`, or kv heads not dividing query heads.
+    `deterministic` asks every block's kernel for a deterministic backward (the ring adds the block
+    gradients in a fixed order, so the whole backward is deterministic then).
     """
     lengths = check_seqlens(seqlens)
     members = current_ring(ring, group=group)
@@ -213,7 +219,7 @@ def ring_attention(
         plan = ring_plan(lengths, members.size, members.position, bool(causal), q.device)
         num_tokens = plan.num_tokens[members.position]
     check_qkv(q, k, v, num_tokens=num_tokens)
-    kernel = get_backend(backend, device=q.device, dtype=q.dtype)
+    kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     scale = default_scale(softmax_scale, q.shape[2])
     if not plan_needed:
         return _LocalAttention.apply(q, k, v, kernel, Segments(lengths, lengths, q.device), bool(causal), scale)
@@ -261,6 +267,7 @@ def simulated_ring_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     grad_dtype: torch.dtype | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """The ring algorithm of `ring_attention` for k = `ring_size` virtual ranks in this process.
 
@@ -274,7 +281,7 @@ def simulated_ring_attention(
     if ring_size < 1:
         raise ValueError(f"ring_size must be >= 1, got {ring_size}")
     check_qkv(q, k, v, num_tokens=sum(lengths))
-    kernel = get_backend(backend, device=q.device, dtype=q.dtype)
+    kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     scale = default_scale(softmax_scale, q.shape[2])
     plans = tuple(ring_plan(lengths, ring_size, p, bool(causal), q.device) for p in range(ring_size))
     rows = [zigzag_token_indices(lengths, ring_size, p).to(q.device) for p in range(ring_size)]

@@ -1,8 +1,8 @@
 """`megatron-hdp simulate`: what HDP buys on a model, cluster, context length and data mix, before a run.
 
     megatron-hdp simulate --model llama-7b --gpus 1024 --tp 8 --pp 1 [--vpp 1] --context 2M --dist byted \\
-        [--global-batch-tokens 32M] [--policies static,megatron-hybrid-cp,naive,balance] [--steps 4] \\
-        [--json out.json] [--plot out.png]
+        [--global-batch-tokens 32M] [--policies static,megatron-hybrid-cp,megatron-dynamic-cp,naive,balance] \\
+        [--steps 4] [--json out.json] [--plot out.png]
 
 Samples global batches from the length mix, plans each with every policy, simulates every step per rank
 (`megatron_hdp/sim/simulator.py`) and prints tokens/s, speedup over static, balance, idle fraction (and
@@ -10,7 +10,8 @@ the part of it spent in PP bubbles) and ring-attention traffic. `--vpp N` runs e
 model chunks in Megatron's interleaved schedule (the default capacity then follows its larger
 activation memory). `--plot out.png` writes the per-rank timelines of one step (out.png) and tokens/s
 against context length, 256K..2M (out-throughput.png). `--cost-model` takes a `megatron-hdp calibrate`
-JSON so that measured kernel timings replace the analytic FLOP model.
+JSON so that measured kernel timings replace the analytic FLOP model. `megatron-dynamic-cp` runs only with
+MEGATRON_LM_DIR set to a Megatron-LM dev checkout; otherwise its row says why it is n/a.
 """
 
 from __future__ import annotations

@@ -17,7 +17,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_hdp.config import HDPConfig
+from megatron_hdp.megatron import quantization
 from megatron_hdp.megatron.dynamic_cp_policy import scheduler_checkout
+from megatron_hdp.megatron.options import flag_name as _flag
+from megatron_hdp.megatron.options import flag_problems
+from megatron_hdp.megatron.quantization import token_multiple  # noqa: F401  (the padding of this run's flags)
 from megatron_hdp.megatron.training_compat import require_megatron_training
 
 require_megatron_training()
@@ -38,10 +42,6 @@ def add_hdp_args(
     """
     ArgumentGroupFactory(HDPConfig).build_group(parser, title=GROUP_TITLE)
     return then(parser) if then is not None else parser
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 _USED_WITHOUT_HDP = ("hdp", "hdp_mock_mix")
@@ -119,6 +119,7 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             f"--hdp-capacity {config.hdp_capacity} with --sequence-parallel: a micro-batch's tokens are split "
             f"over the {tp} tensor-parallel ranks; use a multiple of --tensor-model-parallel-size {tp}"
         )
+    problems += quantization.problems(args)
     if config.hdp_policy == "megatron-hybrid-cp" and args.pipeline_model_parallel_size > 1:
         problems.append(
             "--hdp-policy megatron-hybrid-cp with --pipeline-model-parallel-size "
@@ -135,22 +136,7 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             f"--hdp-cost-model {config.hdp_cost_model}: no such file; write one with `megatron-hdp calibrate` "
             "or leave the flag out for the analytic cost model"
         )
-    return problems
-
-
-FP8_TOKEN_MULTIPLE = 16
-"""FP8 GEMMs (Transformer Engine) need a token dimension divisible by 16."""
-
-
-def token_multiple(args: Namespace) -> int:
-    """The multiple every HDP micro-batch's token count is padded to (with masked tokens) on this run.
-
-    Sequence parallelism splits a micro-batch's tokens over the TP ranks (a multiple of the TP size);
-    FP8 (--fp8-format) needs each GEMM's token dimension, i.e. each TP rank's share, to be a multiple of
-    16. The collation pads with a masked local document, so the loss is unchanged.
-    """
-    tp = args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1
-    return tp * (FP8_TOKEN_MULTIPLE if getattr(args, "fp8", None) else 1)
+    return problems + flag_problems(args)
 
 
 def validate_hdp_args(args: Namespace) -> Optional[HDPConfig]:

@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hdp.attention.core_attention import HDPBatchMeta, hdp_core_attention
 from megatron_hdp.megatron.moe_aux_loss import install_document_hook, with_document_aux_loss_router
+from megatron_hdp.megatron.options import check_config
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class HDPCoreAttention(MegatronModule):
         **unused: Any,
     ) -> None:
         super().__init__(config=config)
+        check_config(config)  # the Core API's path to the refusals --hdp's flags get (megatron/options.py)
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"HDP core attention is causal only, got attn_mask_type={attn_mask_type}")
         if attention_type != "self":
@@ -126,7 +128,9 @@ class HDPCoreAttention(MegatronModule):
         if self._rotary:
             query = self._rope(query, meta)
             key = self._rope(key, meta)
-        return hdp_core_attention(query, key, value, meta=meta, softmax_scale=self.softmax_scale)
+        return hdp_core_attention(
+            query, key, value, meta=meta, softmax_scale=self.softmax_scale, deterministic=self.config.deterministic_mode
+        )
 
 
 def get_gpt_layer_with_hdp_spec(*, backend: str = "local", **spec_kwargs: Any) -> ModuleSpec:

@@ -87,17 +87,20 @@ def document_rows(meta: HDPBatchMeta, *, hdp_rank: int) -> list[DocumentRows]:
 
 
 _current_documents: Optional[list[DocumentRows]] = None
+_current_lengths: Optional[torch.Tensor] = None
+"""The documents' lengths on the device (`HDPBatchMeta.document_lengths`, in `_current_documents`' order)."""
 
 
 def remember_documents(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook (with kwargs) of an HDP model: keep the documents of the micro-batch it is about
     to run for the model's `DocumentAuxLossRouter`s (None without HDP metadata: a forward that needs no
     aux loss, such as evaluation, runs without it)."""
-    global _current_documents
+    global _current_documents, _current_lengths
     meta = getattr(kwargs.get("packed_seq_params"), "hdp", None)
     _current_documents = (
         None if meta is None else document_rows(meta, hdp_rank=meta.hdp_global_ranks.index(dist.get_rank()))
     )
+    _current_lengths = None if meta is None else meta.document_lengths
 
 
 def install_document_hook(model: torch.nn.Module) -> None:
@@ -173,17 +176,18 @@ class DocumentAuxLossRouter(TopKRouter):
             clipped.append((start, max(min(doc.rows[1] - offset, num_rows), start)))
         return clipped
 
-    def _padding_rows(self, num_rows: int) -> torch.Tensor:
-        """[num_rows] bool, True for the rows the router sees that lie outside every document."""
-        padding = torch.ones(num_rows, dtype=torch.bool)
+    def _padding_rows(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """[num_rows] bool on `device`, True for the rows the router sees that lie outside every document.
+        Filled on the device (no copy from the host: this runs in every MoE layer of every micro-batch)."""
+        padding = torch.ones(num_rows, dtype=torch.bool, device=device)
         for start, end in self._local_rows(_documents(), num_rows):
-            padding[start:end] = False
+            padding.narrow(0, start, end - start).fill_(False)
         return padding
 
     def apply_z_loss(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Megatron's z-loss with the rows outside every document masked out."""
         if padding_mask is None and self.config.moe_z_loss_coeff and self.training and torch.is_grad_enabled():
-            padding_mask = self._padding_rows(logits.shape[0]).to(logits.device)
+            padding_mask = self._padding_rows(logits.shape[0], logits.device)
         return super().apply_z_loss(logits, padding_mask=padding_mask)
 
     def _apply_aux_loss(
@@ -205,7 +209,8 @@ class DocumentAuxLossRouter(TopKRouter):
             dist.all_reduce(local_counts, group=self.tp_group)
         counts = document_expert_counts(documents, local_counts)
         prob_sums = torch.stack([scores_for_aux_loss[a:b].sum(0) for a, b in rows])
-        lengths = torch.tensor([d.length for d in documents], dtype=prob_sums.dtype, device=prob_sums.device)
+        assert _current_lengths is not None and _current_lengths.shape == (len(documents),)
+        lengths = _current_lengths.to(prob_sums.dtype)  # on the device already: no copy per MoE layer
         num_experts = self.config.num_moe_experts
         weighted = ((prob_sums * counts.to(prob_sums.device)).sum(1) / lengths).sum() * (
             num_experts * coeff / self.topk

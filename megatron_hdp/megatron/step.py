@@ -37,6 +37,7 @@ from megatron_hdp.comm.traffic import count_traffic
 from megatron_hdp.data.collate import MaskReader, PackedMicroBatch, TokenReader, collate_microbatch, empty_microbatch
 from megatron_hdp.data.loader import check_plan_agreement
 from megatron_hdp.megatron.forward_step import make_forward_step
+from megatron_hdp.megatron import quantization
 from megatron_hdp.megatron.initialize import HDPState
 from megatron_hdp.plan.interleaved import megatron_constraint_error, satisfies_ring_rule
 from megatron_hdp.plan.step_plan import StepPlan
@@ -131,6 +132,9 @@ def check_model_config(config: TransformerConfig, *, state: HDPState) -> None:
         raise ValueError("HDP with pipeline parallelism needs variable_seq_lengths=True (micro-batch sizes vary)")
     if config.sequence_parallel and state.tp_size == 1:
         raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1")
+    refused = quantization.problems(config)
+    if refused:
+        raise ValueError(refused[0])
 
 
 def check_plan(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> None:
@@ -305,7 +309,7 @@ class HDPTrainer:
             raise ValueError(f"{len(self.offloaders)} offloaders for {len(self.chunks)} model chunks: give one per chunk")
         self.config: TransformerConfig = self.chunks[0].config
         check_model_config(self.config, state=state)
-        self.pad_to_multiple = state.tp_size if self.config.sequence_parallel else 1
+        self.pad_to_multiple = quantization.token_multiple(self.config)
         self.device = next(self.chunks[0].parameters()).device
         """Where the model lives: micro-batches are moved there, the step's statistics reduced there."""
         self._finalize_start = 0.0

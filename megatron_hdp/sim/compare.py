@@ -133,6 +133,7 @@ def compare_policies(
         raise ValueError(f"steps must be positive, got {steps}")
     if not policies:
         raise ValueError("no policies to compare")
+    policies = list(dict.fromkeys(policies))  # a policy named twice would count its tokens and time twice
     capacity = spec.rank_capacity
     budget = global_batch_tokens or MICROBATCHES_PER_RANK * capacity * spec.num_ranks
     if budget <= 0:

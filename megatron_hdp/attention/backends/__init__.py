@@ -48,12 +48,12 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
 
 
 @functools.cache
-def _resolve(name: str, device: torch.device, dtype: torch.dtype) -> ShapeDispatch:
+def _resolve(name: str, device: torch.device, dtype: torch.dtype, deterministic: bool) -> ShapeDispatch:
     if name == "auto":
         names = available_backends(device, dtype)
         if not names:
             raise ValueError(f"no attention backend supports device {device} with dtype {dtype}")
-        return ShapeDispatch(name, tuple(BACKENDS[n] for n in names))
+        return ShapeDispatch(name, tuple(BACKENDS[n] for n in names), deterministic=deterministic)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose 'auto' or one of {sorted(BACKENDS)}")
     cls = BACKENDS[name]
@@ -61,7 +61,7 @@ def _resolve(name: str, device: torch.device, dtype: torch.dtype) -> ShapeDispat
         reason = getattr(cls, "unsupported_reason", None)  # a backend may say why (te_fused: TE version)
         why = f": {reason(device, dtype)}" if reason is not None else ""
         raise ValueError(f"attention backend {name!r} does not run on device {device} with dtype {dtype}{why}")
-    return ShapeDispatch(name, (cls,))
+    return ShapeDispatch(name, (cls,), deterministic=deterministic)
 
 
 @functools.cache
@@ -73,7 +73,7 @@ def _kernel_for(name: str, candidates: tuple[type[AttentionBackend], ...], shape
         if problem is None:
             if name == "auto":
                 logger.info("attention backend 'auto' for %s: %s (candidates: %s)", shape, cls.name, problems or "-")
-            return cls()
+            return cls(deterministic=shape.deterministic)
         problems.append(f"{cls.name}: {problem}")
     raise ValueError(f"attention backend {name!r} has no kernel for {shape}: {'; '.join(problems)}")
 
@@ -83,7 +83,8 @@ class ShapeDispatch(AttentionBackend):
     per call shape (TE's fused kernels exist for some head counts, head dims and GPUs only). The choice is
     made once per `KernelShape` and cached; a call costs one dictionary look-up."""
 
-    def __init__(self, name: str, candidates: tuple[type[AttentionBackend], ...]) -> None:
+    def __init__(self, name: str, candidates: tuple[type[AttentionBackend], ...], *, deterministic: bool) -> None:
+        super().__init__(deterministic=deterministic)
         self.name = name
         self.candidates = candidates
 
@@ -93,7 +94,7 @@ class ShapeDispatch(AttentionBackend):
 
     def kernel_for(self, q: torch.Tensor, k: torch.Tensor, segments: Segments) -> AttentionBackend:
         """The backend that runs calls of this shape. ValueError when none of the candidates has a kernel."""
-        return _kernel_for(self.name, self.candidates, KernelShape.of(q, k, segments))
+        return _kernel_for(self.name, self.candidates, KernelShape.of(q, k, segments, deterministic=self.deterministic))
 
     def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
         return self.kernel_for(q, k, segments).forward(q, k, v, segments=segments, causal=causal, scale=scale)
@@ -103,15 +104,20 @@ class ShapeDispatch(AttentionBackend):
         return kernel.backward(dout, q, k, v, out, lse, segments=segments, causal=causal, scale=scale)
 
 
-def get_backend(name: str, *, device: torch.device | str, dtype: torch.dtype) -> ShapeDispatch:
+def get_backend(
+    name: str, *, device: torch.device | str, dtype: torch.dtype, deterministic: bool = False
+) -> ShapeDispatch:
     """The backend called `name` ("auto": the fastest available) for tensors on `device` of `dtype`.
 
     ValueError for an unknown name or a backend that does not run here. Which kernel runs a call is
-    decided per call shape (`KernelShape`: heads, head dim, length bucket), once, and for "auto" logged
-    once per shape; a named backend with no kernel for a shape raises ValueError at that call.
+    decided per call shape (`KernelShape`: heads, head dim, length bucket, determinism), once, and for
+    "auto" logged once per shape; a named backend with no kernel for a shape raises ValueError at that
+    call. `deterministic` (Megatron's `deterministic_mode`) asks for a deterministic backward: flash-attn
+    and TE get their `deterministic=True`, the CPU kernel is deterministic, and the PyTorch CUDA kernels
+    (torch_varlen, flex) have no kernel for such calls.
     """
     device = torch.device(device)
-    return _resolve(name, torch.device(device.type), dtype)
+    return _resolve(name, torch.device(device.type), dtype, bool(deterministic))
 
 
 __all__ = [

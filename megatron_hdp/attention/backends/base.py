@@ -27,6 +27,8 @@ from typing import Callable, ClassVar
 
 import torch
 
+from megatron_hdp.attention.host_tables import HostTables
+
 
 @dataclasses.dataclass(frozen=True)
 class Segments:
@@ -65,6 +67,17 @@ class Segments:
         """`cu_k` as an int32 tensor on `device`."""
         return torch.tensor(self.cu_k, dtype=torch.int32, device=self.device)
 
+    def schedule_tables(self, tables: HostTables) -> None:
+        """Have `tables` deliver `cu_seqlens_q` and `cu_seqlens_k` (those not made yet) with the micro-batch's
+        one asynchronous copy, so that no kernel call makes them by a synchronous copy of its own."""
+        pending = [name for name in ("cu_seqlens_q", "cu_seqlens_k") if name not in self.__dict__]
+        if self.seqlens_q == self.seqlens_k and len(pending) == 2:  # one table serves both
+            tables.add(self.cu_q, lambda t: self.__dict__.update(cu_seqlens_q=t, cu_seqlens_k=t), dtype=torch.int32)
+            return
+        for name in pending:
+            values = self.cu_q if name == "cu_seqlens_q" else self.cu_k
+            tables.add(values, lambda t, name=name: self.__dict__.__setitem__(name, t), dtype=torch.int32)
+
     @property
     def max_q(self) -> int:
         return max(self.seqlens_q)
@@ -72,6 +85,15 @@ class Segments:
     @property
     def max_k(self) -> int:
         return max(self.seqlens_k)
+
+
+def segment_rows(cu_seqlens: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per packed row: its segment id and its position inside the segment, computed on the device of
+    `cu_seqlens` (no copy from the host and no sync, unlike building them from the Python lengths)."""
+    cu = cu_seqlens.to(torch.int64)
+    rows = torch.arange(num_rows, device=cu.device)
+    segment = torch.searchsorted(cu[1:], rows, right=True)
+    return segment, rows - cu[segment]
 
 
 def _length_bucket(n: int) -> int:
@@ -94,19 +116,26 @@ class KernelShape:
     heads_kv: int
     head_dim: int
     max_seqlen: int
+    deterministic: bool = False
+    """Whether the backward must be deterministic (Megatron's `deterministic_mode`): kernels without a
+    deterministic backward have no kernel for such calls."""
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, segments: Segments) -> KernelShape:
+    def of(cls, q: torch.Tensor, k: torch.Tensor, segments: Segments, *, deterministic: bool = False) -> KernelShape:
         """The shape signature of one kernel call."""
-        return cls(
-            q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], _length_bucket(max(segments.max_q, segments.max_k))
-        )
+        length = _length_bucket(max(segments.max_q, segments.max_k))
+        return cls(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], length, deterministic)
 
 
 class AttentionBackend(abc.ABC):
     """A local attention kernel: forward returning (out, lse), backward taking (out, lse)."""
 
     name: ClassVar[str]
+
+    def __init__(self, *, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
+        """Run a deterministic backward (bitwise-equal gradients for equal inputs): Megatron's
+        `deterministic_mode`. A backend without one says so in `shape_problem`."""
 
     @classmethod
     @abc.abstractmethod

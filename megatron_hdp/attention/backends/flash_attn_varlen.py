@@ -154,7 +154,7 @@ class FlashAttnVarlenBackend(AttentionBackend):
             causal=causal,
             softcap=0.0,
             alibi_slopes=None,
-            deterministic=False,
+            deterministic=self.deterministic,
             **api.window_kwargs(),
         )
         return dq, dk, dv

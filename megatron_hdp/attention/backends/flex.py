@@ -17,23 +17,22 @@ evaluates; block masks are cached per segment layout.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, Segments, grads_by_recompute
+from megatron_hdp.attention.backends.base import (
+    AttentionBackend,
+    KernelShape,
+    Segments,
+    grads_by_recompute,
+    segment_rows,
+)
 
 
 BLOCK = 128
 """flex's sparse block size (`_DEFAULT_SPARSE_BLOCK_SIZE`), for q and kv tiles alike."""
-
-
-def _row_ids(seqlens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per packed row: its segment id and its position inside the segment."""
-    lengths = torch.tensor(seqlens, device=device)
-    segment = torch.repeat_interleave(torch.arange(len(seqlens), device=device), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    return segment, torch.arange(int(lengths.sum()), device=device) - starts[segment]
 
 
 def _tile_segments(segment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,8 +77,8 @@ def _block_mask(segments: Segments, causal: bool):
     """The BlockMask of one call, built at tile level: O(T + (T / BLOCK)^2) memory, never [T, T]."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    seg_q, pos_q = _row_ids(segments.seqlens_q, segments.device)
-    seg_k, pos_k = _row_ids(segments.seqlens_k, segments.device)
+    seg_q, pos_q = segment_rows(segments.cu_seqlens_q, segments.cu_q[-1])
+    seg_k, pos_k = segment_rows(segments.cu_seqlens_k, segments.cu_k[-1])
 
     def mask_mod(b, h, q_idx, kv_idx):
         same = seg_q[q_idx] == seg_k[kv_idx]
@@ -102,6 +101,13 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
+_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+"""Always inductor's main flex kernel. Its split-KV decoding kernel, picked when a graph's query length
+hints < 128 tokens, failed to lower under the dynamic-shape compile on an H100 with torch 2.11
+("NoValidChoicesError", GQA, bf16, a 3-rank ring's short shards); packed micro-batches of any T must take
+one kernel family."""
+
+
 class FlexBackend(AttentionBackend):
     """One compiled flex-attention call per block."""
 
@@ -113,7 +119,14 @@ class FlexBackend(AttentionBackend):
             device.type == "cuda"
             and dtype in (torch.float32, torch.float16, torch.bfloat16)
             and importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
-        )
+            and hasattr(importlib.import_module("torch.nn.attention.flex_attention"), "AuxRequest")
+        )  # AuxRequest (the LSE): torch >= 2.9 (README "Supported versions")
+
+    @classmethod
+    def shape_problem(cls, shape: KernelShape) -> str | None:
+        if shape.deterministic:
+            return "compiled flex attention's backward is not deterministic (deterministic_mode)"
+        return None
 
     def _attend(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
         from torch.nn.attention.flex_attention import AuxRequest
@@ -126,6 +139,7 @@ class FlexBackend(AttentionBackend):
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
             return_aux=AuxRequest(lse=True),
+            kernel_options=_KERNEL_OPTIONS,
         )
         return out.squeeze(0).transpose(0, 1), aux.lse.squeeze(0)
 

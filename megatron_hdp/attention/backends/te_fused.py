@@ -54,7 +54,13 @@ from typing import Callable
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, KernelShape, Segments, half_precision_cuda_problem
+from megatron_hdp.attention.backends.base import (
+    AttentionBackend,
+    KernelShape,
+    Segments,
+    half_precision_cuda_problem,
+    segment_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +132,8 @@ def _selector_args(shape: KernelShape, mask: str, minor: int) -> list:
         args.append(fused_attn.SoftmaxType["vanilla"])
     args += [0.0, shape.heads_q, shape.heads_kv, shape.max_seqlen, shape.max_seqlen, shape.head_dim, shape.head_dim]
     args += _window(mask == "padding_causal")
-    args += [False] * ((minor >= 9) + (minor >= 10) + (minor >= 12))  # return_max_logit, cuda_graph, deterministic
+    args += [False] * ((minor >= 9) + (minor >= 10))  # return_max_logit, cuda_graph
+    args += [shape.deterministic] * (minor >= 12)  # TE >= 2.12 selects kernels by determinism too
     return args
 
 
@@ -184,11 +191,8 @@ def _te_api() -> _TeApi:
 @functools.lru_cache(maxsize=256)
 def _padded_rows(segments: Segments, max_seqlen: int) -> torch.Tensor:
     """For each packed q row, its index b * max_seqlen + i in padded [B, max_seqlen] statistics."""
-    device = segments.device
-    lengths = torch.tensor(segments.seqlens_q, device=device)
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-    starts = torch.tensor(segments.cu_q[:-1], device=device)
-    return segment * max_seqlen + torch.arange(segments.cu_q[-1], device=device) - starts[segment]
+    segment, position = segment_rows(segments.cu_seqlens_q, segments.cu_q[-1])
+    return segment * max_seqlen + position
 
 
 def stats_layout(stats: torch.Tensor, segments: Segments) -> str:
@@ -293,7 +297,7 @@ class TeFusedBackend(AttentionBackend):
             o=out.contiguous(),
             d_o=dout.contiguous(),
             aux_ctx_tensors=[lse_to_stats(lse, segments, layout=layout), rng_state],
-            deterministic=False,
+            deterministic=self.deterministic,
             **_call_kwargs(q, k, v, segments=segments, causal=causal, scale=scale, sub_backend=api.sub_backend),
             **api.bwd_kwargs(q.dtype),
         )[:3]

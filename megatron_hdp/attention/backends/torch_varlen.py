@@ -9,15 +9,25 @@ the unused dropout RNG state). Not run in this repository's CI (no GPU there).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, Segments
+from megatron_hdp.attention.backends.base import AttentionBackend, KernelShape, Segments
 
 
 def _window(causal: bool) -> tuple[int, int]:
     """varlen_attn expresses the causal mask as the window (-1, 0)."""
     return (-1, 0) if causal else (-1, -1)
+
+
+def _takes_enable_gqa() -> bool:
+    """torch 2.13 added `enable_gqa` (and refuses Hq != Hkv without it); torch 2.11 (seen on an H100) has no such
+    argument and pass differing head counts straight to the FlashAttention-2 kernel, which does GQA. Asked
+    per call (microseconds against a kernel's milliseconds), so it follows the function actually bound."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 class TorchVarlenBackend(AttentionBackend):
@@ -31,7 +41,17 @@ class TorchVarlenBackend(AttentionBackend):
             return False
         if importlib.util.find_spec("torch.nn.attention.varlen") is None:
             return False
+        from torch.nn.attention.varlen import varlen_attn
+
+        if "window_size" not in inspect.signature(varlen_attn).parameters:
+            return False  # torch < 2.10: is_causal only, no window (README "Supported versions")
         return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device)[0] >= 8
+
+    @classmethod
+    def shape_problem(cls, shape: KernelShape) -> str | None:
+        if shape.deterministic:
+            return "varlen_attn's backward op takes no deterministic flag (deterministic_mode)"
+        return None
 
     def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float):
         from torch.nn.attention.varlen import AuxRequest, varlen_attn
@@ -47,7 +67,7 @@ class TorchVarlenBackend(AttentionBackend):
             return_aux=AuxRequest(lse=True),
             scale=scale,
             window_size=_window(causal),
-            enable_gqa=q.shape[1] != k.shape[1],
+            **({"enable_gqa": q.shape[1] != k.shape[1]} if _takes_enable_gqa() else {}),
         )
         assert lse.shape == (q.shape[1], q.shape[0]), f"varlen_attn lse has shape {tuple(lse.shape)}"
         return out, lse

@@ -1,0 +1,154 @@
+"""Megatron's attention options under HDP: deterministic_mode reaches every kernel call; the options HDP
+cannot give their meaning (attention dropout, softmax sinks, MTP, ...) stop the run in one line, on the
+Megatron-LM command line and on the Core API alike (issue 21, item 6)."""
+
+import inspect
+import sys
+
+import pytest
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+from test_args import HDP, TINY
+from test_attention_backends_flash import fake_flash_attn
+from test_attention_backends_flash import install as install_flash_attn
+from test_attention_backends_te import install_fake_te
+
+from megatron_hdp.attention import local_varlen_attention, simulated_ring_attention
+from megatron_hdp.attention.backends import KernelShape, flash_attn_varlen, te_fused
+from megatron_hdp.attention.backends.flex import FlexBackend
+from megatron_hdp.attention.backends.torch_varlen import TorchVarlenBackend
+from megatron_hdp.megatron import layer_spec
+from megatron_hdp.megatron.args import parse_and_check
+from megatron_hdp.megatron.options import REFUSALS, check_config
+from kernel_stand_ins import cleared_caches
+
+CPU = torch.device("cpu")
+
+
+def _record(module, name: str) -> list[dict]:
+    """Wrap `module.name` (a stand-in with a checked signature) so that its keyword calls are recorded."""
+    original, calls = getattr(module, name), []
+
+    def call(**kwargs):
+        calls.append(kwargs)
+        return original(**kwargs)
+
+    call.__signature__ = inspect.signature(original)
+    setattr(module, name, call)
+    return calls
+
+
+def _attend_both_ways(backend: str, deterministic: bool) -> None:
+    """One local call and one simulated ring of 3 through `backend`, forward and backward."""
+    seqlens = [3, 9, 14]
+    q, k, v = (torch.randn(sum(seqlens), h, 8, requires_grad=True) for h in (4, 2, 2))
+    local = local_varlen_attention(q, k, v, seqlens=seqlens, backend=backend, deterministic=deterministic)
+    ring = simulated_ring_attention(q, k, v, seqlens=seqlens, ring_size=3, backend=backend, deterministic=deterministic)
+    (local.sum() + ring.sum()).backward()
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_mode_reaches_every_flash_attn_backward(monkeypatch, deterministic):
+    with cleared_caches(flash_attn_varlen._flash_api, flash_attn_varlen.flash_attn_problem):
+        install_flash_attn(monkeypatch, fake_flash_attn("2.7.4"), "2.7.4")
+        monkeypatch.setattr(flash_attn_varlen.FlashAttnVarlenBackend, "supports", classmethod(lambda c, d, t: True))
+        calls = _record(sys.modules["flash_attn.flash_attn_interface"], "_flash_attn_varlen_backward")
+        _attend_both_ways("flash_attn", deterministic)
+    assert len(calls) > 3 and {c["deterministic"] for c in calls} == {deterministic}
+
+
+@pytest.mark.parametrize("version", ["2.10", "2.18"])
+def test_deterministic_mode_reaches_every_te_backward_and_its_kernel_choice(monkeypatch, version):
+    with cleared_caches(te_fused._te_api, te_fused.te_version_problem):
+        monkeypatch.setattr(te_fused, "_STATS_LAYOUT", {})
+        selected = install_fake_te(monkeypatch, version)
+        calls = _record(sys.modules["transformer_engine.pytorch.cpp_extensions.fused_attn"], "fused_attn_bwd")
+        _attend_both_ways("te_fused", True)
+    assert len(calls) > 3 and all(c["deterministic"] is True for c in calls)
+    # TE >= 2.12 picks its kernel by determinism too: the selector is asked for deterministic kernels
+    assert (selected["select deterministic"] > 0) == (version == "2.18") and selected["select"] > 0
+
+
+def test_pytorch_cuda_kernels_step_aside_under_deterministic_mode():
+    """varlen_attn and flex take no deterministic flag: 'auto' skips them, a named one says why."""
+    for deterministic in (False, True):
+        shape = KernelShape(CPU, torch.bfloat16, 4, 2, 64, 1024, deterministic)
+        for backend in (TorchVarlenBackend, FlexBackend):
+            assert (backend.shape_problem(shape) is not None) == deterministic
+
+
+def test_hdp_core_attention_passes_the_configs_deterministic_mode(monkeypatch):
+    seen = []
+    monkeypatch.setattr(layer_spec, "hdp_core_attention", lambda *a, **kw: seen.append(kw["deterministic"]))
+    for mode in (True, False):
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, attention_dropout=0.0,
+                                   deterministic_mode=mode)
+        core = layer_spec.HDPCoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal)
+        params = layer_spec.HDPPackedSeqParams(qkv_format="thd", hdp=object())
+        x = torch.zeros(3, 2, 4)
+        core(x, x, x, packed_seq_params=params)
+    assert seen == [True, False]
+
+
+# (flag arguments, the line that must be in the error)
+REFUSED_FLAGS = [
+    ([], "--attention-dropout 0.1: attention dropout is Megatron's default"),
+    (["--attention-dropout", "0.05"], "use --attention-dropout 0.0"),
+    (["--softmax-type", "off-by-one"], "--softmax-type off-by-one:"),
+    (["--softmax-type", "learnable"], "use --softmax-type vanilla"),
+    (["--mtp-num-layers", "1", "--position-embedding-type", "rope"], "--mtp-num-layers 1: multi-token prediction"),
+    (["--window-size", "(128,0)"], "--window-size (128, 0): sliding-window attention"),
+]
+
+
+@pytest.mark.parametrize("argv,line", REFUSED_FLAGS)
+def test_refused_options_stop_the_command_line_in_one_line(argv, line):
+    base = [a for a in TINY if a not in ("--attention-dropout", "0.0")]  # Megatron's own default: 0.1
+    with pytest.raises(ValueError) as raised:
+        parse_and_check(base + HDP + (["--attention-dropout", "0.0"] if argv else []) + argv, world_size=2)
+    assert line in str(raised.value)
+    assert len(str(raised.value).splitlines()) == 2, str(raised.value)  # the heading and one line
+
+
+def test_without_hdp_megatrons_defaults_pass():
+    base = [a for a in TINY if a not in ("--attention-dropout", "0.0")]
+    _, config = parse_and_check(base + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"], world_size=2)
+    assert config is None
+
+
+BAD_AND_GOOD = {
+    "attention_dropout": (0.1, 0.0), "softmax_type": ("learnable", "vanilla"), "mtp_num_layers": (1, None),
+    "window_size": ((128, 0), None),
+}
+
+
+@pytest.mark.parametrize("refusal", REFUSALS, ids=lambda r: r.field)
+def test_core_api_config_refuses_the_same_options(refusal):
+    """Each refused field, with an offending value, stops the HDP core attention's construction."""
+    bad, good = BAD_AND_GOOD.get(refusal.field, (True, False))
+    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, attention_dropout=0.0)
+    object.__setattr__(config, refusal.field, bad)  # past __post_init__'s checks of what else it needs
+    with pytest.raises(ValueError, match=f"{refusal.field}="):
+        layer_spec.HDPCoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal)
+    object.__setattr__(config, refusal.field, good)
+    check_config(config)
+
+
+def test_core_api_default_config_is_refused_for_its_attention_dropout():
+    """TransformerConfig's own default attention_dropout is 0.1 too."""
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    with pytest.raises(ValueError, match="attention_dropout=0.1.*set attention_dropout=0.0"):
+        check_config(config)
+
+
+def test_mup_softmax_scale_reaches_the_kernels(monkeypatch):
+    """With use_mup, Megatron sets config.softmax_scale (1/d_head instead of 1/sqrt(d_head)); the HDP core
+    attention hands that scale to the kernels."""
+    seen = []
+    monkeypatch.setattr(layer_spec, "hdp_core_attention", lambda *a, **kw: seen.append(kw["softmax_scale"]))
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, attention_dropout=0.0, use_mup=True)
+    core = layer_spec.HDPCoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal)
+    x = torch.zeros(3, 4, 16)
+    core(x, x, x, packed_seq_params=layer_spec.HDPPackedSeqParams(qkv_format="thd", hdp=object()))
+    assert seen == [pytest.approx(1 / 16)]
