@@ -154,9 +154,11 @@ def test_every_microbatch_reaches_the_gemms_in_a_shape_its_recipe_quantizes(quan
     args, _ = _parse_quantized(TINY + HDP + quantized + parallel)
     sp_size = args.tensor_model_parallel_size if args.sequence_parallel else 1
     plan = plan_from_rings([37, 5, 300], [(0,), (0,), (0, 1)], [0, 1, 0], num_ranks=3, capacity=256)
-    state = type("State", (), {"pp_size": 1, "hdp_rank": 2, "ep_hdp_ranks": (0, 1, 2)})()
+    from megatron_hdp.megatron.initialize import HDPState
+
     for rank in range(3):  # rank 2 has nothing planned: it runs padding micro-batches only
-        state.hdp_rank = rank
+        state = HDPState(hdp_rank=rank, hdp_global_ranks=(0, 1, 2), tp_size=1, pp_size=1, pp_rank=0, vpp_size=1,
+                         ep_size=3, ep_hdp_ranks=(0, 1, 2))
         batches = [collate_microbatch(plan, mb, lambda s, a, b: np.arange(a, b, dtype=np.int64),
                                       pad_to_multiple=token_multiple(args), rank=rank)
                    for mb in plan.microbatches(rank)]
