@@ -89,6 +89,8 @@ def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: 
 
 def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
     """`_run_hdp_steps` as global rank `rank` of 2, then the step's host-to-device copies checked."""
+    import fake_gpu
+
     mode = _run_hdp_steps(int(pp_size), int(rank))
     pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
     assert not pageable, f"blocking host-to-device copies inside layers (one per layer per micro-batch): {pageable[:3]}"
