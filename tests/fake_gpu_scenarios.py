@@ -105,6 +105,45 @@ def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
           f"{len(mode.h2d) - len(batch_copies)} others; host syncs outside layers: {len(mode.host_syncs)}")
 
 
+def hdp_step_vpp(rank: str = "0") -> None:
+    """Two HDP steps as PP stage `rank` of 2 with 2 virtual pipeline stages (Megatron's interleaved
+    schedule, overlapped stage-to-stage P2P): a bf16 GPTModel of 4 layers built as 2 chunks per stage on
+    "cuda", each chunk in its own DDP with its own offloader, one optimizer, HDPTrainer over the chunks.
+    4 micro-batches of PP_TOKENS tokens (the one shape the harness answers stage-to-stage exchanges with)."""
+    import torch
+    import fake_gpu
+
+    mode = fake_gpu.install(world_size=WORLD, rank=int(rank))
+    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.model import build_gpt_chunks, tiny_llama_config, wrap_chunks_for_training
+    from megatron_hdp.megatron.step import HDPTrainer
+    from megatron_hdp.offload import ActivationOffloader
+
+    state = initialize_hdp(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    _peer_stage_sends_shape((PP_TOKENS, 1, 64))
+    config = tiny_llama_config(num_layers=8)
+    config.bf16, config.params_dtype, config.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
+    config.use_cpu_initialization = False
+    with torch.device("cuda"):
+        chunks = build_gpt_chunks(config, vocab_size=VOCAB, max_sequence_length=64)
+    assert len(chunks) == 2 and all(next(c.parameters()).device.type == "cuda" for c in chunks)
+    ddps, optimizer = wrap_chunks_for_training(chunks, bf16=True)
+    offloaders = [ActivationOffloader(layers=list(c.decoder.layers)) for c in chunks]
+    trainer = HDPTrainer(model=ddps, optimizer=optimizer, state=state, backend="torch_varlen", offloader=offloaders)
+    plan = plan_from_rings([PP_TOKENS] * 4, [(0,)] * 4, [0, 1, 2, 3], num_ranks=1, capacity=16, pp_size=2, vpp_size=2,
+                           offload_ratios=[0.5, 0.0, 0.5, 0.0])
+    trainer.step(plan, _read_tokens)
+    mode.h2d.clear()
+    stats = trainer.step(plan, _read_tokens)
+    assert stats.offload.num_microbatches == 8, "each chunk's offloader saw each micro-batch"
+    pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
+    assert not pageable, f"blocking host-to-device copies inside layers: {pageable[:3]}"
+    batch_copies = [c for c in mode.h2d if "collate.py" in c["where"]]
+    assert batch_copies and all(c["pinned"] and c["non_blocking"] for c in batch_copies), batch_copies
+    print(f"virtual pipeline: {len(batch_copies)} micro-batch copies (pinned, non-blocking) over 2 chunks")
+
+
 def fp8_collectives(rank: str, recipe: str, tp_only_amax_red: str, log_path: str) -> None:
     """`_run_hdp_steps` at PP=1 with FP8 `recipe` as HDP rank `rank` of 2 (rank 0 runs two micro-batches,
     rank 1 one); writes this rank's per-communicator collective log, or the refusal, as JSON."""
@@ -273,7 +312,7 @@ def install_step(rank: str = "0") -> None:
     chunks, optimizer, _ = training_install._setup_model_and_optimizer(built)()
     config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, ddp.no_sync  # as train() sets them
     config.grad_scale_func = optimizer.scale_loss
-    assert training_install._STATE.offloader is not None, "--hdp-offload attaches an offloader"
+    assert training_install._STATE.offloaders, "--hdp-offload attaches an offloader"
 
     data_iterator = iter(loader)
     logged = []

@@ -60,6 +60,14 @@ def test_defaults_and_off():
     assert off is None
 
 
+def test_virtual_pipeline_stages_are_accepted():
+    """--hdp with Megatron's interleaved schedule: the ring rule pads pipelines' counts (megatron.step)."""
+    argv = TINY + HDP + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                         "--num-layers-per-virtual-pipeline-stage", "1"]
+    args, config = parse_and_check(argv, world_size=4)
+    assert args.virtual_pipeline_model_parallel_size == 2 and config is not None
+
+
 def test_tp_sp_capacity_multiple_is_accepted():
     argv = TINY + HDP + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--hdp-capacity", "1024"]
     args, config = parse_and_check(argv, world_size=8, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
@@ -75,7 +83,9 @@ BAD = [
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--hdp-capacity", "1001"], "1", "multiple of"),
     (["--pipeline-model-parallel-size", "2", "--hdp-policy", "megatron-hybrid-cp"], "1", "use --hdp-policy balance"),
     (["--hdp-cost-model", "/nonexistent/cost.json"], "1", "megatron-hdp calibrate"),
-    (["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], "1", "virtual"),
+    (["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+      "--overlap-moe-expert-parallel-comm"], "1", "drop --overlap-moe-expert-parallel-comm"),
     (["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], "8", "use Megatron DDP"),
     (["--enable-cuda-graph"], "1", "drop the CUDA-graph flag"),
     (["--external-cuda-graph"], "1", "--cuda-graph-impl transformer_engine"),
@@ -144,9 +154,11 @@ def test_every_microbatch_reaches_the_gemms_in_a_shape_its_recipe_quantizes(quan
     args, _ = _parse_quantized(TINY + HDP + quantized + parallel)
     sp_size = args.tensor_model_parallel_size if args.sequence_parallel else 1
     plan = plan_from_rings([37, 5, 300], [(0,), (0,), (0, 1)], [0, 1, 0], num_ranks=3, capacity=256)
-    state = type("State", (), {"pp_size": 1, "hdp_rank": 2, "ep_hdp_ranks": (0, 1, 2)})()
+    from megatron_hdp.megatron.initialize import HDPState
+
     for rank in range(3):  # rank 2 has nothing planned: it runs padding micro-batches only
-        state.hdp_rank = rank
+        state = HDPState(hdp_rank=rank, hdp_global_ranks=(0, 1, 2), tp_size=1, pp_size=1, pp_rank=0, vpp_size=1,
+                         ep_size=3, ep_hdp_ranks=(0, 1, 2))
         batches = [collate_microbatch(plan, mb, lambda s, a, b: np.arange(a, b, dtype=np.int64),
                                       pad_to_multiple=token_multiple(args), rank=rank)
                    for mb in plan.microbatches(rank)]

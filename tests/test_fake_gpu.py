@@ -68,6 +68,13 @@ def test_hdp_step_on_fake_gpu(guard_library, pp_size, rank):
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
+def test_virtual_pipeline_step_on_fake_gpu(guard_library, rank):
+    """Two HDP steps as PP stage `rank` of 2 with 2 virtual pipeline stages: model chunks on "cuda", a DDP
+    and an offloader per chunk, Megatron's interleaved schedule with overlapped P2P."""
+    assert "micro-batch copies (pinned, non-blocking) over 2 chunks" in _run(guard_library, "hdp_step_vpp", rank)
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
 def test_moe_router_losses_on_fake_gpu(guard_library, rank):
     """HDP's MoE routers (per-document load-balancing loss and z-loss) of three layers over a plan's
     micro-batches, forward and backward: no blocking host-to-device copy between a micro-batch's transfer

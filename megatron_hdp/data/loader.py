@@ -204,6 +204,7 @@ class HDPDataLoader:
         shuffle: bool = True,
         max_epochs: Optional[int] = None,
         pp_size: int = 1,
+        vpp_size: int = 1,
         pad_to_multiple: int = 1,
         prefetch: int = 1,
         workers: int = 0,
@@ -234,6 +235,8 @@ class HDPDataLoader:
         self.config = config
         self.cost_model = cost_model
         self.pp_size = pp_size
+        self.vpp_size = vpp_size
+        """Virtual pipeline stages per PP rank the plans are made for (Megatron's interleaved schedule)."""
         self.pad_to_multiple = pad_to_multiple
         self.group = group
         self.check_plans = check_plans
@@ -268,7 +271,8 @@ class HDPDataLoader:
         lengths = batch.lengths.tolist()
         try:
             plan = make_plan(
-                lengths, num_ranks=self.num_ranks, config=self.config, cost_model=self.cost_model, pp_size=self.pp_size
+                lengths, num_ranks=self.num_ranks, config=self.config, cost_model=self.cost_model, pp_size=self.pp_size,
+                vpp_size=self.vpp_size,
             )
         except ValueError as error:
             longest = int(np.argmax(batch.lengths))

@@ -85,14 +85,11 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             f"--micro-batch-size {args.micro_batch_size}: an HDP micro-batch is one packed (THD) sequence of up "
             "to --hdp-capacity tokens; use --micro-batch-size 1 and size micro-batches with --hdp-capacity"
         )
-    if args.virtual_pipeline_model_parallel_size is not None:
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
         problems.append(
-            "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
-            "--num-virtual-stages-per-pipeline-rank): the interleaved schedule orders its micro-batches in "
-            "groups of --pipeline-model-parallel-size (and needs a count divisible by it), so a ring's "
-            "micro-batch would sit at a different place in each member pipeline's order when HDP gives "
-            "pipelines different counts, and ring P2P would deadlock; drop the virtual-pipeline flag "
-            "(HDP's PP-balance schedules plain 1F1B)"
+            "--overlap-moe-expert-parallel-comm: Megatron's combined 1F1B schedule builds each micro-batch's "
+            "forward from the model's own schedule plan (forward_step(..., return_schedule_plan=True)), not from "
+            "HDP's forward step with its packed documents and rings; drop --overlap-moe-expert-parallel-comm"
         )
     if args.rampup_batch_size is not None:
         problems.append(

@@ -21,6 +21,7 @@ def plan_from_rings(
     num_ranks: int,
     capacity: int,
     pp_size: int = 1,
+    vpp_size: int = 1,
     policy: str = "hand",
     offload_ratios: Optional[Sequence[float]] = None,
 ) -> StepPlan:
@@ -49,6 +50,7 @@ def plan_from_rings(
         num_ranks=num_ranks,
         capacity=capacity,
         pp_size=pp_size,
+        vpp_size=vpp_size,
         sequences=tuple(
             SequencePlacement(i, int(n), tuple(r), float(x)) for i, (n, r, x) in enumerate(zip(lengths, rings, ratios))
         ),

@@ -49,20 +49,22 @@ def expert_groups(num_ranks: int, ep_size: int) -> list[range]:
 
 
 def runtime_microbatch_counts(counts: Sequence[int], *, pp_size: int = 1, ep_size: int = 1, vpp_size: int = 1,
-                              rings: Iterable[Sequence[int]] = ()) -> list[int]:
+                              rings: Iterable[Sequence[int]] = (), group_size: int | None = None) -> list[int]:
     """Micro-batches each rank runs for a plan giving it `counts[r]`: with PP (1F1B) the largest count on
     every rank, as `megatron.step.num_microbatches_to_run` pads today; with virtual pipeline stages
     (`vpp_size` > 1) the least counts Megatron's interleaved schedule runs that keep the ring rule over
     the plan's `rings` (member ranks) and its expert-parallel groups (`interleaved.padded_counts`); else
     the largest of each rank's expert-parallel group (every member joins every all-to-all); at least one
-    everywhere (every rank joins the gradient reduction)."""
+    everywhere (every rank joins the gradient reduction). `group_size`: Megatron's
+    microbatch_group_size_per_vp_stage (None: pp_size, its default). `megatron.step.pipeline_counts` runs
+    exactly these counts."""
     if pp_size > 1 and vpp_size == 1:
         return [max(1, max(counts, default=0))] * len(counts)
     groups = expert_groups(len(counts), ep_size)
     out = list(counts)
     if vpp_size > 1:
         links = [(0, tuple(ring)) for ring in rings] + [(0, tuple(group)) for group in groups if len(group) > 1]
-        out = padded_counts(counts, pp_size=pp_size, vpp_size=vpp_size, rings=links)
+        out = padded_counts(counts, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, rings=links)
     for group in groups:
         most = max(1, max(out[r] for r in group))
         for r in group:
