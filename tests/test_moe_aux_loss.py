@@ -96,7 +96,7 @@ def test_document_rows_of_a_packed_microbatch(monkeypatch):
     # one process plays every ring member here: no ring plan (its kernel tensors) is built for a rank
     # this process is not
     monkeypatch.setattr(core_attention, "prepare_ring_plan", lambda *args, **kwargs: None)
-    from megatron_hdp.data.collate import AttentionGroup
+    from megatron_hdp.attention.layout import AttentionGroup
     from megatron_hdp.megatron.moe_aux_loss import DocumentRows, document_rows
 
     def meta(rank, shard):
