@@ -23,7 +23,7 @@ def _errors(rank, world_size):
     from megatron_hdp.plan.planner import make_plan
     from megatron_hdp.plan.presets import analytic_cost_model, model_shape
 
-    from megatron_hdp.data.loader import PlanMismatchError
+    from megatron_hdp.comm.plan_agreement import PlanMismatchError
 
     def message(fn):
         try:
@@ -68,7 +68,7 @@ def test_misuse_raises_value_error_on_every_rank_without_hanging():
     results = run_gloo(_errors, 4, timeout_s=240)
     for rank, out in enumerate(results):
         assert "not divisible by TP x PP" in out["bad_sizes"]
-        # the trainer's check is the loader's check_plan_agreement: same error type, message naming the ranks
+        # the trainer's check is comm's check_plan_agreement: same error type, message naming the ranks
         assert out["mismatch"].startswith("PlanMismatchError: step plans differ across ranks")
         assert "ranks planned different global batches" in out["mismatch"] and "[0]" in out["mismatch"]
         assert "plan is for 2 HDP ranks" in out["wrong_domain"]

@@ -13,7 +13,6 @@ from typing import Any
 _EXPORTS = {
     "HDPDataLoader": "megatron_hdp.data.loader",
     "HDPStep": "megatron_hdp.data.loader",
-    "check_plan_agreement": "megatron_hdp.data.loader",
     "pool_length_limit": "megatron_hdp.data.loader",
     "GlobalBatch": "megatron_hdp.data.sampler",
     "HDPSampler": "megatron_hdp.data.sampler",
