@@ -13,9 +13,9 @@ offload is zero and does not separate the two either.
 import numpy as np
 import pytest
 
-from megatron_hdp.config import HDPConfig
+from megatron_hdp.config import POLICIES, HDPConfig
 from megatron_hdp.plan.cost_model import CostModel
-from megatron_hdp.plan.planner import POLICIES, make_plan
+from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
 from megatron_hdp.sim.simulator import POLICY_RULES, PolicyRules, simulate_step
 
@@ -35,6 +35,7 @@ def _policies():
     for name in POLICIES:
         if name == "megatron-hybrid-cp":
             pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
+            import megatron_hdp.megatron  # noqa: F401  (registers the policy)
         yield name
 
 

@@ -90,6 +90,8 @@ def test_more_work_is_never_faster(docs, extra_length, extra_rank):
 
 
 def test_compare_policies_same_batches_and_reports_unsupported():
+    import megatron_hdp.megatron  # noqa: F401  (registers megatron-hybrid-cp)
+
     spec = ClusterSpec("llama-7b", num_gpus=64, tp_size=8, pp_size=2, capacity=16384)
     result = compare_policies(spec, context=65536, distribution="github", policies=["static", "balance", "megatron-hybrid-cp"],
                               steps=2, progress=False)

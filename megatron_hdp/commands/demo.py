@@ -21,7 +21,7 @@ import logging
 import os
 import tempfile
 
-from megatron_hdp.commands.arguments import names_from, parse_count, positive_float, positive_int
+from megatron_hdp.commands.arguments import names_from, parse_count, policy_names, positive_float, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +36,13 @@ def at_least_two(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the demo subcommand."""
-    from megatron_hdp.config import POLICIES
+    policies = policy_names()
 
     parser.add_argument("--ranks", type=at_least_two, default=4, help="gloo CPU ranks (the HDP domain), >= 2")
     parser.add_argument("--steps", type=positive_int, default=3, help="reported training steps per policy")
     parser.add_argument("--capacity", type=parse_count, default=512, help="tokens per rank per micro-batch (C)")
     parser.add_argument("--tokens-per-step", type=parse_count, default=8192, help="tokens of each global batch")
-    parser.add_argument("--policies", type=names_from(POLICIES, "policy"), default=["balance", "static"],
+    parser.add_argument("--policies", type=names_from(policies, "policy"), default=["balance", "static"],
                         help="comma-separated planner policies (default balance,static)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timing-repeats", type=positive_int, default=3,

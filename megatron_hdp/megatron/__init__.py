@@ -3,8 +3,11 @@
 The Megatron-LM entry points are exported lazily, so importing this package does not import
 megatron.training (which is slow and needs the version check in `training_compat`). The module behind
 `install` is `training_install`, not `install`: a submodule named like the function would replace it as
-this package's attribute once imported.
+this package's attribute once imported. Importing the package registers the Megatron layer's planner
+policies (`policies`: `megatron-hybrid-cp`) with plan/'s registry.
 """
+
+from megatron_hdp.megatron import policies as _policies  # noqa: F401  (registers the policies)
 
 _LAZY = {
     "add_hdp_args": "megatron_hdp.megatron.args",

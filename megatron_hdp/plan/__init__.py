@@ -10,8 +10,8 @@ validated `step_plan.StepPlan`. Modules, one job each:
 - `widening`: ring sizes above D(s) when a long sequence would set the step time.
 - `placement`: ring placement (aligned, and by predicted time at any index) and LPT; `packing`: best-fit micro-batches; `refine`: local search
   and MILP; `assemble`: decisions -> timed StepPlan (the one timing path of every policy).
-- `balance` (policy `balance`), `baselines` (`static`, `naive`); `megatron-hybrid-cp` lives in
-  `megatron_hdp/megatron/hybrid_cp_policy.py` and is loaded lazily by `planner`.
+- `balance` (policy `balance`), `baselines` (`static`, `naive`); `planner` holds the policy registry,
+  where the layers above register their own policies (e.g. Megatron's Hybrid-CP) when imported.
 - `bounds`: a lower bound on any plan's step time, and a plan's gap to it.
 - `lengths`: the shared real length lists, ByteScale-like synthetic mixes, global-batch sampling.
 """
