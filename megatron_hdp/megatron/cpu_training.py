@@ -307,8 +307,8 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     """The cost model of this model on this CPU, in CPU seconds of the runtime's own micro-batches (median
     over ranks, which run them at once):
 
-    - per layer T(s) = a1 s^2 + b1 s + g: non-negative least squares (relative error) over whole documents
-      of `spec.fit_lengths`, one per rank;
+    - per layer T(s) = a1 s^2 + b1 s + g: `plan.fit.fit_compute` (non-negative least squares, relative
+      error) over whole documents of `spec.fit_lengths`, one per rank;
     - `jitter` from `measure_jitter`;
     - ring link: bandwidth from `_ring_link`; the rest from ring micro-batches, each member holding C
       tokens: `ring_block_overhead` from n = 8 documents of k C / n tokens against one of k C on the
@@ -318,7 +318,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
       excess over T, median over k. On a CPU both are mostly software cost per ring step (message posting,
       one kernel call per block, the merge), which is why they are fitted, not taken from the ping-pong.
     """
-    from scipy.optimize import nnls
+    from megatron_hdp.plan.fit import fit_compute
 
     world, rank = trainer.state.hdp_size, trainer.state.hdp_rank
     alone = [(r,) for r in range(world)]
@@ -326,10 +326,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
         _median_over_ranks(_microbatch_seconds(trainer, [s] * world, alone, capacity=s, repeats=spec.fit_repeats))
         for s in spec.fit_lengths
     ])
-    s = np.asarray(spec.fit_lengths, dtype=np.float64)
-    t = measured / spec.num_layers
-    design = np.stack([s**2, s, np.ones_like(s)], axis=1) / t[:, None]
-    (a1, b1, g), _ = nnls(design, np.ones_like(s))
+    a1, b1, g = fit_compute(spec.fit_lengths, measured / spec.num_layers)
     bandwidth, link_latency = _ring_link()
     kv_channels = spec.hidden_size // spec.num_attention_heads * spec.num_query_groups
     kv_bytes = 4 * 2 * kv_channels
