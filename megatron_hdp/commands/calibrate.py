@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     """Calibrate, write the JSON files, print the fit next to the measurements."""
     import torch
 
-    from megatron_hdp.offload.calibrate import calibrate
+    from megatron_hdp.harness.calibrate import calibrate
     from megatron_hdp.plan.presets import hardware_profile, model_shape
 
     shape = model_shape(args.model)
