@@ -46,12 +46,12 @@ def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
 
     pp, me = int(pp_size), int(rank)
     mode = fake_gpu.install(world_size=WORLD, rank=me)
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
     from megatron_hdp.megatron.initialize import initialize_hdp
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config
     from megatron_hdp.megatron.step import HDPTrainer
     from megatron_hdp.offload import ActivationOffloader
 
@@ -164,7 +164,7 @@ def install_step(rank: str = "0") -> None:
     from megatron_hdp.megatron import training_install
     from megatron_hdp.megatron.args import parse_and_check
     from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config
     from megatron_hdp.offload import OffloadConfig
 
     args, _ = parse_and_check(INSTALL_ARGS, world_size=WORLD)

@@ -111,7 +111,7 @@ def test_fp8_runs_with_micro_batches_padded_to_16_tokens_per_tp_rank(extra, mult
     import numpy as np
 
     from megatron_hdp.data.collate import collate_microbatch
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
 
     args, _ = parse_and_check(TINY + HDP + extra, world_size=4, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     assert token_multiple(args) == multiple

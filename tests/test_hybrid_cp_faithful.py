@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.megatron.hand_plan import plan_from_rings
+from megatron_hdp.plan.hand_plan import plan_from_rings
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
 from megatron_hdp.sim.replay import dedicated_step_time

@@ -31,8 +31,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "attention": frozenset({"config", "plan", "comm"}),
     "offload": frozenset({"config", "plan", "comm"}),
     "data": frozenset({"config", "plan", "comm", "attention"}),
-    # "sim" only until the CPU training harness leaves megatron/ for harness/
-    "megatron": frozenset({"config", "plan", "sim", "comm", "attention", "offload", "data"}),
+    "megatron": frozenset({"config", "plan", "comm", "attention", "offload", "data"}),
     "harness": frozenset({"config", "plan", "sim", "comm", "attention", "offload", "data", "megatron"}),
     "commands": frozenset({"config", "run_logs", "plan", "sim", "comm", "attention", "offload", "data", "megatron",
                            "harness"}),

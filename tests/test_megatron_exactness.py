@@ -46,9 +46,9 @@ def _init(tp=1, pp=1, ep=1):
 
 
 def _reference(rank, world_size):
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE, full_weights, reference_steps
+    from megatron_hdp.harness.exactness import VOCAB_SIZE, full_weights, reference_steps
     from megatron_hdp.megatron.initialize import destroy_hdp
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config, wrap_for_training
 
     out = {}
     for kind, experts in (("dense", None), ("moe", NUM_EXPERTS)):
@@ -68,7 +68,7 @@ def _plan(lengths, *, num_ranks, seed, pp_size, idle, offload=0.0):
     import dataclasses
     import random
 
-    from megatron_hdp.megatron.hand_plan import plan_from_rings, random_plan
+    from megatron_hdp.plan.hand_plan import plan_from_rings, random_plan
 
     if not idle:
         plan = random_plan(lengths, num_ranks=num_ranks, seed=seed, pp_size=pp_size)
@@ -97,8 +97,8 @@ def _case_config(config, case):
 
 
 def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE, load_full_weights, local_grads, token_reader
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.harness.exactness import VOCAB_SIZE, load_full_weights, local_grads, token_reader
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config, wrap_for_training
     from megatron_hdp.megatron.step import HDPTrainer
 
     case = case or {}
@@ -145,7 +145,7 @@ def reference():
 
 
 def _check(reference, results):
-    from megatron_hdp.megatron.exactness import expected_shard
+    from megatron_hdp.harness.exactness import expected_shard
 
     for rank_steps in results:
         for step, (got, want) in enumerate(zip(rank_steps, reference["steps"])):

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from megatron_hdp.cli import main
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.megatron.hand_plan import plan_from_rings
+from megatron_hdp.plan.hand_plan import plan_from_rings
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.sim.cluster import ClusterSpec, format_tokens
 from megatron_hdp.sim.compare import compare_policies, compute_floor

@@ -6,7 +6,7 @@ a long-tailed length mix, written to --data-dir, read by the HDP loader) run und
 rank's compute / mean), rings and measured ring-attention bytes, side by side.
 
 Step time is that of a cluster with one core per rank (each rank's measured CPU seconds composed through
-the plan's ring waits, as `benchmarks/step_bench.py` measures it, see `megatron_hdp.megatron.cpu_training`);
+the plan's ring waits, as `benchmarks/step_bench.py` measures it, see `megatron_hdp.harness.cpu_training`);
 wall time, next to it, is the total work of all ranks on this host's shared cores. Each reported step runs
 `--timing-repeats` times and every phase keeps its fewest CPU seconds, as the cost-model fit does: one run
 on a shared host is inflated by whatever else runs there (~10% per micro-batch on average, 5% of runs
@@ -72,12 +72,12 @@ def format_rows(rows: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Launch the ranks, print the table and the mean step time per policy."""
-    from megatron_hdp.megatron.cpu_training import CpuRunSpec, silence_megatron_warnings, train_policies
+    from megatron_hdp.harness.cpu_training import CpuRunSpec, silence_megatron_warnings, train_policies
 
     silence_megatron_warnings()  # before Megatron is imported here (the ranks do the same for themselves)
     from megatron_hdp.comm.launch import run_gloo
-    from megatron_hdp.megatron.build_dataset import build_demo_dataset
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE
+    from megatron_hdp.harness.build_dataset import build_demo_dataset
+    from megatron_hdp.harness.exactness import VOCAB_SIZE
 
     spec = CpuRunSpec(
         policies=tuple(args.policies),

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import megatron_hdp.megatron  # noqa: F401  (registers megatron-hybrid-cp, which HYBRID_CP plans with)
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost_model import CostModel
 
@@ -145,7 +146,7 @@ def planned_batches(spec: CpuRunSpec, state, config: HDPConfig, cost_model: Cost
     from megatron_hdp.plan.planner import make_plan
 
     if spec.data_prefix is None:
-        from megatron_hdp.megatron.exactness import token_reader
+        from megatron_hdp.harness.exactness import token_reader
 
         for step, lengths in enumerate(global_batches(spec)):
             plan = make_plan(lengths, num_ranks=state.hdp_size, config=config, cost_model=cost_model,
@@ -169,7 +170,7 @@ def planned_batches(spec: CpuRunSpec, state, config: HDPConfig, cost_model: Cost
 
 
 def _model_config(spec: CpuRunSpec):
-    from megatron_hdp.megatron.model import tiny_llama_config
+    from megatron_hdp.harness.model import tiny_llama_config
 
     return tiny_llama_config(
         num_layers=spec.num_layers,
@@ -181,8 +182,8 @@ def _model_config(spec: CpuRunSpec):
 
 
 def _build(spec: CpuRunSpec, state):
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE
-    from megatron_hdp.megatron.model import build_gpt, wrap_for_training
+    from megatron_hdp.harness.exactness import VOCAB_SIZE
+    from megatron_hdp.harness.model import build_gpt, wrap_for_training
     from megatron_hdp.megatron.step import HDPTrainer
 
     torch.manual_seed(spec.seed)
@@ -196,7 +197,7 @@ def _microbatch_seconds(trainer, lengths: list[int], rings: list[tuple[int, ...]
     """Fewest CPU seconds (forward + backward) of this rank's first micro-batch over `repeats` HDP steps of
     the hand plan (`lengths` on `rings`, all in micro-batch 0), after one untimed step: the runtime's own
     path (collation, Megatron's schedule, DDP hooks), as the measured steps take it."""
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
 
     plan = plan_from_rings(lengths, rings, [0] * len(lengths), num_ranks=trainer.state.hdp_size, capacity=capacity)
     return min(run.forward[0] + run.backward[0] for run in _timed_runs(trainer, plan, repeats))
@@ -205,7 +206,7 @@ def _microbatch_seconds(trainer, lengths: list[int], rings: list[tuple[int, ...]
 def _timed_runs(trainer, plan, repeats: int) -> list:
     """BusyTimes of `repeats` HDP steps of the hand plan `plan` (tokens from `token_reader`), after one
     untimed step."""
-    from megatron_hdp.megatron.exactness import token_reader
+    from megatron_hdp.harness.exactness import token_reader
 
     runs = []
     for repeat in range(repeats + 1):
@@ -275,7 +276,7 @@ def measure_step_overhead(trainer, *, grad_bytes: int, allreduce_bandwidth: floa
     """CPU seconds of a step outside its micro-batches and its gradient all-reduce — plan check,
     collation, optimizer step — which `simulate_step` does not model: fewest over `repeats` steps of one
     short whole document per rank, median over ranks, less the all-reduce the simulator charges."""
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
     from megatron_hdp.sim.simulator import allreduce_time
 
     world = trainer.state.hdp_size
@@ -291,7 +292,7 @@ def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches: int = 6) -> float
     (identical work everywhere), `spec.timing_repeats` times after an untimed step, each phase keeping its
     fewest CPU seconds; the jitter is the median over (micro-batch, forward / backward) of the standard
     deviation over ranks divided by the mean."""
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
 
     world = trainer.state.hdp_size
     lengths = [spec.capacity] * (world * microbatches)

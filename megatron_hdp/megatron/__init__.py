@@ -1,4 +1,6 @@
-"""megatron layer of megatron_hdp: everything that touches Megatron-Core / Megatron-LM APIs.
+"""megatron layer of megatron_hdp: the integration with Megatron-Core / Megatron-LM APIs, and only that
+(flags, install(), initialize, layer spec, forward step, datasets, CPU shims, Megatron's own policies);
+what drives it for evidence (CPU training runs, exactness references, GPU smoke) lives in `harness/`.
 
 The Megatron-LM entry points are exported lazily, so importing this package does not import
 megatron.training (which is slow and needs the version check in `training_compat`). The module behind
