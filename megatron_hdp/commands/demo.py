@@ -9,8 +9,9 @@ Step time is that of a cluster with one core per rank (each rank's measured CPU 
 the plan's ring waits, as `benchmarks/step_bench.py` measures it, see `megatron_hdp.harness.cpu_training`);
 wall time, next to it, is the total work of all ranks on this host's shared cores. Each reported step runs
 `--timing-repeats` times and every phase keeps its fewest CPU seconds, as the cost-model fit does: one run
-on a shared host is inflated by whatever else runs there (~10% per micro-batch on average, 5% of runs
-over 1.34x), and a ring waits for its slowest member, so a single run measures the neighbours too.
+on a shared host is inflated by whatever else runs there (benchmarks/results/observations.json, entry
+"single-run-inflation"), and a ring waits for its slowest member, so a single run measures the
+neighbours too.
 """
 
 from __future__ import annotations
