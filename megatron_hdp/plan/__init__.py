@@ -14,4 +14,7 @@ validated `step_plan.StepPlan`. Modules, one job each:
   where the layers above register their own policies (e.g. Megatron's Hybrid-CP) when imported.
 - `bounds`: a lower bound on any plan's step time, and a plan's gap to it.
 - `lengths`: the shared real length lists, ByteScale-like synthetic mixes, global-batch sampling.
+- `fit`: the one fit of T(s) and Act(s) to measurements, and the CostModel made from it (calibrate, the
+  harnesses and the online refit use it); `online_refit`: the refit from each step's measured compute.
+- `hand_plan`: a StepPlan from an explicit placement (tests and harnesses pin down the plan they run).
 """
