@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 HYBRID_CP = "megatron-hybrid-cp"
 """Megatron's Hybrid-CP as Megatron executes it: its scheduler's plan run one forward/backward pass per
 sub-sample (<= C tokens per rank per pass), a barrier over all ranks after each group
-(`hybrid_cp_policy.per_subsample_plan`)."""
+(`plan.per_subsample.per_subsample_plan`)."""
 HYBRID_CP_GROUPED = "megatron-hybrid-cp-grouped"
 """Ours, not Megatron's: Megatron's grouping run through our runtime as one micro-batch per group and rank
 (up to several times C tokens per pass, no barrier): the planner policy `megatron-hybrid-cp` as is."""
@@ -453,7 +453,7 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     and predicted, and what this run measured (the same when nothing came from outside).
     """
     silence_megatron_warnings()
-    from megatron_hdp.megatron.hybrid_cp_policy import per_subsample_plan
+    from megatron_hdp.plan.per_subsample import per_subsample_plan
     from megatron_hdp.megatron.initialize import initialize_hdp
 
     state = initialize_hdp(seed=spec.seed)
