@@ -17,4 +17,5 @@ validated `step_plan.StepPlan`. Modules, one job each:
 - `fit`: the one fit of T(s) and Act(s) to measurements, and the CostModel made from it (calibrate, the
   harnesses and the online refit use it); `online_refit`: the refit from each step's measured compute.
 - `hand_plan`: a StepPlan from an explicit placement (tests and harnesses pin down the plan they run).
+- `per_subsample`: a Hybrid-CP plan as Megatron executes it (a pass per sub-sample, group barriers).
 """
