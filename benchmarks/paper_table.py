@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import megatron_hdp.megatron  # noqa: F401  (registers megatron-hybrid-cp, one of DEFAULT_POLICIES)
 from megatron_hdp.sim.cluster import ClusterSpec, format_tokens
 from megatron_hdp.sim.compare import compare_policies
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+import megatron_hdp.megatron  # noqa: F401  (registers megatron-hybrid-cp)
 from megatron_hdp.commands.plan import parse_count
 from megatron_hdp.commands.plan_budget import estimate_plan
 from megatron_hdp.config import POLICIES, HDPConfig

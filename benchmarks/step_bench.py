@@ -9,12 +9,12 @@ Policies: balance, static, naive (ours), megatron-hybrid-cp — Megatron's Hybri
 way Megatron executes it (one forward/backward pass per sub-sample, <= C tokens per rank per pass, a
 barrier over all ranks after each group) — and megatron-hybrid-cp-grouped, ours: Megatron's grouping run
 through our runtime as one micro-batch per group and rank (several times C tokens per pass, no barrier),
-which is not what Megatron runs (`megatron_hdp.megatron.cpu_training.HYBRID_CP_GROUPED`).
+which is not what Megatron runs (`megatron_hdp.harness.cpu_training.HYBRID_CP_GROUPED`).
 
 The tiny Llama-style GPT (Megatron-Core, HDP core attention) trains the same global batches — ByteScale's
 long-tailed "byted" mix scaled down, clipped to --max-length, with --capacity so that several documents
 need rings and static's CP group spans every rank (CP = max length / C) — under each policy, one after the
-other in the same processes (`megatron_hdp.megatron.cpu_training`, which documents the method). Step time
+other in the same processes (`megatron_hdp.harness.cpu_training`, which documents the method). Step time
 is that of a cluster with one core per rank: each rank's CPU seconds of each phase (a rank blocked in a
 gloo wait uses none), composed through the plan's ring waits (`megatron_hdp.sim.replay`); wall time on
 this host (ranks sharing its cores: the total work) next to it. The prediction is `simulate_step` with the
@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 
 from megatron_hdp.comm.launch import run_gloo
-from megatron_hdp.megatron.cpu_training import CpuRunSpec, train_policies
+from megatron_hdp.harness.cpu_training import CpuRunSpec, train_policies
 from megatron_hdp.plan.cost_model import CostModel
 
 RESULTS = Path(__file__).resolve().parent / "results" / "step_bench.json"
@@ -90,7 +90,7 @@ def simulated_breakdown(spec: CpuRunSpec, mixes: list[str], cost_model: CostMode
     group barriers: step - busiest rank's work - all-reduce), passes per rank, the all-reduce. Megatron's
     Hybrid-CP with Megatron's rules (one pass per sub-sample, a barrier per group)."""
     from megatron_hdp.config import HDPConfig
-    from megatron_hdp.megatron.cpu_training import HYBRID_CP, global_batches, planner_policy
+    from megatron_hdp.harness.cpu_training import HYBRID_CP, global_batches, planner_policy
     from megatron_hdp.plan.planner import make_plan
     from megatron_hdp.sim.simulator import POLICY_RULES, PolicyRules, simulate_step
 

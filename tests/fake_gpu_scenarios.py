@@ -47,12 +47,12 @@ def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: 
     import fake_gpu
 
     mode = fake_gpu.install(world_size=WORLD, rank=me)
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
     from megatron_hdp.megatron.initialize import initialize_hdp
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config
     from megatron_hdp.megatron.step import HDPTrainer
     from megatron_hdp.offload import ActivationOffloader
 
@@ -114,9 +114,9 @@ def hdp_step_vpp(rank: str = "0") -> None:
     import fake_gpu
 
     mode = fake_gpu.install(world_size=WORLD, rank=int(rank))
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
     from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.megatron.model import build_gpt_chunks, tiny_llama_config, wrap_chunks_for_training
+    from megatron_hdp.harness.model import build_gpt_chunks, tiny_llama_config, wrap_chunks_for_training
     from megatron_hdp.megatron.step import HDPTrainer
     from megatron_hdp.offload import ActivationOffloader
 
@@ -284,7 +284,7 @@ def install_step(rank: str = "0") -> None:
     from megatron_hdp.megatron import training_install
     from megatron_hdp.megatron.args import parse_and_check
     from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config
     from megatron_hdp.offload import OffloadConfig
 
     args, _ = parse_and_check(INSTALL_ARGS, world_size=WORLD)
@@ -360,9 +360,9 @@ def moe_routers(rank: str = "0") -> None:
     mode = fake_gpu.install(world_size=WORLD, rank=me)
     from megatron_hdp.data.collate import collate_microbatch
     from megatron_hdp.megatron.forward_step import packed_seq_params
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
     from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.megatron.model import tiny_llama_config
+    from megatron_hdp.harness.model import tiny_llama_config
     from megatron_hdp.megatron.moe_aux_loss import DocumentAuxLossRouter, remember_documents
 
     from megatron.core.process_groups_config import ProcessGroupCollection

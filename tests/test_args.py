@@ -148,7 +148,7 @@ def test_every_microbatch_reaches_the_gemms_in_a_shape_its_recipe_quantizes(quan
     import numpy as np
 
     from megatron_hdp.data.collate import collate_microbatch
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
     from megatron_hdp.megatron.step import pad_microbatches
 
     args, _ = _parse_quantized(TINY + HDP + quantized + parallel)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hdp.comm.launch import run_gloo
-from megatron_hdp.megatron.cpu_training import CpuRunSpec, train_policies
+from megatron_hdp.harness.cpu_training import CpuRunSpec, train_policies
 
 SPEC = CpuRunSpec(
     policies=("balance", "static", "megatron-hybrid-cp"), steps=1, warmup_steps=0, capacity=128, tokens_per_step=1024, max_length=256,

@@ -51,9 +51,9 @@ def _init(tp=1, pp=1, ep=1, vpp=None):
 
 
 def _reference(rank, world_size):
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE, full_weights, reference_steps
+    from megatron_hdp.harness.exactness import VOCAB_SIZE, full_weights, reference_steps
     from megatron_hdp.megatron.initialize import destroy_hdp
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config, wrap_for_training
 
     out = {}
     for kind, experts, num_layers in (("dense", None, 2), ("moe", NUM_EXPERTS, 2), (VPP_KIND, None, VPP_LAYERS)):
@@ -74,7 +74,7 @@ def _plan(lengths, *, num_ranks, seed, pp_size, idle, offload=0.0):
     import dataclasses
     import random
 
-    from megatron_hdp.megatron.hand_plan import plan_from_rings, random_plan
+    from megatron_hdp.plan.hand_plan import plan_from_rings, random_plan
 
     if not idle:
         plan = random_plan(lengths, num_ranks=num_ranks, seed=seed, pp_size=pp_size)
@@ -130,8 +130,8 @@ def _plant(case):
 
 
 def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE, load_full_weights, local_grads, token_reader
-    from megatron_hdp.megatron.model import build_gpt_chunks, tiny_llama_config, wrap_chunks_for_training
+    from megatron_hdp.harness.exactness import VOCAB_SIZE, load_full_weights, local_grads, token_reader
+    from megatron_hdp.harness.model import build_gpt_chunks, tiny_llama_config, wrap_chunks_for_training
     from megatron_hdp.megatron.step import HDPTrainer
 
     case = case or {}
@@ -188,7 +188,7 @@ def reference():
 
 
 def _check(reference, results):
-    from megatron_hdp.megatron.exactness import expected_shard
+    from megatron_hdp.harness.exactness import expected_shard
 
     for rank_steps in results:
         for step, (got, want) in enumerate(zip(rank_steps, reference["steps"])):
@@ -297,7 +297,7 @@ def _vpp_plans():
     offload ratio. Step 0: counts 6 and 5, rings at micro-batches 0 and 3. Both counts run in Megatron
     (G = 3), but together they deadlock (plan.interleaved.deadlock_cycle finds the cycle): the ring rule
     pads the second pipeline to 6. Step 1: counts 4 and 2, rings at 0 and 1: the pipelines run 5 and 3."""
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
 
     (_, first), (_, second) = BATCHES
     return [

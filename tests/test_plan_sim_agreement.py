@@ -15,9 +15,9 @@ import os
 import numpy as np
 import pytest
 
-from megatron_hdp.config import HDPConfig
+from megatron_hdp.config import POLICIES, HDPConfig
 from megatron_hdp.plan.cost_model import CostModel
-from megatron_hdp.plan.planner import POLICIES, make_plan
+from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
 from megatron_hdp.sim.simulator import POLICY_RULES, PolicyRules, simulate_step
 from plan_reference import reference_finish
@@ -35,9 +35,9 @@ def _batches():
 
 
 def _policies():
+    import megatron_hdp.megatron  # noqa: F401  (registers Megatron's policies)
+
     for name in POLICIES:
-        if name == "megatron-hybrid-cp":
-            pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
         if name == "megatron-dynamic-cp" and not os.environ.get("MEGATRON_LM_DIR"):
             continue  # needs a Megatron-LM dev checkout (its own tests cover it)
         yield name

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from megatron_hdp.offload.calibrate import measure_layer
+from megatron_hdp.harness.calibrate import measure_layer
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.presets import analytic_cost_model, model_shape
 from megatron_hdp.plan.sharding import min_ring_size

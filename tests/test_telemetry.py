@@ -47,7 +47,7 @@ def _crossing_hops(run_dir: Path, step: int) -> list[bool]:
 @pytest.fixture(scope="module")
 def hdp_run(tmp_path_factory):
     """Run directory of the 4-rank HDP run: tensorboard/ and plans/; plus what each rank returned."""
-    from megatron_hdp.megatron.build_dataset import build_demo_dataset
+    from megatron_hdp.harness.build_dataset import build_demo_dataset
 
     run_dir = tmp_path_factory.mktemp("run")
     prefix = build_demo_dataset(run_dir / "data", num_docs=256, vocab_size=256, max_length=256)

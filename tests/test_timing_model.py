@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_hdp.megatron.hand_plan import plan_from_rings, random_plan
+from megatron_hdp.plan.hand_plan import plan_from_rings, random_plan
 from megatron_hdp.plan.assemble import assemble_plan
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.presets import analytic_cost_model

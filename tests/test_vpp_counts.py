@@ -9,7 +9,7 @@ schedule. No processes: the counts are pure functions of the plan and the rank's
 
 import pytest
 
-from megatron_hdp.megatron.hand_plan import plan_from_rings
+from megatron_hdp.plan.hand_plan import plan_from_rings
 from megatron_hdp.megatron.initialize import HDPState
 from megatron_hdp.megatron import step
 from megatron_hdp.plan.interleaved import deadlock_cycle, megatron_constraint_error

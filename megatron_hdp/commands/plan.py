@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from megatron_hdp.commands.arguments import (existing_file, existing_path, fraction, names_from, one_of,
-                                             parse_count, positive_float, positive_int)
+                                             parse_count, policy_names, positive_float, positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +42,10 @@ planning at 16,384 ranks here; 4 x 16,384 x 16K would be 1B tokens and minutes).
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the plan subcommand."""
-    from megatron_hdp.config import POLICIES
     from megatron_hdp.plan.lengths import DISTRIBUTIONS
     from megatron_hdp.plan.presets import HARDWARE, MODELS
+
+    policies = policy_names()
 
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--lengths", metavar="FILE", type=existing_file,
@@ -66,10 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vpp", type=positive_int, default=1,
                         help="model chunks (virtual pipeline stages) per pipeline stage: Megatron's interleaved "
                              "schedule when > 1")
-    parser.add_argument("--policy", type=one_of(POLICIES, "policy"), metavar="{" + ",".join(POLICIES) + "}",
+    parser.add_argument("--policy", type=one_of(policies, "policy"), metavar="{" + ",".join(policies) + "}",
                         default="balance", help="policy whose plan --json writes")
-    parser.add_argument("--compare", type=names_from(POLICIES, "policy"), default=list(POLICIES),
-                        help=f"comma-separated policies to tabulate (default: all, {','.join(POLICIES)})")
+    parser.add_argument("--compare", type=names_from(policies, "policy"), default=list(policies),
+                        help=f"comma-separated policies to tabulate (default: all, {','.join(policies)})")
     parser.add_argument("--model", type=one_of(sorted(MODELS), "model"), default="llama-7b",
                         help="model preset of the analytic cost model")
     parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",

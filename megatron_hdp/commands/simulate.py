@@ -22,7 +22,8 @@ import logging
 import sys
 from pathlib import Path
 
-from megatron_hdp.commands.arguments import existing_file, names_from, one_of, parse_count, positive_float, positive_int
+from megatron_hdp.commands.arguments import (existing_file, names_from, one_of, parse_count, policy_names,
+                                             positive_float, positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,11 @@ SWEEP_CONTEXTS = tuple(k * 1024 for k in (256, 512, 1024, 2048))
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the simulate subcommand."""
-    from megatron_hdp.config import POLICIES
     from megatron_hdp.plan.lengths import DISTRIBUTIONS
     from megatron_hdp.plan.presets import HARDWARE, MODELS
     from megatron_hdp.sim.compare import DEFAULT_POLICIES
+
+    policies = policy_names()
 
     parser.add_argument("--model", type=one_of(sorted(MODELS), "model"), default="llama-7b",
                         help="model preset (plan/presets.py MODELS)")
@@ -51,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="{" + ",".join(DISTRIBUTIONS) + "}", help="sequence-length mix")
     parser.add_argument("--global-batch-tokens", type=parse_count, default=None,
                         help="tokens per global batch (e.g. 32M); default 4 full micro-batches per HDP rank")
-    parser.add_argument("--policies", type=names_from(POLICIES, "policy"), default=list(DEFAULT_POLICIES),
+    parser.add_argument("--policies", type=names_from(policies, "policy"), default=list(DEFAULT_POLICIES),
                         help=f"comma-separated policies (default {','.join(DEFAULT_POLICIES)})")
     parser.add_argument("--steps", type=positive_int, default=2, help="global batches to simulate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled batches")

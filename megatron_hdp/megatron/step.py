@@ -33,9 +33,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hdp.comm.collectives import all_gather_flat
+from megatron_hdp.comm.plan_agreement import check_plan_agreement
 from megatron_hdp.comm.traffic import count_traffic
 from megatron_hdp.data.collate import MaskReader, PackedMicroBatch, TokenReader, collate_microbatch, empty_microbatch
-from megatron_hdp.data.loader import check_plan_agreement
 from megatron_hdp.megatron.forward_step import make_forward_step
 from megatron_hdp.megatron import quantization
 from megatron_hdp.megatron.initialize import HDPState
@@ -140,7 +140,7 @@ def check_model_config(config: TransformerConfig, *, state: HDPState) -> None:
 def check_plan(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> None:
     """ValueError on every rank unless `plan` is valid for this domain and the same on every rank.
 
-    The data layer's `check_plan_agreement` over all ranks (every TP rank and PP stage must run the same
+    The comm layer's `check_plan_agreement` over all ranks (every TP rank and PP stage must run the same
     plan too), with this domain's checks as its local check: a rank that rejects the plan still joins the
     digest all-gather, so no peer hangs in it. With virtual pipeline stages the local check includes the
     counts the pipelines will run against Megatron's constraints and the ring rule

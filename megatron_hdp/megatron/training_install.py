@@ -364,7 +364,7 @@ def _pipeline_shapes_per_microbatch(args: Namespace) -> None:
     receiving stage would get the wrong shape (a RoPE size mismatch, or gloo's "Received data size doesn't
     match"; on NCCL a hang or corrupted activations). With `variable_seq_lengths` each send is preceded by
     its 3-integer shape (`P2PCommunicator._communicate_shapes`), as in the Core-API path
-    (`megatron_hdp.megatron.model.tiny_llama_config`); benchmarks/pp_shapes_bench.py measures that against
+    (`megatron_hdp.harness.model.tiny_llama_config`); benchmarks/pp_shapes_bench.py measures that against
     padding every micro-batch to the step's longest. The model config is built from `args` after
     install(), so setting the flag here reaches the schedule.
 

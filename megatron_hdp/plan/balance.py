@@ -63,9 +63,9 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_MARGIN = 0.02
 """The by-time ring placement replaces the aligned one only when predicted this much faster: it couples
-more ranks through rings at different indices, so a cost-model error costs it more waits (the CPU demo's
-step 1, predicted 1% faster placed by time, measured 6-10% under static in two runs on a host loaded
-~30x, against 29% with the aligned plan)."""
+more ranks through rings at different indices, so a cost-model error costs it more waits (a demo step
+where a 1% predicted gain measured worse than the aligned plan: benchmarks/results/observations.json,
+entry "placement-margin")."""
 
 RETRY_GAP = 1.02
 """A plan whose step exceeds both the mean rank time and the lower bound by more than this factor tries

@@ -92,8 +92,9 @@ class CostModel:
     ring_block_overhead: float = 0.0
     """Seconds per document, per extra ring step, per layer that no transfer hides: a split document costs
     2 (k-1) more attention-kernel calls (one block per ring step, forward and backward) than a whole one.
-    About 0 where one varlen kernel call takes every document of a step; ~40 us on the CPU backend, which
-    calls the kernel per document (fitted by `benchmarks/step_bench.py`)."""
+    About 0 where one varlen kernel call takes every document of a step; tens of microseconds on the CPU
+    backend, which calls the kernel per document (fitted by `benchmarks/step_bench.py`: the dated value
+    is in benchmarks/results/step_bench.json)."""
     jitter: float = 0.0
     """Relative standard deviation of a micro-batch's time from one rank to another running the same work
     (0: every rank runs at the model's time). Members of a ring finish with the slowest, so rings pay the

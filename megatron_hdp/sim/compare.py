@@ -18,7 +18,7 @@ from tqdm import tqdm
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.lengths import sample_global_batch
-from megatron_hdp.plan.planner import make_plan
+from megatron_hdp.plan.planner import make_plan, policy_function
 from megatron_hdp.plan.step_plan import StepPlan
 from megatron_hdp.sim.cluster import ClusterSpec
 from megatron_hdp.sim.simulator import StepTimeline, allreduce_time, simulate_step
@@ -126,7 +126,8 @@ def compare_policies(
     """Simulate `steps` global batches of `distribution` under each policy (see the module docstring).
 
     A policy that cannot plan this setup (e.g. megatron-hybrid-cp with PP) is reported with its reason
-    instead of stopping the others.
+    instead of stopping the others; a name not in the planner's registry is a ValueError at once (a policy
+    of a layer above plan/, such as the default's megatron-hybrid-cp, registers when its package is imported).
     """
     spec.check_context(context)
     if steps <= 0:
@@ -134,6 +135,8 @@ def compare_policies(
     if not policies:
         raise ValueError("no policies to compare")
     policies = list(dict.fromkeys(policies))  # a policy named twice would count its tokens and time twice
+    for policy in policies:
+        policy_function(policy)  # an unregistered name stops here, not reported as a policy that cannot plan
     capacity = spec.rank_capacity
     budget = global_batch_tokens or MICROBATCHES_PER_RANK * capacity * spec.num_ranks
     if budget <= 0:

@@ -1,8 +1,8 @@
 """Build a StepPlan from an explicit placement: which ranks hold each sequence, in which micro-batch slot.
 
 Tests and examples use it to pin down exactly the plan they exercise (whole, split, rings that overlap,
-ranks with different micro-batch counts) without depending on a planner's choices. Pure Python (no
-torch, no Megatron import) despite living next to the runtime that consumes the plans.
+ranks with different micro-batch counts) without depending on a planner's choices; the harnesses use it
+to time exactly the micro-batches they measure.
 """
 
 from __future__ import annotations

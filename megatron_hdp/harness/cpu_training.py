@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import megatron_hdp.megatron  # noqa: F401  (registers megatron-hybrid-cp, which HYBRID_CP plans with)
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost_model import CostModel
 
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 HYBRID_CP = "megatron-hybrid-cp"
 """Megatron's Hybrid-CP as Megatron executes it: its scheduler's plan run one forward/backward pass per
 sub-sample (<= C tokens per rank per pass), a barrier over all ranks after each group
-(`hybrid_cp_policy.per_subsample_plan`)."""
+(`plan.per_subsample.per_subsample_plan`)."""
 HYBRID_CP_GROUPED = "megatron-hybrid-cp-grouped"
 """Ours, not Megatron's: Megatron's grouping run through our runtime as one micro-batch per group and rank
 (up to several times C tokens per pass, no barrier): the planner policy `megatron-hybrid-cp` as is."""
@@ -158,7 +159,7 @@ def planned_batches(spec: CpuRunSpec, state, config: HDPConfig, cost_model: Cost
     from megatron_hdp.plan.planner import make_plan
 
     if spec.data_prefix is None:
-        from megatron_hdp.megatron.exactness import token_reader
+        from megatron_hdp.harness.exactness import token_reader
 
         for step, lengths in enumerate(global_batches(spec)):
             plan = make_plan(lengths, num_ranks=state.hdp_size, config=config, cost_model=cost_model,
@@ -182,7 +183,7 @@ def planned_batches(spec: CpuRunSpec, state, config: HDPConfig, cost_model: Cost
 
 
 def _model_config(spec: CpuRunSpec):
-    from megatron_hdp.megatron.model import tiny_llama_config
+    from megatron_hdp.harness.model import tiny_llama_config
 
     return tiny_llama_config(
         num_layers=spec.num_layers,
@@ -194,8 +195,8 @@ def _model_config(spec: CpuRunSpec):
 
 
 def _build(spec: CpuRunSpec, state):
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE
-    from megatron_hdp.megatron.model import build_gpt, wrap_for_training
+    from megatron_hdp.harness.exactness import VOCAB_SIZE
+    from megatron_hdp.harness.model import build_gpt, wrap_for_training
     from megatron_hdp.megatron.step import HDPTrainer
 
     torch.manual_seed(spec.seed)
@@ -209,7 +210,7 @@ def _microbatch_seconds(trainer, lengths: list[int], rings: list[tuple[int, ...]
     """Fewest CPU seconds (forward + backward) of this rank's first micro-batch over `repeats` HDP steps of
     the hand plan (`lengths` on `rings`, all in micro-batch 0), after one untimed step: the runtime's own
     path (collation, Megatron's schedule, DDP hooks), as the measured steps take it."""
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
 
     plan = plan_from_rings(lengths, rings, [0] * len(lengths), num_ranks=trainer.state.hdp_size, capacity=capacity)
     return min(run.forward[0] + run.backward[0] for run in _timed_runs(trainer, plan, repeats))
@@ -218,7 +219,7 @@ def _microbatch_seconds(trainer, lengths: list[int], rings: list[tuple[int, ...]
 def _timed_runs(trainer, plan, repeats: int) -> list:
     """BusyTimes of `repeats` HDP steps of the hand plan `plan` (tokens from `token_reader`), after one
     untimed step."""
-    from megatron_hdp.megatron.exactness import token_reader
+    from megatron_hdp.harness.exactness import token_reader
 
     runs = []
     for repeat in range(repeats + 1):
@@ -288,7 +289,7 @@ def measure_step_overhead(trainer, *, grad_bytes: int, allreduce_bandwidth: floa
     """CPU seconds of a step outside its micro-batches and its gradient all-reduce — plan check,
     collation, optimizer step — which `simulate_step` does not model: fewest over `repeats` steps of one
     short whole document per rank, median over ranks, less the all-reduce the simulator charges."""
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
     from megatron_hdp.sim.simulator import allreduce_time
 
     world = trainer.state.hdp_size
@@ -315,7 +316,7 @@ def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches: int = 6) -> float
     (identical work everywhere), `spec.timing_repeats` times after an untimed step, each phase keeping its
     fewest CPU seconds; the jitter is the median over (micro-batch, forward / backward) of the standard
     deviation over ranks divided by the mean."""
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
 
     world = trainer.state.hdp_size
     lengths = [spec.capacity] * (world * microbatches)
@@ -331,8 +332,8 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     """The cost model of this model on this CPU, in CPU seconds of the runtime's own micro-batches (median
     over ranks, which run them at once):
 
-    - per layer T(s) = a1 s^2 + b1 s + g: non-negative least squares (relative error) over whole documents
-      of `spec.fit_lengths`, one per rank;
+    - per layer T(s) = a1 s^2 + b1 s + g: `plan.fit.fit_compute` (non-negative least squares, relative
+      error) over whole documents of `spec.fit_lengths`, one per rank;
     - `jitter` from `measure_jitter`;
     - ring link: bandwidth from `_ring_link`; the rest from ring micro-batches, each member holding C
       tokens: `ring_block_overhead` from n = 8 documents of k C / n tokens against one of k C on the
@@ -342,7 +343,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
       excess over T, median over k. On a CPU both are mostly software cost per ring step (message posting,
       one kernel call per block, the merge), which is why they are fitted, not taken from the ping-pong.
     """
-    from scipy.optimize import nnls
+    from megatron_hdp.plan.fit import fit_compute
 
     world, rank = trainer.state.hdp_size, trainer.state.hdp_rank
     alone = [(r,) for r in range(world)]
@@ -350,10 +351,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
         _median_over_ranks(_microbatch_seconds(trainer, [s] * world, alone, capacity=s, repeats=spec.fit_repeats))
         for s in spec.fit_lengths
     ])
-    s = np.asarray(spec.fit_lengths, dtype=np.float64)
-    t = measured / spec.num_layers
-    design = np.stack([s**2, s, np.ones_like(s)], axis=1) / t[:, None]
-    (a1, b1, g), _ = nnls(design, np.ones_like(s))
+    a1, b1, g = fit_compute(spec.fit_lengths, measured / spec.num_layers)
     bandwidth, link_latency = _ring_link()
     kv_channels = spec.hidden_size // spec.num_attention_heads * spec.num_query_groups
     kv_bytes = 4 * 2 * kv_channels
@@ -485,7 +483,7 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     and predicted, and what this run measured (the same when nothing came from outside).
     """
     silence_megatron_warnings()
-    from megatron_hdp.megatron.hybrid_cp_policy import per_subsample_plan
+    from megatron_hdp.plan.per_subsample import per_subsample_plan
     from megatron_hdp.megatron.initialize import initialize_hdp
 
     state = initialize_hdp(seed=spec.seed)
