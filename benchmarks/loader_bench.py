@@ -4,7 +4,7 @@ step, read + collate throughput, and how much of it a simulated training step hi
     python benchmarks/loader_bench.py                       # 1M documents, 64 ranks, 1M-token batches
     python benchmarks/loader_bench.py --num-docs 100000 --steps 5
 
-The corpus (`megatron_hdp.megatron.build_dataset`, long-tailed: lognormal median 128 tokens plus 0.1% of
+The corpus (`megatron_hdp.harness.build_dataset`, long-tailed: lognormal median 128 tokens plus 0.1% of
 documents of 16K-64K) is written once with megatron-core's IndexedDatasetBuilder under --data-dir and
 reused. Planning uses `make_plan` (policy --policy) for --num-ranks HDP ranks of --capacity tokens with
 the analytic Llama-7B cost model. Loading is measured for every rank of the pool, one after the other
@@ -36,7 +36,7 @@ import torch
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.data.loader import HDPDataLoader
-from megatron_hdp.megatron.build_dataset import synthetic_documents, synthetic_lengths, write_indexed_dataset
+from megatron_hdp.harness.build_dataset import synthetic_documents, synthetic_lengths, write_indexed_dataset
 from megatron_hdp.megatron.datasets import IndexedDocumentSource
 from megatron_hdp.plan.presets import analytic_cost_model
 

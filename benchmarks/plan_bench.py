@@ -35,8 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
+import megatron_hdp.megatron  # noqa: F401  (registers megatron-hybrid-cp)
 from megatron_hdp.commands.plan import parse_count
+from megatron_hdp.commands.plan_budget import estimate_plan
 from megatron_hdp.config import POLICIES, HDPConfig
+from megatron_hdp.megatron import dynamic_cp_policy
 from megatron_hdp.plan import assemble, balance, baselines
 from megatron_hdp.plan.bounds import step_time_lower_bound
 from megatron_hdp.plan.lengths import DISTRIBUTIONS, sample_global_batch
@@ -63,12 +66,12 @@ class _AssemblyClock:
                 self.seconds += time.perf_counter() - start
 
         self._original = original
-        for module in (balance, baselines):
+        for module in (balance, baselines, dynamic_cp_policy):
             module.assemble_plan = timed
         return self
 
     def __exit__(self, *exc) -> None:
-        for module in (balance, baselines):
+        for module in (balance, baselines, dynamic_cp_policy):
             module.assemble_plan = self._original
 
 
@@ -152,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list of HDP ranks per node for the cost model; none: topology unknown")
     parser.add_argument("--repeats", type=int, default=3, help="runs of `balance` per batch (fastest kept)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-plan-seconds", type=float, default=300.0,
+                        help="skip a policy whose planning `plan_budget.estimate_plan` puts above this (n/a row)")
     parser.add_argument("--out", default=str(HERE / "results" / "plan_bench.json"))
     args = parser.parse_args(argv)
 
@@ -169,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
                 record = {"model": model, "mix": mix, "ranks": num_ranks, "ranks_per_node": ranks_per_node,
                           "policy": policy, "sequences": len(lengths), "tokens": int(sum(lengths)),
                           "longest": int(max(lengths))}
+                refusal = estimate_plan(policy, lengths, num_ranks=num_ranks, capacity=args.capacity).refusal(
+                    max_shards=10**9, max_seconds=args.max_plan_seconds)
+                if refusal:
+                    record["error"] = refusal
+                    records.append(record)
+                    print(table([record]).splitlines()[-1], flush=True)
+                    continue
                 try:
                     record.update(measure(policy, lengths, num_ranks=num_ranks, config=config, cost_model=cost_model,
                                           repeats=args.repeats if policy == "balance" else 1))

@@ -5,7 +5,7 @@ policy; each rank's compute is the sum of its documents' forward + backward thro
 layer, measured on this CPU (`DocumentTimer`), so each step has a measured per-rank compute time and a
 measured balance (max / mean):
 
-- calibrated: the cost model fitted to this machine beforehand (`offload.calibrate.fit_compute`, the fit
+- calibrated: the cost model fitted to this machine beforehand (`plan.fit.fit_compute`, the fit
   `megatron-hdp calibrate` makes, on documents of 32..2048 tokens timed by the same clock), never changed;
 - wrong: the calibrated model with a1 x3, b1 / 3, g x3, never changed. (Every coefficient x3 would
   change no plan: the planner only compares times. A wrong mix of attention and linear cost does.)
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.offload.calibrate import LayerSample, fit_compute
 from megatron_hdp.offload.reference_model import ReferenceLayer, rope_tables
+from megatron_hdp.plan.fit import fit_compute, fitted_cost_model
 from megatron_hdp.plan.online_refit import OnlineRefit, RefitSettings, compute_features
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import ModelShape, analytic_cost_model
@@ -139,8 +139,9 @@ def main() -> None:
 
     timer = DocumentTimer(args.repeats)
     # calibrated = `fit_compute` (what `megatron-hdp calibrate` fits) on documents timed by the same clock
-    a1, b1, g = fit_compute([LayerSample(s, timer.document_seconds(s), 0) for s in (32, 128, 256, 512, 1024, 2048)])
-    calibrated = dataclasses.replace(analytic_cost_model(SHAPE, "h100"), a1=a1, b1=b1, g=g)
+    lengths = (32, 128, 256, 512, 1024, 2048)
+    a1, b1, g = fit_compute(lengths, [timer.document_seconds(s) for s in lengths])
+    calibrated = fitted_cost_model((a1, b1, g), base=analytic_cost_model(SHAPE, "h100"))
     fa1, fb1, fg = (float(x) for x in args.wrong.split(","))
     wrong = dataclasses.replace(calibrated, a1=a1 * fa1, b1=b1 * fb1, g=g * fg)
     batches = global_batches(args.steps, docs=args.docs, sigma=args.sigma, seed=args.seed)

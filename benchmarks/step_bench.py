@@ -9,20 +9,28 @@ Policies: balance, static, naive (ours), megatron-hybrid-cp — Megatron's Hybri
 way Megatron executes it (one forward/backward pass per sub-sample, <= C tokens per rank per pass, a
 barrier over all ranks after each group) — and megatron-hybrid-cp-grouped, ours: Megatron's grouping run
 through our runtime as one micro-batch per group and rank (several times C tokens per pass, no barrier),
-which is not what Megatron runs (`megatron_hdp.megatron.cpu_training.HYBRID_CP_GROUPED`).
+which is not what Megatron runs (`megatron_hdp.harness.cpu_training.HYBRID_CP_GROUPED`).
 
 The tiny Llama-style GPT (Megatron-Core, HDP core attention) trains the same global batches — ByteScale's
 long-tailed "byted" mix scaled down, clipped to --max-length, with --capacity so that several documents
 need rings and static's CP group spans every rank (CP = max length / C) — under each policy, one after the
-other in the same processes (`megatron_hdp.megatron.cpu_training`, which documents the method). Step time
+other in the same processes (`megatron_hdp.harness.cpu_training`, which documents the method). Step time
 is that of a cluster with one core per rank: each rank's CPU seconds of each phase (a rank blocked in a
 gloo wait uses none), composed through the plan's ring waits (`megatron_hdp.sim.replay`); wall time on
 this host (ranks sharing its cores: the total work) next to it. The prediction is `simulate_step` with the
 cost model fitted inside the run on this model and this CPU (in-sample), or with `--predict-from` the cost
 model, all-reduce bandwidth and step overhead that an earlier run on another mix and seed fitted and
 measured itself (its `in_run_fit`, whatever it planned with: out-of-sample; the in-run fit's error is
-reported next to it). Medians over the reported steps go to
-benchmarks/results/step_bench.json with the command, the date and the host's load.
+reported next to it). Each step's prediction is scaled by the host's speed at that step against its
+speed at the fit (a probe timed beside both, `cpu_training.measure_speed_probe`): the fit and the steps
+are timed at different moments of a shared host.
+
+The prediction is judged on what the simulator claims, ratios: per step, the predicted speedup of each
+policy over static and over Megatron's Hybrid-CP against the measured one (`speedup_errors`), the
+absolute step-time errors beside them. `--repeat N` runs the whole measurement (fit, then the policies
+taking turns step by step) N times and reports each figure as the median and range over the runs; with
+`--predict-from` a file of N runs, run i predicts with run i's fit. The JSON keeps every run (its rows,
+fit, load average) with the command and the date.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import sys
 from pathlib import Path
 
 from megatron_hdp.comm.launch import run_gloo
-from megatron_hdp.megatron.cpu_training import CpuRunSpec, train_policies
+from megatron_hdp.harness.cpu_training import CpuRunSpec, train_policies
 from megatron_hdp.plan.cost_model import CostModel
 
 RESULTS = Path(__file__).resolve().parent / "results" / "step_bench.json"
@@ -66,8 +74,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="no training: the simulator's breakdown of every policy on the batches of --mixes, "
                              "with the cost model, all-reduce bandwidth and step overhead of --predict-from")
     parser.add_argument("--mixes", default="byted,github", help="mixes of the simulated breakdown")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="independent runs of the whole measurement; figures as median and range over them")
     parser.add_argument("--output", default=str(RESULTS))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    return args
 
 
 def simulated_breakdown(spec: CpuRunSpec, mixes: list[str], cost_model: CostModel, *, ranks: int, grad_bytes: int,
@@ -77,7 +90,7 @@ def simulated_breakdown(spec: CpuRunSpec, mixes: list[str], cost_model: CostMode
     group barriers: step - busiest rank's work - all-reduce), passes per rank, the all-reduce. Megatron's
     Hybrid-CP with Megatron's rules (one pass per sub-sample, a barrier per group)."""
     from megatron_hdp.config import HDPConfig
-    from megatron_hdp.megatron.cpu_training import HYBRID_CP, global_batches, planner_policy
+    from megatron_hdp.harness.cpu_training import HYBRID_CP, global_batches, planner_policy
     from megatron_hdp.plan.planner import make_plan
     from megatron_hdp.sim.simulator import POLICY_RULES, PolicyRules, simulate_step
 
@@ -156,6 +169,95 @@ def prediction_errors(rows: list[dict], key: str) -> dict:
     return {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors), "steps": len(errors)}
 
 
+def speedup_errors(rows: list[dict], key: str, base: str) -> dict:
+    """Per step and policy (other than `base`): the predicted speedup over `base` on the same batch
+    (predicted `base` time / predicted policy time, `key` the prediction) against the measured one,
+    |predicted / measured - 1|: median over steps and worst, and every step's pair of speedups."""
+    by_step = {}
+    for r in rows:
+        by_step.setdefault(r["step"], {})[r["policy"]] = r
+    pairs = []
+    for step, policies in sorted(by_step.items()):
+        if base not in policies:
+            continue
+        for policy, r in policies.items():
+            if policy != base:
+                measured = policies[base]["step_time"] / r["step_time"]
+                predicted = policies[base][key] / r[key]
+                pairs.append({"step": step, "policy": policy, "measured": measured, "predicted": predicted})
+    if not pairs:
+        return {}
+    errors = [abs(p["predicted"] / p["measured"] - 1) for p in pairs]
+    return {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors), "steps": len(errors),
+            "speedups": pairs}
+
+
+def judge_prediction(rows: list[dict], out_of_sample: bool) -> dict:
+    """In sample (this run's fit) and, when predicted from another run, out of sample: the speedup errors
+    over static and over Megatron's Hybrid-CP, and the absolute step-time errors beside them; scaled by the
+    speed probe, and the absolute errors unscaled (what the fit alone predicts: the drift)."""
+    keys = {"in_sample": "predicted_time_in_run_fit"}
+    if out_of_sample:
+        keys["out_of_sample"] = "predicted_time"
+    out = {}
+    for name, key in keys.items():
+        speed = "speed_factor_in_run" if key == "predicted_time_in_run_fit" else "speed_factor"
+        unscaled = [{**r, key: r[key] / r[speed]} for r in rows]
+        out[name] = {"step_time": prediction_errors(rows, key),
+                     "step_time_unscaled": prediction_errors(unscaled, key),
+                     **{f"speedup_over_{base}": speedup_errors(rows, key, base)
+                        for base in ("static", "megatron-hybrid-cp")}}
+    return out
+
+
+def spread(values: list[float]) -> dict:
+    """Median and range of one figure over the runs."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
+
+
+def over_runs(runs: list[dict]) -> dict:
+    """Each summary figure and each prediction figure of the runs as median and range (`spread`)."""
+    summary = {policy: {k: spread([r["summary"][policy][k] for r in runs]) for k in runs[0]["summary"][policy]}
+               for policy in runs[0]["summary"]}
+    for policy in summary:  # the speedups, per run, of each policy over the two bases
+        for base in ("static", "megatron-hybrid-cp"):
+            if base in runs[0]["summary"]:
+                summary[policy][f"speedup_over_{base}"] = spread(
+                    [r["summary"][base]["step_time_s"] / r["summary"][policy]["step_time_s"] for r in runs])
+    prediction = {}
+    for name in runs[0]["prediction"]:
+        prediction[name] = {}
+        for figure, errors in runs[0]["prediction"][name].items():
+            if errors:
+                prediction[name][figure] = {k: spread([r["prediction"][name][figure][k] for r in runs])
+                                            for k in ("median_abs_error", "worst_abs_error")}
+    return {"summary": summary, "prediction": prediction}
+
+
+def format_spread(label: str, figure: dict, unit: str = "%") -> str:
+    """`label median [min, max]` of one figure over the runs, as a percentage, a speedup (x) or seconds (s)."""
+    fmt = {"%": lambda v: f"{v:.1%}", "x": lambda v: f"{v:.2f}x", "s": lambda v: f"{v:.3f}"}[unit]
+    return f"{label} {fmt(figure['median'])} [{fmt(figure['min'])}, {fmt(figure['max'])}]"
+
+
+def format_prediction(prediction: dict) -> str:
+    """One line per sample and figure: the median and the worst step's |error|, of one run or (from
+    `over_runs`) as median [range] over the runs."""
+    lines = []
+    for name, figures in prediction.items():
+        for figure, errors in figures.items():
+            if not errors:
+                continue
+            median, worst = errors["median_abs_error"], errors["worst_abs_error"]
+            if isinstance(median, dict):
+                lines.append(f"{name} {figure}: {format_spread('median |error|', median)}, "
+                             f"{format_spread('worst step', worst)}")
+            else:
+                lines.append(f"{name} {figure}: median |error| {median:.1%}, worst step {worst:.1%} "
+                             f"over {errors['steps']} steps")
+    return "\n".join(lines)
+
+
 def format_table(summary: dict[str, dict]) -> str:
     """The results table, with the speedups of the dedicated-core step time over `static` and over
     Megatron's Hybrid-CP as Megatron runs it."""
@@ -189,8 +291,9 @@ def main(argv: list[str]) -> int:
         if "in_run_fit" not in earlier:
             raise ValueError(f"--predict-from {args.predict_from} has no in_run_fit (written by an older step_bench)")
         # what that run fitted and measured itself, not what it planned with (itself maybe another run's)
-        cost_model = CostModel.from_dict(earlier["in_run_fit"]["cost_model"]).to_dict()
-        measured = {k: earlier["in_run_fit"][k] for k in ("allreduce_bandwidth", "step_overhead")}
+        fits = [run["in_run_fit"] for run in earlier.get("runs", [earlier])]
+        cost_model = CostModel.from_dict(fits[0]["cost_model"]).to_dict()
+        measured = {k: fits[0][k] for k in ("allreduce_bandwidth", "step_overhead")}
         fitted_on = {"file": args.predict_from, "mix": earlier["spec"]["mix"], "seed": earlier["spec"]["seed"],
                      "date": earlier["date"]}
         if (fitted_on["mix"], fitted_on["seed"]) == (args.mix, args.seed) and not args.simulate_only:
@@ -210,28 +313,43 @@ def main(argv: list[str]) -> int:
         Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.output}")
         return 0
-    load_before = os.getloadavg()
-    result = run_gloo(train_policies, args.ranks, spec, cost_model, measured, timeout_s=3600)[0]
-    summary = summarize(result["rows"], policies)
-    print(format_table(summary))
-    prediction = {"in_sample": prediction_errors(result["rows"], "predicted_time_in_run_fit")}
-    if fitted_on:
-        prediction["out_of_sample"] = {"fitted_on": fitted_on, **prediction_errors(result["rows"], "predicted_time")}
-    for name, errors in prediction.items():
-        print(f"{name}: median |error| {errors['median_abs_error']:.1%}, worst {errors['worst_abs_error']:.1%} "
-              f"over {errors['steps']} steps")
+    runs = []
+    for index in range(args.repeat):
+        if fitted_on:  # run i predicts with the earlier file's run i (its fit and its speed probe)
+            fit = fits[index % len(fits)]
+            cost_model = CostModel.from_dict(fit["cost_model"]).to_dict()
+            measured = {k: fit[k] for k in ("allreduce_bandwidth", "step_overhead", "speed_probe") if k in fit}
+        load_before = os.getloadavg()
+        result = run_gloo(train_policies, args.ranks, spec, cost_model, measured, timeout_s=3600)[0]
+        summary = summarize(result["rows"], policies)
+        prediction = judge_prediction(result["rows"], out_of_sample=bool(fitted_on))
+        print(f"run {index + 1} of {args.repeat} (load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f})")
+        print(format_table(summary))
+        print(format_prediction(prediction))
+        runs.append({"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                     "load_average_before": load_before, "load_average_after": os.getloadavg(),
+                     "fitted_on_run": index % len(fits) if fitted_on else None,
+                     "planned_with": result["planned_with"], "in_run_fit": result["in_run_fit"],
+                     "prediction": prediction, "summary": summary, "rows": result["rows"]})
+    combined = over_runs(runs)
+    if args.repeat > 1:
+        print(f"over {args.repeat} runs: median [range]")
+        for policy, s in combined["summary"].items():
+            parts = [format_spread("step s", s["step_time_s"], unit="s")]
+            parts += [format_spread(f"vs {base}", s[f"speedup_over_{base}"], unit="x")
+                      for base in ("static", "megatron-hybrid-cp") if f"speedup_over_{base}" in s]
+            print(f"  {policy:<26} " + ", ".join(parts))
+        print(format_prediction(combined["prediction"]))
     record = {
         "command": "python benchmarks/step_bench.py " + " ".join(argv),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "ranks": args.ranks,
-                    "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "ranks": args.ranks},
         "spec": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(spec).items()},
-        "planned_with": result["planned_with"],
-        "in_run_fit": result["in_run_fit"],
-        "prediction": prediction,
+        "cost_model_from": fitted_on,
+        "in_run_fit": runs[0]["in_run_fit"],
         "grad_bytes": result["grad_bytes"],
-        "summary": summary,
-        "rows": result["rows"],
+        **combined,
+        "runs": runs,
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(record, indent=2) + "\n")

@@ -7,11 +7,11 @@
 #   ENTRY=/path/to/Megatron-LM/pretrain_gpt.py examples/tiny_cpu_hdp.sh   # Megatron-LM's patched script
 #       (tag core_v0.19.0 or main; patches/apply.sh first, and its dataset helpers built: docs/megatron_lm.md).
 #       The checkout's own megatron package is used (PYTHONPATH), so main runs on megatron-core 0.20.
-# Every run goes through `python -m megatron_hdp.megatron.run_pretrain` (CPU shims, gloo, Python 3.11).
+# Every run goes through `python -m megatron_hdp.harness.run_pretrain` (CPU shims, gloo, Python 3.11).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 work="${WORK_DIR:-/tmp/megatron_hdp_tiny}"
-prefix="$(python -c "from megatron_hdp.megatron.build_dataset import build_demo_dataset as b; print(b('$work/data', num_docs=256, vocab_size=256, max_length=256))")"
+prefix="$(python -c "from megatron_hdp.harness.build_dataset import build_demo_dataset as b; print(b('$work/data', num_docs=256, vocab_size=256, max_length=256))")"
 
 hdp_args=(--hdp --hdp-capacity 24 --no-hdp-offload --hdp-log-interval 1)
 if [[ "${HDP:-1}" == 0 ]]; then hdp_args=(); fi
@@ -21,7 +21,7 @@ if [[ -n "${ENTRY:-}" ]]; then
     export PYTHONPATH="$(cd "$(dirname "$ENTRY")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export WORLD_SIZE=4 OMP_NUM_THREADS=1
-torchrun --standalone --nproc-per-node 4 -m megatron_hdp.megatron.run_pretrain "$entry" \
+torchrun --standalone --nproc-per-node 4 -m megatron_hdp.harness.run_pretrain "$entry" \
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \
     --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
     --transformer-impl local --no-gradient-accumulation-fusion --no-bias-dropout-fusion --no-rope-fusion \

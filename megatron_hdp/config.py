@@ -13,7 +13,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Literal, Optional, get_args
 
-PolicyName = Literal["balance", "naive", "static", "megatron-hybrid-cp"]
+PolicyName = Literal["balance", "naive", "naive-offload", "static", "megatron-hybrid-cp", "megatron-dynamic-cp"]
 POLICIES: tuple[str, ...] = get_args(PolicyName)
 
 OverlongDocuments = Literal["error", "truncate"]
@@ -43,8 +43,9 @@ class HDPConfig:
     """Tokens one rank holds in one micro-batch (C). A sequence longer than C is split over a ring."""
 
     hdp_policy: PolicyName = "balance"
-    """Step planner: balance (ByteScale Alg. 2 + refinement), naive (Alg. 1), static (DP x CP),
-    megatron-hybrid-cp (Megatron-Core's BalancedCPScheduler)."""
+    """Step planner: balance (ByteScale Alg. 2 + refinement), naive (Alg. 1), naive-offload (Alg. 1 with
+    selective offload), static (DP x CP), megatron-hybrid-cp (Megatron-Core's BalancedCPScheduler),
+    megatron-dynamic-cp (Megatron-LM dev's DefaultDynamicCPScheduler; needs MEGATRON_LM_DIR)."""
 
     hdp_offload: bool = field(
         default=True,

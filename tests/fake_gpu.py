@@ -16,7 +16,10 @@ What it is made of (test-only; nothing here is importable from the package):
 * `NcclRulesGroup`, a process-group backend ("fake_nccl") for one process that plays one rank of a
   world of any size: no data moves, but a CPU tensor in any collective or P2P op raises `NcclRuleError`,
   and so does a P2P op that is the first operation of its group without reaching every rank of it (NCCL
-  creates the communicator on a group's first call with all ranks taking part).
+  creates the communicator on a group's first call with all ranks taking part). Every group logs its
+  operations (`collective_log`): several processes, each playing one rank of the same world, write
+  their logs, and a test compares them (NCCL pairs the n-th collective of every member of a
+  communicator, so members that post different sequences hang or mix data).
 * `torch.cuda` answers as one H100 would (available, capability 9.0, current device 0).
 
 Run a scenario in a fresh interpreter: `python tests/fake_gpu.py <library.so> <scenario>` (see
@@ -65,6 +68,9 @@ class HostSyncInLayer(RuntimeError):
 class NcclRuleError(RuntimeError):
     """An operation NCCL rejects or that is undefined under NCCL."""
 
+
+COMMUNICATORS: list = []
+"""Every `NcclRulesGroup` of this process in creation order; `ranks` is set by `install`'s new_group."""
 
 _LAYER_DEPTH = [0]
 """How many transformer layers' forwards are running (set by module hooks in `install`)."""
@@ -246,6 +252,10 @@ def install(*, world_size: int, rank: int):
             self._rank, self._size = rank, size
             self.started = False
             self.ops: list[str] = []
+            """Each operation as 'name numel,numel,...' (what NCCL matches across the members)."""
+            self.ranks: tuple[int, ...] | None = None
+            """Global ranks of the group (labelled by `install`'s new_group)."""
+            COMMUNICATORS.append(self)
 
         def size(self) -> int:
             return self._size
@@ -267,7 +277,7 @@ def install(*, world_size: int, rank: int):
                     "can hang); initialise the group eagerly (a barrier with device_ids, or device_id=)"
                 )
             self.started = True
-            self.ops.append(op)
+            self.ops.append(f"{op} " + ",".join(str(t.numel()) for t in tensors))
             return done_work()
 
         def allreduce(self, tensors, opts=None):
@@ -325,7 +335,12 @@ def install(*, world_size: int, rank: int):
     def new_group(*args, **kwargs):
         if kwargs.get("backend") == "gloo":  # Megatron's CPU-side groups: no NCCL rules, no peers to meet
             kwargs["backend"] = "fake"
-        return original_new_group(*args, **kwargs)
+        created = len(COMMUNICATORS)
+        group = original_new_group(*args, **kwargs)
+        ranks = kwargs.get("ranks", args[0] if args else None)
+        for communicator in COMMUNICATORS[created:]:
+            communicator.ranks = tuple(sorted(ranks)) if ranks is not None else tuple(range(world_size))
+        return group
 
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 
@@ -334,6 +349,7 @@ def install(*, world_size: int, rank: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake_nccl", store=FakeStore(), rank=rank, world_size=world_size)
+    COMMUNICATORS[0].ranks = tuple(range(world_size))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_mode.__enter__()
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -351,6 +367,19 @@ def install(*, world_size: int, rank: int):
     mode.__enter__()
     TensorConstructors().__enter__()
     return mode
+
+
+def collective_log() -> dict[str, list[str]]:
+    """The collectives (P2P sends/receives left out) each NCCL-rules group of this process posted, in
+    order, keyed 'ranks#k': the k-th group created over those global ranks (every member creates the
+    groups in the same order, so a key names one communicator in every process that plays a member)."""
+    log, seen = {}, {}
+    for communicator in COMMUNICATORS:
+        ranks = ",".join(map(str, communicator.ranks or ()))
+        key = f"{ranks}#{seen.setdefault(ranks, 0)}"
+        seen[ranks] += 1
+        log[key] = [op for op in communicator.ops if not op.startswith(("send ", "recv "))]
+    return log
 
 
 def blocking_copies_in_microbatches(mode, *, code: str = CODE[0]) -> list[dict]:

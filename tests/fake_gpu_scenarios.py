@@ -37,21 +37,22 @@ def _read_tokens(seq: int, start: int, end: int) -> np.ndarray:
 
 
 
-def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
+def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: bool = False):
     """Two HDP steps (collate -> forward -> backward -> finalize -> optimizer -> stats) of a tiny bf16
-    GPTModel with the HDP spec, torch varlen attention and offloading, as HDP rank `rank` of 2 (PP=1:
-    a ring between both ranks plus whole documents) or as PP stage `rank` of 2 (PP=2)."""
+    GPTModel with the HDP spec, torch varlen attention and offloading, as HDP rank `me` of 2 (PP=1: a
+    ring between both ranks plus whole documents; rank 0 runs two micro-batches, rank 1 one) or as PP
+    stage `me` of 2 (PP=2). `fp8_recipe` turns on Megatron's FP8 (TE's collectives stood in for by
+    `fake_te_fp8`). Returns the harness's `HostAndDevice` mode with the second step's copies."""
     import torch
     import fake_gpu
 
-    pp, me = int(pp_size), int(rank)
     mode = fake_gpu.install(world_size=WORLD, rank=me)
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
     from megatron_hdp.megatron.initialize import initialize_hdp
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config
     from megatron_hdp.megatron.step import HDPTrainer
     from megatron_hdp.offload import ActivationOffloader
 
@@ -61,6 +62,11 @@ def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
     config = tiny_llama_config(num_layers=4)
     config.bf16, config.params_dtype, config.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
     config.use_cpu_initialization = False
+    if fp8_recipe:
+        import fake_te_fp8
+
+        fake_te_fp8.install()
+        config.fp8, config.fp8_recipe, config.tp_only_amax_red = "hybrid", fp8_recipe, tp_only_amax_red
     with torch.device("cuda"):  # Megatron's own layers init on the GPU; torch's norms need the default device
         model = build_gpt(config, vocab_size=VOCAB, max_sequence_length=64)
     assert next(model.parameters()).device.type == "cuda", "the model must be built on the (fake) GPU"
@@ -78,6 +84,14 @@ def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
     mode.h2d.clear()
     stats = trainer.step(plan, _read_tokens)
     assert len(stats.compute_times) == WORLD  # values are placeholders: fake tensors hold none
+    return mode
+
+
+def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
+    """`_run_hdp_steps` as global rank `rank` of 2, then the step's host-to-device copies checked."""
+    import fake_gpu
+
+    mode = _run_hdp_steps(int(pp_size), int(rank))
     pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
     assert not pageable, f"blocking host-to-device copies inside layers (one per layer per micro-batch): {pageable[:3]}"
     batch_copies = [c for c in mode.h2d if "collate.py" in c["where"]]
@@ -89,6 +103,62 @@ def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
     print(f"blocking copies in micro-batches: none of ours, {len(megatrons)} of Megatron's")
     print(f"host-to-device copies of the step: {len(batch_copies)} of micro-batch tensors (pinned, non-blocking), "
           f"{len(mode.h2d) - len(batch_copies)} others; host syncs outside layers: {len(mode.host_syncs)}")
+
+
+def hdp_step_vpp(rank: str = "0") -> None:
+    """Two HDP steps as PP stage `rank` of 2 with 2 virtual pipeline stages (Megatron's interleaved
+    schedule, overlapped stage-to-stage P2P): a bf16 GPTModel of 4 layers built as 2 chunks per stage on
+    "cuda", each chunk in its own DDP with its own offloader, one optimizer, HDPTrainer over the chunks.
+    4 micro-batches of PP_TOKENS tokens (the one shape the harness answers stage-to-stage exchanges with)."""
+    import torch
+    import fake_gpu
+
+    mode = fake_gpu.install(world_size=WORLD, rank=int(rank))
+    from megatron_hdp.plan.hand_plan import plan_from_rings
+    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.harness.model import build_gpt_chunks, tiny_llama_config, wrap_chunks_for_training
+    from megatron_hdp.megatron.step import HDPTrainer
+    from megatron_hdp.offload import ActivationOffloader
+
+    state = initialize_hdp(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    _peer_stage_sends_shape((PP_TOKENS, 1, 64))
+    config = tiny_llama_config(num_layers=8)
+    config.bf16, config.params_dtype, config.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
+    config.use_cpu_initialization = False
+    with torch.device("cuda"):
+        chunks = build_gpt_chunks(config, vocab_size=VOCAB, max_sequence_length=64)
+    assert len(chunks) == 2 and all(next(c.parameters()).device.type == "cuda" for c in chunks)
+    ddps, optimizer = wrap_chunks_for_training(chunks, bf16=True)
+    offloaders = [ActivationOffloader(layers=list(c.decoder.layers)) for c in chunks]
+    trainer = HDPTrainer(model=ddps, optimizer=optimizer, state=state, backend="torch_varlen", offloader=offloaders)
+    plan = plan_from_rings([PP_TOKENS] * 4, [(0,)] * 4, [0, 1, 2, 3], num_ranks=1, capacity=16, pp_size=2, vpp_size=2,
+                           offload_ratios=[0.5, 0.0, 0.5, 0.0])
+    trainer.step(plan, _read_tokens)
+    mode.h2d.clear()
+    stats = trainer.step(plan, _read_tokens)
+    assert stats.offload.num_microbatches == 8, "each chunk's offloader saw each micro-batch"
+    pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
+    assert not pageable, f"blocking host-to-device copies inside layers: {pageable[:3]}"
+    batch_copies = [c for c in mode.h2d if "collate.py" in c["where"]]
+    assert batch_copies and all(c["pinned"] and c["non_blocking"] for c in batch_copies), batch_copies
+    print(f"virtual pipeline: {len(batch_copies)} micro-batch copies (pinned, non-blocking) over 2 chunks")
+
+
+def fp8_collectives(rank: str, recipe: str, tp_only_amax_red: str, log_path: str) -> None:
+    """`_run_hdp_steps` at PP=1 with FP8 `recipe` as HDP rank `rank` of 2 (rank 0 runs two micro-batches,
+    rank 1 one); writes this rank's per-communicator collective log, or the refusal, as JSON."""
+    import json
+
+    import fake_gpu
+
+    try:
+        _run_hdp_steps(1, int(rank), fp8_recipe=recipe, tp_only_amax_red=tp_only_amax_red == "1")
+    except ValueError as err:
+        result = {"refused": str(err)}
+    else:
+        result = {"log": fake_gpu.collective_log()}
+    with open(log_path, "w") as out:
+        json.dump(result, out, indent=1)
 
 
 def first_p2p(world_size: str = "4") -> None:
@@ -125,6 +195,51 @@ def harness_rules() -> None:
     with pytest.raises(FakeTensorDeviceMismatchError):
         torch.ones(3, device="cuda") + host
     assert (host + 1).tolist() == [2.0, 2.0, 2.0], "host work stays real"
+
+
+def host_sync_rule() -> None:
+    """The host-sync rule fires: `.item()` on a CUDA tensor inside a transformer layer's forward (a
+    Megatron `TransformerLayer`, as the harness's hooks recognise it) and inside a backward raises
+    `HostSyncInLayer`; the same call outside a layer returns a placeholder and is recorded."""
+    import pytest
+    import torch
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    import fake_gpu
+
+    mode = fake_gpu.install(world_size=1, rank=0)
+
+    class SyncingLayer(TransformerLayer):
+        """A TransformerLayer whose forward reads a value back to the host (Megatron's own init skipped:
+        only its class matters to the rule)."""
+
+        __call__ = torch.nn.Module.__call__  # (MegatronModule's reads the config we skipped)
+
+        def __init__(self) -> None:
+            torch.nn.Module.__init__(self)
+
+        def forward(self, hidden):
+            if hidden.sum().item() > 0:  # a host sync: the CPU waits for the GPU in every layer
+                return hidden * 2
+            return hidden
+
+    class SyncInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad.abs().max().item()  # e.g. a clipping norm read on the host in the middle of the backward
+            return grad
+
+    x = torch.ones(4, device="cuda", requires_grad=True)
+    with pytest.raises(fake_gpu.HostSyncInLayer, match="inside a layer at forward"):
+        SyncingLayer()(x)
+    fake_gpu._LAYER_DEPTH[0] = 0  # the raise skipped the layer's exit hook (a real run stops here)
+    with pytest.raises(RuntimeError, match="inside a layer at backward"):  # raised on the autograd thread
+        SyncInBackward.apply(x).sum().backward()
+    assert x.sum().item() == 0.0 and mode.host_syncs, "outside a layer: a placeholder, recorded"
 
 
 INSTALL_ARGS = (
@@ -169,7 +284,7 @@ def install_step(rank: str = "0") -> None:
     from megatron_hdp.megatron import training_install
     from megatron_hdp.megatron.args import parse_and_check
     from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config
     from megatron_hdp.offload import OffloadConfig
 
     args, _ = parse_and_check(INSTALL_ARGS, world_size=WORLD)
@@ -197,7 +312,7 @@ def install_step(rank: str = "0") -> None:
     chunks, optimizer, _ = training_install._setup_model_and_optimizer(built)()
     config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, ddp.no_sync  # as train() sets them
     config.grad_scale_func = optimizer.scale_loss
-    assert training_install._STATE.offloader is not None, "--hdp-offload attaches an offloader"
+    assert training_install._STATE.offloaders, "--hdp-offload attaches an offloader"
 
     data_iterator = iter(loader)
     logged = []
@@ -245,9 +360,9 @@ def moe_routers(rank: str = "0") -> None:
     mode = fake_gpu.install(world_size=WORLD, rank=me)
     from megatron_hdp.data.collate import collate_microbatch
     from megatron_hdp.megatron.forward_step import packed_seq_params
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
     from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.megatron.model import tiny_llama_config
+    from megatron_hdp.harness.model import tiny_llama_config
     from megatron_hdp.megatron.moe_aux_loss import DocumentAuxLossRouter, remember_documents
 
     from megatron.core.process_groups_config import ProcessGroupCollection

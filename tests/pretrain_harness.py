@@ -1,5 +1,5 @@
 """Harness for `megatron.training.pretrain` runs in test processes: examples/pretrain_gpt_hdp.py, or any
-pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron_hdp.megatron.run_pretrain`.
+pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron_hdp.harness.run_pretrain`.
 
 - `TINY`: a tiny GPT's Megatron flags (CPU, gloo, per-token loss, no fusions) without data flags.
 - `pretrain_rank(rank, world_size, argv, reference_plans=None)`: one rank of a run (for `run_gloo`);
@@ -141,7 +141,7 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
     if script is None:
         pretrain_gpt_hdp.main(argv)
     else:
-        from megatron_hdp.megatron.run_pretrain import run_script
+        from megatron_hdp.harness.run_pretrain import run_script
 
         run_script(script, argv)
     return {"losses": losses, "stats": stats, "consumed": consumed}

@@ -60,6 +60,14 @@ def test_defaults_and_off():
     assert off is None
 
 
+def test_virtual_pipeline_stages_are_accepted():
+    """--hdp with Megatron's interleaved schedule: the ring rule pads pipelines' counts (megatron.step)."""
+    argv = TINY + HDP + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                         "--num-layers-per-virtual-pipeline-stage", "1"]
+    args, config = parse_and_check(argv, world_size=4)
+    assert args.virtual_pipeline_model_parallel_size == 2 and config is not None
+
+
 def test_tp_sp_capacity_multiple_is_accepted():
     argv = TINY + HDP + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--hdp-capacity", "1024"]
     args, config = parse_and_check(argv, world_size=8, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
@@ -75,7 +83,9 @@ BAD = [
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--hdp-capacity", "1001"], "1", "multiple of"),
     (["--pipeline-model-parallel-size", "2", "--hdp-policy", "megatron-hybrid-cp"], "1", "use --hdp-policy balance"),
     (["--hdp-cost-model", "/nonexistent/cost.json"], "1", "megatron-hdp calibrate"),
-    (["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], "1", "virtual"),
+    (["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+      "--overlap-moe-expert-parallel-comm"], "1", "drop --overlap-moe-expert-parallel-comm"),
     (["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], "8", "use Megatron DDP"),
     (["--enable-cuda-graph"], "1", "drop the CUDA-graph flag"),
     (["--external-cuda-graph"], "1", "--cuda-graph-impl transformer_engine"),
@@ -100,27 +110,86 @@ def test_dynamic_context_parallel_is_refused():
         validate_hdp_args(args)
 
 
-@pytest.mark.parametrize("extra,multiple", [
-    ([], 1),
-    (["--fp8-format", "e4m3"], 16),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
-    (["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 32),
-])
-def test_fp8_runs_with_micro_batches_padded_to_16_tokens_per_tp_rank(extra, multiple):
-    """FP8 is supported, not refused: every micro-batch is padded (masked) to 16 tokens per TP rank."""
+TE_ROWS = {"tensorwise": 16, "mxfp8": 32, "blockwise": 16, "nvfp4": 32}
+"""Reference: token rows of one GEMM input each TE recipe accepts, written out from TE's shape checks
+(v2.8: utils.assert_dim_for_fp8_exec and Megatron's get_fp8_align_size 16; tensor/mxfp8_tensor.py
+MXFP8_BLOCK_SCALING_SIZE 32; nvfp4_tensor.py 16 rows and 2 tokens per byte of 16-byte TMA rows: 32)."""
+TE_SP_SHARD_ROWS = {"tensorwise": 1, "mxfp8": 32, "blockwise": 128, "nvfp4": 16}
+"""Reference: rows of a TP rank's shard the quantized sequence-parallel all-gather accepts
+(`Quantizer.is_quantizable` of each tensor class: base True, MXFP8 32, Float8Block block_len 128, NVFP4 16)."""
+
+FP8_RUNS = [
+    ([], None),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"], "tensorwise"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], "mxfp8"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], "blockwise"),
+    (["--fp4-format", "e2m1"], "nvfp4"),
+]
+PARALLEL = [[], ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            ["--tensor-model-parallel-size", "4", "--sequence-parallel"], ["--tensor-model-parallel-size", "2"]]
+
+
+def _parse_quantized(argv: list[str], world_size: int = 8):
+    """parse_and_check, with Megatron's 'TE >= 2.7 for --fp4-format' check answered as on a GPU with TE."""
+    from unittest import mock
+
+    from megatron.training import arguments
+
+    with mock.patch.object(arguments, "is_te_min_version", lambda *a, **k: True):
+        return parse_and_check(argv, world_size=world_size, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+
+
+@pytest.mark.parametrize("parallel", PARALLEL, ids=["tp1", "tp2-sp", "tp4-sp", "tp2"])
+@pytest.mark.parametrize("quantized,recipe", FP8_RUNS, ids=[r or "bf16" for _, r in FP8_RUNS])
+def test_every_microbatch_reaches_the_gemms_in_a_shape_its_recipe_quantizes(quantized, recipe, parallel):
+    """Each Megatron FP8/FP4 recipe HDP accepts, with and without sequence parallelism: every micro-batch
+    a rank runs (collated ones and the 1-token padding micro-batch of an idle rank alike) gives each TP
+    rank's GEMM input a token count TE's checks for that recipe accept (reference tables above)."""
     import numpy as np
 
     from megatron_hdp.data.collate import collate_microbatch
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
+    from megatron_hdp.megatron.step import pad_microbatches
 
-    args, _ = parse_and_check(TINY + HDP + extra, world_size=4, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
-    assert token_multiple(args) == multiple
-    plan = plan_from_rings([37, 5, 300], [(0,), (1,), (0, 1)], [0, 0, 0], num_ranks=2, capacity=256)
-    for rank in range(2):
-        (mb,) = plan.microbatches(rank)
-        packed = collate_microbatch(plan, mb, lambda s, a, b: np.arange(a, b, dtype=np.int64),
-                                    pad_to_multiple=token_multiple(args), rank=rank)
-        assert packed.num_tokens % multiple == 0 and packed.num_loss_tokens == mb.num_tokens
+    args, _ = _parse_quantized(TINY + HDP + quantized + parallel)
+    sp_size = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    plan = plan_from_rings([37, 5, 300], [(0,), (0,), (0, 1)], [0, 1, 0], num_ranks=3, capacity=256)
+    from megatron_hdp.megatron.initialize import HDPState
+
+    for rank in range(3):  # rank 2 has nothing planned: it runs padding micro-batches only
+        state = HDPState(hdp_rank=rank, hdp_global_ranks=(0, 1, 2), tp_size=1, pp_size=1, pp_rank=0, vpp_size=1,
+                         ep_size=3, ep_hdp_ranks=(0, 1, 2))
+        batches = [collate_microbatch(plan, mb, lambda s, a, b: np.arange(a, b, dtype=np.int64),
+                                      pad_to_multiple=token_multiple(args), rank=rank)
+                   for mb in plan.microbatches(rank)]
+        batches = pad_microbatches(plan, batches, state=state, pad_to_multiple=token_multiple(args))
+        assert len(batches) == 2
+        for mb in batches:
+            assert mb.num_tokens % sp_size == 0, "sequence parallelism splits the tokens evenly"
+            shard = mb.num_tokens // sp_size
+            if recipe is not None:
+                gemm_rows = shard * sp_size  # after the all-gather (or the whole micro-batch without SP)
+                assert gemm_rows % TE_ROWS[recipe] == 0 and shard % TE_ROWS[recipe] == 0, (recipe, mb.num_tokens)
+                if sp_size > 1:
+                    assert shard % TE_SP_SHARD_ROWS[recipe] == 0, (recipe, shard)
+        assert sum(mb.num_loss_tokens for mb in batches) == sum(mb.num_tokens for mb in plan.microbatches(rank))
+
+
+@pytest.mark.parametrize("quantized,needle", [
+    (["--fp8-format", "hybrid"], "--fp8-recipe delayed (the default of --fp8-format)"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "delayed"], "use --fp8-recipe tensorwise, mxfp8, blockwise"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "custom", "--fp8-quantizer-factory", "my.factory"],
+     "--fp8-recipe custom"),
+    (["--fp4-format", "e2m1", "--fp4-recipe", "custom", "--fp4-quantizer-factory", "my.factory"],
+     "use --fp4-recipe nvfp4"),
+])
+def test_fp8_delayed_and_custom_recipes_are_refused_in_one_line(quantized, needle):
+    """Delayed scaling all-reduces amaxes over TP x DP per micro-batch (HDP ranks run different counts);
+    a custom recipe's shape rules are unknown. Both stop the launch naming the flag and the fix."""
+    with pytest.raises(ValueError, match="--hdp cannot run") as err:
+        _parse_quantized(TINY + HDP + quantized)
+    (line,) = [line for line in str(err.value).splitlines() if "recipe" in line]
+    assert needle in line
 
 
 def test_missing_per_token_loss_and_cp_are_reported_together():
@@ -144,3 +213,10 @@ def test_hdp_flags_without_hdp_warn_once(caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_hdp.megatron.args"):
         assert validate_hdp_args(args) is None
     assert [r.getMessage() for r in caplog.records] == ["HDP is off (no --hdp): ignoring --hdp-capacity"]
+
+
+def test_dynamic_cp_policy_without_a_checkout_is_refused(monkeypatch):
+    monkeypatch.delenv("MEGATRON_LM_DIR", raising=False)
+    with pytest.raises(ValueError, match="--hdp-policy megatron-dynamic-cp: .*set MEGATRON_LM_DIR"):
+        parse_and_check(TINY + HDP + ["--hdp-policy", "megatron-dynamic-cp"], world_size=4,
+                        env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})

@@ -91,3 +91,23 @@ def test_flex_compiles_once_for_many_packed_lengths(monkeypatch):
         flex._compiled_flex.cache_clear()
         torch._dynamo.reset()
     assert counter.frame_count <= 2, f"{counter.frame_count} compilations for 10 lengths"
+
+
+def test_flex_always_asks_for_the_main_kernel(monkeypatch):
+    """Short query blocks must not reach inductor's split-KV decoding kernel (it failed to lower under the
+    dynamic-shape compile on an H100, torch 2.11): every call passes FORCE_USE_FLEX_ATTENTION."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    seen = []
+
+    def recording_flex(*args, **kwargs):
+        seen.append(kwargs.get("kernel_options") or {})
+        return flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(flex, "_compiled_flex", lambda: recording_flex)
+    segments = Segments((5, 3), (5, 3), CPU)
+    q, k = torch.randn(8, 2, 8), torch.randn(8, 1, 8)
+    out, lse = flex.FlexBackend().forward(q, k, k, segments=segments, causal=True, scale=0.5)
+    torch.testing.assert_close((out, lse), CpuFlashBackend().forward(q, k, k, segments=segments, causal=True, scale=0.5),
+                               rtol=1e-4, atol=1e-4)
+    assert seen and all(options.get("FORCE_USE_FLEX_ATTENTION") is True for options in seen)

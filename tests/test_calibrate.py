@@ -1,30 +1,20 @@
-"""Calibration: the fits recover known coefficients, and `megatron-hdp calibrate` on CPU writes a cost model
-the planner loads whose T(s) and Act(s) reproduce what was measured."""
+"""Calibration: `megatron-hdp calibrate` on CPU writes a cost model the planner loads whose T(s) and Act(s)
+reproduce what was measured (the fits themselves: tests/test_fit.py)."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from megatron_hdp.cli import main
-from megatron_hdp.offload.calibrate import LayerSample, fit_activation, fit_compute
 from megatron_hdp.plan.cost_model import CostModel
 
 
-def test_fits_recover_exact_coefficients():
-    a1, b1, g, a2, b2 = 3e-9, 2e-6, 4e-4, 5000.0, 1e6
-    samples = [LayerSample(s, a1 * s * s + b1 * s + g, int(a2 * s + b2)) for s in (256, 512, 1024, 2048, 4096)]
-    assert fit_compute(samples) == pytest.approx((a1, b1, g), rel=1e-6)
-    assert fit_activation(samples) == pytest.approx((a2, b2), rel=1e-6)
-
-
-def test_fits_never_go_negative_and_need_enough_points():
-    falling = [LayerSample(s, 1.0 / s, 10 * s) for s in (100, 200, 400)]
-    assert min(fit_compute(falling)) >= 0
-    with pytest.raises(ValueError, match="at least 3"):
-        fit_compute(falling[:2])
-    with pytest.raises(ValueError, match="at least 2"):
-        fit_activation(falling[:1])
+def _relative_error(coef, samples) -> float:
+    s = np.array([x["seq_len"] for x in samples], dtype=float)
+    t = np.array([x["seconds"] for x in samples], dtype=float)
+    return float(np.sum(((coef[0] * s * s + coef[1] * s + coef[2]) / t - 1) ** 2))
 
 
 @pytest.fixture
@@ -48,9 +38,20 @@ def test_cli_on_cpu_writes_a_cost_model_that_fits_its_measurements(tmp_path, one
     for sample in report["samples"]:
         s = sample["seq_len"]
         assert model.activation_bytes(s) == pytest.approx(sample["activation_bytes"], rel=1e-9)
-        # Timings on a shared CPU are noisy; the fit must still track every point.
-        assert sample["predicted_seconds"] == pytest.approx(sample["seconds"], rel=0.5)
         assert sample["predicted_seconds"] == pytest.approx(model.a1 * s * s + model.b1 * s + model.g)
+    # The written T(s) is the best non-negative fit of what was measured (timings on a shared CPU are
+    # noisy, the fit is not): no point of a bounded solver's search, from another start, fits better.
+    from scipy.optimize import minimize
+
+    scale = np.array([1e-9, 1e-6, 1e-4])
+    fitted = np.array([model.a1, model.b1, model.g])
+    best = minimize(lambda x: _relative_error(x * scale, report["samples"]), x0=np.ones(3), method="L-BFGS-B",
+                    bounds=[(0, None)] * 3, options={"ftol": 1e-15, "gtol": 1e-12})
+    assert _relative_error(fitted, report["samples"]) <= best.fun * (1 + 1e-4) + 1e-12
+    # and it tracks every point within 35% (a sanity bound only: one point of a loaded host may be off;
+    # the checks above are the exact ones)
+    for sample in report["samples"]:
+        assert sample["predicted_seconds"] == pytest.approx(sample["seconds"], rel=0.35)
 
 
 def test_cli_names_bad_lengths(tmp_path, capsys):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_hdp.data.collate import collate_microbatch, empty_microbatch
-from megatron_hdp.megatron.hand_plan import plan_from_rings
+from megatron_hdp.plan.hand_plan import plan_from_rings
 from megatron_hdp.plan.layout import zigzag_chunks
 
 

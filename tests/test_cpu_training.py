@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hdp.comm.launch import run_gloo
-from megatron_hdp.megatron.cpu_training import CpuRunSpec, train_policies
+from megatron_hdp.harness.cpu_training import CpuRunSpec, train_policies
 
 SPEC = CpuRunSpec(
     policies=("balance", "static", "megatron-hybrid-cp"), steps=1, warmup_steps=0, capacity=128, tokens_per_step=1024, max_length=256,
@@ -19,17 +19,26 @@ SPEC = CpuRunSpec(
 
 
 def _rank(rank: int, world_size: int, spec: CpuRunSpec) -> dict:
-    # The premise of the dedicated-core step time: a rank blocked in a gloo receive uses no CPU.
+    # The premise of the dedicated-core step time: a rank blocked in a gloo wait uses no CPU. Rank 0
+    # waits 2 s for rank 1 in each of a recv, a batch_isend_irecv, a barrier and an all-reduce.
     buffer = torch.zeros(4)
-    dist.barrier()
-    wait_cpu = 0.0
-    if rank == 1:
-        time.sleep(1.0)
-        dist.send(buffer, 0)
-    else:
+    wait_cpu = {}
+    for name in ("recv", "batch_isend_irecv", "barrier", "all_reduce"):
+        dist.barrier()
+        if rank == 1:
+            time.sleep(2.0)
         start = time.process_time()
-        dist.recv(buffer, 1)
-        wait_cpu = time.process_time() - start
+        if name == "recv":
+            dist.send(buffer, 0) if rank == 1 else dist.recv(buffer, 1)
+        elif name == "batch_isend_irecv":
+            ops = [dist.P2POp(dist.isend, buffer, 1 - rank), dist.P2POp(dist.irecv, torch.zeros(4), 1 - rank)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        elif name == "barrier":
+            dist.barrier()
+        else:
+            dist.all_reduce(buffer)
+        wait_cpu[name] = time.process_time() - start
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = train_policies(rank, world_size, spec)
@@ -43,7 +52,9 @@ def ranks() -> list[dict]:
 
 
 def test_blocked_gloo_wait_uses_no_cpu(ranks) -> None:
-    assert ranks[0]["wait_cpu"] < 0.25, ranks[0]["wait_cpu"]
+    """README / benchmarks/README.md: a 2 s blocked wait costs < 10 ms of process time (2-3 ms measured at
+    a load average of 58 on the 2-core host)."""
+    assert all(seconds < 0.010 for seconds in ranks[0]["wait_cpu"].values()), ranks[0]["wait_cpu"]
 
 
 def test_megatron_warnings_silenced(ranks) -> None:

@@ -8,6 +8,9 @@ and it patches torch.cuda for the life of the process). What they catch, before 
 * fault 7: a host sync (`.item()`) inside a layer (RoPE table size), and a blocking host-to-device copy
   of cu_seqlens inside every layer;
 * fault 8: a ring's P2P as the first NCCL operation of the default group;
+* issue 21 item 1: FP8 delayed scaling at PP=1, where TE all-reduces amaxes over TP x DP twice per
+  micro-batch and HDP ranks run different numbers of micro-batches (rank 0 posted 8 all-reduces on the
+  amax group, rank 1 four);
 * issue 21 item 7: blocking copies of small tables (cu_seqlens per local group and ring plan, ring
   row indices, the MoE loss's lengths and z-loss mask in every MoE layer) between a micro-batch's own
   non-blocking transfer and its backward (`fake_gpu.blocking_copies_in_microbatches`);
@@ -65,11 +68,24 @@ def test_hdp_step_on_fake_gpu(guard_library, pp_size, rank):
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
+def test_virtual_pipeline_step_on_fake_gpu(guard_library, rank):
+    """Two HDP steps as PP stage `rank` of 2 with 2 virtual pipeline stages: model chunks on "cuda", a DDP
+    and an offloader per chunk, Megatron's interleaved schedule with overlapped P2P."""
+    assert "micro-batch copies (pinned, non-blocking) over 2 chunks" in _run(guard_library, "hdp_step_vpp", rank)
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
 def test_moe_router_losses_on_fake_gpu(guard_library, rank):
     """HDP's MoE routers (per-document load-balancing loss and z-loss) of three layers over a plan's
     micro-batches, forward and backward: no blocking host-to-device copy between a micro-batch's transfer
     and its backward (issue 21 item 7: the documents' lengths and the z-loss padding mask, every layer)."""
     assert "none blocking" in _run(guard_library, "moe_routers", rank)
+
+
+def test_host_sync_inside_a_layer_is_caught(guard_library):
+    """The README says the harness catches a host sync inside a layer: `.item()` in a TransformerLayer's
+    forward and in a backward raise `HostSyncInLayer`; outside a layer it passes (recorded)."""
+    assert "scenario host_sync_rule: ok" in _run(guard_library, "host_sync_rule")
 
 
 def test_first_nccl_operation_is_not_a_ring(guard_library):
@@ -87,3 +103,29 @@ def test_megatron_install_path_on_fake_gpu(guard_library, rank):
     assert "micro-batch copies (pinned, non-blocking)" in output
     if rank == "1":
         assert " [HDP measured] iteration        1 |" in output  # CUDA events are read one step late
+
+
+FP8_RUNS = [("delayed", "0"), ("delayed", "1"), ("tensorwise", "0")]
+
+
+@pytest.mark.parametrize("recipe,tp_only", FP8_RUNS, ids=["delayed", "delayed-tp-only-amax", "tensorwise"])
+def test_ranks_with_different_microbatch_counts_post_the_same_collectives(guard_library, tmp_path, recipe, tp_only):
+    """Two played HDP ranks of one world (rank 0 runs two micro-batches, rank 1 one) with Megatron's FP8
+    and TE's amax reductions stood in for (`fake_te_fp8`): on every communicator both belong to, they
+    post the same collectives in the same order with the same sizes (NCCL pairs the n-th collective of
+    each member); P2P (the ring) is left out. A configuration that cannot meet this is refused on both."""
+    import json
+
+    results = []
+    for rank in ("0", "1"):
+        log = tmp_path / f"rank{rank}.json"
+        _run(guard_library, "fp8_collectives", rank, recipe, tp_only, str(log))
+        results.append(json.loads(log.read_text()))
+    if "refused" in results[0] or "refused" in results[1]:
+        assert all("--fp8-recipe delayed" in r.get("refused", "") for r in results), results
+        return
+    logs = [r["log"] for r in results]
+    shared = sorted(set(logs[0]) & set(logs[1]))
+    assert any(key.startswith("0,1#") for key in shared), f"no communicator of both ranks: {shared}"
+    for key in shared:
+        assert logs[0][key] == logs[1][key], f"communicator {key}: rank 0 posted {logs[0][key]}, rank 1 {logs[1][key]}"

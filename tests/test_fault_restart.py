@@ -22,7 +22,7 @@ HDP = ["--seq-length", "64", "--train-iters", "4", "--hdp", "--hdp-capacity", "2
 
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory) -> str:
-    from megatron_hdp.megatron.build_dataset import build_demo_dataset
+    from megatron_hdp.harness.build_dataset import build_demo_dataset
 
     return build_demo_dataset(tmp_path_factory.mktemp("data"), num_docs=256, vocab_size=256, max_length=256)
 

@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.megatron.hand_plan import plan_from_rings
+from megatron_hdp.plan.hand_plan import plan_from_rings
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
 from megatron_hdp.sim.replay import dedicated_step_time
 
 pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
-from megatron_hdp.megatron.hybrid_cp_policy import megatron_schedule, per_subsample_plan  # noqa: E402
+from megatron_hdp.megatron.hybrid_cp_policy import megatron_schedule  # noqa: E402
+from megatron_hdp.plan.per_subsample import per_subsample_plan  # noqa: E402
 
 CM = analytic_cost_model("llama-7b")
 

@@ -14,16 +14,16 @@ def _errors(rank, world_size):
     import dataclasses
 
     from megatron_hdp.config import HDPConfig
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE, token_reader
-    from megatron_hdp.megatron.hand_plan import random_plan
+    from megatron_hdp.harness.exactness import VOCAB_SIZE, token_reader
+    from megatron_hdp.plan.hand_plan import random_plan
     from megatron_hdp.megatron.initialize import initialize_hdp
     from megatron_hdp.megatron.layer_spec import prepare_model_for_hdp
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config, wrap_for_training
     from megatron_hdp.megatron.step import HDPTrainer
     from megatron_hdp.plan.planner import make_plan
     from megatron_hdp.plan.presets import analytic_cost_model, model_shape
 
-    from megatron_hdp.data.loader import PlanMismatchError
+    from megatron_hdp.comm.plan_agreement import PlanMismatchError
 
     def message(fn):
         try:
@@ -68,7 +68,7 @@ def test_misuse_raises_value_error_on_every_rank_without_hanging():
     results = run_gloo(_errors, 4, timeout_s=240)
     for rank, out in enumerate(results):
         assert "not divisible by TP x PP" in out["bad_sizes"]
-        # the trainer's check is the loader's check_plan_agreement: same error type, message naming the ranks
+        # the trainer's check is comm's check_plan_agreement: same error type, message naming the ranks
         assert out["mismatch"].startswith("PlanMismatchError: step plans differ across ranks")
         assert "ranks planned different global batches" in out["mismatch"] and "[0]" in out["mismatch"]
         assert "plan is for 2 HDP ranks" in out["wrong_domain"]

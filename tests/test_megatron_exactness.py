@@ -33,30 +33,36 @@ MOE_LOSSES = dict(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1)
 move the router gradients far beyond the tolerance. The reference (one document per micro-batch) is
 Megatron's own per-micro-batch loss; HDP computes it per document (megatron_hdp/megatron/moe_aux_loss.py).
 They lift the gradient norm above 1, so the MoE runs do not clip (`MOE_CLIP_GRAD`): clipping scales the
-main_grad the check reads after the step, which the reference reads before its step."""
+main_grad the check reads after the step, which the reference reads before its step. The 4-layer model of
+the virtual-pipeline case has a gradient norm above 1 too, and does not clip either."""
 MOE_CLIP_GRAD = 0.0
+VPP_LAYERS = 4
+"""Layers of the dense model the virtual-pipeline case trains: PP 2 x 2 virtual stages of one layer each."""
+VPP_KIND = "dense-4-layers"
 
 
-def _init(tp=1, pp=1, ep=1):
+def _init(tp=1, pp=1, ep=1, vpp=None):
     from megatron_hdp.megatron.initialize import initialize_hdp
 
     return initialize_hdp(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep, seed=7
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=vpp, seed=7,
     )
 
 
 def _reference(rank, world_size):
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE, full_weights, reference_steps
+    from megatron_hdp.harness.exactness import VOCAB_SIZE, full_weights, reference_steps
     from megatron_hdp.megatron.initialize import destroy_hdp
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config, wrap_for_training
 
     out = {}
-    for kind, experts in (("dense", None), ("moe", NUM_EXPERTS)):
+    for kind, experts, num_layers in (("dense", None, 2), ("moe", NUM_EXPERTS, 2), (VPP_KIND, None, VPP_LAYERS)):
         _init()
-        config = tiny_llama_config(num_moe_experts=experts, **(MOE_LOSSES if experts else {}))
+        config = tiny_llama_config(num_layers=num_layers, num_moe_experts=experts, **(MOE_LOSSES if experts else {}))
         model = build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=False)
         init = full_weights(model)
-        ddp, opt = wrap_for_training(model, **(dict(clip_grad=MOE_CLIP_GRAD) if experts else {}))
+        unclipped = experts or kind == VPP_KIND
+        ddp, opt = wrap_for_training(model, **(dict(clip_grad=MOE_CLIP_GRAD) if unclipped else {}))
         out[kind] = {"init": init, "steps": reference_steps(ddp, opt, BATCHES)}
         destroy_hdp()
     return out
@@ -68,7 +74,7 @@ def _plan(lengths, *, num_ranks, seed, pp_size, idle, offload=0.0):
     import dataclasses
     import random
 
-    from megatron_hdp.megatron.hand_plan import plan_from_rings, random_plan
+    from megatron_hdp.plan.hand_plan import plan_from_rings, random_plan
 
     if not idle:
         plan = random_plan(lengths, num_ranks=num_ranks, seed=seed, pp_size=pp_size)
@@ -85,9 +91,11 @@ def _plan(lengths, *, num_ranks, seed, pp_size, idle, offload=0.0):
 
 
 def _case_config(config, case):
-    """`config` with the case's recompute setting."""
+    """`config` with the case's recompute setting and micro-batch group size of virtual pipeline stages."""
     import dataclasses
 
+    if case.get("group_size"):
+        config = dataclasses.replace(config, microbatch_group_size_per_vp_stage=case["group_size"])
     recompute = case.get("recompute")
     if recompute == "full":
         return dataclasses.replace(config, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -98,46 +106,81 @@ def _case_config(config, case):
     return config
 
 
+class _WithoutAllReduce:
+    """torch.distributed for `moe_aux_loss` with its one all-reduce (the TP sum of the document counts)
+    left out: the negative control of that sum."""
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_reduce(*args, **kwargs):
+        return None
+
+
+def _plant(case):
+    """Negative controls (`NEGATIVE`): Megatron's stock router instead of the per-document one, or the
+    per-document router without the TP sum of its counts."""
+    if case.get("stock_router"):
+        from megatron_hdp.megatron import layer_spec
+
+        layer_spec.with_document_aux_loss_router = lambda spec: spec
+    if case.get("no_tp_sum"):
+        from megatron_hdp.megatron import moe_aux_loss
+
+        moe_aux_loss.dist = _WithoutAllReduce()
+
+
 def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE, load_full_weights, local_grads, token_reader
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.harness.exactness import VOCAB_SIZE, load_full_weights, local_grads, token_reader
+    from megatron_hdp.harness.model import build_gpt_chunks, tiny_llama_config, wrap_chunks_for_training
     from megatron_hdp.megatron.step import HDPTrainer
 
     case = case or {}
-    state = _init(tp, pp, ep)
+    _plant(case)
+    state = _init(tp, pp, ep, case.get("vpp"))
     is_moe = ep > 1 or case.get("moe", False)
     moe = dict(num_moe_experts=NUM_EXPERTS, **MOE_LOSSES) if is_moe else {}
-    config = tiny_llama_config(sequence_parallel=case.get("sp", False), **moe)
+    config = tiny_llama_config(num_layers=VPP_LAYERS if case.get("vpp") else 2, sequence_parallel=case.get("sp", False),
+                               **moe)
     config = _case_config(config, case)
     if case.get("sp"):
         from exactness_cases import build_sp_gpt
 
-        model = build_sp_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)
+        chunks = [build_sp_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)]
     else:
-        model = build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)
-    load_full_weights(model, init)
+        chunks = build_gpt_chunks(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)
+    for chunk in chunks:
+        load_full_weights(chunk, init)
     dist_opt = case.get("distributed_optimizer", False)
-    ddp, opt = wrap_for_training(
-        model, overlap_grad_reduce=overlap, bucket_size=4000 if overlap else None,
+    ddps, opt = wrap_chunks_for_training(
+        chunks, overlap_grad_reduce=overlap, bucket_size=4000 if overlap else None,
         distributed_optimizer=dist_opt, overlap_param_gather=dist_opt and overlap,
-        **(dict(clip_grad=MOE_CLIP_GRAD) if is_moe else {}),
+        **(dict(clip_grad=MOE_CLIP_GRAD) if is_moe or case.get("vpp") else {}),
     )
-    assert not overlap or pp > 1 or len(ddp.bucket_groups) > 1  # Megatron gives later PP stages one bucket
-    offloader = None
+    assert not overlap or pp > 1 or len(ddps[0].bucket_groups) > 1  # Megatron gives later PP stages one bucket
+    offloaders = None
     if case.get("offload"):
         from megatron_hdp.offload import ActivationOffloader, OffloadConfig
 
-        offloader = ActivationOffloader(layers=model.decoder.layers, config=OffloadConfig(min_tensor_bytes=0))
-    trainer = HDPTrainer(model=ddp, optimizer=opt, state=state, offloader=offloader)
+        offload_config = OffloadConfig(min_tensor_bytes=0, num_resident_layers=case.get("resident_layers", 1))
+        offloaders = [ActivationOffloader(layers=chunk.decoder.layers, config=offload_config) for chunk in chunks]
+    trainer = HDPTrainer(model=ddps, optimizer=opt, state=state, offloader=offloaders)
     steps = []
     for step, (seed, lengths) in enumerate(BATCHES):
-        plan = _plan(lengths, num_ranks=state.hdp_size, seed=plan_seed + step, pp_size=pp, idle=overlap and step == 1,
-                     offload=case.get("offload", 0.0))
+        if "plans" in case:
+            plan = case["plans"][step]
+        else:
+            plan = _plan(lengths, num_ranks=state.hdp_size, seed=plan_seed + step, pp_size=pp,
+                         idle=overlap and step == 1, offload=case.get("offload", 0.0))
         stats = trainer.step(plan, token_reader(seed, lengths))
         idle = [len(r.microbatches) == 0 for r in plan.ranks]
         offloaded = stats.offload.bytes_offloaded if stats.offload is not None else 0
-        steps.append({"loss": stats.loss, "grads": local_grads(ddp, opt if dist_opt else None), "rings": stats.num_rings,
-                      "idle": idle, "offloaded": offloaded})
+        grads = {}
+        for ddp in ddps:
+            grads.update(local_grads(ddp, opt if dist_opt else None))
+        steps.append({"loss": stats.loss, "grads": grads, "rings": stats.num_rings, "idle": idle,
+                      "offloaded": offloaded, "num_microbatches": stats.num_microbatches})
     return steps
 
 
@@ -147,7 +190,7 @@ def reference():
 
 
 def _check(reference, results):
-    from megatron_hdp.megatron.exactness import expected_shard
+    from megatron_hdp.harness.exactness import expected_shard
 
     for rank_steps in results:
         for step, (got, want) in enumerate(zip(rank_steps, reference["steps"])):
@@ -280,3 +323,61 @@ def test_more_layouts_match_single_process_reference(reference, name):
             assert offloaded == [0] * len(BATCHES)
         else:
             assert all(b > 0 for b in offloaded), offloaded
+
+
+NEGATIVE = {
+    "ep2-moe-aux-loss-hdp4-overlap-idle-stock-router": (1, 1, 2, True, dict(stock_router=True)),
+    "tp2xhdp2-sequence-parallel-moe-aux-loss-without-tp-sum": (2, 1, 1, False, dict(sp=True, moe=True, no_tp_sum=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(NEGATIVE))
+def test_moe_cases_fail_with_the_stock_router_or_without_the_tp_sum(reference, name):
+    """The README says Megatron's stock router fails the EP=2 x HDP=4 case and the per-document router
+    fails TP=2 + SP without the TP sum of its counts: the same launches as the passing cases above
+    (same plans and seeds), with that one change, must differ from the reference."""
+    tp, pp, ep, overlap, case = NEGATIVE[name]
+    seed = 100 * tp + 10 * pp + ep if case.get("stock_router") else 500 + len("tp2xhdp2-sequence-parallel-moe-aux-loss")
+    results = run_gloo(_hdp, 4, tp, pp, ep, reference["moe"]["init"], seed, overlap, case, timeout_s=240)
+    with pytest.raises(AssertionError, match="grad of"):
+        _check(reference["moe"], results)
+
+
+VPP_GROUP = 3
+"""microbatch_group_size_per_vp_stage of the virtual-pipeline case: above PP = 2, where Megatron runs last
+groups of G + r micro-batches (pp <= r < G) and the ring rule pads beyond Megatron's own constraints."""
+
+
+def _vpp_plans():
+    """Hand plans for HDP = 2 pipelines of PP 2, each with two rings across the pipelines and a planned
+    offload ratio. Step 0: counts 6 and 5, rings at micro-batches 0 and 3. Both counts run in Megatron
+    (G = 3), but together they deadlock (plan.interleaved.deadlock_cycle finds the cycle): the ring rule
+    pads the second pipeline to 6. Step 1: counts 4 and 2, rings at 0 and 1: the pipelines run 5 and 3."""
+    from megatron_hdp.plan.hand_plan import plan_from_rings
+
+    (_, first), (_, second) = BATCHES
+    return [
+        plan_from_rings(first, [(0, 1), (0,), (1, 0), (0,), (1,), (0,), (1,), (1,), (0,)], [0, 1, 3, 2, 1, 4, 2, 4, 5],
+                        num_ranks=2, capacity=sum(first), pp_size=2, vpp_size=2,
+                        offload_ratios=[0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0]),
+        plan_from_rings(second, [(0, 1), (0,), (0,), (0,), (1, 0), (1,), (0,)], [0, 1, 2, 3, 1, 0, 3],
+                        num_ranks=2, capacity=sum(second), pp_size=2, vpp_size=2, offload_ratios=[0.5] + [0.0] * 6),
+    ]
+
+
+def test_virtual_pipeline_matches_single_process_reference(reference):
+    """VPP 2 x PP 2 x HDP 2 (Megatron's interleaved schedule, one layer per model chunk): every chunk runs
+    each micro-batch with its rings, positions and offload ratio, and pipelines run the counts the ring
+    rule gives them (`_vpp_plans`)."""
+    from megatron_hdp.plan.interleaved import deadlock_cycle
+
+    plans = _vpp_plans()
+    assert [len(r.microbatches) for r in plans[0].ranks] == [6, 5] and [len(r.microbatches) for r in plans[1].ranks] == [4, 2]
+    assert deadlock_cycle([6, 5], rings=[(0, (0, 1)), (3, (1, 0))], pp_size=2, vpp_size=2, group_size=VPP_GROUP)
+    case = dict(vpp=2, group_size=VPP_GROUP, plans=plans, offload=0.5, resident_layers=0)
+    results = run_gloo(_hdp, 4, 1, 2, 1, reference[VPP_KIND]["init"], 0, False, case, timeout_s=240)
+    _check(reference[VPP_KIND], results)
+    # global rank = stage x 2 + HDP rank: both stages of a pipeline run its count
+    assert [rank_steps[0]["num_microbatches"] for rank_steps in results] == [[6, 6, 6, 6]] * 4
+    assert [rank_steps[1]["num_microbatches"] for rank_steps in results] == [[5, 3, 5, 3]] * 4
+    assert all(sum(rank_steps[step]["offloaded"] for rank_steps in results) > 0 for step in range(2))

@@ -27,11 +27,11 @@ def _padding_and_rejections(rank, world_size):
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron_hdp.data.collate import collate_microbatch, empty_microbatch
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE, token_reader
+    from megatron_hdp.harness.exactness import VOCAB_SIZE, token_reader
     from megatron_hdp.megatron.forward_step import make_forward_step
-    from megatron_hdp.megatron.hand_plan import random_plan
+    from megatron_hdp.plan.hand_plan import random_plan
     from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config
 
     state = initialize_hdp(seed=3)
     config = tiny_llama_config(num_moe_experts=4, moe_aux_loss_coeff=AUX_LOSS_COEFF, moe_z_loss_coeff=Z_LOSS_COEFF)
@@ -96,7 +96,7 @@ def test_document_rows_of_a_packed_microbatch(monkeypatch):
     # one process plays every ring member here: no ring plan (its kernel tensors) is built for a rank
     # this process is not
     monkeypatch.setattr(core_attention, "prepare_ring_plan", lambda *args, **kwargs: None)
-    from megatron_hdp.data.collate import AttentionGroup
+    from megatron_hdp.attention.layout import AttentionGroup
     from megatron_hdp.megatron.moe_aux_loss import DocumentRows, document_rows
 
     def meta(rank, shard):

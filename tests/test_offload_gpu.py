@@ -53,3 +53,20 @@ def test_cuda_offload_matches_and_frees_device_memory():
     # 5 of 6 layers moved everything they saved: what stays is one layer, the head and small tensors
     assert kept1 < 0.5 * kept0, (kept0, kept1)
     assert kept0 - kept1 >= 0.9 * stats.bytes_offloaded, (kept0, kept1, stats.bytes_offloaded)
+
+
+def test_pool_bytes_are_what_the_pinned_allocator_hands_out():
+    """torch's own host-allocator statistics (block sizes as rounded before cudaHostAlloc) grow by exactly
+    the pool's `bytes_allocated` while the pool holds its buffers: what the planner budgets is what is
+    pinned (issue 21 item 3: one 9/8 x 2^n block per span pinned 2^(n+1))."""
+    from megatron_hdp.offload.pool import HostBufferPool
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    torch.empty(1, device="cuda")
+    if stats is None or "active_bytes.current" not in stats():
+        pytest.skip("this torch has no host_memory_stats()['active_bytes.current']")
+    before = stats()["active_bytes.current"]
+    pool = HostBufferPool(pin_memory=True)
+    buffers = [pool.acquire(n) for n in ((9 << 20) + 1, 300 << 20, 40961, 1 << 20)]
+    assert stats()["active_bytes.current"] - before == pool.bytes_allocated
+    assert all(piece.is_pinned() for buffer in buffers for piece in buffer.pieces)

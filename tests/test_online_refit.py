@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.plan.online_refit import OnlineRefit, RefitSettings, compute_features, fit_coefficients
+from megatron_hdp.plan.fit import fit_relative
+from megatron_hdp.plan.online_refit import OnlineRefit, RefitSettings, compute_features
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model, model_shape
 
@@ -47,7 +48,7 @@ def test_fit_recovers_the_coefficients_and_drops_an_outlier():
     features = np.concatenate([compute_features(p, num_layers=TRUE.num_layers) for p in plans])
     measured = np.concatenate([_true_compute(p) for p in plans])
     measured[5] *= 4.0  # one preempted rank
-    coef = fit_coefficients(features, measured)
+    coef = fit_relative(features, measured, outlier_mads=RefitSettings().outlier_mads)
     np.testing.assert_allclose(coef, [TRUE.a1, TRUE.b1, TRUE.g], rtol=1e-6, atol=1e-12)
 
 
@@ -66,6 +67,7 @@ def test_updates_are_bounded_and_converge_from_a_wrong_model():
     assert refit.updates == 10
     assert refit.model.a1 == pytest.approx(TRUE.a1, rel=1e-6)
     assert refit.model.b1 == pytest.approx(TRUE.b1, rel=1e-6)
+    assert refit.model.g == pytest.approx(TRUE.g, rel=1e-6)  # started 3x too large
     assert refit.model.ring_bandwidth == TRUE.ring_bandwidth  # everything else is kept
     resumed = OnlineRefit.from_state_dict(refit.state_dict())
     assert resumed.model == refit.model and resumed.steps_seen == 12

@@ -75,7 +75,7 @@ def _patched_checkout(tmp_path: Path) -> tuple[Path, Path, str]:
     if not list((root / "megatron/core/datasets").glob("helpers_cpp*.so")):
         pytest.skip(f"build the dataset helpers first: make -C {root}/megatron/core/datasets LIBEXT=$(python -c "
                     "\"import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))\")")
-    from megatron_hdp.megatron.build_dataset import build_demo_dataset
+    from megatron_hdp.harness.build_dataset import build_demo_dataset
 
     shutil.copy(root / "pretrain_gpt.py", tmp_path / "pretrain_gpt.py")
     assert _apply(tmp_path).returncode == 0

@@ -7,6 +7,7 @@ import json
 import math
 from datetime import timedelta
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,6 +16,7 @@ from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
+from plan_reference import assert_refusal_is_justified, fits_without_offload, static_cp
 
 CM = analytic_cost_model("llama-7b")
 POLICIES = ("balance", "naive", "static")
@@ -39,8 +41,10 @@ def held_exactly_once(plan, lengths, capacity):
 
 @FUZZ
 @given(
-    lengths=st.lists(st.one_of(st.integers(-5, 3000), BAD_NUMBERS), min_size=0, max_size=12),
-    num_ranks=st.one_of(st.integers(-2, 9), BAD_NUMBERS),
+    # half the batches well formed (else few are: a refusal of a batch that fits must be drawn to be caught)
+    lengths=st.one_of(st.lists(st.integers(1, 3000), min_size=1, max_size=12),
+                      st.lists(st.one_of(st.integers(-5, 3000), BAD_NUMBERS), min_size=0, max_size=12)),
+    num_ranks=st.one_of(st.integers(1, 9), st.integers(-2, 9), BAD_NUMBERS),
     capacity=st.sampled_from([1, 64, 1000]),
     offload=st.booleans(),
     policy=st.sampled_from(POLICIES),
@@ -51,22 +55,51 @@ def test_make_plan_refuses_by_name_or_plans_correctly(lengths, num_ranks, capaci
         plan = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=CM, policy=policy)
     except ValueError as error:
         text = str(error)
-        bad = [str(n) for n in lengths if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1)]
+        not_integers = [n for n in lengths if not integral(n)]
+        below_one = [n for n in lengths if integral(n) and n < 1]
         bad_ranks = not (isinstance(num_ranks, int) and not isinstance(num_ranks, bool) and num_ranks >= 1)
         if bad_ranks:
             assert "num_ranks" in text and str(num_ranks) in text, text
         elif not lengths:
             assert "empty global batch" in text
-        elif bad:  # one of the offending values is named
-            assert any(b in text for b in bad), text
-        else:  # well-formed input refused: a length too long for the pool, or static's CP rules, with numbers
-            assert any(str(n) in text for n in lengths) or "static" in text, text
+        elif not_integers:  # the offending values themselves, not merely some number of the batch
+            assert str(not_integers[:5]) in text and "integer" in text, text
+        elif below_one:
+            assert str(below_one[:5]) in text and ">= 1" in text, text
+        else:  # well-formed input refused: only a batch that cannot be planned (computed here), named
+            assert_refusal_is_justified(text, lengths, num_ranks=num_ranks, capacity=capacity, policy=policy)
         return
-    # accepted: then the input was well formed and the plan is right
+    # accepted: then the input was well formed, plannable, and the plan is right
     assert all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
     assert isinstance(num_ranks, int) and not isinstance(num_ranks, bool) and num_ranks >= 1
+    if not offload:  # without offload a document longer than all ranks hold cannot be planned
+        assert all(fits_without_offload(n, num_ranks=num_ranks, capacity=capacity) for n in lengths), lengths
     assert plan.lengths == list(lengths) and len(plan.ranks) == num_ranks
     held_exactly_once(plan, lengths, capacity)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_batch_that_fits_is_planned(policy):
+    """The other side of "refuses by name": a planner that refused too much would pass the fuzz above
+    whenever it named a length. Batches of 1-12 documents that fit the pool without offload (computed
+    independently, `plan_reference.fits_without_offload`) are planned, and correctly."""
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        num_ranks, capacity = int(rng.choice([1, 2, 4, 8])), int(rng.choice([64, 1000]))
+        lengths = [int(n) for n in rng.integers(1, capacity * num_ranks // 2 + 2, size=int(rng.integers(1, 13)))]
+        lengths = [n for n in lengths if fits_without_offload(n, num_ranks=num_ranks, capacity=capacity)] or [1]
+        config = HDPConfig(hdp_capacity=capacity, hdp_offload=False)
+        if policy == "static":  # static needs a power-of-two CP group that divides the pool: 1, 2, 4, 8 do
+            assert num_ranks % static_cp(max(lengths), capacity=capacity, num_ranks=num_ranks) == 0
+        plan = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=CM, policy=policy)
+        held_exactly_once(plan, lengths, capacity)
+
+
+def integral(n) -> bool:
+    """A count the planner must accept as an integer: int or integral float, never a bool or a string."""
+    if isinstance(n, bool):
+        return False
+    return isinstance(n, int) or (isinstance(n, float) and math.isfinite(n) and n == int(n))
 
 
 @FUZZ

@@ -11,8 +11,9 @@ the runtime's rule that a ring sits at the same micro-batch index on every membe
 meet it), so its optimum is at most the true one and `balance` is held to a stricter reference. A
 branch-and-bound cut (times only grow as documents are added) keeps it exhaustive and fast.
 
-Measured on the 200 seeded instances: `balance` is within 5% on all of them, worst 1.030 (seed 55);
-with the aligned-only ring placement it had before `place_rings_by_time`, 94.5% and worst 1.39.
+Measured on the 200 seeded instances, `balance`'s plans re-timed by the simulator: within 5% on all of
+them, worst 1.030 (seed 55); the test asserts all 200 within 5% and the worst <= 1.035. With the
+aligned-only ring placement it had before `place_rings_by_time`: 94.5% and worst 1.39 (the test fails).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from megatron_hdp.plan.layout import zigzag_chunks
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
 from megatron_hdp.plan.sharding import max_member_tokens, whole_times
+from megatron_hdp.sim.simulator import PolicyRules, simulate_step
 
 CAPACITY = 1024
 CM = CostModel.from_dict({**analytic_cost_model("llama-7b", tp_size=8).to_dict(), "ring_bandwidth": 5e9,
@@ -128,18 +130,22 @@ def test_brute_force_finds_the_hand_optimum(num_ranks):
 
 
 def test_balance_is_within_five_percent_of_the_brute_force_optimum():
+    """Every instance within 5% and the worst near the 1.030 measured (module doc), `balance`'s plan
+    re-timed by the simulator (not its own `est_step_time`, which would also seed the brute force)."""
     config = HDPConfig(hdp_capacity=CAPACITY, hdp_offload=False)
     ratios, sizes = [], set()
     for seed in range(INSTANCES):
         num_ranks, lengths = _instance(seed)
         sizes.add(num_ranks)
         plan = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=CM, policy="balance")
-        optimum = brute_force(num_ranks, lengths, incumbent=plan.est_step_time * (1 + 1e-9))
-        ratios.append(plan.est_step_time / optimum)
+        simulated = simulate_step(plan, CM, rules=PolicyRules(), grad_bytes=0).compute_end
+        optimum = brute_force(num_ranks, lengths, incumbent=simulated * (1 + 1e-9))
+        ratios.append(simulated / optimum)
     ratios = np.array(ratios)
     worst = int(np.argmax(ratios))
     assert sizes == {2, 3, 4}
-    assert np.mean(ratios <= 1.05) >= 0.95, (f"{np.mean(ratios <= 1.05):.1%} within 5%; worst {ratios[worst]:.3f} "
-                                             f"on seed {worst}: {_instance(worst)}")
+    where = f"{np.mean(ratios <= 1.05):.1%} within 5%; worst {ratios[worst]:.3f} on seed {worst}: {_instance(worst)}"
+    assert np.all(ratios <= 1.05), where
+    assert ratios[worst] <= 1.035, where
     print(f"balance / brute force over {INSTANCES} instances: median {np.median(ratios):.4f}, "
           f"{np.mean(ratios <= 1.05):.1%} within 5%, worst {ratios[worst]:.4f} (seed {worst})")

@@ -192,3 +192,16 @@ def test_validate_catches_a_ring_sequence_nobody_holds():
                     ranks=(RankSchedule(0, ()), RankSchedule(1, ())))
     with pytest.raises(ValueError, match="held by ranks"):
         plan.validate()
+
+
+def test_vpp_size_is_in_the_json_only_with_virtual_stages():
+    """Plans without virtual stages keep DESIGN.md's JSON as it was; vpp_size > 1 round-trips, changes the
+    digest, and needs PP."""
+    plan = dataclasses.replace(_two_rank_plan(), pp_size=2).validate()
+    assert "vpp_size" not in plan.to_dict()
+    interleaved = dataclasses.replace(plan, vpp_size=2).validate()
+    assert interleaved.to_dict()["vpp_size"] == 2
+    again = StepPlan.from_json(interleaved.to_json())
+    assert again == interleaved and again.digest() != plan.digest()
+    with pytest.raises(ValueError, match="vpp_size=2 needs pipeline parallelism"):
+        dataclasses.replace(_two_rank_plan(), vpp_size=2).validate()

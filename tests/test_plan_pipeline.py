@@ -57,3 +57,76 @@ def test_pipeline_packing_never_worse_than_full_microbatches():
     assert all(sum(sizes[i] for i in b) <= 4096 for b in bins)
     assert makespan(bins) <= makespan(best_fit(sizes, capacity=4096)) * (1 + 1e-12)
     assert len(bins) > len(best_fit(sizes, capacity=4096))  # smaller micro-batches shrink the bubble here
+
+
+@pytest.mark.parametrize("num, pp, vpp", [(2, 2, 2), (4, 2, 4), (4, 4, 2), (8, 4, 4), (12, 4, 5), (8, 8, 2)])
+def test_interleaved_equal_microbatches_take_m_plus_bubble_over_v(num, pp, vpp):
+    """Narayanan et al. 2021 (Megatron-LM, Sec. 2.2.2): the interleaved schedule's bubble is (p - 1) / v
+    micro-batch times, so m equal micro-batches of time t take (m + (p - 1) / v) t."""
+    assert pipeline_time([0.5] * num, pp_size=pp, vpp_size=vpp) == pytest.approx((num + (pp - 1) / vpp) * 0.5)
+
+
+def test_interleaved_unequal_microbatches_match_the_simulator():
+    """One pipeline with virtual stages and no rings: the planner's makespan and the simulator's event loop
+    agree exactly; a count Megatron's interleaved schedule does not run is refused."""
+    rng = np.random.default_rng(5)
+    for pp, vpp in ((2, 2), (4, 2), (4, 4)):
+        for num in (pp, 2 * pp):
+            lengths = rng.integers(100, 8000, size=num).tolist()
+            plan = assemble_plan(policy="balance", lengths=lengths, rings=[(0,)] * num, offload_ratios=[0.0] * num,
+                                 schedule=[[[i] for i in range(num)]], capacity=8000, cost_model=CM, pp_size=pp,
+                                 vpp_size=vpp)
+            timeline = simulate_step(plan, CM)
+            assert plan.ranks[0].est_time == pytest.approx(timeline.finish[0], rel=1e-9)
+            assert plan.est_step_time == pytest.approx(timeline.compute_end, rel=1e-9)
+            assert {op.chunk for op in timeline.ops[0][0]} == set(range(vpp))
+    with pytest.raises(ValueError, match="Megatron needs"):
+        pipeline_time([1.0] * 6, pp_size=4, vpp_size=2)
+
+
+def test_virtual_stages_cannot_hide_a_heavy_microbatchs_own_crossing():
+    """One heavy micro-batch H among light ones: its forward and backward cross every stage one after
+    the other, pp x H, whatever the chunking, so with little other work virtual stages hardly help (only
+    a lighter H does: wider rings)."""
+    times = [10.0] + [1.0] * 7
+    for vpp in (1, 2, 4):
+        assert pipeline_time(times, pp_size=4, vpp_size=vpp) >= 4 * 10.0
+    assert pipeline_time(times, pp_size=4, vpp_size=4) < pipeline_time(times, pp_size=4)
+
+
+def test_vpp_packing_fills_the_padded_count():
+    """With virtual stages a pipeline runs a multiple of pp micro-batches anyway (Megatron's constraint
+    with the default group size): packing makes real micro-batches of the padding slots when that is
+    faster, never slower than packing at C and padding."""
+    rng = np.random.default_rng(2)
+    sizes = rng.integers(200, 3000, size=30).tolist()
+    times = [float(CM.layer_compute_time(seq_len=s, num_tokens=s)) for s in sizes]
+
+    def makespan(bins):
+        bin_times = [CM.g + sum(times[i] for i in b) for b in bins]
+        padding = -len(bin_times) % 4
+        return pipeline_time(bin_times + [CM.g] * padding, pp_size=4, vpp_size=2)
+
+    bins = pack_for_pipeline(sizes, times, capacity=8192, leading=[], overhead=CM.g, pp_size=4, vpp_size=2)
+    assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
+    assert makespan(bins) <= makespan(best_fit(sizes, capacity=8192)) * (1 + 1e-12)
+    assert len(bins) % 4 == 0
+
+
+def test_ring_shift_keeps_rings_aligned_and_moves_them_after_light_work():
+    """`balance.shifted`: every ring member moves its rings by the same number of indices (the lightest
+    whole micro-batches first, empty ones where a pipeline has fewer), so a ring stays on one index;
+    a pipeline without rings keeps its order. Five heavy micro-batches on every pipeline (a ring over
+    the whole pool, as byted's 2M documents get) run faster after three empty ones with 10 virtual stages
+    than first (the fifth heavy one would be alone in its group of pp)."""
+    from megatron_hdp.plan.balance import shifted
+
+    weight = {0: 5.0, 1: 1.0, 2: 3.0}.get
+    a = shifted([[9]], [[0], [1], [2]], 2, weight=lambda mb: sum(map(weight, mb)))
+    b = shifted([[9]], [[1]], 2, weight=lambda mb: sum(map(weight, mb)))
+    assert a == [[1], [2], [9], [0]] and b == [[1], [], [9]]
+    assert shifted([], [[0], [1]], 2, weight=len) == [[0], [1]]
+    heavy, empty = 2.45, 0.0004
+    first = pipeline_time([heavy] * 5 + [empty] * 3, pp_size=4, vpp_size=10)
+    after = pipeline_time([empty] * 3 + [heavy] * 5, pp_size=4, vpp_size=10)
+    assert after < first * 0.96

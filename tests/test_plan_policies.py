@@ -15,6 +15,7 @@ from megatron_hdp.plan.pipeline import pipeline_time
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
 from megatron_hdp.plan.sharding import min_ring_size
+from plan_reference import assert_refusal_is_justified, fits_without_offload, reference_finish
 
 CM = analytic_cost_model("llama-7b")
 OURS = ("balance", "naive", "static")
@@ -30,9 +31,10 @@ def hybrid_cp_available() -> bool:
 
 
 def recompute(plan, cm):
-    """Micro-batch, rank and step times from the plan's shards alone, with the cost model directly."""
+    """Micro-batch and rank times from the plan's shards alone, with the cost model directly: the padded
+    micro-batch times [rank][index] and each rank's busy time (PP bubble included)."""
     rings = {s.id: s.ring for s in plan.sequences}
-    rank_times = []
+    rank_times, padded_times = [], []
     longest = max(len(schedule.microbatches) for schedule in plan.ranks)
     for schedule in plan.ranks:
         times = []
@@ -45,7 +47,8 @@ def recompute(plan, cm):
         times += [cm.microbatch_time([], pp_size=plan.pp_size)] * (padded - len(times))
         rank_times.append(pipeline_time(times, pp_size=plan.pp_size))  # checked in test_plan_pipeline
         assert schedule.est_time == pytest.approx(rank_times[-1], rel=1e-9)
-    return rank_times
+        padded_times.append(times)
+    return padded_times, rank_times
 
 
 def check(lengths, *, num_ranks, capacity, policy, offload=True, pp_size=1):
@@ -54,14 +57,26 @@ def check(lengths, *, num_ranks, capacity, policy, offload=True, pp_size=1):
         plan = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=CM, pp_size=pp_size, policy=policy)
     except ValueError as error:
         text = str(error)
-        # only the documented refusals: a sequence too long for the pool, static's CP rules, hybrid-cp's limits
+        if policy == "megatron-hybrid-cp" and pp_size > 1:  # Megatron's Hybrid-CP has no pipeline parallelism
+            assert "pipeline" in text, text
+            return None
+        # only the documented refusals, and only where the batch cannot be planned (computed independently)
         assert any(m in text for m in ("does not fit", "static CP group", "divisible by the CP size",
-                                       "power-of-two", "pipeline", "exceeds the pool")), text
+                                       "power-of-two", "exceeds the pool")), text
+        assert_refusal_is_justified(text, lengths, num_ranks=num_ranks, capacity=capacity, policy=policy)
         return None
+    if not offload:
+        assert all(fits_without_offload(n, num_ranks=num_ranks, capacity=capacity) for n in lengths), lengths
     assert plan.policy == policy and plan.lengths == list(lengths)
     if policy in OURS:  # (the hybrid-cp adapter times each sub-sample as its own pass: its own model)
-        times = recompute(plan, CM)
-        assert plan.est_step_time >= max(times) * (1 - 1e-9)
+        times, rank_times = recompute(plan, CM)
+        assert plan.est_step_time >= max(rank_times) * (1 - 1e-9)
+        if pp_size == 1:  # from above too: exactly when the last rank finishes under the waiting rule
+            assert plan.est_step_time == pytest.approx(max(reference_finish(plan, times)), rel=1e-9)
+        else:  # at most every index waiting for the slowest rank's, plus the largest pipeline bubble
+            lockstep = sum(max(t[i] for t in times) for i in range(len(times[0])))
+            bubble = max(r - sum(t) for r, t in zip(rank_times, times))
+            assert plan.est_step_time <= (lockstep + bubble) * (1 + 1e-9)
     bound = step_time_lower_bound(lengths, num_ranks=num_ranks, capacity=capacity, cost_model=CM, pp_size=pp_size)
     assert plan.est_step_time >= bound * (1 - 1e-9)
     for seq in plan.sequences:  # the offload ratio recorded is what the member needs to fit C

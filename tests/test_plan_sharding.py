@@ -29,7 +29,7 @@ def brute_force_ring_size(length, *, capacity, num_ranks, cm, max_ratio, pp_size
                 continue
             need = 1 - cm.activation_bytes(capacity) / cm.activation_bytes(t)
             hidden = cm.hidden_offload_ratio(seq_len=length, num_tokens=t, ring_size=k)
-            host = need * cm.activation_bytes(t) * cm.num_layers / pp_size
+            host = need * cm.activation_bytes(t) * cm.num_layers / pp_size * (9 / 8)  # pinned per offloaded byte
             if need > min(max_ratio, hidden) + 1e-12 or (cm.host_memory_bytes is not None and host > cm.host_memory_bytes):
                 ok = False
                 break

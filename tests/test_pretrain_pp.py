@@ -1,4 +1,5 @@
-"""Pipeline parallelism under `megatron.training.pretrain` with --hdp: PP = 2 and TP = 2 x PP = 2 on 4 gloo ranks.
+"""Pipeline parallelism under `megatron.training.pretrain` with --hdp: PP = 2, TP = 2 x PP = 2 and virtual
+pipeline stages (2 model chunks per stage, Megatron's interleaved schedule) x PP = 2 on 4 gloo ranks.
 
 HDP plans documents (pieces of at most --seq-length 64 positions), and a micro-batch holds what its plan
 packs: at PP 2 (a pool of 2 pipelines, --hdp-capacity 40) pieces longer than 40 are split over rings,
@@ -19,7 +20,7 @@ sizes start from different weights.
 import pytest
 from pretrain_harness import TINY, assert_same_losses, read_saved_plans, run_pretrain
 
-pytestmark = pytest.mark.timeout(1200)  # four runs of 4 ranks; seconds each on an idle machine
+pytestmark = pytest.mark.timeout(1800)  # six runs of 4 ranks; seconds each on an idle machine
 
 STEPS = 3
 COMMON = TINY + ["--seq-length", "64", "--global-batch-size", "8", "--train-iters", str(STEPS)]
@@ -27,16 +28,21 @@ COMMON = TINY + ["--seq-length", "64", "--global-batch-size", "8", "--train-iter
 
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory) -> str:
-    from megatron_hdp.megatron.build_dataset import build_demo_dataset
+    from megatron_hdp.harness.build_dataset import build_demo_dataset
 
     return build_demo_dataset(tmp_path_factory.mktemp("pp"), num_docs=256, vocab_size=256, max_length=256)
+
+
+VPP2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
+"""Megatron's interleaved schedule: 4 layers, 2 model chunks of one layer on each of the 2 stages."""
 
 
 @pytest.mark.parametrize(
     "layout, capacity",
     [(["--pipeline-model-parallel-size", "2"], 40),
-     (["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 160)],
-    ids=["pp2", "tp2xpp2"],
+     (["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 160),
+     (VPP2, 40)],
+    ids=["pp2", "tp2xpp2", "vpp2xpp2"],
 )
 def test_pipeline_parallel_hdp_matches_plain_megatron_on_the_planned_documents(data_prefix, tmp_path, layout, capacity):
     plans_dir = str(tmp_path / "plans")

@@ -1,4 +1,4 @@
-"""The CPU entry point `python -m megatron_hdp.megatron.run_pretrain SCRIPT` and install()'s pipeline set-up.
+"""The CPU entry point `python -m megatron_hdp.harness.run_pretrain SCRIPT` and install()'s pipeline set-up.
 
 The entry point's training runs are tested through tests/pretrain_harness.py (test_pretrain.py,
 test_pretrain_pp.py, test_patch.py); here: its command line, and what install() sets for PP > 1.
@@ -21,7 +21,7 @@ FLAGS = (
 
 def test_command_line_without_a_script_exits_2_with_one_line():
     for argv in ([], ["/no/such/pretrain_gpt.py", "--hdp"]):
-        run = subprocess.run([sys.executable, "-m", "megatron_hdp.megatron.run_pretrain", *argv],
+        run = subprocess.run([sys.executable, "-m", "megatron_hdp.harness.run_pretrain", *argv],
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip() == "error: pretrain script /no/such/pretrain_gpt.py not found"
@@ -30,7 +30,7 @@ def test_command_line_without_a_script_exits_2_with_one_line():
 def test_runs_the_script_as_main_with_its_arguments(tmp_path):
     script = tmp_path / "show.py"
     script.write_text("import sys\nif __name__ == '__main__':\n    print(sys.argv[1:], sys.path[0])\n")
-    run = subprocess.run([sys.executable, "-m", "megatron_hdp.megatron.run_pretrain", str(script), "--a", "1"],
+    run = subprocess.run([sys.executable, "-m", "megatron_hdp.harness.run_pretrain", str(script), "--a", "1"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == f"['--a', '1'] {tmp_path}"

@@ -8,14 +8,13 @@ from hypothesis import strategies as st
 
 from megatron_hdp.cli import main
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.megatron.hand_plan import plan_from_rings
+from megatron_hdp.plan.hand_plan import plan_from_rings
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.sim.cluster import ClusterSpec, format_tokens
 from megatron_hdp.sim.compare import compare_policies, compute_floor
 from megatron_hdp.sim.plots import plot_gantt, plot_plans, plot_throughput
 from megatron_hdp.sim.simulator import simulate_step
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+from picture_check import assert_real_picture
 
 
 def test_token_counts():
@@ -90,6 +89,8 @@ def test_more_work_is_never_faster(docs, extra_length, extra_rank):
 
 
 def test_compare_policies_same_batches_and_reports_unsupported():
+    import megatron_hdp.megatron  # noqa: F401  (registers megatron-hybrid-cp)
+
     spec = ClusterSpec("llama-7b", num_gpus=64, tp_size=8, pp_size=2, capacity=16384)
     result = compare_policies(spec, context=65536, distribution="github", policies=["static", "balance", "megatron-hybrid-cp"],
                               steps=2, progress=False)
@@ -116,8 +117,7 @@ def test_compute_floor_with_pp_is_set_by_one_long_document():
 
 
 def _check_png(path):
-    data = path.read_bytes()
-    assert data[:8] == PNG_MAGIC and len(data) > 10_000, f"{path} is not a real picture ({len(data)} bytes)"
+    assert_real_picture(path)
 
 
 def test_pictures(tmp_path):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from megatron_hdp.megatron.hand_plan import plan_from_rings
+from megatron_hdp.plan.hand_plan import plan_from_rings
 from megatron_hdp.sim.replay import dedicated_step_time
 
 

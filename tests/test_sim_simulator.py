@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from megatron_hdp.megatron.hand_plan import plan_from_rings
+from megatron_hdp.plan.hand_plan import plan_from_rings
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.sim.simulator import PolicyRules, allreduce_time, simulate_step
 

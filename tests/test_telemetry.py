@@ -17,6 +17,7 @@ from megatron_hdp.comm.launch import run_gloo
 from megatron_hdp.run_logs import read_scalars
 
 sys.path.insert(0, str(Path(__file__).parent))
+from picture_check import assert_real_picture  # noqa: E402
 from pretrain_harness import TINY, pretrain_rank  # noqa: E402
 
 STEPS = 4
@@ -46,7 +47,7 @@ def _crossing_hops(run_dir: Path, step: int) -> list[bool]:
 @pytest.fixture(scope="module")
 def hdp_run(tmp_path_factory):
     """Run directory of the 4-rank HDP run: tensorboard/ and plans/; plus what each rank returned."""
-    from megatron_hdp.megatron.build_dataset import build_demo_dataset
+    from megatron_hdp.harness.build_dataset import build_demo_dataset
 
     run_dir = tmp_path_factory.mktemp("run")
     prefix = build_demo_dataset(run_dir / "data", num_docs=256, vocab_size=256, max_length=256)
@@ -130,8 +131,7 @@ def test_report_renders_the_run_and_its_numbers_match_the_logs(hdp_run, tmp_path
 
     run_dir, _, _ = hdp_run
     assert main(["report", str(run_dir), "--output-dir", str(tmp_path)]) == 0
-    png = (tmp_path / "dashboard.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    assert_real_picture(tmp_path / "dashboard.png")
     summary = (tmp_path / "summary.md").read_text()
     scalars = read_scalars(run_dir / "tensorboard")
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_hdp.megatron.hand_plan import random_plan
+from megatron_hdp.plan.hand_plan import plan_from_rings, random_plan
 from megatron_hdp.plan.assemble import assemble_plan
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.presets import analytic_cost_model
 from megatron_hdp.plan.timing import coupled_finish, plan_groups
 from megatron_hdp.sim.simulator import PolicyRules, simulate_step
+from plan_reference import reference_finish
 
 H100 = analytic_cost_model("llama-7b", tp_size=8)
 SLOW_RING = CostModel.from_dict({**H100.to_dict(), "ring_bandwidth": 2e9, "ring_latency": 1e-4,
@@ -125,3 +126,100 @@ def test_planner_and_simulator_agree_with_expert_parallelism_on_random_plans():
         where = f"seed {seed}, {num_ranks} ranks, lengths {lengths}"
         np.testing.assert_allclose(timeline.busy, [r.est_time for r in assembled.ranks], rtol=1e-9, err_msg=where)
         assert timeline.compute_end == pytest.approx(assembled.est_step_time, rel=1e-9), where
+
+
+def test_virtual_stages_with_rings_on_random_plans():
+    """Random plans with rings at any index and uneven counts, run with virtual pipeline stages: the
+    runtime's counts (`plan.interleaved.padded_counts`: multiples of pp here) keep the ring rule, so the
+    brute-force wait-for graph is acyclic and the simulator completes; its busy time is the planner's
+    micro-batch times plus the padding, and coupling only adds waits: every rank finishes no earlier than
+    its own pipeline alone (`pipeline_time`, the planner's rank time)."""
+    from megatron_hdp.plan.interleaved import deadlock_free
+    from megatron_hdp.plan.timing import plan_runtime_counts
+
+    rng = np.random.default_rng(4)
+    for seed in range(12):
+        pp, vpp = (2, 2) if seed % 2 else (4, 2)
+        num_ranks = int(rng.integers(2, 6))
+        lengths = rng.integers(1, 20000, size=int(rng.integers(2, 10))).tolist()
+        drawn = random_plan(lengths, num_ranks=num_ranks, seed=seed, max_slots=5)
+        schedule = [[[s.seq for s in mb.shards] for mb in r.microbatches] for r in drawn.ranks]
+        plan = assemble_plan(policy="random", lengths=lengths, rings=[s.ring for s in drawn.sequences],
+                             offload_ratios=[0.0] * len(lengths), schedule=schedule, capacity=drawn.capacity,
+                             cost_model=SLOW_RING, pp_size=pp, vpp_size=vpp)
+        counts = plan_runtime_counts(plan)
+        assert all(n % pp == 0 and n >= len(r.microbatches) for n, r in zip(counts, plan.ranks))
+        rings = [(index, seq.ring) for seq in plan.sequences if len(seq.ring) > 1
+                 for index, mb in enumerate(plan.ranks[seq.ring[0]].microbatches)
+                 if any(s.seq == seq.id for s in mb.shards)]
+        assert deadlock_free(counts, rings=rings, pp_size=pp, vpp_size=vpp)
+        timeline = simulate_step(plan, SLOW_RING, rules=PolicyRules())
+        padding = SLOW_RING.microbatch_time([], pp_size=pp)
+        busy = [sum(mb.est_time for mb in r.microbatches) + padding * (n - len(r.microbatches))
+                for r, n in zip(plan.ranks, counts)]
+        where = f"seed {seed}, {num_ranks} ranks, pp {pp}, lengths {lengths}"
+        np.testing.assert_allclose(timeline.busy, busy, rtol=1e-9, err_msg=where)
+        assert all(f >= r.est_time * (1 - 1e-9) for f, r in zip(timeline.finish, plan.ranks)), where
+        assert sum(len(stage) for stage in timeline.ops[0]) == 2 * vpp * pp * counts[0]
+
+
+# a linear cost model for hand arithmetic: 0.1 ms per token, no attention term, no ring traffic, no overhead
+LINEAR = CostModel(a1=0.0, b1=1e-4, g=0.0, a2=1.0, b2=0.0, kv_bytes_per_token=0.0, num_layers=1,
+                   ring_bandwidth=1e12, ring_latency=0.0)
+
+
+def test_two_rings_sharing_a_rank_at_one_index_wait_as_one_group():
+    """Hand plan (3 ranks, linear model, 1e-4 s per token): at index 0 document A (2000 tokens) on ring
+    (0, 1) and B (2000) on ring (2, 1), so rank 1 runs both rings' layers and ranks 0, 1, 2 move together;
+    rank 0 also holds W (4000, whole) at index 0, rank 2 holds V (4000, whole) at index 1.
+    Index 0: rank 0 holds 1000 + 4000 tokens (0.5 s), rank 1 2000 (0.2 s), rank 2 1000 (0.1 s): the group
+    ends at 0.5 s for all three; rank 2 then runs V: 0.5 + 0.4 = 0.9 s. Were the two rings timed apart,
+    rank 2 would wait only for rank 1 (0.2 s) and finish at 0.6 s."""
+
+    lengths, rings, slots = [2000, 2000, 4000, 4000], [(0, 1), (2, 1), (0,), (2,)], [0, 0, 0, 1]
+    hand = plan_from_rings(lengths, rings, slots, num_ranks=3, capacity=8000)
+    assembled = _assembled(hand, LINEAR)
+    timeline = simulate_step(hand, LINEAR, rules=PolicyRules())
+    assert [r.est_time for r in assembled.ranks] == pytest.approx([0.5, 0.2, 0.5])
+    assert reference_finish(hand, _microbatch_times(hand, LINEAR)) == pytest.approx([0.5, 0.5, 0.9])
+    assert assembled.est_step_time == pytest.approx(0.9, rel=1e-9)
+    assert timeline.compute_end == pytest.approx(0.9, rel=1e-9)
+
+
+def test_a_ring_waits_for_a_member_still_busy_with_an_earlier_index():
+    """Hand plan (linear model): rank 0 runs W (3000, whole, 0.3 s) at index 0, then document A (2000) on
+    ring (0, 1) at index 1 (1000 tokens each, 0.1 s); rank 1 runs an empty index 0 (no overhead in this
+    model) and waits for rank 0: A ends at 0.3 + 0.1 = 0.4 s on both; rank 1's own U (1000 tokens, whole)
+    at index 2 ends at 0.5 s, not at 0.2 s as it would if it did not wait."""
+
+    hand = plan_from_rings([3000, 2000, 1000], [(0,), (0, 1), (1,)], [0, 1, 2], num_ranks=2, capacity=8000)
+    assert reference_finish(hand, _microbatch_times(hand, LINEAR)) == pytest.approx([0.4, 0.5])
+    assert _assembled(hand, LINEAR).est_step_time == pytest.approx(0.5, rel=1e-9)
+    assert simulate_step(hand, LINEAR, rules=PolicyRules()).compute_end == pytest.approx(0.5, rel=1e-9)
+
+
+@pytest.mark.parametrize("cost_model", [H100, SLOW_RING], ids=["h100", "slow-ring"])
+def test_waiting_rule_matches_an_independent_reference_on_random_plans(cost_model):
+    """The planner and the simulator against `tests.plan_reference.reference_finish`, the waiting rule
+    written from its statement with no code of `plan.timing` (the 1e-9 agreement above shares it)."""
+
+    rng = np.random.default_rng(2)
+    for seed in range(60):
+        num_ranks = int(rng.integers(2, 7))
+        lengths = rng.integers(1, 20000, size=int(rng.integers(2, 12))).tolist()
+        if seed % 2:  # small rings (1-3 ranks) at few indices: chains of rings that share a rank
+            rings = [tuple(rng.permutation(num_ranks)[:int(rng.integers(1, min(3, num_ranks) + 1))].tolist())
+                     for _ in lengths]
+            plan = plan_from_rings(lengths, rings, rng.integers(0, 2, size=len(lengths)).tolist(),
+                                   num_ranks=num_ranks, capacity=sum(lengths))
+        else:
+            plan = random_plan(lengths, num_ranks=num_ranks, seed=100 + seed, max_slots=3)
+        times = _microbatch_times(plan, cost_model)
+        for rank_times in times:
+            rank_times += [cost_model.microbatch_time([])] * (not rank_times)
+        reference = reference_finish(plan, times)
+        where = f"case {seed}, rings {[q.ring for q in plan.sequences]}, lengths {lengths}"
+        np.testing.assert_allclose(coupled_finish([times], plan_groups(plan)), reference, rtol=1e-9, err_msg=where)
+        assert _assembled(plan, cost_model).est_step_time == pytest.approx(max(reference), rel=1e-9), where
+        timeline = simulate_step(plan, cost_model, rules=PolicyRules())
+        assert timeline.compute_end == pytest.approx(max(reference), rel=1e-9), where

@@ -23,9 +23,9 @@ import torch
 from megatron_hdp.attention import local_varlen_attention, ring_attention
 from megatron_hdp.attention.backends import Segments
 from megatron_hdp.attention.host_tables import HostTables
+from megatron_hdp.attention.layout import AttentionGroup
 from megatron_hdp.attention.local import local_segments
 from megatron_hdp.attention.zigzag_ring import prepare_ring_plan
-from megatron_hdp.data.collate import AttentionGroup
 
 logger = logging.getLogger(__name__)
 

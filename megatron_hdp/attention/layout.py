@@ -2,17 +2,39 @@
 
 The chunk math is `megatron_hdp.plan.layout.zigzag_chunks` (chunk p and 2k-1-p of 2k, floor
 boundaries); this module turns it into the THD rows a rank holds: document after document, chunk p then
-chunk 2k-1-p. Pure functions of the lengths, identical on every rank.
+chunk 2k-1-p. Pure functions of the lengths, identical on every rank. `AttentionGroup` names one run of
+those rows that one attention call handles: the contract between the collation (`data/collate.py`)
+and the core attention.
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from megatron_hdp.plan.layout import zigzag_chunks
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """A contiguous run of the packed tokens that one attention call handles.
+
+    `ring` lists HDP ranks (not global ranks) in ring order; a ring of one is a local group of whole
+    documents. `seqlens` are the full document lengths (what ring attention needs), `tokens` = [start,
+    end) the group's rows of the packed micro-batch.
+    """
+
+    ring: tuple[int, ...]
+    seq_ids: tuple[int, ...]
+    seqlens: tuple[int, ...]
+    tokens: tuple[int, int]
+
+    @property
+    def is_ring(self) -> bool:
+        return len(self.ring) > 1
 
 
 def check_seqlens(seqlens: Sequence[int]) -> tuple[int, ...]:

@@ -24,9 +24,10 @@ Traffic per call and rank (counted in `megatron_hdp.comm.traffic`): forward (k-1
 input dtype; backward (k-1) K+V buffers plus k dK+dV buffers in the accumulation dtype (fp32 for
 half-precision inputs). Accumulation of out, dq, dk, dv is in fp32 (fp64 for fp64 inputs); results
 come back in the input dtype. The dK/dV partials travel in fp32 on purpose: sent in bf16 they are rounded
-at every one of the k hops, and `benchmarks/ring_grad_precision.py` measures dK's error against float64
-growing from 3.7e-3 (one rank) to 1.2e-2 at k = 64, while fp32 transport stays at 3.1e-3; bf16 would
-save a quarter of the bytes (190 instead of 254 K/V units per member at k = 64).
+at every one of the k hops, so their error against float64 grows with k while fp32 transport stays at
+one rank's (`benchmarks/ring_grad_precision.py`; its dated numbers are in
+benchmarks/results/ring_grad_precision.json); bf16 would save about a quarter of the bytes (3k-2 K/V units
+per member instead of 4k-2).
 
 Sliding windows (`window`): the plan is direct (`RingPlan.direct`, see `ring_plan`): at step s the K/V of
 position p-s comes straight from it and its dK/dV partials go straight back, only for the steps some

@@ -1,6 +1,7 @@
 """comm layer of megatron_hdp: rings over global ranks of the HDP communicator, P2P exchange, traffic.
 
-`launch` (the gloo harness) is imported by its own path; importing this package does not start anything.
+`plan_agreement` (the digest all-gather every step runs before its first ring), `collectives` and `launch`
+(the gloo harness) are imported by their own paths; importing this package does not start anything.
 """
 
 from megatron_hdp.comm.p2p import Pending, Ring, current_ring, shift

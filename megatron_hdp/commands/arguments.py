@@ -107,3 +107,12 @@ def count_list(text: str) -> list[int]:
     if not values:
         raise argparse.ArgumentTypeError(f"names no value: {text!r}")
     return [parse_count(v) for v in values]
+
+
+def policy_names() -> tuple[str, ...]:
+    """Every planner policy the commands offer: plan/'s own and those the Megatron layer registers when
+    it is imported (its package imports without Megatron-Core; a Megatron policy imports it on first use)."""
+    import megatron_hdp.megatron  # noqa: F401  (registers the Megatron layer's policies)
+    from megatron_hdp.plan.planner import POLICIES
+
+    return tuple(POLICIES)

@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _from_run(args: argparse.Namespace, shape) -> int:
     """Write the cost model a run learned (saved by its refit, or fitted to its telemetry)."""
     from megatron_hdp.plan.cost_model import CostModel
-    from megatron_hdp.plan.online_refit import REFIT_FILE, compute_features, fit_coefficients
+    from megatron_hdp.plan.fit import fit_relative, fitted_cost_model
+    from megatron_hdp.plan.online_refit import REFIT_FILE, RefitSettings, compute_features
     from megatron_hdp.plan.presets import analytic_cost_model
     from megatron_hdp.run_logs import per_rank_series, read_plans, read_scalars
 
@@ -103,8 +104,9 @@ def _from_run(args: argparse.Namespace, shape) -> int:
         base = analytic_cost_model(shape, args.hardware)
         features = [compute_features(plans[s], num_layers=base.num_layers) for s in steps]
         measured = [[compute[r][s] for r in sorted(compute)] for s in steps]
-        a1, b1, g = fit_coefficients(np.concatenate(features), np.concatenate(measured))
-        model = dataclasses.replace(base, a1=float(a1), b1=float(b1), g=float(g))
+        coefficients = fit_relative(np.concatenate(features), np.concatenate(measured),
+                                    outlier_mads=RefitSettings().outlier_mads)
+        model = fitted_cost_model(coefficients, base=base)
         how = f"fitted to the measured compute of {len(steps)} steps x {len(compute)} ranks ({source})"
     model.to_json(args.output)
     print(f"a1={model.a1:.3e} b1={model.b1:.3e} g={model.g:.3e}: {how}")
@@ -116,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     """Calibrate, write the JSON files, print the fit next to the measurements."""
     import torch
 
-    from megatron_hdp.offload.calibrate import calibrate
+    from megatron_hdp.harness.calibrate import calibrate
     from megatron_hdp.plan.presets import hardware_profile, model_shape
 
     shape = model_shape(args.model)

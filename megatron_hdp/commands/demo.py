@@ -6,11 +6,12 @@ a long-tailed length mix, written to --data-dir, read by the HDP loader) run und
 rank's compute / mean), rings and measured ring-attention bytes, side by side.
 
 Step time is that of a cluster with one core per rank (each rank's measured CPU seconds composed through
-the plan's ring waits, as `benchmarks/step_bench.py` measures it, see `megatron_hdp.megatron.cpu_training`);
+the plan's ring waits, as `benchmarks/step_bench.py` measures it, see `megatron_hdp.harness.cpu_training`);
 wall time, next to it, is the total work of all ranks on this host's shared cores. Each reported step runs
 `--timing-repeats` times and every phase keeps its fewest CPU seconds, as the cost-model fit does: one run
-on a shared host is inflated by whatever else runs there (~10% per micro-batch on average, 5% of runs
-over 1.34x), and a ring waits for its slowest member, so a single run measures the neighbours too.
+on a shared host is inflated by whatever else runs there (benchmarks/results/observations.json, entry
+"single-run-inflation"), and a ring waits for its slowest member, so a single run measures the
+neighbours too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 import os
 import tempfile
 
-from megatron_hdp.commands.arguments import names_from, parse_count, positive_float, positive_int
+from megatron_hdp.commands.arguments import names_from, parse_count, policy_names, positive_float, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +37,13 @@ def at_least_two(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the demo subcommand."""
-    from megatron_hdp.config import POLICIES
+    policies = policy_names()
 
     parser.add_argument("--ranks", type=at_least_two, default=4, help="gloo CPU ranks (the HDP domain), >= 2")
     parser.add_argument("--steps", type=positive_int, default=3, help="reported training steps per policy")
     parser.add_argument("--capacity", type=parse_count, default=512, help="tokens per rank per micro-batch (C)")
     parser.add_argument("--tokens-per-step", type=parse_count, default=8192, help="tokens of each global batch")
-    parser.add_argument("--policies", type=names_from(POLICIES, "policy"), default=["balance", "static"],
+    parser.add_argument("--policies", type=names_from(policies, "policy"), default=["balance", "static"],
                         help="comma-separated planner policies (default balance,static)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timing-repeats", type=positive_int, default=3,
@@ -72,12 +73,12 @@ def format_rows(rows: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Launch the ranks, print the table and the mean step time per policy."""
-    from megatron_hdp.megatron.cpu_training import CpuRunSpec, silence_megatron_warnings, train_policies
+    from megatron_hdp.harness.cpu_training import CpuRunSpec, silence_megatron_warnings, train_policies
 
     silence_megatron_warnings()  # before Megatron is imported here (the ranks do the same for themselves)
     from megatron_hdp.comm.launch import run_gloo
-    from megatron_hdp.megatron.build_dataset import build_demo_dataset
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE
+    from megatron_hdp.harness.build_dataset import build_demo_dataset
+    from megatron_hdp.harness.exactness import VOCAB_SIZE
 
     spec = CpuRunSpec(
         policies=tuple(args.policies),

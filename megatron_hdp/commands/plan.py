@@ -1,6 +1,6 @@
 """`megatron-hdp plan`: plan one global batch with every policy and compare them side by side.
 
-    megatron-hdp plan --dist byted --tokens 32M --ranks 1024 --capacity 16384 [--pp 1] [--policy balance]
+    megatron-hdp plan --dist byted --tokens 32M --ranks 1024 --capacity 16384 [--pp 1] [--vpp 1] [--policy balance]
         [--model llama-7b] [--hardware h100] [--tp 1] [--json plan.json] [--plot plans.png]
     megatron-hdp plan --lengths lengths.txt --ranks 64 --capacity 8192
     megatron-hdp plan --from runs/plans/iter_0000001.json --plot step1.png     # what training ran
@@ -9,10 +9,12 @@
 The batch is either a length file (one integer per line; all of it, or a sample of --tokens tokens) or
 a mix (`--dist`: byted, github, wikipedia, prolong, wlbllm) sampled to --tokens (default 4 x ranks x
 capacity, at most 128M tokens). Each policy's row shows the predicted step time, its gap to the lower
-bound any plan has, balance (max / mean rank time), rings, micro-batches per rank, ring-attention bytes
-(TB per step), the sequences that offload and the planner's wall time (validation included). A policy
-whose plan is estimated to exceed --max-shards or --max-plan-seconds is skipped with its reason. The
-plan of --policy is written as the StepPlan JSON of DESIGN.md (--json) and all plans are drawn (--plot).
+bound any plan has, balance (max / mean rank time), the PP bubble (mean seconds a pipeline spends beyond
+its micro-batches' time, `--vpp` for Megatron's interleaved schedule), rings, micro-batches per rank,
+ring-attention bytes (TB per step), the sequences that offload and the planner's wall time (validation
+included). A policy whose plan is estimated to exceed --max-shards or --max-plan-seconds is skipped with
+its reason. The plan of --policy is written as the StepPlan JSON of DESIGN.md (--json) and all plans are
+drawn (--plot).
 `--from` reads plans saved by training (`--hdp-save-plans`), summarises and draws them
 (`commands/saved_plans.py`).
 """
@@ -28,7 +30,7 @@ import time
 from pathlib import Path
 
 from megatron_hdp.commands.arguments import (existing_file, existing_path, fraction, names_from, one_of,
-                                             parse_count, positive_float, positive_int)
+                                             parse_count, policy_names, positive_float, positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +42,10 @@ planning at 16,384 ranks here; 4 x 16,384 x 16K would be 1B tokens and minutes).
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the plan subcommand."""
-    from megatron_hdp.config import POLICIES
     from megatron_hdp.plan.lengths import DISTRIBUTIONS
     from megatron_hdp.plan.presets import HARDWARE, MODELS
+
+    policies = policy_names()
 
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--lengths", metavar="FILE", type=existing_file,
@@ -61,10 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=parse_count, default=None,
                         help="tokens per rank per micro-batch C; required with --lengths and --dist")
     parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (HDP ranks are then pipelines)")
-    parser.add_argument("--policy", type=one_of(POLICIES, "policy"), metavar="{" + ",".join(POLICIES) + "}",
+    parser.add_argument("--vpp", type=positive_int, default=1,
+                        help="model chunks (virtual pipeline stages) per pipeline stage: Megatron's interleaved "
+                             "schedule when > 1")
+    parser.add_argument("--policy", type=one_of(policies, "policy"), metavar="{" + ",".join(policies) + "}",
                         default="balance", help="policy whose plan --json writes")
-    parser.add_argument("--compare", type=names_from(POLICIES, "policy"), default=list(POLICIES),
-                        help=f"comma-separated policies to tabulate (default: all, {','.join(POLICIES)})")
+    parser.add_argument("--compare", type=names_from(policies, "policy"), default=list(policies),
+                        help=f"comma-separated policies to tabulate (default: all, {','.join(policies)})")
     parser.add_argument("--model", type=one_of(sorted(MODELS), "model"), default="llama-7b",
                         help="model preset of the analytic cost model")
     parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",
@@ -118,6 +124,7 @@ def summary_row(plan, *, cost_model, wall_s: float, bound: float) -> dict:
         "rings": stats.num_rings,
         "max_ring": max(stats.ring_sizes, default=1),
         "microbatches": f"{stats.min_microbatches}-{stats.max_microbatches}",
+        "bubble_s": pipeline_bubble(plan),
         "attention_tb": stats.attention_bytes / 1e12,
         "rings_across_nodes": stats.rings_across_nodes,
         "network_tb": stats.network_bytes / 1e12,
@@ -126,10 +133,19 @@ def summary_row(plan, *, cost_model, wall_s: float, bound: float) -> dict:
     }
 
 
+def pipeline_bubble(plan) -> float:
+    """Predicted PP bubble: the mean over pipelines of their makespan (`RankSchedule.est_time`, Megatron's
+    pipeline order) minus their micro-batches' time (the runtime's padding micro-batches count as bubble);
+    0 without PP."""
+    if plan.pp_size == 1:
+        return 0.0
+    return sum(r.est_time - sum(mb.est_time for mb in r.microbatches) for r in plan.ranks) / plan.num_ranks
+
+
 def format_table(rows: list[dict]) -> str:
     """The side-by-side table: one line per policy, `n/a: reason` where a policy refused the batch."""
-    header = (f"{'policy':<20}{'step (s)':>10}{'vs bound':>10}{'balance':>9}{'rings':>7}{'max ring':>9}"
-              f"{'mb/rank':>9}{'ring TB':>10}{'x-node':>8}{'net TB':>9}{'offload':>8}{'plan ms':>9}")
+    header = (f"{'policy':<20}{'step (s)':>10}{'vs bound':>10}{'balance':>9}{'bubble s':>9}{'rings':>7}"
+              f"{'max ring':>9}{'mb/rank':>9}{'ring TB':>10}{'x-node':>8}{'net TB':>9}{'offload':>8}{'plan ms':>9}")
     lines = [header, "-" * len(header)]
     for row in rows:
         if "error" in row:
@@ -137,7 +153,7 @@ def format_table(rows: list[dict]) -> str:
             continue
         lines.append(
             f"{row['policy']:<20}{row['step_s']:>10.3f}{'+%.1f%%' % (100 * row['gap']):>10}{row['balance']:>9.3f}"
-            f"{row['rings']:>7}{row['max_ring']:>9}{row['microbatches']:>9}{row['attention_tb']:>10.2f}"
+            f"{row['bubble_s']:>9.3f}{row['rings']:>7}{row['max_ring']:>9}{row['microbatches']:>9}{row['attention_tb']:>10.2f}"
             f"{row['rings_across_nodes']:>8}{row['network_tb']:>9.2f}{row['offloaded']:>8}{row['plan_ms']:>9.1f}"
         )
     return "\n".join(lines)
@@ -150,6 +166,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         if given:
             raise ValueError(f"--from draws saved plans; {', '.join(given)} only apply to --lengths/--dist")
         return
+    if args.vpp > 1 and args.pp == 1:
+        raise ValueError(f"--vpp {args.vpp} needs pipeline parallelism: set --pp > 1 or --vpp 1")
     missing = [flag for flag, value in (("--ranks", args.ranks), ("--capacity", args.capacity)) if value is None]
     if missing:
         raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required with "
@@ -188,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
     bound = step_time_lower_bound(lengths, num_ranks=args.ranks, capacity=args.capacity, cost_model=cost_model,
                                   pp_size=args.pp, max_offload_ratio=config.max_offload_ratio)
     print(f"batch: {len(lengths)} sequences, {sum(lengths):,} tokens ({batch_note}), longest {max(lengths):,}; "
-          f"{args.ranks} ranks x capacity {args.capacity:,}, pp {args.pp}; step-time lower bound {bound:.3f} s")
+          f"{args.ranks} ranks x capacity {args.capacity:,}, pp {args.pp}, vpp {args.vpp}; step-time lower bound "
+          f"{bound:.3f} s")
     compared = list(args.compare)
     if args.policy not in compared:
         compared.append(args.policy)
@@ -204,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         try:
             plan = make_plan(lengths, num_ranks=args.ranks, config=config, cost_model=cost_model,
-                             pp_size=args.pp, policy=policy)
+                             pp_size=args.pp, vpp_size=args.vpp, policy=policy)
         except (ValueError, ImportError) as error:  # a policy that refuses this batch (or is not installed)
             rows.append({"policy": policy, "error": str(error)})
             continue

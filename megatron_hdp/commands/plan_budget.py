@@ -3,7 +3,8 @@
 `megatron-hdp plan` skips a policy whose plan would not fit the limits (with a one-line reason) instead
 of running for minutes into gigabytes: at 16,384 ranks the `static` plan of a 256M-token batch holds ~9M
 shards (every sequence split over the CP group of the longest one), and Megatron's `BalancedCPScheduler`
-(`megatron-hybrid-cp`) loops in Python over ranks x sequences.
+(`megatron-hybrid-cp`) and `DefaultDynamicCPScheduler` (`megatron-dynamic-cp`) loop in Python over
+ranks x sequences.
 
 The estimates are upper-bound-minded, measured on a shared 2-core CPU machine (plan/* at 16 to 256M tokens,
 1,024 to 16,384 ranks): a shard costs ~0.6 KB while planned and validated, and the constants below
@@ -22,6 +23,9 @@ SECONDS_PER_SHARD = {"static": 2e-5, "default": 6e-5}
 SECONDS_PER_RANK = 3e-5
 HYBRID_CP_SECONDS_PER_RANK_SEQUENCE = 2.5e-6
 """Megatron's scheduler: 0.5 s at 256 ranks x 1.1K sequences, 11 s at 2,048 x 2.2K."""
+DYNAMIC_CP_SECONDS_PER_RANK_SEQUENCE = 2.5e-5
+"""Megatron-LM dev's DefaultDynamicCPScheduler (a child process): 5 s at 128 ranks x 3.3K sequences,
+26 s at 128 x 8.6K, 52 s at 1,024 x 3.3K; plus ~5 s once to import the checkout."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +64,11 @@ def estimate_plan(policy: str, lengths: Sequence[int], *, num_ranks: int, capaci
             cp = 1  # static refuses this batch at once
         shards = len(lengths) * cp
         seconds = shards * SECONDS_PER_SHARD["static"]
-    elif policy == "megatron-hybrid-cp":
+    elif policy in ("megatron-hybrid-cp", "megatron-dynamic-cp"):
         shards = int((2 ** np.ceil(np.log2(ring_sizes))).sum())  # power-of-two CP groups
-        seconds = HYBRID_CP_SECONDS_PER_RANK_SEQUENCE * num_ranks * len(lengths) + shards * SECONDS_PER_SHARD["default"]
+        per_pair = (HYBRID_CP_SECONDS_PER_RANK_SEQUENCE if policy == "megatron-hybrid-cp"
+                    else DYNAMIC_CP_SECONDS_PER_RANK_SEQUENCE)
+        seconds = per_pair * num_ranks * len(lengths) + shards * SECONDS_PER_SHARD["default"]
     else:
         shards = int(ring_sizes.sum())
         seconds = shards * SECONDS_PER_SHARD["default"]

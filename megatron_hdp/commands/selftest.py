@@ -78,7 +78,7 @@ def offload_target(path: Path = RESULTS / "offload_bench.json") -> tuple[bool, s
 def plan_steps(num_gpus: int) -> list[Step]:
     """The selftest's steps for a machine with `num_gpus` local GPUs (time limits add up to 29 min)."""
     py = sys.executable
-    train = [py, "-m", "megatron_hdp.megatron.gpu_smoke"]
+    train = [py, "-m", "megatron_hdp.harness.gpu_smoke"]
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={max(num_gpus, 1)}"]
     return [
         Step("GPU tests (pytest -m gpu)", [py, "-m", "pytest", "-q", "-m", "gpu"], 540),
@@ -86,7 +86,7 @@ def plan_steps(num_gpus: int) -> list[Step]:
         Step("offload_bench", [py, "benchmarks/offload_bench.py"], 360, target=offload_target),
         Step("calibrate", [py, "-m", "megatron_hdp.cli", "calibrate"], 240),
         Step("2 training steps, 1 GPU", train, 90),
-        Step("2 training steps, all local GPUs (torchrun, NCCL)", torchrun + ["-m", "megatron_hdp.megatron.gpu_smoke"], 150, num_gpus=max(num_gpus, 2)),
+        Step("2 training steps, all local GPUs (torchrun, NCCL)", torchrun + ["-m", "megatron_hdp.harness.gpu_smoke"], 150, num_gpus=max(num_gpus, 2)),
     ]
 
 

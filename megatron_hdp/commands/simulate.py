@@ -1,14 +1,17 @@
 """`megatron-hdp simulate`: what HDP buys on a model, cluster, context length and data mix, before a run.
 
-    megatron-hdp simulate --model llama-7b --gpus 1024 --tp 8 --pp 1 --context 2M --dist byted \\
-        [--global-batch-tokens 32M] [--policies static,megatron-hybrid-cp,naive,balance] [--steps 4] \\
-        [--json out.json] [--plot out.png]
+    megatron-hdp simulate --model llama-7b --gpus 1024 --tp 8 --pp 1 [--vpp 1] --context 2M --dist byted \
+        [--global-batch-tokens 32M] [--policies static,megatron-hybrid-cp,megatron-dynamic-cp,naive,balance] \
+        [--steps 4] [--json out.json] [--plot out.png]
 
 Samples global batches from the length mix, plans each with every policy, simulates every step per rank
-(`megatron_hdp/sim/simulator.py`) and prints tokens/s, speedup over static, balance, idle fraction and
-ring-attention traffic. `--plot out.png` writes the per-rank timelines of one step (out.png) and tokens/s
+(`megatron_hdp/sim/simulator.py`) and prints tokens/s, speedup over static, balance, idle fraction (and
+the part of it spent in PP bubbles) and ring-attention traffic. `--vpp N` runs every pipeline stage as N
+model chunks in Megatron's interleaved schedule (the default capacity then follows its larger
+activation memory). `--plot out.png` writes the per-rank timelines of one step (out.png) and tokens/s
 against context length, 256K..2M (out-throughput.png). `--cost-model` takes a `megatron-hdp calibrate`
-JSON so that measured kernel timings replace the analytic FLOP model.
+JSON so that measured kernel timings replace the analytic FLOP model. `megatron-dynamic-cp` runs only with
+MEGATRON_LM_DIR set to a Megatron-LM dev checkout; otherwise its row says why it is n/a.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import logging
 import sys
 from pathlib import Path
 
-from megatron_hdp.commands.arguments import existing_file, names_from, one_of, parse_count, positive_float, positive_int
+from megatron_hdp.commands.arguments import (existing_file, names_from, one_of, parse_count, policy_names,
+                                             positive_float, positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +32,20 @@ SWEEP_CONTEXTS = tuple(k * 1024 for k in (256, 512, 1024, 2048))
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the simulate subcommand."""
-    from megatron_hdp.config import POLICIES
     from megatron_hdp.plan.lengths import DISTRIBUTIONS
     from megatron_hdp.plan.presets import HARDWARE, MODELS
     from megatron_hdp.sim.compare import DEFAULT_POLICIES
+
+    policies = policy_names()
 
     parser.add_argument("--model", type=one_of(sorted(MODELS), "model"), default="llama-7b",
                         help="model preset (plan/presets.py MODELS)")
     parser.add_argument("--gpus", type=positive_int, default=1024, help="GPUs in the cluster")
     parser.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size")
     parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--vpp", type=positive_int, default=1,
+                        help="model chunks (virtual pipeline stages) per pipeline stage: Megatron's interleaved "
+                             "schedule when > 1 (--num-virtual-stages-per-pipeline-rank)")
     parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",
                         help="hardware preset (plan/presets.py HARDWARE)")
     parser.add_argument("--context", type=parse_count, default="2M", help="context length: the longest sequence (e.g. 256K, 2M)")
@@ -45,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="{" + ",".join(DISTRIBUTIONS) + "}", help="sequence-length mix")
     parser.add_argument("--global-batch-tokens", type=parse_count, default=None,
                         help="tokens per global batch (e.g. 32M); default 4 full micro-batches per HDP rank")
-    parser.add_argument("--policies", type=names_from(POLICIES, "policy"), default=list(DEFAULT_POLICIES),
+    parser.add_argument("--policies", type=names_from(policies, "policy"), default=list(DEFAULT_POLICIES),
                         help=f"comma-separated policies (default {','.join(DEFAULT_POLICIES)})")
     parser.add_argument("--steps", type=positive_int, default=2, help="global batches to simulate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled batches")
@@ -71,6 +79,10 @@ def _check_flags(args: argparse.Namespace) -> None:
     layers = model_shape(args.model).num_layers
     if layers % args.pp:
         raise ValueError(f"--pp {args.pp} does not divide --model {args.model}'s {layers} layers")
+    if args.vpp > 1 and args.pp == 1:
+        raise ValueError(f"--vpp {args.vpp} needs pipeline parallelism: set --pp > 1 or --vpp 1")
+    if layers % (args.pp * args.vpp):
+        raise ValueError(f"--pp {args.pp} x --vpp {args.vpp} does not divide --model {args.model}'s {layers} layers")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
 
     _check_flags(args)
     spec = ClusterSpec(
-        model=args.model, num_gpus=args.gpus, tp_size=args.tp, pp_size=args.pp, hardware=args.hardware,
+        model=args.model, num_gpus=args.gpus, tp_size=args.tp, pp_size=args.pp, vpp_size=args.vpp,
+        hardware=args.hardware,
         allreduce_bandwidth=args.allreduce_bandwidth, ring_bandwidth=args.ring_bandwidth,
         cost_model_path=args.cost_model,
         capacity=args.capacity,
@@ -94,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     options = dict(distribution=args.dist, global_batch_tokens=budget, policies=policies, steps=args.steps,
                    seed=args.seed, offload=not args.no_offload)
     comparison = compare_policies(spec, context=context, **options)
-    print(f"{args.model} on {args.gpus} GPUs (TP={args.tp}, PP={args.pp}, HDP pool {spec.num_ranks} ranks, "
+    print(f"{args.model} on {args.gpus} GPUs (TP={args.tp}, PP={args.pp}, VPP={args.vpp}, HDP pool {spec.num_ranks} ranks, "
           f"C={spec.rank_capacity}), context {format_tokens(context)}, {args.dist}, "
           f"{comparison.global_batch_tokens:,} tokens per global batch, {args.steps} steps")
     print(format_table(comparison))

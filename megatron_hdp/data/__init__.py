@@ -1,5 +1,6 @@
 """data layer of megatron_hdp: the drop-in HDP sampler and loader for Megatron datasets (no Megatron
-import here; the Megatron dataset adapters live in `megatron_hdp.megatron.datasets`) and THD collation.
+import here; the Megatron dataset adapters live in `megatron_hdp.megatron.datasets`) and THD collation;
+`blend` splits a blend's tokens by its weights (pure numpy).
 
 Public API: `HDPSampler` (global batches of documents, deterministic and resumable), `HDPDataLoader` /
 `HDPStep` (plan + this rank's collated micro-batches per step, prefetched in the background),
@@ -13,7 +14,6 @@ from typing import Any
 _EXPORTS = {
     "HDPDataLoader": "megatron_hdp.data.loader",
     "HDPStep": "megatron_hdp.data.loader",
-    "check_plan_agreement": "megatron_hdp.data.loader",
     "pool_length_limit": "megatron_hdp.data.loader",
     "GlobalBatch": "megatron_hdp.data.sampler",
     "HDPSampler": "megatron_hdp.data.sampler",

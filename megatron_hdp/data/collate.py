@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from megatron_hdp.attention.layout import AttentionGroup
 from megatron_hdp.plan.step_plan import MicroBatch, StepPlan
 
 TokenReader = Callable[[int, int, int], np.ndarray]
@@ -30,25 +31,6 @@ TokenReader = Callable[[int, int, int], np.ndarray]
 
 MaskReader = Callable[[int, int, int], np.ndarray]
 """read_loss_mask(seq_id, start, end) -> the loss mask (0/1) of input positions [start, end)."""
-
-
-@dataclass(frozen=True)
-class AttentionGroup:
-    """A contiguous run of the packed tokens that one attention call handles.
-
-    `ring` lists HDP ranks (not global ranks) in ring order; a ring of one is a local group of whole
-    documents. `seqlens` are the full document lengths (what ring attention needs), `tokens` = [start,
-    end) the group's rows of the packed micro-batch.
-    """
-
-    ring: tuple[int, ...]
-    seq_ids: tuple[int, ...]
-    seqlens: tuple[int, ...]
-    tokens: tuple[int, int]
-
-    @property
-    def is_ring(self) -> bool:
-        return len(self.ring) > 1
 
 
 @dataclass

@@ -15,7 +15,7 @@ thread, up to `prefetch` steps ahead, or — with `workers` >= 1, e.g. Megatron'
 DataLoader worker processes, which keeps the pure-Python planner from taking the GIL from the training
 loop (worker w plans steps w, w + workers, ...; they arrive in order); `prefetch=0` without workers plans
 in the consumer's thread. On the consumer side, before a step is handed out, the plan digests are
-all-gathered over the HDP domain when torch.distributed is initialized (`check_plan_agreement`; off
+all-gathered over the HDP domain when torch.distributed is initialized (`comm.plan_agreement`; off
 with check_plans=False when the consumer checks itself, as `HDPTrainer.step` does): a rank with a
 different dataset, seed or config fails loudly here instead of hanging in a ring later. `consumed_samples`
 advances by the documents of each handed-out step and is what to checkpoint; a loader built with it
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
-import torch.distributed as dist
 
+from megatron_hdp.comm.plan_agreement import check_plan_agreement
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.data.collate import PackedMicroBatch, collate_microbatch
 from megatron_hdp.data.prefetch import close_stream, prefetched
@@ -85,51 +85,6 @@ class HDPStep:
         counts (then the global batch's loss-token count is `plan.num_tokens`; with a mask, Megatron's
         per-token loss sums the micro-batches' counts over the HDP domain)."""
         return self.reader.loss_mask if self.reader.has_loss_mask else None
-
-
-class PlanMismatchError(ValueError, RuntimeError):
-    """Ranks of one HDP domain hold different step plans (or some rejected theirs): a user error (ValueError);
-    also a RuntimeError, what the loader raised before the trainer and the loader shared one check."""
-
-
-def check_plan_agreement(
-    plan: StepPlan, *, group: Any = None, check: Optional[Callable[[StepPlan], None]] = None
-) -> None:
-    """Raise on every rank of `group` unless every rank holds the same, locally acceptable plan.
-
-    The one plan-agreement check of the project (the loader runs it before handing out a step unless
-    built with check_plans=False; `HDPTrainer.step` runs it on every step). `check(plan)`, when given,
-    runs first on this rank (validation, domain size); a ValueError from it is re-raised here only after
-    this rank has joined the digest all-gather with a blank digest, so that no peer hangs in it, and the
-    peers raise PlanMismatchError naming this rank as one that rejected the plan. Digests that differ
-    raise PlanMismatchError on every rank, naming which ranks hold which digest. Without an initialized
-    default process group only `check` runs (single-process use).
-    """
-    error: Optional[ValueError] = None
-    digest = ""
-    try:
-        if check is not None:
-            check(plan)
-        digest = plan.digest()
-    except ValueError as err:
-        error = err
-    if not (dist.is_available() and dist.is_initialized()):
-        if error is not None:
-            raise error
-        return
-    digests: list[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(digests, digest, group=group)
-    if error is not None:
-        raise error
-    if len(set(digests)) > 1:
-        by_digest: dict[str, list[int]] = {}
-        for rank, other in enumerate(digests):
-            by_digest.setdefault(str(other)[:12] or "rejected", []).append(rank)
-        raise PlanMismatchError(
-            f"step plans differ across ranks: ranks planned different global batches (plan digest -> ranks in "
-            f"the group: {by_digest}); every rank of the HDP domain must use the same dataset, seed, "
-            "consumed_samples, HDP config and policy"
-        )
 
 
 def pool_length_limit(longest: int, *, num_ranks: int, config: HDPConfig, cost_model: CostModel) -> Optional[int]:
@@ -204,6 +159,7 @@ class HDPDataLoader:
         shuffle: bool = True,
         max_epochs: Optional[int] = None,
         pp_size: int = 1,
+        vpp_size: int = 1,
         pad_to_multiple: int = 1,
         prefetch: int = 1,
         workers: int = 0,
@@ -234,6 +190,8 @@ class HDPDataLoader:
         self.config = config
         self.cost_model = cost_model
         self.pp_size = pp_size
+        self.vpp_size = vpp_size
+        """Virtual pipeline stages per PP rank the plans are made for (Megatron's interleaved schedule)."""
         self.pad_to_multiple = pad_to_multiple
         self.group = group
         self.check_plans = check_plans
@@ -268,7 +226,8 @@ class HDPDataLoader:
         lengths = batch.lengths.tolist()
         try:
             plan = make_plan(
-                lengths, num_ranks=self.num_ranks, config=self.config, cost_model=self.cost_model, pp_size=self.pp_size
+                lengths, num_ranks=self.num_ranks, config=self.config, cost_model=self.cost_model, pp_size=self.pp_size,
+                vpp_size=self.vpp_size,
             )
         except ValueError as error:
             longest = int(np.argmax(batch.lengths))

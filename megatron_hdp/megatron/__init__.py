@@ -1,10 +1,15 @@
-"""megatron layer of megatron_hdp: everything that touches Megatron-Core / Megatron-LM APIs.
+"""megatron layer of megatron_hdp: the integration with Megatron-Core / Megatron-LM APIs, and only that
+(flags, install(), initialize, layer spec, forward step, datasets, CPU shims, Megatron's own policies);
+what drives it for evidence (CPU training runs, exactness references, GPU smoke) lives in `harness/`.
 
 The Megatron-LM entry points are exported lazily, so importing this package does not import
 megatron.training (which is slow and needs the version check in `training_compat`). The module behind
 `install` is `training_install`, not `install`: a submodule named like the function would replace it as
-this package's attribute once imported.
+this package's attribute once imported. Importing the package registers the Megatron layer's planner
+policies (`policies`: `megatron-hybrid-cp`) with plan/'s registry.
 """
+
+from megatron_hdp.megatron import policies as _policies  # noqa: F401  (registers the policies)
 
 _LAZY = {
     "add_hdp_args": "megatron_hdp.megatron.args",

@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_hdp.config import HDPConfig
+from megatron_hdp.megatron import quantization
+from megatron_hdp.megatron.dynamic_cp_policy import scheduler_checkout
 from megatron_hdp.megatron.options import flag_name as _flag
 from megatron_hdp.megatron.options import flag_problems
+from megatron_hdp.megatron.quantization import token_multiple  # noqa: F401  (the padding of this run's flags)
 from megatron_hdp.megatron.training_compat import require_megatron_training
 
 require_megatron_training()
@@ -82,14 +85,11 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             f"--micro-batch-size {args.micro_batch_size}: an HDP micro-batch is one packed (THD) sequence of up "
             "to --hdp-capacity tokens; use --micro-batch-size 1 and size micro-batches with --hdp-capacity"
         )
-    if args.virtual_pipeline_model_parallel_size is not None:
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
         problems.append(
-            "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
-            "--num-virtual-stages-per-pipeline-rank): the interleaved schedule orders its micro-batches in "
-            "groups of --pipeline-model-parallel-size (and needs a count divisible by it), so a ring's "
-            "micro-batch would sit at a different place in each member pipeline's order when HDP gives "
-            "pipelines different counts, and ring P2P would deadlock; drop the virtual-pipeline flag "
-            "(HDP's PP-balance schedules plain 1F1B)"
+            "--overlap-moe-expert-parallel-comm: Megatron's combined 1F1B schedule builds each micro-batch's "
+            "forward from the model's own schedule plan (forward_step(..., return_schedule_plan=True)), not from "
+            "HDP's forward step with its packed documents and rings; drop --overlap-moe-expert-parallel-comm"
         )
     if args.rampup_batch_size is not None:
         problems.append(
@@ -119,33 +119,24 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             f"--hdp-capacity {config.hdp_capacity} with --sequence-parallel: a micro-batch's tokens are split "
             f"over the {tp} tensor-parallel ranks; use a multiple of --tensor-model-parallel-size {tp}"
         )
+    problems += quantization.problems(args)
     if config.hdp_policy == "megatron-hybrid-cp" and args.pipeline_model_parallel_size > 1:
         problems.append(
             "--hdp-policy megatron-hybrid-cp with --pipeline-model-parallel-size "
             f"{args.pipeline_model_parallel_size}: Megatron's hybrid-CP scheduler has no pipeline support; "
             "use --hdp-policy balance"
         )
+    if config.hdp_policy == "megatron-dynamic-cp":
+        try:
+            scheduler_checkout()
+        except ValueError as error:
+            problems.append(f"--hdp-policy megatron-dynamic-cp: {error}")
     if config.hdp_cost_model is not None and not os.path.isfile(config.hdp_cost_model):
         problems.append(
             f"--hdp-cost-model {config.hdp_cost_model}: no such file; write one with `megatron-hdp calibrate` "
             "or leave the flag out for the analytic cost model"
         )
     return problems + flag_problems(args)
-
-
-FP8_TOKEN_MULTIPLE = 16
-"""FP8 GEMMs (Transformer Engine) need a token dimension divisible by 16."""
-
-
-def token_multiple(args: Namespace) -> int:
-    """The multiple every HDP micro-batch's token count is padded to (with masked tokens) on this run.
-
-    Sequence parallelism splits a micro-batch's tokens over the TP ranks (a multiple of the TP size);
-    FP8 (--fp8-format) needs each GEMM's token dimension, i.e. each TP rank's share, to be a multiple of
-    16. The collation pads with a masked local document, so the loss is unchanged.
-    """
-    tp = args.tensor_model_parallel_size if getattr(args, "sequence_parallel", False) else 1
-    return tp * (FP8_TOKEN_MULTIPLE if getattr(args, "fp8", None) else 1)
 
 
 def validate_hdp_args(args: Namespace) -> Optional[HDPConfig]:

@@ -61,14 +61,26 @@ def token_loss(
     return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.detach().float()])}
 
 
+def model_chunk_index(model: torch.nn.Module) -> int:
+    """Which of this rank's model chunks `model` (as the schedule passes it, maybe inside DDP) is: its
+    virtual pipeline stage, 0 without virtual pipelining."""
+    from megatron.core.utils import unwrap_model
+
+    return getattr(unwrap_model(model), "vp_stage", None) or 0
+
+
 def make_forward_step(*, hdp_global_ranks: tuple[int, ...], backend: str = "auto", offload_ratios=None):
     """A Megatron `forward_step_func(data_iterator, model)` reading `PackedMicroBatch`es.
 
     Each micro-batch arrives on the host and is moved once to the device of the model's parameters
-    (non-blocking: asynchronous when the step pinned it) before the forward.
+    (non-blocking: asynchronous when the step pinned it) before the forward. With virtual pipeline
+    stages the schedule passes each model chunk its own iterator over the same micro-batches (chunk c
+    takes micro-batch m at its own place in the interleaved order), so every HDP datum of the micro-batch
+    — rings, positions, documents, loss mask — reaches every chunk with it.
 
-    `offload_ratios`, when given, is a pair (offloader, iterator of ratios): each micro-batch's forward
-    runs inside `offloader.microbatch(ratio=next(ratios))`.
+    `offload_ratios`, when given, holds per model chunk a pair (offloader, iterator of ratios): each
+    micro-batch's forward through chunk c runs inside `offloader_c.microbatch(ratio=next(ratios_c))`
+    (a chunk sees its micro-batches in order, as it sees them from its data iterator).
     """
 
     def forward_step(data_iterator: Iterator[PackedMicroBatch], model: torch.nn.Module):
@@ -88,7 +100,7 @@ def make_forward_step(*, hdp_global_ranks: tuple[int, ...], backend: str = "auto
         if offload_ratios is None:
             output = model(**inputs)
         else:
-            offloader, ratios = offload_ratios
+            offloader, ratios = offload_ratios[model_chunk_index(model)]
             with offloader.microbatch(ratio=next(ratios)):
                 output = model(**inputs)
         return output, partial(token_loss, batch.loss_mask)

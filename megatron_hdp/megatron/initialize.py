@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,8 @@ class HDPState:
     tp_size: int
     pp_size: int
     pp_rank: int
+    vpp_size: int
+    """Model chunks per pipeline stage (virtual pipeline stages; 1: no interleaving)."""
     ep_size: int
     ep_hdp_ranks: tuple[int, ...]
     """HDP ranks of this rank's expert-parallel group (they exchange tokens in every MoE layer)."""
@@ -75,6 +78,7 @@ def hdp_state() -> HDPState:
         tp_size=ps.get_tensor_model_parallel_world_size(),
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
+        vpp_size=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
         ep_size=len(ep_global),
         ep_hdp_ranks=tuple(dp_ranks.index(r) for r in ep_global),
     )
@@ -85,11 +89,12 @@ def initialize_hdp(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
     seed: int = 1234,
 ) -> HDPState:
     """Initialize Megatron's parallel_state for HDP on the already-initialized default process group.
 
-    TP, PP and EP are as asked; context parallelism is 1 and the data-parallel size D = world /
+    TP, PP, EP and the virtual pipeline stages per PP rank (None: no interleaving) are as asked; context parallelism is 1 and the data-parallel size D = world /
     (TP x PP) is the HDP domain. ValueError (before any collective) when the sizes do not divide.
     """
     if not dist.is_initialized():
@@ -122,13 +127,14 @@ def initialize_hdp(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         context_parallel_size=1,
         expert_model_parallel_size=expert_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
     )
     mp_random.model_parallel_cuda_manual_seed(seed)  # looked up now: the CPU shim may have replaced it
     torch.manual_seed(seed)
     state = hdp_state()
     logger.info(
-        "HDP domain of %d ranks (TP=%d, PP=%d, EP=%d%s); this rank is HDP rank %d",
-        state.hdp_size, state.tp_size, state.pp_size, state.ep_size, ", CPU" if cpu else "", state.hdp_rank,
+        "HDP domain of %d ranks (TP=%d, PP=%d, VPP=%d, EP=%d%s); this rank is HDP rank %d",
+        state.hdp_size, state.tp_size, state.pp_size, state.vpp_size, state.ep_size, ", CPU" if cpu else "", state.hdp_rank,
     )
     return state
 

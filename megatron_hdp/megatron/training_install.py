@@ -8,14 +8,16 @@ a thin wrapper around Megatron's own function (the whole monkeypatch surface, in
 1. `args.spec`: the GPT layer spec is Megatron's with `HDPCoreAttention` as its `core_attention` leaf.
 2. `setup_model_and_optimizer`: after Megatron builds (and DDP-wraps) the model, `prepare_model_for_hdp`
    moves RoPE into the HDP core attention of each chunk; with `--hdp-offload` an `ActivationOffloader`
-   is attached to the chunk's transformer layers. (Not `get_model`: `pretrain` with a config container,
+   is attached to each chunk's transformer layers (one per virtual pipeline stage). (Not `get_model`: `pretrain` with a config container,
    as `examples/pretrain_gpt_hdp.py` calls it, builds through the model builder and never calls it.)
 3. `build_train_valid_test_datasets`: the datasets provider runs with every rank building its
    datasets (`datasets_built_on_every_rank`; `pretrain_gpt.py` builds them on TP rank 0 of the first
    and last stages only, and every rank plans). `build_pretraining_data_loader`: the HDP loader (our sampler + planner + THD collation) over the same
    Megatron dataset; it yields one `HDPStep` per training step.
 4. `get_forward_backward_func`: the schedule is called with this rank's micro-batches of the step and
-   its own micro-batch count (from the plan, padded as `step.pad_microbatches` says), and with HDP's
+   its own micro-batch count (from the plan, padded as `step.pad_microbatches` says; with virtual
+   pipeline stages each model chunk gets its own iterator over the same micro-batches, and the counts
+   are checked against the ring rule before the schedule starts), and with HDP's
    forward step (token-level loss; Megatron's `calculate_per_token_loss` divides by the global batch's
    token count, summed over the HDP domain; each micro-batch offloads the ratio its plan gives); it also
    keeps `args.consumed_train_samples` equal to the documents the loader consumed.
@@ -55,8 +57,8 @@ class _Installed:
     cost_model: Any
     last_step: Any = None
     loaders: list = field(default_factory=list)
-    offloader: Any = None
-    """The model chunk's ActivationOffloader (--hdp-offload), built by the setup_model_and_optimizer wrapper."""
+    offloaders: list = field(default_factory=list)
+    """Each model chunk's ActivationOffloader (--hdp-offload), built by the setup_model_and_optimizer wrapper."""
     last_offload: Any = None
     """OffloadStats of the last training step on this rank."""
     telemetry: Any = None
@@ -141,11 +143,11 @@ def _setup_model_and_optimizer(original):
         for chunk in model:
             prepare_model_for_hdp(unwrap_model(chunk))
         assert _STATE is not None
-        layers = unwrap_model(model[0]).decoder.layers  # one chunk: virtual pipelining is rejected
-        if _STATE.config.hdp_offload and len(layers):
+        chunk_layers = [unwrap_model(chunk).decoder.layers for chunk in model]  # one chunk per virtual stage
+        if _STATE.config.hdp_offload and all(len(layers) for layers in chunk_layers):
             from megatron_hdp.offload import ActivationOffloader
 
-            _STATE.offloader = ActivationOffloader(layers=layers, config=OFFLOAD_CONFIG)
+            _STATE.offloaders = [ActivationOffloader(layers=layers, config=OFFLOAD_CONFIG) for layers in chunk_layers]
         return model, optimizer, scheduler
 
     return setup_model_and_optimizer
@@ -234,10 +236,14 @@ def _forward_backward(schedule):
     from megatron_hdp.megatron.forward_step import make_forward_step
     from megatron_hdp.megatron.initialize import hdp_state
     from megatron_hdp.megatron.saved_plans import save_training_step_plan
-    from megatron_hdp.megatron.step import offload_ratios, pad_microbatches, pinned_for
+    from megatron_hdp.megatron.step import (
+        chunk_iterators, chunk_offload, offload_ratios, pad_microbatches, pinned_for, pop_offload_stats,
+    )
 
     def forward_backward(*, forward_step_func, data_iterator, num_microbatches, **kwargs: Any):
         assert _STATE is not None
+        if isinstance(data_iterator, list):  # virtual pipeline stages: Megatron built one loader per chunk
+            data_iterator = data_iterator[0]  # the others plan the same steps; never iterated, they never start
         if data_iterator is None:
             raise ValueError(
                 "HDP needs its data loader on every rank, but this rank got none: the datasets provider "
@@ -250,14 +256,16 @@ def _forward_backward(schedule):
             _account_consumed_samples(step)
             save_training_step_plan(step, _STATE.config.hdp_save_plans)  # --hdp-save-plans (rank 0)
         state = hdp_state()
-        microbatches = pad_microbatches(
-            step.plan, list(step.microbatches), state=state, pad_to_multiple=token_multiple(get_args())
+        chunks = kwargs["model"]
+        microbatches = pad_microbatches(  # ValueError on every rank alike if the counts break the ring rule
+            step.plan, list(step.microbatches), state=state, pad_to_multiple=token_multiple(get_args()),
+            group_size=get_model_config(chunks[0]).microbatch_group_size_per_vp_stage,
         )
-        microbatches = pinned_for(microbatches, next(kwargs["model"][0].parameters()).device)
+        microbatches = pinned_for(microbatches, next(chunks[0].parameters()).device)
         offload = None
-        if training and _STATE.offloader is not None:
+        if training and _STATE.offloaders:
             ratios = offload_ratios(step.plan, rank=state.hdp_rank, num_microbatches=len(microbatches))
-            offload = (_STATE.offloader, iter(ratios))
+            offload = chunk_offload(_STATE.offloaders, ratios)
         _STATE.last_step = step
         forward = make_forward_step(hdp_global_ranks=state.hdp_global_ranks, offload_ratios=offload,
                                     backend=_STATE.config.hdp_attention_backend)
@@ -270,12 +278,12 @@ def _forward_backward(schedule):
         with measure as marks:
             result = schedule(
                 forward_step_func=forward,
-                data_iterator=iter(microbatches),
+                data_iterator=chunk_iterators(microbatches, len(chunks)),
                 num_microbatches=len(microbatches),
                 **kwargs,
             )
             if offload is not None:  # every backward of the step has run when the schedule returns
-                _STATE.last_offload = _STATE.offloader.pop_step_stats()
+                _STATE.last_offload = pop_offload_stats(_STATE.offloaders)
                 marks.offload_exposed = float(_STATE.last_offload.exposed_wait_s)
         return result
 
@@ -356,7 +364,7 @@ def _pipeline_shapes_per_microbatch(args: Namespace) -> None:
     receiving stage would get the wrong shape (a RoPE size mismatch, or gloo's "Received data size doesn't
     match"; on NCCL a hang or corrupted activations). With `variable_seq_lengths` each send is preceded by
     its 3-integer shape (`P2PCommunicator._communicate_shapes`), as in the Core-API path
-    (`megatron_hdp.megatron.model.tiny_llama_config`); benchmarks/pp_shapes_bench.py measures that against
+    (`megatron_hdp.harness.model.tiny_llama_config`); benchmarks/pp_shapes_bench.py measures that against
     padding every micro-batch to the step's longest. The model config is built from `args` after
     install(), so setting the flag here reaches the schedule.
 

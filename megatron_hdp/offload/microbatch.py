@@ -69,7 +69,8 @@ class _Slot:
     saves: list[_Packed] = field(default_factory=list)
     refs: int = 0
     """Saves whose unpack has not happened yet."""
-    host: torch.Tensor | None = None
+    host: list[torch.Tensor] | None = None
+    """The span's host copy: consecutive views of its buffer's pieces."""
     buffer: HostBuffer | None = None
     restored: torch.Tensor | None = None
     """uint8 device tensor holding the span again after the prefetch."""
@@ -186,10 +187,13 @@ class MicrobatchOffload:
         copies = []
         for slot in slots:
             slot.buffer = self._pool.acquire(slot.nbytes)
-            slot.host = slot.buffer.data[: slot.nbytes]
-            source = torch.empty(0, dtype=torch.uint8, device=self._transfers.device)
-            source.set_(slot.storage, slot.start, (slot.nbytes,), (1,))
-            copies.append((source, slot.host, slot.buffer.ready))
+            slot.host = slot.buffer.views(slot.nbytes)
+            offset = slot.start
+            for host, ready in zip(slot.host, slot.buffer.ready):
+                source = torch.empty(0, dtype=torch.uint8, device=self._transfers.device)
+                source.set_(slot.storage, offset, (host.numel(),), (1,))
+                copies.append((source, host, ready))
+                offset += host.numel()
         start = self._transfers.sync_seconds
         group.offload_event = self._transfers.to_host(copies)
         group.offloaded = slots

@@ -52,21 +52,22 @@ class Transfers:
                 tensor.record_stream(self._d2h)
             return self._d2h.record_event()
 
-    def to_device(self, hosts: list[torch.Tensor], *, after: Any) -> tuple[list[torch.Tensor], Any]:
-        """Copy host views back into new device tensors of the same size and stride.
+    def to_device(self, hosts: list[list[torch.Tensor]], *, after: Any) -> tuple[list[torch.Tensor], Any]:
+        """Copy each list of flat uint8 host pieces back into one new device tensor (the pieces one after
+        the other).
 
-        `after` is the D2H event that filled the host views (None on CPU). Returns the new tensors and
+        `after` is the D2H event that filled the host pieces (None on CPU). Returns the new tensors and
         the H2D event (timed, so that the wait for it can be measured); None on CPU.
         """
         if not self.is_async:
             start = time.perf_counter()
-            tensors = [self._empty_like(host).copy_(host) for host in hosts]
+            tensors = [self._gather(pieces, non_blocking=False) for pieces in hosts]
             self.sync_seconds += time.perf_counter() - start
             return tensors, None
         with torch.cuda.stream(self._h2d):
             if after is not None:
                 self._h2d.wait_event(after)
-            tensors = [self._empty_like(host).copy_(host, non_blocking=True) for host in hosts]
+            tensors = [self._gather(pieces, non_blocking=True) for pieces in hosts]
             arrived = torch.cuda.Event(enable_timing=True)
             arrived.record(self._h2d)
         return tensors, arrived
@@ -89,5 +90,10 @@ class Transfers:
             tensor.record_stream(compute)
         return needed
 
-    def _empty_like(self, host: torch.Tensor) -> torch.Tensor:
-        return torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=self.device)
+    def _gather(self, pieces: list[torch.Tensor], *, non_blocking: bool) -> torch.Tensor:
+        tensor = torch.empty(sum(p.numel() for p in pieces), dtype=torch.uint8, device=self.device)
+        offset = 0
+        for piece in pieces:
+            tensor[offset : offset + piece.numel()].copy_(piece, non_blocking=non_blocking)
+            offset += piece.numel()
+        return tensor

@@ -10,8 +10,13 @@ validated `step_plan.StepPlan`. Modules, one job each:
 - `widening`: ring sizes above D(s) when a long sequence would set the step time.
 - `placement`: ring placement (aligned, and by predicted time at any index) and LPT; `packing`: best-fit micro-batches; `refine`: local search
   and MILP; `assemble`: decisions -> timed StepPlan (the one timing path of every policy).
-- `balance` (policy `balance`), `baselines` (`static`, `naive`); `megatron-hybrid-cp` lives in
-  `megatron_hdp/megatron/hybrid_cp_policy.py` and is loaded lazily by `planner`.
+- `balance` (policy `balance`), `baselines` (`static`, `naive`, `naive-offload`); `planner` holds the
+  policy registry, where the layers above register their own policies (Megatron's Hybrid-CP and the
+  dev branch's Dynamic CP) when imported.
 - `bounds`: a lower bound on any plan's step time, and a plan's gap to it.
 - `lengths`: the shared real length lists, ByteScale-like synthetic mixes, global-batch sampling.
+- `fit`: the one fit of T(s) and Act(s) to measurements, and the CostModel made from it (calibrate, the
+  harnesses and the online refit use it); `online_refit`: the refit from each step's measured compute.
+- `hand_plan`: a StepPlan from an explicit placement (tests and harnesses pin down the plan they run).
+- `per_subsample`: a Hybrid-CP plan as Megatron executes it (a pass per sub-sample, group barriers).
 """

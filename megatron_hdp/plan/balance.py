@@ -28,7 +28,10 @@ This implementation, step by step:
 5. refinement (`refine.py`): local search (moves and swaps off the slowest rank; with PP on the
    pipeline time), and on request (`exact=True`) an exact HiGHS MILP on small instances;
 6. each rank's whole sequences packed best-fit into micro-batches of <= C tokens (`packing.py`); with PP
-   the token budget (C / n) whose 1F1B makespan is smallest, heaviest micro-batches first.
+   the token budget (C / n, and with virtual stages the one that fills the count the interleaved
+   schedule pads to) and order (heaviest or lightest first) whose makespan in Megatron's pipeline order
+   is smallest; then the rings of every pipeline moved by 0-3 indices behind its lightest micro-batches
+   (`shifted`, all members alike so rings stay aligned), the shift of least predicted step time kept.
 
 Deviations from the paper: Algorithm 2 forms buckets (micro-batches) first and then assigns them; we
 assign sequences to ranks first and pack per rank, which gives the same "different micro-batch counts"
@@ -60,9 +63,9 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_MARGIN = 0.02
 """The by-time ring placement replaces the aligned one only when predicted this much faster: it couples
-more ranks through rings at different indices, so a cost-model error costs it more waits (the CPU demo's
-step 1, predicted 1% faster placed by time, measured 6-10% under static in two runs on a host loaded
-~30x, against 29% with the aligned plan)."""
+more ranks through rings at different indices, so a cost-model error costs it more waits (a demo step
+where a 1% predicted gain measured worse than the aligned plan: benchmarks/results/observations.json,
+entry "placement-margin")."""
 
 RETRY_GAP = 1.02
 """A plan whose step exceeds both the mean rank time and the lower bound by more than this factor tries
@@ -101,6 +104,7 @@ def plan_balance(
     config: HDPConfig,
     cost_model: CostModel,
     pp_size: int = 1,
+    vpp_size: int = 1,
     exact: bool = False,
 ) -> StepPlan:
     """Plan a global batch with ByteScale's balance scheduler plus refinement (see the module doc).
@@ -110,7 +114,7 @@ def plan_balance(
     """
     with gc_paused():  # the whole build allocates ~100K short-lived objects (see `assemble.gc_paused`)
         return _plan_balance(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model,
-                             pp_size=pp_size, exact=exact)
+                             pp_size=pp_size, vpp_size=vpp_size, exact=exact)
 
 
 def _plan_balance(
@@ -120,6 +124,7 @@ def _plan_balance(
     config: HDPConfig,
     cost_model: CostModel,
     pp_size: int,
+    vpp_size: int,
     exact: bool,
 ) -> StepPlan:
     capacity = config.hdp_capacity
@@ -130,7 +135,7 @@ def _plan_balance(
         tokens, sharding.ring_sizes, sharding.offload_ratios, num_ranks=num_ranks, capacity=capacity,
         cost_model=cost_model, max_offload_ratio=config.max_offload_ratio, pp_size=pp_size, alternatives=True)
     common = dict(tokens=tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
-                  exact=exact)
+                  vpp_size=vpp_size, exact=exact)
     plan = _build(lengths, *options[0], **common)
     mean = sum(r.est_time for r in plan.ranks) / num_ranks
     if pp_size > 1 or (plan.est_step_time > RETRY_GAP * mean
@@ -157,6 +162,7 @@ def _build(
     capacity: int,
     cost_model: CostModel,
     pp_size: int,
+    vpp_size: int,
     exact: bool,
 ) -> StepPlan:
     """Steps 3-6 of the module doc for one choice of ring sizes (`tokens`: the lengths as an array)."""
@@ -167,7 +173,7 @@ def _build(
     whole_order = whole_ids[np.lexsort((whole_ids, -weights[whole_ids]))].tolist()
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     common = dict(lengths=lengths, weights=weights, tokens=tokens, offload_ratios=offload_ratios, capacity=capacity,
-                  cost_model=cost_model, pp_size=pp_size, exact=exact, overhead=overhead)
+                  cost_model=cost_model, pp_size=pp_size, vpp_size=vpp_size, exact=exact, overhead=overhead)
     aligned = place_rings(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks)
     plan = _finish([[[seq] for seq in ring_mbs] for ring_mbs in aligned.ring_microbatches], aligned.rings,
                    aligned.finish, whole_order, **common)
@@ -199,6 +205,7 @@ def _finish(
     capacity: int,
     cost_model: CostModel,
     pp_size: int,
+    vpp_size: int,
     exact: bool,
     overhead: float,
 ) -> StepPlan:
@@ -208,12 +215,12 @@ def _finish(
     num_ranks = len(leading)
     counts = np.array([len(mbs) for mbs in leading], dtype=np.int64)
     given = assign_whole(whole_order, weights=weights, tokens=tokens,
-                         base=finish, cost=PipelineCost(pp_size, capacity, counts), exact=exact)
+                         base=finish, cost=PipelineCost(pp_size, capacity, counts, vpp_size), exact=exact)
     rings: list[tuple[int, ...]] = [()] * len(lengths)
     for seq, ring in ring_of.items():
         rings[seq] = ring
     seconds = weights.tolist()  # Python floats: indexing them per item is far cheaper than the array
-    schedule = []
+    leads, packed = [], []
     for rank in range(num_ranks):
         whole = (rank,)  # one tuple shared by all the rank's whole sequences
         for mb in leading[rank]:
@@ -225,7 +232,40 @@ def _finish(
             rings[seq] = whole
         times = [overhead + sum(map(seconds.__getitem__, mb)) for mb in leading[rank]]
         bins = pack_for_pipeline(list(map(lengths.__getitem__, items)), list(map(seconds.__getitem__, items)),
-                                 capacity=capacity, leading=times, overhead=overhead, pp_size=pp_size)
-        schedule.append([list(mb) for mb in leading[rank]] + [[items[j] for j in b] for b in bins])
-    return assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
-                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
+                                 capacity=capacity, leading=times, overhead=overhead, pp_size=pp_size,
+                                 vpp_size=vpp_size)
+        leads.append([list(mb) for mb in leading[rank]])
+        packed.append([[items[j] for j in b] for b in bins])
+    best = None
+    for shift in RING_SHIFTS if pp_size > 1 else (0,):
+        schedule = [shifted(lead, bins, shift, weight=lambda mb: sum(map(seconds.__getitem__, mb)))
+                    for lead, bins in zip(leads, packed)]
+        plan = assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
+                             schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                             vpp_size=vpp_size)
+        if best is None or plan.est_step_time < best.est_step_time * (1 - 1e-9):
+            best = plan
+    return best
+
+
+RING_SHIFTS = (0, 1, 2, 3)
+"""With PP, the micro-batch indices the rings are moved down by (`shifted`); the plan of least predicted
+step time is kept."""
+
+
+def shifted(lead: list[list[int]], bins: list[list[int]], shift: int, *, weight) -> list[list[int]]:
+    """A pipeline's micro-batches with its rings `shift` indices later (PP-Balance: heavy micro-batches
+    where the pipeline hides them). A heavy ring micro-batch crosses every stage one after the other;
+    run first, the other stages wait through it with only the warm-up's forwards to do, and in the
+    interleaved schedule a heavy micro-batch alone in its group of G has no other chunks to interleave
+    with, while light micro-batches before it fill those waits. Every ring member moves its rings
+    (`lead`, aligned on one index across members) by the same `shift`, so they stay aligned: the
+    lightest `shift` of its whole-sequence `bins` go first, empty micro-batches where it has fewer (each
+    costs the micro-batch overhead; with virtual stages they often replace padding that runs anyway). A
+    pipeline without rings keeps its packing's order."""
+    if not lead or not shift:
+        return lead + bins
+    by_weight = sorted(range(len(bins)), key=lambda i: weight(bins[i]))
+    first = set(by_weight[:shift])
+    before = [bins[i] for i in by_weight[:shift]] + [[] for _ in range(shift - len(first))]
+    return before + lead + [b for i, b in enumerate(bins) if i not in first]

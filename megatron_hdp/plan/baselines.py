@@ -9,12 +9,20 @@ compute imbalance between DP groups are what HDP removes. Sequences are packed, 
 DP groups (Megatron gives every DP rank the same number of micro-batches, give or take one).
 CP group g is HDP ranks [g * cp, (g + 1) * cp). No offloading.
 
-`naive` — ByteScale Algorithm 1 ("naive HDP"): data-aware sharding (D(s) ranks per sequence, offload as
-configured) but compute-oblivious placement: rings, then whole sequences in data-loader order, each on
-the ranks holding the fewest *tokens*, so every rank holds about the same number of tokens and
-micro-batches. Because attention cost grows as s^2, equal tokens are not equal time: this is the
-imbalance the balance scheduler fixes. (Rings are placed in non-increasing ring size, which keeps ring
-members aligned on one micro-batch index; see `placement.py`.)
+`naive` — ByteScale Algorithm 1 ("naive HDP", the ablation's "dynamic communication" step): data-aware
+sharding without offload (D(s) = ceil(s / C) ranks per sequence) and compute-oblivious placement: rings,
+then whole sequences in data-loader order, each on the ranks holding the fewest *tokens*, so every rank
+holds about the same number of tokens and micro-batches. Because attention cost grows as s^2, equal
+tokens are not equal time: this is the imbalance the balance scheduler fixes. (Rings are placed in
+non-increasing ring size, which keeps ring members aligned on one micro-batch index; see `placement.py`.)
+The policy never offloads, whatever the config says: selective offloading is ByteScale's next
+technique (the ablation's "+ selective offload" step), which is `naive-offload`.
+
+`naive-offload` — the same placement on selective-offload sharding (Eq. 3, `config.max_offload_ratio`): a
+long document goes on as few ranks as memory and the copy overlap allow. Without the balance scheduler
+that is usually slower, not faster: the document's ring shrinks, its per-member attention grows as
+s^2 / D(s), and the token-balanced placement gives that ring's ranks as many tokens as everyone else's,
+so the step waits on it (benchmarks/README.md, "ablation_bench").
 """
 
 from __future__ import annotations
@@ -62,7 +70,8 @@ def _member_tokens(lengths: np.ndarray, cp: int) -> np.ndarray:
 
 @gc_paused()  # like `balance`: the whole build, not only its assembly (see `assemble.gc_paused`)
 def plan_static(
-    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1
+    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1,
+    vpp_size: int = 1,
 ) -> StepPlan:
     """Static DP x CP (see the module doc)."""
     capacity = config.hdp_capacity
@@ -91,17 +100,17 @@ def plan_static(
         for seq in seqs:
             rings[seq] = group
     return assemble_plan(policy="static", lengths=lengths, rings=rings, offload_ratios=np.zeros(len(lengths)),
-                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
+                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                         vpp_size=vpp_size)
 
 
-@gc_paused()
-def plan_naive(
-    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1
+def _token_balanced_plan(
+    lengths: list[int], *, num_ranks: int, capacity: int, cost_model: CostModel, pp_size: int,
+    max_offload_ratio: float, policy: str, vpp_size: int = 1,
 ) -> StepPlan:
-    """ByteScale Algorithm 1: data-aware sharding, token-balanced placement (see the module doc)."""
-    capacity = config.hdp_capacity
+    """Algorithm 1's placement on the sharding that `max_offload_ratio` allows (see the module doc)."""
     sharding = shard_sequences(lengths, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
-                               max_offload_ratio=config.max_offload_ratio, pp_size=pp_size)
+                               max_offload_ratio=max_offload_ratio, pp_size=pp_size)
     ring_sizes = sharding.ring_sizes
     array = np.asarray(lengths, dtype=np.int64)
     tokens = np.where(ring_sizes > 1, -(-array // ring_sizes), array).astype(np.float64)
@@ -118,6 +127,27 @@ def plan_naive(
             rings[seq] = (rank,)
         packed = best_fit([lengths[i] for i in items], capacity=capacity, order="given")
         schedule.append([[seq] for seq in layout.ring_microbatches[rank]] + [[items[j] for j in b] for b in packed])
-    return assemble_plan(policy="naive", lengths=lengths, rings=rings, offload_ratios=sharding.offload_ratios,
-                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
+    return assemble_plan(policy=policy, lengths=lengths, rings=rings, offload_ratios=sharding.offload_ratios,
+                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                         vpp_size=vpp_size)
 
+
+@gc_paused()
+def plan_naive(
+    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1,
+    vpp_size: int = 1,
+) -> StepPlan:
+    """ByteScale Algorithm 1: sharding without offload, token-balanced placement (see the module doc)."""
+    return _token_balanced_plan(lengths, num_ranks=num_ranks, capacity=config.hdp_capacity, cost_model=cost_model,
+                                pp_size=pp_size, max_offload_ratio=0.0, policy="naive", vpp_size=vpp_size)
+
+
+@gc_paused()
+def plan_naive_offload(
+    lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int = 1,
+    vpp_size: int = 1,
+) -> StepPlan:
+    """Algorithm 1's placement on selective-offload sharding (ByteScale Eq. 3; see the module doc)."""
+    return _token_balanced_plan(lengths, num_ranks=num_ranks, capacity=config.hdp_capacity, cost_model=cost_model,
+                                pp_size=pp_size, max_offload_ratio=config.max_offload_ratio, policy="naive-offload",
+                                vpp_size=vpp_size)

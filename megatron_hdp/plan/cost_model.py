@@ -42,6 +42,12 @@ RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
 """Megatron's --recompute-granularity values, "none" for the flag left out."""
 
 
+
+HOST_BUFFER_OVERHEAD = 9 / 8
+"""Pinned host bytes per offloaded byte, at most: the offload pool pins each span in power-of-two pieces
+that add up to the span rounded up to 1/8 of its power of two (`offload/pool.py`; exact for spans of at
+least 32 KiB, and the offloader moves none under 1 MiB by default)."""
+
 @dataclass(frozen=True)
 class CostModel:
     """Per-layer coefficients for one rank (TP already applied) and the links it uses."""
@@ -73,7 +79,7 @@ class CostModel:
     accumulation dtype, at least fp32 (see `kv_grad_bytes_per_token`). Old JSON without it: bf16."""
     host_memory_bytes: Optional[float] = None
     """Pinned host bytes one rank may fill with offloaded activations (None: unlimited). Bounds the
-    planner's offload decision: r * Act(t) * layers per stage <= host_memory_bytes."""
+    planner's offload decision: r * Act(t) * layers per stage * HOST_BUFFER_OVERHEAD <= host_memory_bytes."""
     ranks_per_node: Optional[int] = None
     """HDP ranks per node (rank r on node r // ranks_per_node); None: topology unknown, every ring link runs
     at `ring_bandwidth`."""
@@ -86,8 +92,9 @@ class CostModel:
     ring_block_overhead: float = 0.0
     """Seconds per document, per extra ring step, per layer that no transfer hides: a split document costs
     2 (k-1) more attention-kernel calls (one block per ring step, forward and backward) than a whole one.
-    About 0 where one varlen kernel call takes every document of a step; ~40 us on the CPU backend, which
-    calls the kernel per document (fitted by `benchmarks/step_bench.py`)."""
+    About 0 where one varlen kernel call takes every document of a step; tens of microseconds on the CPU
+    backend, which calls the kernel per document (fitted by `benchmarks/step_bench.py`: the dated value
+    is in benchmarks/results/step_bench.json)."""
     jitter: float = 0.0
     """Relative standard deviation of a micro-batch's time from one rank to another running the same work
     (0: every rank runs at the model's time). Members of a ring finish with the slowest, so rings pay the

@@ -8,30 +8,26 @@ under attention) a rank's compute is linear in the coefficients:
 
 summed over the rank's shards (t tokens of a document of s tokens) and micro-batches. `OnlineRefit`
 keeps the last `window` (features, measured) rows, and after `warmup_steps` refits the coefficients
-by non-negative least squares on relative error (each row divided by its measured time, so long and
-short steps weigh alike), after dropping rows whose relative residual is more than `outlier_mads`
-median absolute deviations from the median (a rank preempted, a GC pause). Each update moves each
-coefficient by at most a factor `max_step`, so one bad step cannot throw the planner off. Everything
-else of the cost model (memory, bandwidths) is kept. Pure numpy/scipy: it runs on every rank with the
-same gathered input, so every rank plans with the same model.
+with the project's one fit (`plan.fit.fit_relative`: non-negative least squares on relative error, each
+row divided by its measured time, so long and short steps weigh alike), dropping rows whose relative
+residual is more than `outlier_mads` median absolute deviations from the median (a rank preempted, a GC
+pause). Each update moves each coefficient by at most a factor `max_step`, so one bad step cannot throw
+the planner off. Everything else of the cost model (memory, bandwidths) is kept. Pure numpy/scipy: it
+runs on every rank with the same gathered input, so every rank plans with the same model.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
-from scipy.optimize import nnls
 
 from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.fit import COMPUTE_COEFFICIENTS, fit_relative, fitted_cost_model
 from megatron_hdp.plan.step_plan import StepPlan
-
-COEFFICIENTS = ("a1", "b1", "g")
-"""The compute coefficients the refit learns (attention s^2, linear, per micro-batch)."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +47,8 @@ class RefitSettings:
     def __post_init__(self) -> None:
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.window < len(COEFFICIENTS):
-            raise ValueError(f"window must be >= {len(COEFFICIENTS)}, got {self.window}")
+        if self.window < len(COMPUTE_COEFFICIENTS):
+            raise ValueError(f"window must be >= {len(COMPUTE_COEFFICIENTS)}, got {self.window}")
         if self.max_step <= 1.0:
             raise ValueError(f"max_step must be > 1, got {self.max_step}")
         if self.outlier_mads <= 0:
@@ -68,7 +64,7 @@ def compute_features(plan: StepPlan | dict, *, num_layers: int) -> np.ndarray:
         plan = StepPlan.from_dict(plan)
     lengths = {seq.id: seq.length for seq in plan.sequences}
     layers = num_layers / plan.pp_size
-    features = np.zeros((plan.num_ranks, len(COEFFICIENTS)))
+    features = np.zeros((plan.num_ranks, len(COMPUTE_COEFFICIENTS)))
     for rank in range(plan.num_ranks):
         for mb in plan.microbatches(rank):
             for shard in mb.shards:
@@ -76,24 +72,6 @@ def compute_features(plan: StepPlan | dict, *, num_layers: int) -> np.ndarray:
                 features[rank, 1] += shard.num_tokens
             features[rank, 2] += 1
     return features * layers
-
-
-def fit_coefficients(features: np.ndarray, measured: np.ndarray, *, outlier_mads: float = 5.0) -> np.ndarray:
-    """(a1, b1, g) >= 0 minimising the relative error of features @ coef against `measured`, after
-    dropping outlier rows (see the module docstring). Rows with a measured time <= 0 are ignored."""
-    keep = measured > 0
-    a = features[keep] / measured[keep, None]
-    scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)  # columns of similar size keep NNLS well conditioned
-    a = a / scale
-    b = np.ones(int(keep.sum()))
-    coef, _ = nnls(a, b)
-    residual = a @ coef - b
-    deviation = np.abs(residual - np.median(residual))
-    mad = max(float(np.median(deviation)), 1e-3)
-    inliers = deviation <= outlier_mads * mad
-    if inliers.sum() >= len(COEFFICIENTS) and not inliers.all():
-        coef, _ = nnls(a[inliers], b[inliers])
-    return coef / scale
 
 
 class OnlineRefit:
@@ -124,18 +102,18 @@ class OnlineRefit:
         if excess > 0:
             rows = rows[0][excess:], rows[1][excess:]
             self._features, self._measured = [rows[0]], [rows[1]]
-        fitted = fit_coefficients(*rows, outlier_mads=self.settings.outlier_mads)
+        fitted = fit_relative(*rows, outlier_mads=self.settings.outlier_mads)
         self.model = self._bounded_update(fitted)
         self.updates += 1
         return self.model
 
     def _bounded_update(self, fitted: np.ndarray) -> CostModel:
         step = self.settings.max_step
-        values = {}
-        for name, target in zip(COEFFICIENTS, fitted):
+        bounded = []
+        for name, target in zip(COMPUTE_COEFFICIENTS, fitted):
             old = getattr(self.model, name)
-            values[name] = float(np.clip(target, old / step, old * step)) if old > 0 else float(target)
-        return dataclasses.replace(self.model, **values)
+            bounded.append(float(np.clip(target, old / step, old * step)) if old > 0 else float(target))
+        return fitted_cost_model(bounded, base=self.model)
 
     def state_dict(self) -> dict[str, Any]:
         """The learned model and the refit's progress, JSON-ready (saved with each checkpoint)."""

@@ -67,30 +67,44 @@ def pack_for_pipeline(
     leading: Sequence[float],
     overhead: float,
     pp_size: int,
+    vpp_size: int = 1,
 ) -> list[list[int]]:
-    """Bins of whole sequences for one pipeline rank: the packing whose 1F1B makespan is smallest.
+    """Bins of whole sequences for one pipeline rank, in the order to run them: the packing and order
+    whose makespan in Megatron's pipeline order (`pipeline.pipeline_time`, `vpp_size` chunks per stage)
+    is smallest.
 
     ByteScale's PP-Balance: a pipeline's bubble is set by its heaviest micro-batches, so its micro-batches
     should be small and alike. Best-fit decreasing is tried with token budgets C / n for n in
-    PIPELINE_BUDGETS (more, smaller micro-batches shrink the fill/drain at `overhead` seconds each); the
-    micro-batches run after the rank's `leading` ones (its ring micro-batches, times given). `times` are
-    the sequences' stage times. With pp_size = 1 it is plain best-fit decreasing at C.
+    PIPELINE_BUDGETS (more, smaller micro-batches shrink the fill/drain at `overhead` seconds each; C is
+    an upper bound, not a target), and with virtual stages also the budget that fills the count the
+    interleaved schedule pads to anyway (`interleaved.padded_counts`: a multiple of pp_size) with real
+    micro-batches instead of empty ones. Each packing is tried heaviest first (the light ones fill the
+    drain) and lightest first (the heavy ones run in the steady state, the light ones fill the warm-up).
+    The micro-batches run after the rank's `leading` ones (its ring micro-batches, times given), and the
+    runtime's padding micro-batches (at `overhead`) after them. `times` are the sequences' stage times.
+    With pp_size = 1 it is plain best-fit decreasing at C.
     """
     if pp_size == 1 or not sizes:
         return best_fit(sizes, capacity=capacity)
-    from megatron_hdp.plan.pipeline import pipeline_time  # packing stays importable on its own
+    # packing stays importable on its own
+    from megatron_hdp.plan.interleaved import padded_counts
+    from megatron_hdp.plan.pipeline import pipeline_time
 
+    def makespan(bin_times: list[float]) -> float:
+        count = len(leading) + len(bin_times)
+        padding = padded_counts([count], pp_size=pp_size, vpp_size=vpp_size)[0] - count
+        return pipeline_time(list(leading) + bin_times + [overhead] * padding, pp_size=pp_size, vpp_size=vpp_size)
+
+    budgets = [max(1, capacity // parts) for parts in PIPELINE_BUDGETS]
+    if vpp_size > 1:
+        natural = len(leading) + len(best_fit(sizes, capacity=capacity))
+        room = padded_counts([natural], pp_size=pp_size, vpp_size=vpp_size)[0] - len(leading)  # real bins that fit
+        budgets += [max(1, -(-sum(sizes) // (room + extra * pp_size))) for extra in range(2)]
     best: tuple[float, list[list[int]]] | None = None
-    tried = set()
-    for parts in PIPELINE_BUDGETS:
-        budget = max(1, capacity // parts)
-        if budget in tried:
-            continue
-        tried.add(budget)
-        bins = best_fit(sizes, capacity=budget)
-        bin_times = [overhead + sum(times[i] for i in b) for b in bins]
-        bin_times.sort(reverse=True)  # heaviest first: the light ones fill the drain
-        makespan = pipeline_time(list(leading) + bin_times, pp_size=pp_size)
-        if best is None or makespan < best[0] * (1 - 1e-12):
-            best = (makespan, sorted(bins, key=lambda b: -sum(times[i] for i in b)))
+    for budget in sorted(set(budgets), reverse=True):
+        bins = sorted(best_fit(sizes, capacity=budget), key=lambda b: -sum(times[i] for i in b))
+        for order in (bins, bins[::-1]):  # heaviest first, lightest first
+            time = makespan([overhead + sum(times[i] for i in b) for b in order])
+            if best is None or time < best[0] * (1 - 1e-12):
+                best = (time, order)
     return best[1]

@@ -31,20 +31,21 @@ logger = logging.getLogger(__name__)
 class PipelineCost:
     """A rank's predicted time from its busy time S and whole-sequence tokens T, with PP.
 
-    S + (pp - 1) x S / n, n = its ring micro-batches + ceil(T / C) (the micro-batches packing will make,
-    at best): `pipeline.pipeline_time` for n equal micro-batches, a cheap guide for the search (the plan
-    is timed exactly afterwards). With pp_size = 1 it is S.
+    S + (pp - 1) / v x S / n, n = its ring micro-batches + ceil(T / C) (the micro-batches packing will
+    make, at best), v the model chunks per stage: `pipeline.pipeline_time` for n equal micro-batches, a
+    cheap guide for the search (the plan is timed exactly afterwards). With pp_size = 1 it is S.
     """
 
     pp_size: int
     capacity: int
     ring_microbatches: np.ndarray
+    vpp_size: int = 1
 
     def __call__(self, rank: int, busy: float, tokens: float) -> float:
         if self.pp_size == 1:
             return busy
         count = int(self.ring_microbatches[rank]) + -(-int(tokens) // self.capacity)
-        return busy + (self.pp_size - 1) * busy / max(1, count)
+        return busy + (self.pp_size - 1) / self.vpp_size * busy / max(1, count)
 
 
 def refine_local(

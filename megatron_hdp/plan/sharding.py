@@ -11,7 +11,8 @@ memory, so k shrinks:
 where t_k is the largest token count a zigzag member holds and `hidden_offload_ratio` is the cost model's
 overlap constraint (the D2H copy of r * Act(t_k) hides under the layer's compute). We add one bound
 the equation leaves implicit: the offloaded bytes, r * Act(t_k) per layer of a pipeline stage, must fit
-the host memory of the cost model (`host_memory_bytes`); without it a 2M-token document would offload
+the host memory of the cost model (`host_memory_bytes`) as pinned by the offload pool (at most
+`HOST_BUFFER_OVERHEAD` = 9/8 of them); without it a 2M-token document would offload
 ~99% of terabytes of activations to fit on a single rank. With offloading off,
 r = 0 and k = ceil(s / C) (one more in the rare case where zigzag rounding gives a member C + 1 tokens).
 The recorded ratio is the smallest r that makes the chosen k fit: offload no more than needed.
@@ -27,7 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.cost_model import HOST_BUFFER_OVERHEAD, CostModel
 
 
 def max_member_tokens(length: int, ring_size: int) -> int:
@@ -79,7 +80,7 @@ def fits(
         return False
     host = cost_model.host_memory_bytes
     layers = cost_model.num_layers / pp_size
-    return host is None or needed * cost_model.activation_bytes(num_tokens) * layers <= host
+    return host is None or needed * cost_model.activation_bytes(num_tokens) * layers * HOST_BUFFER_OVERHEAD <= host
 
 
 @dataclass(frozen=True)

@@ -268,6 +268,9 @@ class StepPlan:
     ranks: tuple[RankSchedule, ...]
     est_step_time: float = 0.0
     pp_size: int = 1
+    vpp_size: int = 1
+    """Model chunks (virtual pipeline stages) per pipeline stage: Megatron's interleaved schedule when > 1.
+    In the JSON only when > 1, so plans without virtual stages read and write as before."""
     version: int = PLAN_VERSION
     _digest: list = field(default_factory=list, repr=False, compare=False)
 
@@ -303,10 +306,13 @@ class StepPlan:
         """
         if self.version != PLAN_VERSION:
             raise ValueError(f"plan version {self.version} is not the supported {PLAN_VERSION}")
-        if self.num_ranks <= 0 or self.capacity <= 0 or self.pp_size <= 0:
+        if self.num_ranks <= 0 or self.capacity <= 0 or self.pp_size <= 0 or self.vpp_size <= 0:
             raise ValueError(
-                f"num_ranks={self.num_ranks}, capacity={self.capacity}, pp_size={self.pp_size} must be > 0"
+                f"num_ranks={self.num_ranks}, capacity={self.capacity}, pp_size={self.pp_size}, "
+                f"vpp_size={self.vpp_size} must be > 0"
             )
+        if self.vpp_size > 1 and self.pp_size == 1:
+            raise ValueError(f"vpp_size={self.vpp_size} needs pipeline parallelism; pp_size is 1")
         if [r.rank for r in self.ranks] != list(range(self.num_ranks)):
             raise ValueError(f"ranks must be listed 0..{self.num_ranks - 1} in order")
         if not _all_valid(self):
@@ -390,6 +396,7 @@ class StepPlan:
             "num_ranks": self.num_ranks,
             "capacity": self.capacity,
             "pp_size": self.pp_size,
+            **({"vpp_size": self.vpp_size} if self.vpp_size > 1 else {}),
             "sequences": [
                 {"id": s.id, "length": s.length, "ring": list(s.ring), "offload_ratio": s.offload_ratio}
                 for s in self.sequences
@@ -424,6 +431,7 @@ class StepPlan:
             num_ranks=data["num_ranks"],
             capacity=data["capacity"],
             pp_size=data.get("pp_size", 1),
+            vpp_size=data.get("vpp_size", 1),
             sequences=tuple(
                 SequencePlacement(s["id"], s["length"], tuple(s["ring"]), s.get("offload_ratio", 0.0))
                 for s in data["sequences"]

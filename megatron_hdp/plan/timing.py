@@ -14,9 +14,10 @@ coupling (`sim.simulator`):
 - a rank runs its micro-batches in order, each phase (forward, backward, or the whole micro-batch) of
   index i after the previous one (`coupled_finish`);
 - padding: the runtime runs empty micro-batches after a rank's own (`megatron.step.pad_microbatches`):
-  with PP every pipeline runs the domain's largest count, with expert parallelism every member of an EP
-  group its group's largest, and a rank without micro-batches runs one (`runtime_microbatch_counts`);
-  each costs the micro-batch overhead;
+  with PP (1F1B) every pipeline runs the domain's largest count, with virtual pipeline stages the least
+  counts Megatron's interleaved schedule runs that keep the ring rule (`plan.interleaved`), with expert
+  parallelism every member of an EP group its group's largest, and a rank without micro-batches runs
+  one (`runtime_microbatch_counts`); each costs the micro-batch overhead;
 - expert parallelism: the MoE all-to-all of every layer couples micro-batch i of all members of an EP
   group (`expert_links`), like a ring over the group at every index.
 
@@ -32,6 +33,7 @@ from typing import Collection, Iterable, Sequence
 
 import numpy as np
 
+from megatron_hdp.plan.interleaved import padded_counts
 from megatron_hdp.plan.step_plan import StepPlan
 
 Groups = dict[tuple[int, int], int]
@@ -46,19 +48,35 @@ def expert_groups(num_ranks: int, ep_size: int) -> list[range]:
     return [range(start, start + ep_size) for start in range(0, num_ranks, ep_size)]
 
 
-def runtime_microbatch_counts(counts: Sequence[int], *, pp_size: int = 1, ep_size: int = 1) -> list[int]:
-    """Micro-batches each rank runs for a plan giving it `counts[r]`: with PP the largest count on every
-    rank (the pipelines' schedules must line up), else the largest of its expert-parallel group (every
-    member joins every all-to-all), at least one everywhere (every rank joins the gradient reduction).
-    Mirrors `megatron.step.num_microbatches_to_run`."""
-    if pp_size > 1:
+def runtime_microbatch_counts(counts: Sequence[int], *, pp_size: int = 1, ep_size: int = 1, vpp_size: int = 1,
+                              rings: Iterable[Sequence[int]] = (), group_size: int | None = None) -> list[int]:
+    """Micro-batches each rank runs for a plan giving it `counts[r]`: with PP (1F1B) the largest count on
+    every rank, as `megatron.step.num_microbatches_to_run` pads today; with virtual pipeline stages
+    (`vpp_size` > 1) the least counts Megatron's interleaved schedule runs that keep the ring rule over
+    the plan's `rings` (member ranks) and its expert-parallel groups (`interleaved.padded_counts`); else
+    the largest of each rank's expert-parallel group (every member joins every all-to-all); at least one
+    everywhere (every rank joins the gradient reduction). `group_size`: Megatron's
+    microbatch_group_size_per_vp_stage (None: pp_size, its default). `megatron.step.pipeline_counts` runs
+    exactly these counts."""
+    if pp_size > 1 and vpp_size == 1:
         return [max(1, max(counts, default=0))] * len(counts)
-    out = [0] * len(counts)
-    for group in expert_groups(len(counts), ep_size):
-        most = max(1, max(counts[r] for r in group))
+    groups = expert_groups(len(counts), ep_size)
+    out = list(counts)
+    if vpp_size > 1:
+        links = [(0, tuple(ring)) for ring in rings] + [(0, tuple(group)) for group in groups if len(group) > 1]
+        out = padded_counts(counts, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, rings=links)
+    for group in groups:
+        most = max(1, max(out[r] for r in group))
         for r in group:
             out[r] = most
     return out
+
+
+def plan_runtime_counts(plan: StepPlan, *, ep_size: int = 1) -> list[int]:
+    """`runtime_microbatch_counts` of `plan` (its counts, pipeline shape and rings)."""
+    return runtime_microbatch_counts([len(s.microbatches) for s in plan.ranks], pp_size=plan.pp_size,
+                                     ep_size=ep_size, vpp_size=plan.vpp_size,
+                                     rings={seq.ring for seq in plan.sequences if len(seq.ring) > 1})
 
 
 def expert_links(counts: Sequence[int], ep_size: int) -> list[tuple[int, Sequence[int]]]:
@@ -111,9 +129,7 @@ def plan_groups(plan: StepPlan, *, barrier_per_microbatch: bool = False, ep_size
     if barrier_per_microbatch:
         depth = max((len(s.microbatches) for s in plan.ranks), default=0)
         every += [(i, tuple(s.rank for s in plan.ranks if i < len(s.microbatches))) for i in range(depth)]
-    counts = runtime_microbatch_counts([len(s.microbatches) for s in plan.ranks], pp_size=plan.pp_size,
-                                       ep_size=ep_size)
-    return link_groups(every + expert_links(counts, ep_size))
+    return link_groups(every + expert_links(plan_runtime_counts(plan, ep_size=ep_size), ep_size))
 
 
 @functools.lru_cache(maxsize=None)

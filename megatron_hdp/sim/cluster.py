@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.interleaved import uncapped_warmup
 from megatron_hdp.plan.presets import HardwareProfile, ModelShape, analytic_cost_model, hardware_profile, model_shape
 
 _SUFFIX = {"K": 1024, "M": 1024**2, "G": 1024**3}
@@ -38,6 +39,8 @@ class ClusterSpec:
     num_gpus: int
     tp_size: int = 1
     pp_size: int = 1
+    vpp_size: int = 1
+    """Model chunks (virtual pipeline stages) per pipeline stage: Megatron's interleaved schedule when > 1."""
     hardware: str = "h100"
     """Preset hardware profile (`presets.HARDWARE`)."""
     allreduce_bandwidth: Optional[float] = None
@@ -57,7 +60,7 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         self.shape  # unknown model -> ValueError naming the known ones
         self.hardware_profile
-        for name in ("num_gpus", "tp_size", "pp_size"):
+        for name in ("num_gpus", "tp_size", "pp_size", "vpp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_gpus % (self.tp_size * self.pp_size):
@@ -66,6 +69,11 @@ class ClusterSpec:
             )
         if self.shape.num_layers % self.pp_size:
             raise ValueError(f"pp_size {self.pp_size} does not divide {self.model}'s {self.shape.num_layers} layers")
+        if self.vpp_size > 1 and self.pp_size == 1:
+            raise ValueError(f"vpp_size {self.vpp_size} needs pipeline parallelism; pp_size is 1")
+        if self.shape.num_layers % (self.pp_size * self.vpp_size):
+            raise ValueError(f"pp_size {self.pp_size} x vpp_size {self.vpp_size} does not divide {self.model}'s "
+                             f"{self.shape.num_layers} layers")
         if self.gpus_per_node <= 0:
             raise ValueError(f"gpus_per_node must be positive, got {self.gpus_per_node}")
         for name in ("allreduce_bandwidth", "ring_bandwidth", "intra_node_bandwidth"):
@@ -123,19 +131,30 @@ class ClusterSpec:
         Model states per GPU: bf16 weights and grads (4 bytes/param) plus fp32 Adam states and master
         weights (12 bytes/param) sharded over the HDP pool (distributed optimizer). Activations: a micro-batch
         of C tokens keeps Act(C) per layer; in 1F1B the first stage holds pp micro-batches of num_layers/pp
-        layers, i.e. num_layers layers' worth, so PP does not change C.
+        layers, i.e. num_layers layers' worth, so PP does not change C. The interleaved schedule (vpp_size
+        v > 1) holds its warm-up's forwards plus one, 2 (pp - 1) + (v - 1) G + 1 chunks of num_layers /
+        (pp v) layers (G = pp): num_layers x (1 + (pp - 1) / (pp v)) layers' worth, as Korthikanti et al.
+        2022 (Sec. 4.2.3) count it, so C may halve (`activation_layers_factor`).
         """
         params = self.shape.num_parameters() / (self.tp_size * self.pp_size)
         states = params * (4.0 + 12.0 / self.num_ranks)
         free = self.hardware_profile.memory_bytes * (1 - MEMORY_RESERVE) - states
         cost = self.cost_model()
-        per_token = cost.a2 * cost.num_layers
-        if free <= cost.b2 * cost.num_layers or per_token <= 0:
+        layers = cost.num_layers * self.activation_layers_factor
+        per_token = cost.a2 * layers
+        if free <= cost.b2 * layers or per_token <= 0:
             raise ValueError(f"{self.model} with TP={self.tp_size}, PP={self.pp_size} leaves no memory for activations")
-        tokens = (free - cost.b2 * cost.num_layers) / per_token
+        tokens = (free - cost.b2 * layers) / per_token
         if tokens < 1:
             raise ValueError(f"{self.model} with TP={self.tp_size}, PP={self.pp_size} cannot hold one token per rank")
         return 2 ** int(math.floor(math.log2(tokens)))
+
+    @property
+    def activation_layers_factor(self) -> float:
+        """Layers' worth of activations the first stage holds at its peak, over num_layers (`memory_capacity`):
+        the first stage's warm-up forwards plus one (`interleaved.uncapped_warmup`), each of one chunk."""
+        chunks = uncapped_warmup(pp_size=self.pp_size, stage=0, vpp_size=self.vpp_size, group_size=self.pp_size) + 1
+        return chunks / (self.pp_size * self.vpp_size)
 
     @property
     def rank_capacity(self) -> int:

@@ -18,14 +18,14 @@ from tqdm import tqdm
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.lengths import sample_global_batch
-from megatron_hdp.plan.planner import make_plan
+from megatron_hdp.plan.planner import make_plan, policy_function
 from megatron_hdp.plan.step_plan import StepPlan
 from megatron_hdp.sim.cluster import ClusterSpec
 from megatron_hdp.sim.simulator import StepTimeline, allreduce_time, simulate_step
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_POLICIES = ("static", "megatron-hybrid-cp", "naive", "balance")
+DEFAULT_POLICIES = ("static", "megatron-hybrid-cp", "megatron-dynamic-cp", "naive", "balance")
 BASELINE = "static"
 MICROBATCHES_PER_RANK = 4
 """Default global batch: this many full micro-batches (C tokens) per HDP rank."""
@@ -41,6 +41,8 @@ class PolicyStats:
     balance: float
     """max / mean of per-rank busy time."""
     idle_fraction: float
+    bubble_fraction: float
+    """Share of rank time spent waiting for pipeline neighbours (PP bubbles), part of `idle_fraction`."""
     comm_fraction: float
     """Share of rank time spent in ring traffic not hidden under attention."""
     attention_gb_per_rank: float
@@ -106,7 +108,7 @@ def compute_floor(lengths: Sequence[int], cost_model: CostModel, *, num_ranks: i
 
 def _failed(policy: str, error: str) -> PolicyStats:
     nan = math.nan
-    return PolicyStats(policy, nan, nan, nan, nan, nan, nan, nan, error=error)
+    return PolicyStats(policy, nan, nan, nan, nan, nan, nan, nan, nan, error=error)
 
 
 def compare_policies(
@@ -124,21 +126,25 @@ def compare_policies(
     """Simulate `steps` global batches of `distribution` under each policy (see the module docstring).
 
     A policy that cannot plan this setup (e.g. megatron-hybrid-cp with PP) is reported with its reason
-    instead of stopping the others.
+    instead of stopping the others; a name not in the planner's registry is a ValueError at once (a policy
+    of a layer above plan/, such as the default's megatron-hybrid-cp, registers when its package is imported).
     """
     spec.check_context(context)
     if steps <= 0:
         raise ValueError(f"steps must be positive, got {steps}")
     if not policies:
         raise ValueError("no policies to compare")
+    policies = list(dict.fromkeys(policies))  # a policy named twice would count its tokens and time twice
+    for policy in policies:
+        policy_function(policy)  # an unregistered name stops here, not reported as a policy that cannot plan
     capacity = spec.rank_capacity
     budget = global_batch_tokens or MICROBATCHES_PER_RANK * capacity * spec.num_ranks
     if budget <= 0:
         raise ValueError(f"global_batch_tokens must be positive, got {budget}")
     cost_model = spec.cost_model()
     config = HDPConfig(hdp_capacity=capacity, hdp_offload=offload)
-    totals = {p: {"tokens": 0, "time": 0.0, "balance": 0.0, "idle": 0.0, "comm": 0.0, "bytes": 0.0, "plan": 0.0,
-                  "across": 0.0, "network": 0.0}
+    totals = {p: {"tokens": 0, "time": 0.0, "balance": 0.0, "idle": 0.0, "bubble": 0.0, "comm": 0.0, "bytes": 0.0,
+                  "plan": 0.0, "across": 0.0, "network": 0.0}
               for p in policies}
     errors: dict[str, str] = {}
     plans: dict[str, StepPlan] = {}
@@ -156,7 +162,7 @@ def compare_policies(
             started = time.perf_counter()
             try:
                 plan = make_plan(lengths, num_ranks=spec.num_ranks, config=config, cost_model=cost_model,
-                                 pp_size=spec.pp_size, policy=policy)
+                                 pp_size=spec.pp_size, vpp_size=spec.vpp_size, policy=policy)
             except ValueError as error:
                 logger.warning("policy %s cannot run this setup: %s", policy, error)
                 errors[policy] = str(error)
@@ -171,6 +177,7 @@ def compare_policies(
             total["time"] += timeline.step_time
             total["balance"] += timeline.balance
             total["idle"] += timeline.idle_fraction
+            total["bubble"] += timeline.bubble_fraction
             total["comm"] += float(timeline.comm.mean()) / timeline.compute_end if timeline.compute_end else 0.0
             total["bytes"] += timeline.attention_bytes / spec.num_ranks
             total["plan"] += planned
@@ -188,6 +195,7 @@ def compare_policies(
             step_time=total["time"] / steps,
             balance=total["balance"] / steps,
             idle_fraction=total["idle"] / steps,
+            bubble_fraction=total["bubble"] / steps,
             comm_fraction=total["comm"] / steps,
             attention_gb_per_rank=total["bytes"] / steps / 1e9,
             plan_seconds=total["plan"] / steps,
@@ -219,18 +227,19 @@ def throughput_sweep(
 
 def format_table(comparison: Comparison) -> str:
     """The comparison as a markdown table."""
-    rows = ["| policy | tokens/s | speedup vs static | step s | balance (max/mean) | idle | exposed comm "
-            "| attention GB/GPU | rings across nodes | network GB/GPU | plan s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| policy | tokens/s | speedup vs static | step s | balance (max/mean) | idle | of which bubble "
+            "| exposed comm | attention GB/GPU | rings across nodes | network GB/GPU | plan s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in comparison.stats.values():
         if s.error:
-            rows.append(f"| {s.policy} | n/a: {s.error} | | | | | | | | | |")
+            rows.append(f"| {s.policy} | n/a: {s.error} | | | | | | | | | | |")
             continue
         speedup = f"{s.speedup:.2f}x" if s.speedup is not None else "-"
         rows.append(f"| {s.policy} | {s.tokens_per_second:,.0f} | {speedup} | {s.step_time:.2f} | {s.balance:.2f} | "
-                    f"{s.idle_fraction:.1%} | {s.comm_fraction:.1%} | {s.attention_gb_per_rank:.1f} | "
+                    f"{s.idle_fraction:.1%} | {s.bubble_fraction:.1%} | {s.comm_fraction:.1%} | "
+                    f"{s.attention_gb_per_rank:.1f} | "
                     f"{s.rings_across_nodes:.1f} | {s.network_gb_per_rank:.1f} | {s.plan_seconds:.2f} |")
     bound = comparison.floor_speedup
     rows.append(f"| (compute floor) | {comparison.floor_tokens_per_second:,.0f} | "
-                f"{f'{bound:.2f}x' if bound is not None else '-'} | | | | | | | | |")
+                f"{f'{bound:.2f}x' if bound is not None else '-'} | | | | | | | | | |")
     return "\n".join(rows)

@@ -23,10 +23,13 @@ What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding n
   largest count, with EP its group's; an idle rank one), each at the micro-batch overhead (`plan.timing`).
 - Expert parallelism (`CostModel.expert_parallel_size`): micro-batch i of every member of an EP group is
   coupled like a ring (the MoE all-to-all of every layer), `plan.timing.expert_links`.
-- PP: every stage runs its micro-batches in 1F1B order (warm-up of p-1-s forwards), forward = 1/3 and
-  backward = 2/3 of the micro-batch time (backward does twice the forward's FLOPs and ring traffic);
-  F of stage s waits for F of stage s-1, B of stage s for B of stage s+1. PP bubbles and the stalls of
-  unequal micro-batches come out of these dependencies.
+- PP: every stage runs its ops in Megatron's order (`plan.interleaved.stage_order`: 1F1B with a warm-up
+  of p-1-s forwards, or with `plan.vpp_size` v > 1 virtual stages the interleaved order, each op one
+  model chunk's forward or backward at 1/v of the stage's time), forward = 1/3 and backward = 2/3 of the
+  micro-batch time (backward does twice the forward's FLOPs and ring traffic); a forward waits for the
+  previous virtual stage's forward, a backward for the next one's (`plan.interleaved.dependency`). PP
+  bubbles and the stalls of unequal micro-batches come out of these dependencies. A ring couples its
+  members' op of every (stage, chunk, forward/backward) of its micro-batch.
 - Gradient all-reduce: once every rank is done, a ring all-reduce of the bf16 gradients of one
   (stage, TP rank) over the HDP pool: 2 (n-1)/n * bytes / bandwidth.
 
@@ -42,10 +45,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_hdp.plan.cost_model import CostModel
-from megatron_hdp.plan.pipeline import FORWARD_SHARE, one_f_one_b_order
+from megatron_hdp.plan.interleaved import dependency, stage_order
+from megatron_hdp.plan.pipeline import FORWARD_SHARE
 from megatron_hdp.plan.step_plan import MicroBatch, StepPlan
-from megatron_hdp.plan.timing import jitter_lead, plan_groups, runtime_microbatch_counts
-
+from megatron_hdp.plan.timing import jitter_lead, plan_groups, plan_runtime_counts
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,8 @@ POLICY_RULES: dict[str, PolicyRules] = {
 
 @dataclass(frozen=True)
 class Op:
-    """One forward ('F'), backward ('B') of a micro-batch on one stage, as it ran."""
+    """One forward ('F'), backward ('B') of a micro-batch (of one model chunk, with virtual stages) on one
+    stage, as it ran."""
 
     kind: str
     microbatch: int
@@ -82,6 +86,11 @@ class Op:
     """When the rank may go on: the slowest member of its coupled group is done."""
     ring: bool = False
     """Whether the micro-batch holds a shard of a split sequence (ring attention)."""
+    chunk: int = 0
+    """The model chunk (virtual stage) of the stage it ran, 0 without virtual stages."""
+    bubble: float = 0.0
+    """Seconds the stage waited before the op for its pipeline neighbour (the previous virtual stage's
+    forward, the next one's backward) after its previous op was released: the PP bubble."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,8 @@ class StepTimeline:
     allreduce_time: float
     attention_bytes: float
     """Ring-attention bytes sent per step by all ranks of one (stage, TP rank) coordinate."""
+    bubble: np.ndarray
+    """Seconds per rank (mean over its stages) spent waiting for pipeline neighbours (`Op.bubble`)."""
     ops: tuple[tuple[tuple[Op, ...], ...], ...] = field(repr=False)
     """ops[rank][stage]: the ops of that stage in execution order."""
 
@@ -127,6 +138,12 @@ class StepTimeline:
         """max / mean of the per-rank busy time (1.0 is perfect balance)."""
         mean = float(self.busy.mean())
         return float(self.busy.max()) / mean if mean > 0 else 1.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of rank-stage time before the all-reduce spent in PP bubbles (part of `idle_fraction`)."""
+        total = self.compute_end * self.num_ranks
+        return float(self.bubble.sum()) / total if total > 0 else 0.0
 
     @property
     def idle_fraction(self) -> float:
@@ -263,7 +280,7 @@ def simulate_step(
         raise ValueError(f"allreduce_bandwidth must be > 0, got {allreduce_bandwidth}")
     if rules is None:
         rules = POLICY_RULES.get(plan.policy, PolicyRules())
-    n, p = plan.num_ranks, plan.pp_size
+    n, p, v = plan.num_ranks, plan.pp_size, plan.vpp_size
     shards = _Shards.of(plan)
     mb_costs = _microbatch_costs(plan, cost_model, rules, shards)
     bounds = shards.first_microbatch
@@ -272,8 +289,7 @@ def simulate_step(
     has_ring = [with_ring[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]
     # the runtime's padding micro-batches (empty, at the micro-batch overhead) after each rank's own
     padding = cost_model.microbatch_time([], pp_size=p)
-    extra = np.array(runtime_microbatch_counts([len(c) for c in costs], pp_size=p,
-                                                ep_size=cost_model.expert_parallel_size)) - [len(c) for c in costs]
+    extra = np.array(plan_runtime_counts(plan, ep_size=cost_model.expert_parallel_size)) - [len(c) for c in costs]
     for r in range(n):
         costs[r] += [[padding, 0.0, 0.0, 0.0]] * int(extra[r])
         has_ring[r] += [False] * int(extra[r])
@@ -283,28 +299,33 @@ def simulate_step(
     for (rank, _), gid in coupled.items():
         members.setdefault(gid, []).append(rank)
 
-    orders = [[one_f_one_b_order(len(costs[r]), p, s) for s in range(p)] for r in range(n)]
+    orders = [[stage_order(len(costs[r]), pp_size=p, stage=s, vpp_size=v) for s in range(p)] for r in range(n)]
     ops: list[list[list[Op]]] = [[[] for _ in range(p)] for _ in range(n)]
-    released: dict[tuple[int, int, str, int], float] = {}  # (rank, stage, kind, mb) -> release time
-    arrived: dict[tuple[int, str, int], dict[int, float]] = {}  # (gid, stage, kind) -> rank -> ready
+    released: dict[tuple[int, int, tuple[str, int, int]], float] = {}  # (rank, stage, op) -> release time
+    arrived: dict[tuple[int, int, str, int], dict[int, float]] = {}  # (gid, stage, kind, chunk) -> rank -> ready
 
     def op_parts(rank: int, kind: str, index: int) -> tuple[float, float, float]:
-        """(compute, comm, offload) seconds of one op: its share of the micro-batch's costs."""
-        share = FORWARD_SHARE if kind == "F" else 1.0 - FORWARD_SHARE
+        """(compute, comm, offload) seconds of one op: its share of the micro-batch's costs (one chunk's)."""
+        share = (FORWARD_SHARE if kind == "F" else 1.0 - FORWARD_SHARE) / v
         return tuple(part * share for part in costs[rank][index][:3])
+
+    bubble: dict[tuple[int, int], float] = {}  # (rank, stage) -> its head op's wait for its pipeline neighbour
 
     def ready_time(rank: int, stage: int) -> float | None:
         """When the head op of (rank, stage) may start, or None while a dependency is pending."""
-        kind, index = orders[rank][stage][len(ops[rank][stage])]
+        op = orders[rank][stage][len(ops[rank][stage])]
         previous = ops[rank][stage][-1].release if ops[rank][stage] else 0.0
-        dep = (rank, stage - 1, "F", index) if kind == "F" else (rank, stage + 1, "B", index)
-        if 0 <= dep[1] < p:
-            if dep not in released:
+        dep = dependency(op, stage=stage, pp_size=p, vpp_size=v)
+        bubble[(rank, stage)] = 0.0
+        if dep is not None:
+            if (rank, *dep) not in released:
                 return None
-            previous = max(previous, released[dep])
+            bubble[(rank, stage)] = max(0.0, released[(rank, *dep)] - previous)
+            previous += bubble[(rank, stage)]
         return previous
 
-    def run(group: dict[int, float], stage: int, kind: str, index: int) -> list[tuple[int, int]]:
+    def run(group: dict[int, float], stage: int, op: tuple[str, int, int]) -> list[tuple[int, int]]:
+        kind, chunk, index = op
         start = max(group.values())
         parts = {rank: op_parts(rank, kind, index) for rank in group}
         durations = [sum(part) for part in parts.values()]
@@ -312,9 +333,12 @@ def simulate_step(
         for rank, (compute, comm, offload) in parts.items():
             busy_end = start + compute + comm + offload
             ops[rank][stage].append(Op(kind=kind, microbatch=index, start=start, busy_end=busy_end, comm=comm,
-                                       offload=offload, release=release, ring=has_ring[rank][index]))
-            released[(rank, stage, kind, index)] = release
-        return [(rank, s) for rank in group for s in (stage - 1, stage, stage + 1) if 0 <= s < p]
+                                       offload=offload, release=release, ring=has_ring[rank][index], chunk=chunk,
+                                       bubble=bubble[(rank, stage)]))
+            released[(rank, stage, op)] = release
+        # the ops that may wait for this one: the same stage, its neighbours, and (virtual stages) the
+        # other end of the pipeline
+        return [(rank, s) for rank in group for s in {stage - 1, stage, stage + 1, 0, p - 1} if 0 <= s < p]
 
     pending = [(r, s) for r in range(n) for s in range(p)]
     while pending:
@@ -324,20 +348,20 @@ def simulate_step(
         ready = ready_time(rank, stage)
         if ready is None:
             continue
-        kind, index = orders[rank][stage][len(ops[rank][stage])]
-        gid = coupled.get((rank, index))
+        op = orders[rank][stage][len(ops[rank][stage])]
+        gid = coupled.get((rank, op[2]))
         if gid is None:
-            pending += run({rank: ready}, stage, kind, index)
+            pending += run({rank: ready}, stage, op)
             continue
-        group = arrived.setdefault((gid, stage, kind), {})
+        group = arrived.setdefault((gid, stage, op[0], op[1]), {})
         group[rank] = ready
         if len(group) == len(members[gid]):
-            pending += run(group, stage, kind, index)
+            pending += run(group, stage, op)
 
-    # Ring members share one micro-batch index, and the 1F1B orders of two pipelines restricted to their
-    # common indices are the same sequence, so coupled ops never wait on each other in a cycle.
+    # Ring members share one micro-batch index and the runtime's counts keep the ring rule
+    # (`plan.interleaved`), so coupled ops never wait on each other in a cycle.
     stuck = [(r, s) for r in range(n) for s in range(p) if len(ops[r][s]) < len(orders[r][s])]
-    assert not stuck, f"simulation stalled at rank-stages {stuck[:4]}: the plan breaks the one-index ring rule"
+    assert not stuck, f"simulation stalled at rank-stages {stuck[:4]}: the plan breaks the ring rule"
     rank_of_mb = np.repeat(np.arange(n), np.diff(bounds))
     totals = np.stack([np.bincount(rank_of_mb, weights=mb_costs[:, i], minlength=n) for i in range(4)], axis=1)
     totals[:, 0] += padding * extra
@@ -353,5 +377,6 @@ def simulate_step(
         finish=finish,
         allreduce_time=allreduce_time(grad_bytes=grad_bytes, num_ranks=n, bandwidth=allreduce_bandwidth),
         attention_bytes=float(totals[:, 3].sum()),
+        bubble=np.array([sum(o.bubble for stage in ops[r] for o in stage) / p for r in range(n)]),
         ops=tuple(tuple(tuple(stage) for stage in rank_ops) for rank_ops in ops),
     )

@@ -17,6 +17,7 @@ evaluates; block masks are cached per segment layout.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 
 import torch
@@ -118,6 +119,13 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
+_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+"""Always inductor's main flex kernel. Its split-KV decoding kernel, picked when a graph's query length
+hints < 128 tokens, failed to lower under the dynamic-shape compile on an H100 with torch 2.11
+("NoValidChoicesError", GQA, bf16, a 3-rank ring's short shards); packed micro-batches of any T must take
+one kernel family."""
+
+
 class FlexBackend(AttentionBackend):
     """One compiled flex-attention call per block."""
 
@@ -129,7 +137,8 @@ class FlexBackend(AttentionBackend):
             device.type == "cuda"
             and dtype in (torch.float32, torch.float16, torch.bfloat16)
             and importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
-        )
+            and hasattr(importlib.import_module("torch.nn.attention.flex_attention"), "AuxRequest")
+        )  # AuxRequest (the LSE): torch >= 2.9 (README "Supported versions")
 
     @classmethod
     def shape_problem(cls, shape: KernelShape) -> str | None:
@@ -148,6 +157,7 @@ class FlexBackend(AttentionBackend):
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
             return_aux=AuxRequest(lse=True),
+            kernel_options=_KERNEL_OPTIONS,
         )
         return out.squeeze(0).transpose(0, 1), aux.lse.squeeze(0)
 

@@ -9,6 +9,7 @@ the unused dropout RNG state). Not run in this repository's CI (no GPU there).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import torch
 
@@ -22,6 +23,15 @@ from megatron_hdp.attention.backends.base import (
 )
 
 
+def _takes_enable_gqa() -> bool:
+    """torch 2.13 added `enable_gqa` (and refuses Hq != Hkv without it); torch 2.11 (seen on an H100) has no such
+    argument and pass differing head counts straight to the FlashAttention-2 kernel, which does GQA. Asked
+    per call (microseconds against a kernel's milliseconds), so it follows the function actually bound."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
 class TorchVarlenBackend(AttentionBackend):
     """One `varlen_attn` call per block (all segments at once)."""
 
@@ -33,6 +43,10 @@ class TorchVarlenBackend(AttentionBackend):
             return False
         if importlib.util.find_spec("torch.nn.attention.varlen") is None:
             return False
+        from torch.nn.attention.varlen import varlen_attn
+
+        if "window_size" not in inspect.signature(varlen_attn).parameters:
+            return False  # torch < 2.10: is_causal only, no window (README "Supported versions")
         return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device)[0] >= 8
 
     @classmethod
@@ -55,7 +69,7 @@ class TorchVarlenBackend(AttentionBackend):
             return_aux=AuxRequest(lse=True),
             scale=scale,
             window_size=window_pair(causal, window),
-            enable_gqa=q.shape[1] != k.shape[1],
+            **({"enable_gqa": q.shape[1] != k.shape[1]} if _takes_enable_gqa() else {}),
         )
         assert lse.shape == (q.shape[1], q.shape[0]), f"varlen_attn lse has shape {tuple(lse.shape)}"
         return out, lse

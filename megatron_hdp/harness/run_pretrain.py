@@ -1,7 +1,7 @@
 """Run a Megatron-LM pretrain script (e.g. Megatron-LM's `pretrain_gpt.py`) on a CPU-only PyTorch.
 
-    python -m megatron_hdp.megatron.run_pretrain /path/to/Megatron-LM/pretrain_gpt.py <Megatron flags>
-    torchrun --nproc-per-node 4 -m megatron_hdp.megatron.run_pretrain <script> <flags>
+    python -m megatron_hdp.harness.run_pretrain /path/to/Megatron-LM/pretrain_gpt.py <Megatron flags>
+    torchrun --nproc-per-node 4 -m megatron_hdp.harness.run_pretrain <script> <flags>
 
 With or without `--hdp`: the plain-Megatron comparison run needs the same CPU patches as the HDP run,
 and a patched `pretrain_gpt.py` applies them only through `install()` when `--hdp` is set. This entry
@@ -49,7 +49,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[0], file=sys.stderr)
-        print("usage: python -m megatron_hdp.megatron.run_pretrain SCRIPT [Megatron flags ...]", file=sys.stderr)
+        print("usage: python -m megatron_hdp.harness.run_pretrain SCRIPT [Megatron flags ...]", file=sys.stderr)
         return 2 if not argv else 0
     if not Path(argv[0]).is_file():
         print(f"error: pretrain script {argv[0]} not found", file=sys.stderr)

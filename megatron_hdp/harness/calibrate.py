@@ -6,8 +6,8 @@ forward + backward on one document of each length s of a sweep:
     T(s)   = a1 * s^2 + b1 * s + g     fitted to the fastest of a few timed steps
     Act(s) = a2 * s + b2               fitted to the bytes of the distinct storages autograd keeps
 
-Both fits are non-negative least squares (the cost model rejects negative coefficients), T's relative to
-each time so that short sequences count as much as long ones. The D2H/H2D bandwidths are timed with
+Both fits are the project's one fit (`megatron_hdp.plan.fit`: non-negative least squares, T's relative to
+each time so that short sequences count as much as long ones). The D2H/H2D bandwidths are timed with
 pinned buffers and CUDA events on a GPU; on CPU the figure is a host memcpy, and the result says so.
 The GPU is the real target; on CPU the same code runs small shapes, which is how CI tests it.
 """
@@ -22,13 +22,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 import torch.utils.checkpoint
-from scipy.optimize import nnls
 
 from megatron_hdp.offload.reference_model import ReferenceLayer, rope_tables
 from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.fit import fit_activation, fit_compute, fitted_cost_model
 from megatron_hdp.plan.presets import ModelShape
 
 logger = logging.getLogger(__name__)
@@ -196,32 +195,6 @@ def measure_bandwidth(*, device: torch.device, nbytes: int = 256 << 20, repeats:
     return Bandwidth(timed(host, dev), timed(dev, host), "cuda-pinned")
 
 
-def fit_compute(samples: Sequence[LayerSample]) -> tuple[float, float, float]:
-    """(a1, b1, g) >= 0 minimising the relative error of a1 s^2 + b1 s + g against the measured times."""
-    if len(samples) < 3:
-        raise ValueError(f"fitting T(s) needs at least 3 sequence lengths, got {len(samples)}")
-    s = np.array([x.seq_len for x in samples], dtype=float)
-    t = np.array([x.seconds for x in samples], dtype=float)
-    basis = np.stack([s**2, s, np.ones_like(s)], axis=1)
-    scale = basis.max(axis=0)  # columns of similar size keep NNLS well conditioned
-    coef, _ = nnls(basis / scale / t[:, None], np.ones_like(t))
-    a1, b1, g = coef / scale
-    return float(a1), float(b1), float(g)
-
-
-def fit_activation(samples: Sequence[LayerSample]) -> tuple[float, float]:
-    """(a2, b2) >= 0: least squares of a2 s + b2 against the measured activation bytes."""
-    if len(samples) < 2:
-        raise ValueError(f"fitting Act(s) needs at least 2 sequence lengths, got {len(samples)}")
-    s = np.array([x.seq_len for x in samples], dtype=float)
-    act = np.array([x.activation_bytes for x in samples], dtype=float)
-    basis = np.stack([s, np.ones_like(s)], axis=1)
-    scale = basis.max(axis=0)
-    coef, _ = nnls(basis / scale, act)
-    a2, b2 = coef / scale
-    return float(a2), float(b2)
-
-
 def calibrate(
     *,
     shape: ModelShape,
@@ -245,16 +218,12 @@ def calibrate(
     samples = measure_layer(
         shape=shape, seq_lens=sorted(set(seq_lens)), device=device, dtype=dtype, repeats=repeats, recompute=recompute
     )
-    a1, b1, g = fit_compute(samples)
-    a2, b2 = fit_activation(samples)
+    seq_lens = [x.seq_len for x in samples]
     bandwidth = measure_bandwidth(device=device, nbytes=bandwidth_bytes, repeats=repeats)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    cost_model = CostModel(
-        a1=a1,
-        b1=b1,
-        g=g,
-        a2=a2,
-        b2=b2,
+    cost_model = fitted_cost_model(
+        fit_compute(seq_lens, [x.seconds for x in samples]),
+        fit_activation(seq_lens, [x.activation_bytes for x in samples]),
         kv_bytes_per_token=float(dtype_bytes * 2 * shape.kv_channels),
         activation_dtype_bytes=dtype_bytes,
         num_layers=shape.num_layers,

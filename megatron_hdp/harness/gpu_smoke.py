@@ -1,7 +1,7 @@
 """Two HDP training steps of a tiny bf16 GPT on this rank's GPU, over NCCL: the selftest's training run.
 
-    python -m megatron_hdp.megatron.gpu_smoke                                   # one GPU
-    torchrun --nproc-per-node N -m megatron_hdp.megatron.gpu_smoke              # every local GPU
+    python -m megatron_hdp.harness.gpu_smoke                                   # one GPU
+    torchrun --nproc-per-node N -m megatron_hdp.harness.gpu_smoke              # every local GPU
 
 `megatron-hdp selftest` runs both; it lives here because it builds a Megatron model (only
 `megatron_hdp/megatron/` imports Megatron).
@@ -15,9 +15,9 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from megatron_hdp.megatron.hand_plan import plan_from_rings
+from megatron_hdp.plan.hand_plan import plan_from_rings
 from megatron_hdp.megatron.initialize import initialize_hdp
-from megatron_hdp.megatron.model import build_gpt, tiny_llama_config
+from megatron_hdp.harness.model import build_gpt, tiny_llama_config
 from megatron_hdp.megatron.step import HDPTrainer
 
 

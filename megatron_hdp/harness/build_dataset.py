@@ -2,11 +2,11 @@
 
 Inputs: a seeded synthetic corpus (the demo's and the tests'), text files or JSONL, or token files.
 
-    python -m megatron_hdp.megatron.build_dataset --out data/corpus --synthetic lognormal --num-docs 2000 --vocab 512
-    python -m megatron_hdp.megatron.build_dataset --out data/byted --synthetic byted --num-docs 5000 --max-length 65536
-    python -m megatron_hdp.megatron.build_dataset --out data/text --text notes.txt README.md
-    python -m megatron_hdp.megatron.build_dataset --out data/web --jsonl pages.jsonl
-    python -m megatron_hdp.megatron.build_dataset --out data/tok --tokens ids.txt doc.npy
+    python -m megatron_hdp.harness.build_dataset --out data/corpus --synthetic lognormal --num-docs 2000 --vocab 512
+    python -m megatron_hdp.harness.build_dataset --out data/byted --synthetic byted --num-docs 5000 --max-length 65536
+    python -m megatron_hdp.harness.build_dataset --out data/text --text notes.txt README.md
+    python -m megatron_hdp.harness.build_dataset --out data/web --jsonl pages.jsonl
+    python -m megatron_hdp.harness.build_dataset --out data/tok --tokens ids.txt doc.npy
 
 Text is tokenized byte-level (token = UTF-8 byte, vocabulary 256): enough for demos and tests, not a
 real tokenizer — for real data use Megatron's `tools/preprocess_data.py`, whose output this project

@@ -1,8 +1,8 @@
 """Build a StepPlan from an explicit placement: which ranks hold each sequence, in which micro-batch slot.
 
 Tests and examples use it to pin down exactly the plan they exercise (whole, split, rings that overlap,
-ranks with different micro-batch counts) without depending on a planner's choices. Pure Python (no
-torch, no Megatron import) despite living next to the runtime that consumes the plans.
+ranks with different micro-batch counts) without depending on a planner's choices; the harnesses use it
+to time exactly the micro-batches they measure.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ def plan_from_rings(
     num_ranks: int,
     capacity: int,
     pp_size: int = 1,
+    vpp_size: int = 1,
     policy: str = "hand",
     offload_ratios: Optional[Sequence[float]] = None,
 ) -> StepPlan:
@@ -49,6 +50,7 @@ def plan_from_rings(
         num_ranks=num_ranks,
         capacity=capacity,
         pp_size=pp_size,
+        vpp_size=vpp_size,
         sequences=tuple(
             SequencePlacement(i, int(n), tuple(r), float(x)) for i, (n, r, x) in enumerate(zip(lengths, rings, ratios))
         ),

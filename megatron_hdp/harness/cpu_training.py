@@ -20,6 +20,14 @@ micro-batch and no barrier between micro-batches — or, for `megatron-hybrid-cp
 runs it (one pass per sub-sample, a barrier per group; its replay adds those barriers), Megatron's rules
 (`POLICY_RULES`) on its grouped plan — plus the measured per-step work the
 simulator does not model (plan check, collation, optimizer step).
+The fit is timed once, before the steps, but a shared host's CPU seconds per unit of work change over a
+run (other processes' load, contention, frequency): a fit timed under other conditions than the steps
+mis-predicts every policy alike (the run-wide drift of issue 24). So a probe — one whole document of C
+tokens per rank, timed like the fit — runs before and after the fit (their median: the fit's
+conditions) and before and after each round of steps (their mean: the round's), and each step's
+prediction is scaled by probe now / probe at the fit (`measure_speed_probe`); an
+out-of-sample prediction divides by the probe of the run that fitted its model. Rows keep the unscaled
+prediction too.
 Wall time is reported too; it measures the total work of all ranks on the shared cores.
 """
 
@@ -37,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import megatron_hdp.megatron  # noqa: F401  (registers megatron-hybrid-cp, which HYBRID_CP plans with)
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost_model import CostModel
 
@@ -45,7 +54,7 @@ logger = logging.getLogger(__name__)
 HYBRID_CP = "megatron-hybrid-cp"
 """Megatron's Hybrid-CP as Megatron executes it: its scheduler's plan run one forward/backward pass per
 sub-sample (<= C tokens per rank per pass), a barrier over all ranks after each group
-(`hybrid_cp_policy.per_subsample_plan`)."""
+(`plan.per_subsample.per_subsample_plan`)."""
 HYBRID_CP_GROUPED = "megatron-hybrid-cp-grouped"
 """Ours, not Megatron's: Megatron's grouping run through our runtime as one micro-batch per group and rank
 (up to several times C tokens per pass, no barrier): the planner policy `megatron-hybrid-cp` as is."""
@@ -114,6 +123,11 @@ class StepRow:
     that model and that run's all-reduce bandwidth and step overhead: an out-of-sample prediction."""
     predicted_time_in_run_fit: float
     """The same prediction with this run's own fit and measurements (in-sample)."""
+    speed_factor: float
+    """Probe seconds over this step's round / probe seconds at the fit that predicts it (this run's, or
+    the earlier run's for an out-of-sample prediction): `predicted_time` is scaled by it."""
+    speed_factor_in_run: float
+    """The same for this run's own fit (`predicted_time_in_run_fit` is scaled by it)."""
     planner_time: float
     """The planner's own estimate (`plan.est_step_time`)."""
     balance: float
@@ -145,7 +159,7 @@ def planned_batches(spec: CpuRunSpec, state, config: HDPConfig, cost_model: Cost
     from megatron_hdp.plan.planner import make_plan
 
     if spec.data_prefix is None:
-        from megatron_hdp.megatron.exactness import token_reader
+        from megatron_hdp.harness.exactness import token_reader
 
         for step, lengths in enumerate(global_batches(spec)):
             plan = make_plan(lengths, num_ranks=state.hdp_size, config=config, cost_model=cost_model,
@@ -169,7 +183,7 @@ def planned_batches(spec: CpuRunSpec, state, config: HDPConfig, cost_model: Cost
 
 
 def _model_config(spec: CpuRunSpec):
-    from megatron_hdp.megatron.model import tiny_llama_config
+    from megatron_hdp.harness.model import tiny_llama_config
 
     return tiny_llama_config(
         num_layers=spec.num_layers,
@@ -181,8 +195,8 @@ def _model_config(spec: CpuRunSpec):
 
 
 def _build(spec: CpuRunSpec, state):
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE
-    from megatron_hdp.megatron.model import build_gpt, wrap_for_training
+    from megatron_hdp.harness.exactness import VOCAB_SIZE
+    from megatron_hdp.harness.model import build_gpt, wrap_for_training
     from megatron_hdp.megatron.step import HDPTrainer
 
     torch.manual_seed(spec.seed)
@@ -196,7 +210,7 @@ def _microbatch_seconds(trainer, lengths: list[int], rings: list[tuple[int, ...]
     """Fewest CPU seconds (forward + backward) of this rank's first micro-batch over `repeats` HDP steps of
     the hand plan (`lengths` on `rings`, all in micro-batch 0), after one untimed step: the runtime's own
     path (collation, Megatron's schedule, DDP hooks), as the measured steps take it."""
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
 
     plan = plan_from_rings(lengths, rings, [0] * len(lengths), num_ranks=trainer.state.hdp_size, capacity=capacity)
     return min(run.forward[0] + run.backward[0] for run in _timed_runs(trainer, plan, repeats))
@@ -205,7 +219,7 @@ def _microbatch_seconds(trainer, lengths: list[int], rings: list[tuple[int, ...]
 def _timed_runs(trainer, plan, repeats: int) -> list:
     """BusyTimes of `repeats` HDP steps of the hand plan `plan` (tokens from `token_reader`), after one
     untimed step."""
-    from megatron_hdp.megatron.exactness import token_reader
+    from megatron_hdp.harness.exactness import token_reader
 
     runs = []
     for repeat in range(repeats + 1):
@@ -275,7 +289,7 @@ def measure_step_overhead(trainer, *, grad_bytes: int, allreduce_bandwidth: floa
     """CPU seconds of a step outside its micro-batches and its gradient all-reduce — plan check,
     collation, optimizer step — which `simulate_step` does not model: fewest over `repeats` steps of one
     short whole document per rank, median over ranks, less the all-reduce the simulator charges."""
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
     from megatron_hdp.sim.simulator import allreduce_time
 
     world = trainer.state.hdp_size
@@ -285,13 +299,24 @@ def measure_step_overhead(trainer, *, grad_bytes: int, allreduce_bandwidth: floa
     return max(0.0, _median_over_ranks(best) - charged)
 
 
+def measure_speed_probe(trainer, spec: CpuRunSpec, *, repeats: int = 3) -> float:
+    """CPU seconds of one whole document of C tokens per rank (median over ranks, fewest over `repeats`
+    runs, as the fit and the steps keep their fewest): the median of the probes before the fit, after it
+    and after the measurements that follow it is the fit's conditions, the mean of those before and after
+    a round of steps the round's; their ratio is how much slower the host runs the same work (module doc)."""
+    world = trainer.state.hdp_size
+    mine = _microbatch_seconds(trainer, [spec.capacity] * world, [(r,) for r in range(world)],
+                               capacity=spec.capacity, repeats=repeats)
+    return _median_over_ranks(mine)
+
+
 def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches: int = 6) -> float:
     """`CostModel.jitter`: how much the same phase varies from rank to rank, measured as the steps measure
     their phases. Every rank runs `microbatches` micro-batches of one whole document of C tokens each
     (identical work everywhere), `spec.timing_repeats` times after an untimed step, each phase keeping its
     fewest CPU seconds; the jitter is the median over (micro-batch, forward / backward) of the standard
     deviation over ranks divided by the mean."""
-    from megatron_hdp.megatron.hand_plan import plan_from_rings
+    from megatron_hdp.plan.hand_plan import plan_from_rings
 
     world = trainer.state.hdp_size
     lengths = [spec.capacity] * (world * microbatches)
@@ -307,8 +332,8 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     """The cost model of this model on this CPU, in CPU seconds of the runtime's own micro-batches (median
     over ranks, which run them at once):
 
-    - per layer T(s) = a1 s^2 + b1 s + g: non-negative least squares (relative error) over whole documents
-      of `spec.fit_lengths`, one per rank;
+    - per layer T(s) = a1 s^2 + b1 s + g: `plan.fit.fit_compute` (non-negative least squares, relative
+      error) over whole documents of `spec.fit_lengths`, one per rank;
     - `jitter` from `measure_jitter`;
     - ring link: bandwidth from `_ring_link`; the rest from ring micro-batches, each member holding C
       tokens: `ring_block_overhead` from n = 8 documents of k C / n tokens against one of k C on the
@@ -318,7 +343,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
       excess over T, median over k. On a CPU both are mostly software cost per ring step (message posting,
       one kernel call per block, the merge), which is why they are fitted, not taken from the ping-pong.
     """
-    from scipy.optimize import nnls
+    from megatron_hdp.plan.fit import fit_compute
 
     world, rank = trainer.state.hdp_size, trainer.state.hdp_rank
     alone = [(r,) for r in range(world)]
@@ -326,10 +351,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
         _median_over_ranks(_microbatch_seconds(trainer, [s] * world, alone, capacity=s, repeats=spec.fit_repeats))
         for s in spec.fit_lengths
     ])
-    s = np.asarray(spec.fit_lengths, dtype=np.float64)
-    t = measured / spec.num_layers
-    design = np.stack([s**2, s, np.ones_like(s)], axis=1) / t[:, None]
-    (a1, b1, g), _ = nnls(design, np.ones_like(s))
+    a1, b1, g = fit_compute(spec.fit_lengths, measured / spec.num_layers)
     bandwidth, link_latency = _ring_link()
     kv_channels = spec.hidden_size // spec.num_attention_heads * spec.num_query_groups
     kv_bytes = 4 * 2 * kv_channels
@@ -375,23 +397,26 @@ def silence_megatron_warnings() -> None:
 
 
 def _predicted_time(policy: str, plan, model: CostModel, *, grad_bytes: int, allreduce_bandwidth: float,
-                    step_overhead: float):
+                    step_overhead: float, speed_probe: float, probe_now: float):
     """The simulator's timeline of `plan` (our runtime's rules for every plan it runs as planned; Megatron's
-    for the one it runs per sub-sample) and the predicted step time (+ the per-step work it does not model)."""
+    for the one it runs per sub-sample), the predicted step time (+ the per-step work it does not model)
+    scaled by `probe_now / speed_probe` (module doc), and that factor."""
     from megatron_hdp.sim.simulator import POLICY_RULES, PolicyRules, simulate_step
 
     rules = POLICY_RULES[HYBRID_CP] if policy == HYBRID_CP else PolicyRules()
     timeline = simulate_step(plan, model, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth,
                              rules=rules)
-    return timeline, timeline.step_time + step_overhead
+    speed = probe_now / speed_probe
+    return timeline, (timeline.step_time + step_overhead) * speed, speed
 
 
 def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, grad_bytes: int, predict: dict,
-                  in_run: dict, run_plan=None, barriers=()) -> StepRow:
+                  in_run: dict, probe_now: float, run_plan=None, barriers=()) -> StepRow:
     """`plan` is the policy's plan; `run_plan` what ran (default: `plan`), with group `barriers`. Empty
     micro-batches of a `run_plan` are slots Megatron does not run: their measured times count as zero.
-    `predict` and `in_run`: {"model", "allreduce_bandwidth", "step_overhead"} to predict with (the same
-    dict unless a cost model came from outside the run)."""
+    `predict` and `in_run`: {"model", "allreduce_bandwidth", "step_overhead", "speed_probe"} to predict
+    with (the same dict unless a cost model came from outside the run); `probe_now`: the probe of this
+    step's round."""
     from megatron_hdp.sim.replay import dedicated_step_time
 
     run_plan = run_plan or plan
@@ -412,16 +437,18 @@ def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, grad_bytes:
         barriers_after=barriers,
     )
     busy = [b.before + sum(b.forward) + sum(b.backward) + b.after for b in busy_by_rank]
-    timeline, predicted = _predicted_time(policy, plan, grad_bytes=grad_bytes, **predict)
-    _, predicted_in_run = _predicted_time(policy, plan, grad_bytes=grad_bytes, **in_run)
+    timeline, predicted, speed = _predicted_time(policy, plan, grad_bytes=grad_bytes, probe_now=probe_now, **predict)
+    _, predicted_in_run, speed_in_run = _predicted_time(policy, plan, grad_bytes=grad_bytes, probe_now=probe_now,
+                                                        **in_run)
     compute = [sum(b.forward) + sum(b.backward) for b in busy_by_rank]
     per_rank = {
         "compute": compute, "before": [b.before for b in busy_by_rank], "after": [b.after for b in busy_by_rank],
-        "predicted_compute": timeline.busy.tolist(),
+        "predicted_compute": (timeline.busy * speed).tolist(),
     }
     return StepRow(
         policy=policy, step=step, loss=stats.loss, step_time=dedicated, wall_time=stats.step_time,
         max_busy_time=max(busy), predicted_time=predicted, predicted_time_in_run_fit=predicted_in_run,
+        speed_factor=speed, speed_factor_in_run=speed_in_run,
         planner_time=plan.est_step_time,
         balance=max(compute) / statistics.mean(compute), num_rings=stats.num_rings,
         ring_sizes=plan.summary().ring_sizes, attention_bytes=stats.attention_bytes,
@@ -451,22 +478,27 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     "allreduce_bandwidth" and "step_overhead" of `measured` where given (another run's): predictions out
     of sample; every row also carries the in-run fit's prediction. Returns {"planned_with": timing,
     "in_run_fit": timing, "grad_bytes": int, "rows": [StepRow as dict]} (rows filled on rank 0 only), a
-    timing being {"cost_model": dict, "allreduce_bandwidth": float, "step_overhead": float}: what planned
+    timing being {"cost_model": dict, "allreduce_bandwidth": float, "step_overhead": float, "speed_probe":
+    float}: what planned
     and predicted, and what this run measured (the same when nothing came from outside).
     """
     silence_megatron_warnings()
-    from megatron_hdp.megatron.hybrid_cp_policy import per_subsample_plan
+    from megatron_hdp.plan.per_subsample import per_subsample_plan
     from megatron_hdp.megatron.initialize import initialize_hdp
 
     state = initialize_hdp(seed=spec.seed)
     config = HDPConfig(hdp=True, hdp_capacity=spec.capacity, hdp_offload=False)
     first = _build(spec, state)
+    probes = [measure_speed_probe(first, spec)]  # around the fit, so that their median is the fit's conditions
     fitted = fit_cost_model(first, spec)
+    probes.append(measure_speed_probe(first, spec))
     model = CostModel.from_dict(cost_model) if cost_model else fitted
     grad_bytes = grad_buffer_bytes(first)
     allreduce_bandwidth = measure_allreduce_bandwidth(grad_bytes)
     step_overhead = measure_step_overhead(first, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth)
-    in_run = {"model": fitted, "allreduce_bandwidth": allreduce_bandwidth, "step_overhead": step_overhead}
+    probes.append(measure_speed_probe(first, spec))
+    in_run = {"model": fitted, "allreduce_bandwidth": allreduce_bandwidth, "step_overhead": step_overhead,
+              "speed_probe": statistics.median(probes)}
     predict = {**in_run, "model": model, **{k: v for k, v in (measured or {}).items() if k in in_run}}
     rows = []
     # The policies take turns step by step (each its own model, built from the same seed), so that a
@@ -474,6 +506,8 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     trainers = [_build(spec, state) for _ in spec.policies]
     batches = [planned_batches(spec, state, config, model, policy) for policy in spec.policies]
     for step, planned in enumerate(zip(*batches)):
+        probe_before = measure_speed_probe(first, spec)  # the host's speed over this round (module doc)
+        measured_round = []
         for policy, trainer, (plan, read_tokens) in zip(spec.policies, trainers, planned):
             run_plan, barriers = per_subsample_plan(plan) if policy == HYBRID_CP else (plan, ())
             stats = trainer.step(run_plan, read_tokens)
@@ -484,9 +518,12 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
                 stats = dataclasses.replace(stats, step_time=min(stats.step_time, wall))
             busy_by_rank = [None] * world_size
             dist.all_gather_object(busy_by_rank, _fastest(runs))
-            if step >= spec.warmup_steps and rank == 0:
+            measured_round.append((policy, plan, stats, busy_by_rank, run_plan, barriers))
+        probe_now = (probe_before + measure_speed_probe(first, spec)) / 2
+        if step >= spec.warmup_steps and rank == 0:
+            for policy, plan, stats, busy_by_rank, run_plan, barriers in measured_round:
                 row = _measured_row(policy, step - spec.warmup_steps, plan, stats, busy_by_rank, grad_bytes,
-                                    predict, in_run, run_plan, barriers)
+                                    predict, in_run, probe_now, run_plan, barriers)
                 rows.append(asdict(row))
     for generator in batches:
         generator.close()  # leaves the HDP loaders' contexts
@@ -497,4 +534,4 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
 def _timing_record(timing: dict) -> dict:
     """A {"model": CostModel, "allreduce_bandwidth", "step_overhead"} set as JSON-ready values."""
     return {"cost_model": timing["model"].to_dict(), "allreduce_bandwidth": timing["allreduce_bandwidth"],
-            "step_overhead": timing["step_overhead"]}
+            "step_overhead": timing["step_overhead"], "speed_probe": timing["speed_probe"]}

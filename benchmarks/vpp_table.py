@@ -1,0 +1,178 @@
+"""Issue 23's table re-run with virtual pipeline stages: llama-70b on 16,384 GPUs (TP 8, PP 4), 2M context.
+
+    python benchmarks/vpp_table.py                       # VPP 1, 2, 4, 5, 10; github and byted; 2 steps (~20 min)
+    python benchmarks/vpp_table.py --vpp 1,5 --steps 1 --no-readme
+    python benchmarks/vpp_table.py --render              # rewrite the README table from the saved JSON
+
+Each VPP runs `compare_policies` (the `megatron-hdp simulate` path: sampled batches, `make_plan`, the
+step simulator) with every pipeline stage split into that many model chunks (Megatron's interleaved
+schedule, `plan/interleaved.py`). The global batch is fixed at 4 x 16K x 512 tokens, the VPP 1 default,
+so every row plans the same batches; C follows each VPP's activation memory
+(`ClusterSpec.memory_capacity`). Writes benchmarks/results/vpp_table.json (with the command and the
+date) and the table between the vpp_table markers of benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from megatron_hdp.plan.lengths import sample_global_batch
+from megatron_hdp.plan.sharding import fastest_ring_size, shard_time
+from megatron_hdp.sim.cluster import ClusterSpec
+from megatron_hdp.sim.compare import compare_policies, compute_floor
+from megatron_hdp.sim.simulator import allreduce_time
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "vpp_table.json"
+README = HERE / "README.md"
+BEGIN, END = "<!-- vpp_table:begin -->", "<!-- vpp_table:end -->"
+
+MODEL, GPUS, TP, PP, CONTEXT = "llama-70b", 16384, 8, 4, 2 * 1024 * 1024
+GLOBAL_BATCH = 4 * 16384 * (GPUS // (TP * PP))
+DISTRIBUTIONS = ("github", "byted")
+POLICIES = ("static", "balance")
+TARGETS = {"github": 3.6, "byted": 3.4}
+"""Issue 23's done-when: balance with the best VPP over static, or within 15% of the compute floor."""
+FLOOR_MARGIN = 0.15
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vpp", default="1,2,4,5,10", help="comma-separated virtual stages per pipeline stage")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
+    parser.add_argument("--steps", type=int, default=2, help="sampled global batches per cell")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-readme", action="store_true", help="do not rewrite benchmarks/README.md")
+    parser.add_argument("--out", default=str(RESULTS), help="result JSON")
+    parser.add_argument("--render", action="store_true", help=f"simulate nothing: rebuild the README from {RESULTS.name}")
+    return parser.parse_args(argv)
+
+
+def run_cells(vpps: list[int], policies: list[str], *, steps: int, seed: int) -> list[dict]:
+    """Every (mix, VPP) cell: the compare_policies result as a dict."""
+    cells = []
+    for dist, vpp in tqdm([(d, v) for d in DISTRIBUTIONS for v in vpps], desc="vpp table", unit="cell"):
+        spec = ClusterSpec(MODEL, num_gpus=GPUS, tp_size=TP, pp_size=PP, vpp_size=vpp)
+        started = time.perf_counter()
+        result = compare_policies(spec, context=CONTEXT, distribution=dist, global_batch_tokens=GLOBAL_BATCH,
+                                  policies=policies, steps=steps, seed=seed, progress=False)
+        cell = result.to_dict()
+        cell["wall_seconds"] = time.perf_counter() - started
+        cells.append(cell)
+    return cells
+
+
+def crossing_bound(dist: str, *, steps: int, seed: int) -> float:
+    """Tokens/s no plan beats once ring traffic counts: per step, the compute floor or the longest
+    document's crossing, whichever is longer, plus the all-reduce. The longest document's ring member
+    takes at least H per stage at its fastest ring size (beyond it the exposed ring traffic grows), and
+    its forward and backward cross the pp stages one after the other: pp x H, whatever the VPP."""
+    spec = ClusterSpec(MODEL, num_gpus=GPUS, tp_size=TP, pp_size=PP)
+    cost = spec.cost_model()
+    allreduce = allreduce_time(grad_bytes=spec.grad_bytes, num_ranks=spec.num_ranks,
+                               bandwidth=spec.grad_allreduce_bandwidth)
+    tokens = seconds = 0.0
+    for step in range(steps):
+        lengths = sample_global_batch(dist, num_tokens=GLOBAL_BATCH, seed=seed + step, max_length=CONTEXT)
+        longest = max(lengths)
+
+        def member(k: int) -> float:
+            return shard_time(cost, seq_len=longest, num_tokens=-(-longest // k), ring_size=k, pp_size=PP)
+
+        fewest = -(-longest // spec.rank_capacity)
+        best = member(fastest_ring_size(member, lo=fewest, hi=max(fewest, min(spec.num_ranks, longest // 2))))
+        floor = compute_floor(lengths, cost, num_ranks=spec.num_ranks, pp_size=PP)
+        tokens += sum(lengths)
+        seconds += max(floor, PP * best) + allreduce
+    return tokens / seconds
+
+
+def markdown(cells: list[dict]) -> str:
+    """One row per (mix, VPP); speedups over static at the same VPP and over static at VPP 1."""
+    policies = [p for p in cells[0]["policies"] if p != "static"]
+    head = ("| mix | VPP | C | static tokens/s | " + " | ".join(f"{p} (x static, x static VPP 1)" for p in policies)
+            + " | compute floor (x static VPP 1) | balance / floor | balance idle | of which bubble |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for cell in cells:
+        setup, stats = cell["setup"], cell["policies"]
+        base = next(c for c in cells if c["setup"]["distribution"] == setup["distribution"]
+                    and c["setup"]["vpp_size"] == 1)["policies"]["static"]["tokens_per_second"]
+        entries = []
+        for p in policies:
+            s = stats[p]
+            entries.append("n/a" if s["error"] else
+                           f"{s['speedup']:.2f}x, **{s['tokens_per_second'] / base:.2f}x**")
+        balance = stats["balance"]
+        rows.append(f"| {setup['distribution']} | {setup['vpp_size']} | {setup['capacity'] // 1024}K | "
+                    f"{stats['static']['tokens_per_second']:,.0f} | " + " | ".join(entries) + " | "
+                    f"{cell['floor_tokens_per_second'] / base:.2f}x | "
+                    f"{balance['tokens_per_second'] / cell['floor_tokens_per_second']:.0%} | "
+                    f"{balance['idle_fraction']:.0%} | {balance['bubble_fraction']:.0%} |")
+    return "\n".join(rows)
+
+
+def verdict(cells: list[dict], crossing: dict[str, float]) -> str:
+    """Issue 23's done-when per mix, with the best VPP, and the bound the longest document sets."""
+    lines = []
+    for dist in DISTRIBUTIONS:
+        mine = [c for c in cells if c["setup"]["distribution"] == dist]
+        base = next(c for c in mine if c["setup"]["vpp_size"] == 1)["policies"]["static"]["tokens_per_second"]
+        best = max(mine, key=lambda c: c["policies"]["balance"]["tokens_per_second"])
+        tps = best["policies"]["balance"]["tokens_per_second"]
+        of_floor = tps / best["floor_tokens_per_second"]
+        met = tps / base >= TARGETS[dist] or of_floor >= 1 - FLOOR_MARGIN
+        lines.append(f"- {dist}: best VPP {best['setup']['vpp_size']}, balance {tps / base:.2f}x static VPP 1 "
+                     f"({best['policies']['balance']['speedup']:.2f}x static at that VPP), {of_floor:.0%} of the "
+                     f"compute floor: target {TARGETS[dist]}x or >= {1 - FLOOR_MARGIN:.0%} of the floor "
+                     f"{'met' if met else 'not met'}. The longest document's crossing bounds any plan at "
+                     f"{crossing[dist] / base:.2f}x static VPP 1 ({crossing[dist] / best['floor_tokens_per_second']:.0%} "
+                     f"of the compute floor); balance reaches {tps / crossing[dist]:.0%} of that bound.")
+    return "\n".join(lines)
+
+
+def render(data: dict) -> str:
+    return (f"_Generated by `{data['command']}` on {data['date']}._\n\n{markdown(data['cells'])}\n\n"
+            f"{verdict(data['cells'], data['crossing_bound'])}\n")
+
+
+def write_readme(section: str) -> None:
+    """Replace the text between the vpp_table markers of benchmarks/README.md."""
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{README} has no {BEGIN} ... {END} section to fill")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    README.write_text(head + BEGIN + "\n" + section + END + tail)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    if args.render:
+        data = json.loads(RESULTS.read_text())
+    else:
+        vpps = [int(v) for v in args.vpp.split(",")]
+        if 1 not in vpps:
+            raise SystemExit("--vpp must include 1 (the speedups are also given over static at VPP 1)")
+        cells = run_cells(vpps, args.policies.split(","), steps=args.steps, seed=args.seed)
+        crossing = {dist: crossing_bound(dist, steps=args.steps, seed=args.seed) for dist in DISTRIBUTIONS}
+        data = {"command": "python benchmarks/vpp_table.py " + " ".join(argv), "date": datetime.date.today().isoformat(),
+                "machine": platform.platform(), "cells": cells, "crossing_bound": crossing}
+        out.write_text(json.dumps(data, indent=2) + "\n")
+    section = render(data)
+    print(section)
+    if not args.no_readme:
+        write_readme(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
