@@ -30,7 +30,7 @@ def test_plan_alone_registers_only_its_own_policies():
             "print(','.join(POLICIES)); sys.exit('megatron_hdp.megatron' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO, env=ENV)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["balance,naive,static"]
+    assert result.stdout.split() == ["balance,naive,naive-offload,static"]
 
 
 def test_megatron_layer_registers_hybrid_cp_and_it_plans_as_the_adapter():
@@ -38,7 +38,7 @@ def test_megatron_layer_registers_hybrid_cp_and_it_plans_as_the_adapter():
     import megatron_hdp.megatron  # noqa: F401
     from megatron_hdp.megatron.hybrid_cp_policy import plan_megatron_hybrid_cp
 
-    assert "megatron-hybrid-cp" in POLICIES
+    assert "megatron-hybrid-cp" in POLICIES and "megatron-dynamic-cp" in POLICIES
     config = HDPConfig(hdp_capacity=4096, hdp_policy="megatron-hybrid-cp")
     registered = make_plan(LENGTHS, num_ranks=8, config=config, cost_model=CM)
     direct = plan_megatron_hybrid_cp(LENGTHS, num_ranks=8, config=config, cost_model=CM, pp_size=1)
