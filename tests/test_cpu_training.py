@@ -52,9 +52,9 @@ def ranks() -> list[dict]:
 
 
 def test_blocked_gloo_wait_uses_no_cpu(ranks) -> None:
-    """README / benchmarks/README.md: a 2 s blocked wait costs < 10 ms of process time (2-3 ms measured at
-    a load average of 58 on the 2-core host)."""
-    assert all(seconds < 0.010 for seconds in ranks[0]["wait_cpu"].values()), ranks[0]["wait_cpu"]
+    """benchmarks/README.md: a 2 s blocked wait costs < 25 ms of process time, about 1% of a busy wait's 2 s
+    (2-3 ms measured at a load average of 58 on the 2-core host, up to 11 ms in a CI run beside other work)."""
+    assert all(seconds < 0.025 for seconds in ranks[0]["wait_cpu"].values()), ranks[0]["wait_cpu"]
 
 
 def test_megatron_warnings_silenced(ranks) -> None:

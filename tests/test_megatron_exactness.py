@@ -264,9 +264,9 @@ def _megatron_window_mask_on_cpu():
 
 def _window_reference(rank, world_size):
     """The dense reference of `_reference` with `WINDOW`: Megatron's DotProductAttention masks the window."""
-    from megatron_hdp.megatron.exactness import VOCAB_SIZE, full_weights, reference_steps
+    from megatron_hdp.harness.exactness import VOCAB_SIZE, full_weights, reference_steps
     from megatron_hdp.megatron.initialize import destroy_hdp
-    from megatron_hdp.megatron.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config, wrap_for_training
 
     _megatron_window_mask_on_cpu()
     _init()
