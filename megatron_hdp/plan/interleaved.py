@@ -147,15 +147,20 @@ def dependency(op: Op, *, stage: int, pp_size: int, vpp_size: int) -> tuple[int,
     return (0, ("B", chunk + 1, mb)) if chunk < vpp_size - 1 else (stage, ("F", chunk, mb))
 
 
+def _root(parent: list[int], x: int) -> int:
+    """Union-find root of `x` in `parent`, halving the path on the way."""
+    while parent[x] != x:
+        parent[x] = parent[parent[x]]
+        x = parent[x]
+    return x
+
+
 def linked_sets(num_pipelines: int, rings: Iterable[Ring]) -> list[list[int]]:
     """The pipelines linked by rings, directly or through others (each pipeline in exactly one set)."""
     parent = list(range(num_pipelines))
 
     def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+        return _root(parent, x)
 
     for _, members in rings:
         members = list(members)
@@ -228,10 +233,7 @@ def deadlock_cycle(counts: Sequence[int], *, rings: Iterable[Ring], pp_size: int
     parent = list(range(len(node)))
 
     def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+        return _root(parent, x)
 
     for mb, members in rings:
         members = list(members)
