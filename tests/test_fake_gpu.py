@@ -152,6 +152,35 @@ def test_ranks_with_different_microbatch_counts_post_the_same_collectives(guard_
         assert logs[0][key] == logs[1][key], f"communicator {key}: rank 0 posted {logs[0][key]}, rank 1 {logs[1][key]}"
 
 
+def test_windowed_rings_post_matching_p2p_on_fake_gpu(guard_library, tmp_path):
+    """A causal sliding window (Megatron's `window_size=(12, 0)` on layer 1, layer 2 full) under HDP, two
+    steps as each of 4 played ranks (`fake_gpu_scenarios.window_ring`): a ring over all 4 ranks whose
+    window reaches two of the three other positions' K/V (direct sends, `RingPlan.direct`), a ring over 3
+    in another order, whole documents. Inside each rank: no CPU tensor in NCCL, no host sync or blocking
+    copy inside a layer, none between a micro-batch's transfer and its backward. Across the ranks: every
+    P2P send meets its receive in order with the same size and dtype, every rank's NCCL group calls
+    complete (no deadlock), and all ranks post the same collectives on the communicators they share."""
+    import json
+
+    import fake_gpu
+    from fake_gpu_scenarios import WINDOW_WORLD
+
+    paths = [tmp_path / f"rank{rank}.json" for rank in range(WINDOW_WORLD)]
+    _run_ranks(guard_library, "window_ring", [(str(rank), str(path)) for rank, path in enumerate(paths)])
+    logs = [json.loads(path.read_text()) for path in paths]
+    world = ",".join(map(str, range(WINDOW_WORLD))) + "#0"  # the default group: the rings' communicator
+    assert set().union(*(log["p2p"] for log in logs)) == {world}, [list(log["p2p"]) for log in logs]
+    problems = fake_gpu.p2p_problems({rank: log["p2p"][world] for rank, log in enumerate(logs)})
+    assert not problems, "\n".join(problems)
+    # the windowed ring's hop of 2 (position 3 -> 1 of ring 0,1,2,3): only a direct plan sends there
+    assert any(op[:2] == ["send", 1] for call in logs[3]["p2p"][world] for op in call), "no direct send 3 -> 1"
+    shared = set(logs[0]["collectives"]).intersection(*(log["collectives"] for log in logs[1:]))
+    assert world in shared
+    for key in shared:
+        posted = [log["collectives"][key] for log in logs]
+        assert all(p == posted[0] for p in posted), f"communicator {key}: {posted}"
+
+
 def test_p2p_rules_catch_what_nccl_would_not_survive():
     """`fake_gpu.p2p_problems` on hand-written logs of 3 ranks: a ring step (each rank one group call
     sending to the next and receiving from the previous) passes; a receive of another size or dtype, a
