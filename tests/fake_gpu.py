@@ -470,9 +470,11 @@ def p2p_problems(logs: dict[int, list[list[list]]]) -> list[str]:
     for rank, calls in logs.items():
         index = head[rank]
         if index < len(calls):
-            waits = [f"{kind} {'to' if kind == 'send' else 'from'} rank {peer} (in its call #{partner[rank, index, op][1]}"
-                     f", it runs #{head[peer]})"
-                     for op, (kind, peer, _, _) in enumerate(calls[index]) if (rank, index, op) not in done]
+            waits = [
+                f"{kind} {'to' if kind == 'send' else 'from'} rank {peer} (in its call "
+                f"#{partner[rank, index, op][1]}, it runs #{head[peer]})"
+                for op, (kind, peer, _, _) in enumerate(calls[index]) if (rank, index, op) not in done
+            ]
             problems.append(f"deadlock: rank {rank}'s NCCL group call #{index} waits on {'; '.join(waits)}")
     return problems
 
