@@ -16,7 +16,9 @@ and it patches torch.cuda for the life of the process). What they catch, before 
   non-blocking transfer and its backward (`fake_gpu.blocking_copies_in_microbatches`);
 * the `install()` path (`install_step`): micro-batches handed to Megatron's schedule from pageable
   memory, ring plans (cu_seqlens, row indices) first copied to the GPU inside a layer whenever the
-  documents change, and the telemetry gather putting a CPU tensor into an NCCL all-gather.
+  documents change, and the telemetry gather putting a CPU tensor into an NCCL all-gather;
+* sliding windows (`window_ring`, 4 played ranks, P2P matched across them by `fake_gpu.p2p_problems`):
+  flex's window mask copying each ring piece's shifts from the host inside the first windowed layer.
 """
 
 import os
