@@ -19,7 +19,13 @@ What it is made of (test-only; nothing here is importable from the package):
   creates the communicator on a group's first call with all ranks taking part). Every group logs its
   operations (`collective_log`): several processes, each playing one rank of the same world, write
   their logs, and a test compares them (NCCL pairs the n-th collective of every member of a
-  communicator, so members that post different sequences hang or mix data).
+  communicator, so members that post different sequences hang or mix data). P2P sends and receives
+  are logged apart (`p2p_log`: per NCCL group call, each op's peer, size and dtype) and
+  `p2p_problems` checks the logs of all played ranks against NCCL's P2P rules: the n-th send from a to
+  b meets the n-th receive on b from a, with the same size and dtype, and the group calls of all ranks,
+  executed in order on each rank's communicator stream, all complete (none waits on a peer's later call).
+* compiled flex attention (Inductor cannot compile for a fake GPU) is its uncompiled higher-order op:
+  under fake tensors both are shape propagation, and the harness's own dispatch passes it through.
 * `torch.cuda` answers as one H100 would (available, capability 9.0, current device 0).
 
 Run a scenario in a fresh interpreter: `python tests/fake_gpu.py <library.so> <scenario>` (see
@@ -71,6 +77,9 @@ class NcclRuleError(RuntimeError):
 
 COMMUNICATORS: list = []
 """Every `NcclRulesGroup` of this process in creation order; `ranks` is set by `install`'s new_group."""
+
+_BATCH: list = [None]
+"""A fresh token while a `batch_isend_irecv` runs (its ops are one NCCL group call), else None."""
 
 _LAYER_DEPTH = [0]
 """How many transformer layers' forwards are running (set by module hooks in `install`)."""
@@ -152,6 +161,9 @@ def install(*, world_size: int, rank: int):
     class HostAndDevice(TorchDispatchMode):
         """Real CPU work stays real; host-to-device copies become fake CUDA tensors; host syncs checked."""
 
+        supports_higher_order_operators = True
+        """Higher-order operators (flex attention) pass through to FakeTensorMode's rules for them."""
+
         def __init__(self) -> None:
             super().__init__()
             self.h2d: list[dict] = []
@@ -172,6 +184,8 @@ def install(*, world_size: int, rank: int):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                return func(*args, **kwargs)
             self.clock += 1
             if threading.current_thread() is not threading.main_thread():
                 self.backward_ops.append(self.clock)
@@ -255,6 +269,9 @@ def install(*, world_size: int, rank: int):
             """Each operation as 'name numel,numel,...' (what NCCL matches across the members)."""
             self.ranks: tuple[int, ...] | None = None
             """Global ranks of the group (labelled by `install`'s new_group)."""
+            self.p2p: list[list[list]] = []
+            """P2P ops per NCCL group call, in posting order: [kind, peer global rank, numel, dtype]."""
+            self._batch = None
             COMMUNICATORS.append(self)
 
         def size(self) -> int:
@@ -319,11 +336,21 @@ def install(*, world_size: int, rank: int):
         def barrier(self, opts=None):
             return self._check("barrier", [])
 
+        def _p2p(self, kind: str, tensors, peer: int):
+            work = self._check(kind, tensors, peer=peer)
+            op = [kind, self.ranks[peer] if self.ranks else peer, sum(t.numel() for t in tensors),
+                  str(tensors[0].dtype).removeprefix("torch.")]
+            if _BATCH[0] is None or self._batch is not _BATCH[0]:  # a new NCCL group call
+                self.p2p.append([])
+            self._batch = _BATCH[0]
+            self.p2p[-1].append(op)
+            return work
+
         def send(self, tensors, dst, tag=0):
-            return self._check("send", tensors, peer=dst)
+            return self._p2p("send", tensors, dst)
 
         def recv(self, tensors, src, tag=0):
-            return self._check("recv", tensors, peer=src)
+            return self._p2p("recv", tensors, src)
 
     def create(store, group_rank, group_size, timeout):
         return NcclRulesGroup(group_rank, group_size)
@@ -346,6 +373,8 @@ def install(*, world_size: int, rank: int):
 
     dist.new_group = new_group
     dist.all_gather_object = _all_gather_object_on_cuda(dist, torch)
+    dist.batch_isend_irecv = _one_nccl_group_call(dist.batch_isend_irecv)
+    _uncompiled_flex_attention()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake_nccl", store=FakeStore(), rank=rank, world_size=world_size)
@@ -371,15 +400,83 @@ def install(*, world_size: int, rank: int):
 
 def collective_log() -> dict[str, list[str]]:
     """The collectives (P2P sends/receives left out) each NCCL-rules group of this process posted, in
-    order, keyed 'ranks#k': the k-th group created over those global ranks (every member creates the
-    groups in the same order, so a key names one communicator in every process that plays a member)."""
-    log, seen = {}, {}
+    order, keyed 'ranks#k' (`_communicator_keys`)."""
+    return {
+        key: [op for op in c.ops if not op.startswith(("send ", "recv "))]
+        for key, c in zip(_communicator_keys(), COMMUNICATORS)
+    }
+
+
+def _communicator_keys() -> list[str]:
+    """'ranks#k' of every NCCL-rules group of this process, in creation order: the k-th group created
+    over those global ranks (every member creates the groups in the same order, so a key names one
+    communicator in every process that plays a member)."""
+    keys, seen = [], {}
     for communicator in COMMUNICATORS:
         ranks = ",".join(map(str, communicator.ranks or ()))
-        key = f"{ranks}#{seen.setdefault(ranks, 0)}"
+        keys.append(f"{ranks}#{seen.setdefault(ranks, 0)}")
         seen[ranks] += 1
-        log[key] = [op for op in communicator.ops if not op.startswith(("send ", "recv "))]
-    return log
+    return keys
+
+
+def p2p_log() -> dict[str, list[list[list]]]:
+    """The P2P ops each NCCL-rules group of this process posted, per NCCL group call (a
+    `batch_isend_irecv`, or one lone send/recv), keyed as `collective_log`; groups without P2P left out."""
+    return {key: c.p2p for key, c in zip(_communicator_keys(), COMMUNICATORS) if c.p2p}
+
+
+def p2p_problems(logs: dict[int, list[list[list]]]) -> list[str]:
+    """What NCCL would do wrong with the P2P group calls `logs[rank]` (one communicator, every rank that
+    posted on it, from `p2p_log`): the n-th send from a to b is matched with the n-th receive on b from a
+    (a different size or dtype: corrupt data or a hang; one without a partner: a hang), and each rank's
+    group calls run one after another on its communicator's stream, an op completing once its partner's
+    call runs too (a call whose partner sits behind a call that waits on this rank's later one: a
+    deadlock). Empty when every call completes. Pure Python: the logs come from other processes."""
+    posted: dict[tuple, list[tuple]] = {}  # (kind, src, dst) -> (rank, call, op, numel, dtype), in order
+    for rank, calls in logs.items():
+        for index, call in enumerate(calls):
+            for op, (kind, peer, numel, dtype) in enumerate(call):
+                pair = (rank, peer) if kind == "send" else (peer, rank)
+                posted.setdefault((kind, *pair), []).append((rank, index, op, numel, dtype))
+    problems, partner = [], {}
+    for src, dst in sorted({key[1:] for key in posted}):
+        sends, recvs = posted.get(("send", src, dst), []), posted.get(("recv", src, dst), [])
+        for n, (send, recv) in enumerate(zip(sends, recvs)):
+            if send[3:] != recv[3:]:
+                problems.append(f"send #{n} from rank {src} to rank {dst}: {send[3]} {send[4]} sent, "
+                                f"{recv[3]} {recv[4]} received")
+            partner[send[:3]], partner[recv[:3]] = recv[:3], send[:3]
+        if len(sends) != len(recvs):
+            problems.append(f"rank {src} posts {len(sends)} sends to rank {dst}, rank {dst} {len(recvs)} "
+                            f"receives from rank {src}: the rest wait forever")
+    if problems:
+        return problems
+    head = dict.fromkeys(logs, 0)  # each rank's running group call
+    done: set[tuple[int, int, int]] = set()
+    progress = True
+    while progress:
+        progress = False
+        for rank, calls in logs.items():
+            index = head[rank]
+            if index == len(calls):
+                continue
+            for op in range(len(calls[index])):
+                peer, peer_index, peer_op = partner[rank, index, op]
+                if head[peer] == peer_index:
+                    done.update({(rank, index, op), (peer, peer_index, peer_op)})
+            if all((rank, index, op) in done for op in range(len(calls[index]))):
+                head[rank] += 1
+                progress = True
+    for rank, calls in logs.items():
+        index = head[rank]
+        if index < len(calls):
+            waits = [
+                f"{kind} {'to' if kind == 'send' else 'from'} rank {peer} (in its call "
+                f"#{partner[rank, index, op][1]}, it runs #{head[peer]})"
+                for op, (kind, peer, _, _) in enumerate(calls[index]) if (rank, index, op) not in done
+            ]
+            problems.append(f"deadlock: rank {rank}'s NCCL group call #{index} waits on {'; '.join(waits)}")
+    return problems
 
 
 def blocking_copies_in_microbatches(mode, *, code: str = CODE[0]) -> list[dict]:
@@ -399,6 +496,31 @@ def blocking_copies_in_microbatches(mode, *, code: str = CODE[0]) -> list[dict]:
         if code in c["where"] and not (c["pinned"] and c["non_blocking"])
         and any(a < c["clock"] < b for a, b in windows)
     ]
+
+
+def _one_nccl_group_call(batch_isend_irecv):
+    """`dist.batch_isend_irecv` marking its ops as one group call in the P2P logs (NCCL runs a batch as
+    one ncclGroupStart/End; the harness's group, not NCCL's own class, gets them one by one)."""
+
+    def batched(p2p_op_list):
+        _BATCH[0] = object()
+        try:
+            return batch_isend_irecv(p2p_op_list)
+        finally:
+            _BATCH[0] = None
+
+    return batched
+
+
+def _uncompiled_flex_attention() -> None:
+    """Compiled flex attention (`megatron_hdp.attention.backends.flex`) as flex's uncompiled higher-order
+    op: Inductor cannot compile kernels for a fake GPU, and under fake tensors both only propagate shapes."""
+    import torch.nn.attention.flex_attention as flex_attention
+
+    from megatron_hdp.attention.backends import flex
+
+    flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True  # the op itself, not an eager compile
+    flex._compiled_flex = lambda: flex_attention.flex_attention
 
 
 def _all_gather_object_on_cuda(dist, torch):

@@ -161,6 +161,68 @@ def fp8_collectives(rank: str, recipe: str, tp_only_amax_red: str, log_path: str
         json.dump(result, out, indent=1)
 
 
+WINDOW = 12
+"""Sliding window of the `window_ring` scenario: 1.5 zigzag chunks of its 64-token document on 4 ranks."""
+WINDOW_WORLD = 4
+WINDOW_PLAN = dict(
+    lengths=[64, 40, 11, 9, 13, 7],
+    rings=[(0, 1, 2, 3), (2, 0, 1), (0,), (3,), (3,), (1,)],
+    slots=[0, 0, 0, 0, 1, 1],
+)
+"""A ring over all 4 ranks (one document of 64 tokens: 8 zigzag chunks of 8, each query sees the 12
+keys before it, so position 0 (chunks 0, 7) needs the K/V of positions 1 and 2 but not 3, position 3
+(chunks 3, 4) those of 1 and 2 but not 0, positions 1 and 2 all three), a ring over 3 of them in
+another order, whole documents, and ranks with 1 or 2 micro-batches."""
+
+
+def window_ring(rank: str, log_path: str) -> None:
+    """Two HDP steps of a bf16 GPTModel with a causal sliding window on its first layer (Megatron's
+    `window_size=(WINDOW, 0)`, `window_attn_skip_freq=2`: layer 2 is full causal, so both the direct
+    windowed ring and the neighbour relay run in every step), attention backend "auto" (whole documents
+    and aligned ring pieces on torch varlen, ring pieces at offsets on flex), as HDP rank `rank` of
+    `WINDOW_WORLD` of `WINDOW_PLAN`. Checks this rank's host-to-device copies over both steps (a ring
+    plan, or a kernel's table, first made inside a layer shows up in the first) and writes its P2P and
+    collective logs as JSON for the test to match across ranks (`fake_gpu.p2p_problems`)."""
+    import dataclasses
+    import json
+
+    import torch
+    import fake_gpu
+
+    me = int(rank)
+    mode = fake_gpu.install(world_size=WINDOW_WORLD, rank=me)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_hdp.harness.model import build_gpt, tiny_llama_config
+    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.step import HDPTrainer
+    from megatron_hdp.plan.hand_plan import plan_from_rings
+
+    state = initialize_hdp()
+    config = dataclasses.replace(
+        tiny_llama_config(num_layers=2), window_size=(WINDOW, 0), window_attn_skip_freq=2,
+        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, use_cpu_initialization=False,
+    )
+    with torch.device("cuda"):
+        model = build_gpt(config, vocab_size=VOCAB, max_sequence_length=64)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0), [ddp])
+    trainer = HDPTrainer(model=ddp, optimizer=optimizer, state=state, backend="auto")
+    plan = plan_from_rings(**WINDOW_PLAN, num_ranks=WINDOW_WORLD, capacity=48)
+    for _ in range(2):
+        trainer.step(plan, _read_tokens)
+    assert mode.backward_ops, "the backward ran on autograd's device thread"
+    pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
+    assert not pageable, f"blocking host-to-device copies inside layers: {[(c['where'], c['bytes']) for c in pageable]}"
+    blocking = fake_gpu.blocking_copies_in_microbatches(mode)
+    assert not blocking, (f"{len(blocking)} blocking host-to-device copies between a micro-batch's transfer and "
+                          f"its backward: {[(c['where'], c['bytes']) for c in blocking[:4]]}")
+    with open(log_path, "w") as out:
+        json.dump({"p2p": fake_gpu.p2p_log(), "collectives": fake_gpu.collective_log()}, out)
+    print(f"windowed rings: {sum(map(len, fake_gpu.p2p_log().values()))} P2P group calls")
+
+
 def first_p2p(world_size: str = "4") -> None:
     """initialize_hdp on a world of 4, then a ring among ranks 0 and 1 (its first NCCL operation on the
     default group must not be the ring's P2P)."""

@@ -16,7 +16,9 @@ and it patches torch.cuda for the life of the process). What they catch, before 
   non-blocking transfer and its backward (`fake_gpu.blocking_copies_in_microbatches`);
 * the `install()` path (`install_step`): micro-batches handed to Megatron's schedule from pageable
   memory, ring plans (cu_seqlens, row indices) first copied to the GPU inside a layer whenever the
-  documents change, and the telemetry gather putting a CPU tensor into an NCCL all-gather.
+  documents change, and the telemetry gather putting a CPU tensor into an NCCL all-gather;
+* sliding windows (`window_ring`, 4 played ranks, P2P matched across them by `fake_gpu.p2p_problems`):
+  flex's window mask copying each ring piece's shifts from the host inside the first windowed layer.
 """
 
 import os
@@ -41,16 +43,37 @@ def guard_library() -> Path:
         pytest.skip(f"cannot build the fake CUDA guard ({type(err).__name__}): {err}")
 
 
-def _run(library: Path, scenario: str, *args: str) -> str:
+def _command(library: Path, scenario: str, *args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run(
-        [sys.executable, str(HERE / "fake_gpu.py"), str(library), scenario, *args],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
-    )
-    output = result.stdout + result.stderr
+    return dict(args=[sys.executable, str(HERE / "fake_gpu.py"), str(library), scenario, *args], env=env, cwd=ROOT)
+
+
+def _checked(returncode: int, output: str) -> str:
     lines = [line for line in output.splitlines() if not line.startswith("frame #")]
-    assert result.returncode == 0, "\n".join(lines[-40:])
+    assert returncode == 0, "\n".join(lines[-40:])
     return output
+
+
+def _run(library: Path, scenario: str, *args: str) -> str:
+    result = subprocess.run(**_command(library, scenario, *args), capture_output=True, text=True, timeout=600)
+    return _checked(result.returncode, result.stdout + result.stderr)
+
+
+def _run_ranks(library: Path, scenario: str, args: list[tuple[str, ...]], timeout_s: float = 300) -> list[str]:
+    """`scenario` with each argument tuple at once, one process each (the ranks of one played world):
+    their outputs, in order; every process is ended by the timeout."""
+    processes = [
+        subprocess.Popen(**_command(library, scenario, *a), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for a in args
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout_s)[0] for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [_checked(p.returncode, output) for p, output in zip(processes, outputs)]
 
 
 def test_harness_enforces_nccl_and_device_rules(guard_library):
@@ -129,3 +152,55 @@ def test_ranks_with_different_microbatch_counts_post_the_same_collectives(guard_
     assert any(key.startswith("0,1#") for key in shared), f"no communicator of both ranks: {shared}"
     for key in shared:
         assert logs[0][key] == logs[1][key], f"communicator {key}: rank 0 posted {logs[0][key]}, rank 1 {logs[1][key]}"
+
+
+def test_windowed_rings_post_matching_p2p_on_fake_gpu(guard_library, tmp_path):
+    """A causal sliding window (Megatron's `window_size=(12, 0)` on layer 1, layer 2 full) under HDP, two
+    steps as each of 4 played ranks (`fake_gpu_scenarios.window_ring`): a ring over all 4 ranks whose
+    window reaches two of the three other positions' K/V (direct sends, `RingPlan.direct`), a ring over 3
+    in another order, whole documents. Inside each rank: no CPU tensor in NCCL, no host sync or blocking
+    copy inside a layer, none between a micro-batch's transfer and its backward. Across the ranks: every
+    P2P send meets its receive in order with the same size and dtype, every rank's NCCL group calls
+    complete (no deadlock), and all ranks post the same collectives on the communicators they share."""
+    import json
+
+    import fake_gpu
+    from fake_gpu_scenarios import WINDOW_WORLD
+
+    paths = [tmp_path / f"rank{rank}.json" for rank in range(WINDOW_WORLD)]
+    _run_ranks(guard_library, "window_ring", [(str(rank), str(path)) for rank, path in enumerate(paths)])
+    logs = [json.loads(path.read_text()) for path in paths]
+    world = ",".join(map(str, range(WINDOW_WORLD))) + "#0"  # the default group: the rings' communicator
+    assert set().union(*(log["p2p"] for log in logs)) == {world}, [list(log["p2p"]) for log in logs]
+    problems = fake_gpu.p2p_problems({rank: log["p2p"][world] for rank, log in enumerate(logs)})
+    assert not problems, "\n".join(problems)
+    # the windowed ring's hop of 2 (position 3 -> 1 of ring 0,1,2,3): only a direct plan sends there
+    assert any(op[:2] == ["send", 1] for call in logs[3]["p2p"][world] for op in call), "no direct send 3 -> 1"
+    shared = set(logs[0]["collectives"]).intersection(*(log["collectives"] for log in logs[1:]))
+    assert world in shared
+    for key in shared:
+        posted = [log["collectives"][key] for log in logs]
+        assert all(p == posted[0] for p in posted), f"communicator {key}: {posted}"
+
+
+def test_p2p_rules_catch_what_nccl_would_not_survive():
+    """`fake_gpu.p2p_problems` on hand-written logs of 3 ranks: a ring step (each rank one group call
+    sending to the next and receiving from the previous) passes; a receive of another size or dtype, a
+    send without a receive, and two ranks each waiting for the other's second call are reported."""
+    sys.path.insert(0, str(HERE))
+    import fake_gpu
+
+    def step(rank, numel=8, dtype="bfloat16"):
+        return [["send", (rank + 1) % 3, 8, "bfloat16"], ["recv", (rank - 1) % 3, numel, dtype]]
+
+    assert fake_gpu.p2p_problems({r: [step(r), step(r)] for r in range(3)}) == []
+    assert "8 bfloat16 sent, 8 float32 received" in fake_gpu.p2p_problems(
+        {0: [step(0, dtype="float32")], 1: [step(1)], 2: [step(2)]})[0]
+    assert "8 bfloat16 sent, 4 bfloat16 received" in fake_gpu.p2p_problems(
+        {0: [step(0)], 1: [step(1, numel=4)], 2: [step(2)]})[0]
+    assert "rank 0 posts 2 sends to rank 1, rank 1 1 receives" in fake_gpu.p2p_problems(
+        {0: [step(0), [["send", 1, 8, "bfloat16"]]], 1: [step(1)], 2: [step(2)]})[0]
+    crossed = {0: [[["send", 1, 8, "bfloat16"]], [["recv", 1, 8, "bfloat16"]]],
+               1: [[["send", 0, 8, "bfloat16"]], [["recv", 0, 8, "bfloat16"]]]}  # both send first: each waits
+    problems = fake_gpu.p2p_problems(crossed)
+    assert [p.split(" waits")[0] for p in problems] == [f"deadlock: rank {r}'s NCCL group call #0" for r in (0, 1)]

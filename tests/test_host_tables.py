@@ -99,3 +99,28 @@ def test_kernel_row_tables_are_computed_from_cu_seqlens_not_copied_from_the_host
     flex._block_mask(segments, True)
     te_fused._padded_rows.cache_clear()
     flex._block_mask.cache_clear()
+
+
+def test_flex_window_shifts_arrive_with_the_micro_batch(monkeypatch):
+    """A windowed ring's pieces at offsets: flex's window mask (made in a micro-batch's first windowed
+    layer) reads their shifts from the table the plan scheduled on the micro-batch's one copy, not from a
+    torch.tensor(shifts, device=...) copy inside the layer (the fake-GPU scenario `window_ring` found four
+    such copies per rank in a micro-batch's first layer)."""
+    from megatron_hdp.attention.backends import flex
+
+    plan = ring_plan((64, 30), 4, 0, True, CPU, 12)
+    offset = [b for step in plan.blocks for b in step if b.window is not None and any(b.window.shifts)]
+    assert offset, "the plan has pieces at offsets"
+    tables = HostTables()
+    plan.schedule_tables(tables)
+    tables.transfer(CPU)
+
+    def no_host_copy(*args, **kwargs):
+        raise AssertionError("a table copied from the host inside a layer")
+
+    monkeypatch.setattr(torch, "tensor", no_host_copy)
+    flex._block_mask.cache_clear()
+    for block in offset:
+        flex._block_mask(block.segments, True, block.window)
+        assert block.window.shift_table(CPU).tolist() == list(block.window.shifts)
+    flex._block_mask.cache_clear()

@@ -128,11 +128,14 @@ class RingPlan:
         return (self.position - step) % self.ring_size
 
     def schedule_tables(self, tables: HostTables) -> None:
-        """Have `tables` deliver every device table of the plan not made yet (cu_seqlens, row indices)."""
+        """Have `tables` deliver every device table of the plan not made yet (cu_seqlens, row indices, the
+        window shifts of pieces at offsets)."""
         for block in (b for step in self.blocks for b in step):
             block.segments.schedule_tables(tables)
             block.q_rows.schedule_tables(tables)
             block.kv_rows.schedule_tables(tables)
+            if block.window is not None:
+                block.window.schedule_tables(tables, block.segments.device)
 
 
 def _block(

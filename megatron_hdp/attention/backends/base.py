@@ -104,6 +104,21 @@ class BlockWindow:
     def __post_init__(self) -> None:
         assert self.left >= 0, self.left
 
+    def shift_table(self, device: torch.device) -> torch.Tensor:
+        """`shifts` as an int64 tensor on `device` (flex's mask reads each row's shift from it): the one
+        `schedule_tables` delivered, else made here by a synchronous copy (outside any layer only)."""
+        tables = self.__dict__.setdefault("_shift_tables", {})
+        if device not in tables:
+            tables[device] = torch.tensor(self.shifts, dtype=torch.int64, device=device)
+        return tables[device]
+
+    def schedule_tables(self, tables: HostTables, device: torch.device) -> None:
+        """Have `tables` (transferred to `device`) deliver `shift_table(device)` with the micro-batch's one
+        asynchronous copy (a ring's pieces at offsets; whole documents, all shifts 0, need no table)."""
+        made = self.__dict__.setdefault("_shift_tables", {})
+        if any(self.shifts) and device not in made:
+            tables.add(self.shifts, lambda t: made.__setitem__(device, t), dtype=torch.int64)
+
     def aligned(self, segments: Segments) -> bool:
         """Whether every segment is a whole causal square (shift 0, as many q as kv rows): the form that
         flash-attn, TE and `varlen_attn` express as the window (left, 0) with the causal mask."""

@@ -76,11 +76,15 @@ def _tile_masks(seg_q: torch.Tensor, seg_k: torch.Tensor, causal: bool) -> tuple
 def window_mask_mod(
     seg_q: torch.Tensor, pos_q: torch.Tensor, seg_k: torch.Tensor, pos_k: torch.Tensor, window: BlockWindow
 ):
-    """flex's mask_mod of a windowed call: same segment and 0 <= (i + shift) - j <= left (`BlockWindow`)."""
-    shifts = torch.tensor(window.shifts, dtype=torch.int64, device=seg_q.device)
+    """flex's mask_mod of a windowed call: same segment and 0 <= (i + shift) - j <= left (`BlockWindow`).
+    The shifts come from `BlockWindow.shift_table` (a ring plan's arrive with its micro-batch's tables);
+    whole documents, all shifts 0, read none."""
+    shifts = window.shift_table(seg_q.device) if any(window.shifts) else None
 
     def mask_mod(b, h, q_idx, kv_idx):
-        diff = pos_q[q_idx] + shifts[seg_q[q_idx]] - pos_k[kv_idx]
+        diff = pos_q[q_idx] - pos_k[kv_idx]
+        if shifts is not None:
+            diff = diff + shifts[seg_q[q_idx]]
         return (seg_q[q_idx] == seg_k[kv_idx]) & (diff >= 0) & (diff <= window.left)
 
     return mask_mod
