@@ -80,16 +80,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="also vary ring bandwidth and C for llama-7b at 2M")
     parser.add_argument("--render", action="store_true",
                         help=f"simulate nothing: rebuild the README tables from {RESULTS.name}")
+    parser.add_argument("--policies", default=None,
+                        help="comma-separated subset of the columns to re-run; their numbers replace those of the "
+                             f"same cells in {RESULTS.name} (speedups over its static, unless static is re-run too)")
     return parser.parse_args(argv)
 
 
-def run_cells(setups: list[Setup], *, steps: int, seed: int) -> list[dict]:
+def run_cells(setups: list[Setup], *, steps: int, seed: int, policies: tuple[str, ...] = POLICIES) -> list[dict]:
     """Every (setup, mix, context) cell: the compare_policies result as a dict."""
     cells = []
     grid = [(s, d, c) for s in setups for d in DISTRIBUTIONS for c in CONTEXTS]
     for setup, dist, context in tqdm(grid, desc="paper table", unit="cell"):
         started = time.perf_counter()
-        result = compare_policies(setup.spec(), context=context, distribution=dist, policies=POLICIES,
+        result = compare_policies(setup.spec(), context=context, distribution=dist, policies=policies,
                                   steps=steps, seed=seed, progress=False)
         cell = result.to_dict()
         cell["wall_seconds"] = time.perf_counter() - started
@@ -204,6 +207,30 @@ def tables(cells: list[dict], sensitivity: list[dict]) -> str:
     return table
 
 
+def merge_cells(saved: list[dict], fresh: list[dict]) -> list[dict]:
+    """`saved` cells with the policies of the `fresh` cells of the same (model, mix, context) replaced, each
+    speedup taken over the merged cell's static (the same sampled batches: same seed and steps)."""
+    def key(cell: dict) -> tuple:
+        return cell["setup"]["model"], cell["setup"]["distribution"], cell["setup"]["context"]
+
+    by_key = {key(cell): cell for cell in fresh}
+    merged = []
+    for cell in saved:
+        new = by_key.get(key(cell))
+        if new is None:
+            merged.append(cell)
+            continue
+        if new["setup"]["steps"] != cell["setup"]["steps"]:
+            raise ValueError(f"cell {key(cell)}: {new['setup']['steps']} steps re-run against {cell['setup']['steps']} saved")
+        policies = {**cell["policies"], **new["policies"]}
+        static = policies["static"]["tokens_per_second"]
+        for stats in policies.values():
+            stats["speedup"] = None if stats["error"] else stats["tokens_per_second"] / static
+        floor = new["floor_tokens_per_second"]
+        merged.append({**cell, "policies": policies, "floor_tokens_per_second": floor, "floor_speedup": floor / static})
+    return merged
+
+
 def write_readme(table: str, command: str, date: str) -> None:
     """Replace the text between the paper_table markers of benchmarks/README.md."""
     text = README.read_text()
@@ -227,8 +254,15 @@ def main(argv: list[str]) -> int:
         write_readme(tables(saved["cells"], saved["sensitivity"]), saved["command"], saved["date"][:10])
         return 0
     command = "python benchmarks/paper_table.py " + " ".join(argv)
-    cells = run_cells(setups, steps=args.steps, seed=args.seed)
-    sensitivity = run_sensitivity(steps=args.steps, seed=args.seed) if args.sensitivity else []
+    if args.policies:
+        policies = tuple(p for p in POLICIES if p in args.policies.split(","))
+        saved = json.loads(RESULTS.read_text())
+        cells = merge_cells(saved["cells"], run_cells(setups, steps=args.steps, seed=args.seed, policies=policies))
+        sensitivity = saved["sensitivity"]
+        command = f"{saved['command']}; then {command.strip()}"
+    else:
+        cells = run_cells(setups, steps=args.steps, seed=args.seed)
+        sensitivity = run_sensitivity(steps=args.steps, seed=args.seed) if args.sensitivity else []
     table = tables(cells, sensitivity)
     print(table)
     out = Path(args.out)

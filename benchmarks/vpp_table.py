@@ -25,7 +25,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from megatron_hdp.plan.lengths import sample_global_batch
-from megatron_hdp.plan.sharding import fastest_ring_size, shard_time
 from megatron_hdp.sim.cluster import ClusterSpec
 from megatron_hdp.sim.compare import compare_policies, compute_floor
 from megatron_hdp.sim.simulator import allreduce_time
@@ -72,8 +71,10 @@ def run_cells(vpps: list[int], policies: list[str], *, steps: int, seed: int) ->
 
 def crossing_bound(dist: str, *, steps: int, seed: int) -> float:
     """Tokens/s no plan beats once ring traffic counts: per step, the compute floor or the longest
-    document's crossing, whichever is longer, plus the all-reduce. The longest document's ring member
-    takes at least H per stage at its fastest ring size (beyond it the exposed ring traffic grows), and
+    document's crossing, whichever is longer, plus the all-reduce. The longest document's micro-batch
+    takes at least H per stage, H its ring member's time (`CostModel.sequence_time`: the micro-batch
+    overhead, compute, exposed ring traffic and per-block overhead, as the simulator times it) at the
+    fastest ring size, found by trying every size from the fewest ranks that hold it to the whole pool;
     its forward and backward cross the pp stages one after the other: pp x H, whatever the VPP."""
     spec = ClusterSpec(MODEL, num_gpus=GPUS, tp_size=TP, pp_size=PP)
     cost = spec.cost_model()
@@ -83,12 +84,9 @@ def crossing_bound(dist: str, *, steps: int, seed: int) -> float:
     for step in range(steps):
         lengths = sample_global_batch(dist, num_tokens=GLOBAL_BATCH, seed=seed + step, max_length=CONTEXT)
         longest = max(lengths)
-
-        def member(k: int) -> float:
-            return shard_time(cost, seq_len=longest, num_tokens=-(-longest // k), ring_size=k, pp_size=PP)
-
         fewest = -(-longest // spec.rank_capacity)
-        best = member(fastest_ring_size(member, lo=fewest, hi=max(fewest, min(spec.num_ranks, longest // 2))))
+        best = min(cost.sequence_time(longest, ring_size=k, pp_size=PP)
+                   for k in range(max(1, fewest), spec.num_ranks + 1))
         floor = compute_floor(lengths, cost, num_ranks=spec.num_ranks, pp_size=PP)
         tokens += sum(lengths)
         seconds += max(floor, PP * best) + allreduce

@@ -381,3 +381,55 @@ def test_virtual_pipeline_matches_single_process_reference(reference):
     assert [rank_steps[0]["num_microbatches"] for rank_steps in results] == [[6, 6, 6, 6]] * 4
     assert [rank_steps[1]["num_microbatches"] for rank_steps in results] == [[5, 3, 5, 3]] * 4
     assert all(sum(rank_steps[step]["offloaded"] for rank_steps in results) > 0 for step in range(2))
+
+
+def _one_f_one_b_plans():
+    """Hand plans for HDP = 2 pipelines of PP 2 (1F1B, one layer per stage) with rings across the pipelines
+    and unequal counts, which 1F1B runs unpadded (`plan.interleaved`: a shorter pipeline's order is the
+    longer one's restricted to its micro-batches). Step 0: counts 5 and 2, rings at micro-batches 0 and 1
+    (a whole document beside the second ring). Step 1: counts 1 and 4, a ring at 0."""
+    from megatron_hdp.plan.hand_plan import plan_from_rings
+
+    (_, first), (_, second) = BATCHES
+    return [
+        plan_from_rings(first, [(0, 1), (0,), (1, 0), (0,), (0,), (1,), (0,), (1,), (0,)], [0, 2, 1, 3, 4, 1, 2, 0, 4],
+                        num_ranks=2, capacity=sum(first), pp_size=2),
+        plan_from_rings(second, [(0, 1), (1,), (1,), (1,), (1,), (0,), (1,)], [0, 1, 2, 3, 0, 0, 1],
+                        num_ranks=2, capacity=sum(second), pp_size=2),
+    ]
+
+
+def test_1f1b_pipelines_of_unequal_counts_match_single_process_reference(reference):
+    """PP 2 x HDP 2 with rings and unequal 1F1B counts (`_one_f_one_b_plans`): each pipeline runs exactly its
+    own count (no padding to the largest), and loss and every gradient equal the reference."""
+    plans = _one_f_one_b_plans()
+    assert [[len(r.microbatches) for r in plan.ranks] for plan in plans] == [[5, 2], [1, 4]]
+    results = run_gloo(_hdp, 4, 1, 2, 1, reference["dense"]["init"], 0, False, dict(plans=plans), timeout_s=240)
+    _check(reference["dense"], results)
+    # global rank = stage x 2 + HDP rank: both stages of a pipeline run its own count
+    assert [rank_steps[0]["num_microbatches"] for rank_steps in results] == [[5, 2, 5, 2]] * 4
+    assert [rank_steps[1]["num_microbatches"] for rank_steps in results] == [[1, 4, 1, 4]] * 4
+
+
+def test_virtual_pipeline_runs_each_plans_group_size(reference):
+    """The planner's G per step (`StepPlan.group_size`): the model is configured with Megatron's default
+    G = PP = 2. Step 0's plan (counts 4 and 2, rings at micro-batches 0 and 1) carries G = 3, under which
+    the ring rule pads it to 5 and 3 (under G = 2 it would run 4 and 2, and Megatron refuses 5 with G = 2);
+    step 1's plan (`_vpp_plans`, counts 4 and 2) carries none, so it runs the configured G = 2 again,
+    unpadded. Loss and every gradient equal the reference, so each step's schedule ran the G its counts
+    were padded for."""
+    import dataclasses
+
+    from megatron_hdp.plan.hand_plan import plan_from_rings
+
+    (_, first), _ = BATCHES
+    grouped = plan_from_rings(first, [(0, 1), (0,), (1, 0), (0,), (1,), (0,), (1,), (0,), (0,)],
+                              [0, 1, 1, 2, 0, 3, 1, 3, 2], num_ranks=2, capacity=sum(first), pp_size=2, vpp_size=2,
+                              offload_ratios=[0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0])
+    plans = [dataclasses.replace(grouped, group_size=VPP_GROUP).validate(), _vpp_plans()[1]]
+    assert [[len(r.microbatches) for r in plan.ranks] for plan in plans] == [[4, 2], [4, 2]]
+    case = dict(vpp=2, plans=plans, offload=0.5, resident_layers=0)
+    results = run_gloo(_hdp, 4, 1, 2, 1, reference[VPP_KIND]["init"], 0, False, case, timeout_s=240)
+    _check(reference[VPP_KIND], results)
+    assert [rank_steps[0]["num_microbatches"] for rank_steps in results] == [[5, 3, 5, 3]] * 4
+    assert [rank_steps[1]["num_microbatches"] for rank_steps in results] == [[4, 2, 4, 2]] * 4

@@ -205,3 +205,20 @@ def test_vpp_size_is_in_the_json_only_with_virtual_stages():
     assert again == interleaved and again.digest() != plan.digest()
     with pytest.raises(ValueError, match="vpp_size=2 needs pipeline parallelism"):
         dataclasses.replace(_two_rank_plan(), vpp_size=2).validate()
+
+
+def test_group_size_is_in_the_json_only_when_the_plan_carries_one():
+    """The optional "microbatch_group_size" (Megatron's microbatch_group_size_per_vp_stage the plan was made
+    for): absent when None, so old plans read and write as before; set, it round-trips and changes the
+    digest; it needs virtual stages and at least pp."""
+    interleaved = dataclasses.replace(_two_rank_plan(), pp_size=2, vpp_size=2).validate()
+    assert "microbatch_group_size" not in interleaved.to_dict()
+    assert StepPlan.from_json(interleaved.to_json()).group_size is None
+    grouped = dataclasses.replace(interleaved, group_size=3).validate()
+    assert grouped.to_dict()["microbatch_group_size"] == 3
+    again = StepPlan.from_json(grouped.to_json())
+    assert again == grouped and again.digest() != interleaved.digest()
+    with pytest.raises(ValueError, match="group size 1 needs virtual pipeline stages"):
+        dataclasses.replace(interleaved, group_size=1).validate()
+    with pytest.raises(ValueError, match="group size 3 needs virtual pipeline stages"):
+        dataclasses.replace(interleaved, vpp_size=1, group_size=3).validate()

@@ -159,6 +159,52 @@ def test_one_f_one_b_needs_no_padding():
     assert il.deadlock_free([3, 5, 2], rings=[(1, (0, 1, 2)), (2, (0, 1))], pp_size=4)
 
 
+def test_one_f_one_b_order_of_a_shorter_pipeline_is_the_longer_ones_restricted():
+    """The prefix order the 1F1B argument rests on (module doc), on Megatron's order (`stage_order`, checked
+    against Megatron's functions above): also where the shorter pipeline's warm-up is capped (N < pp - s)."""
+    for pp in (2, 3, 4, 8):
+        for most in range(1, 2 * pp + 2):
+            for num in range(1, most + 1):
+                for stage in range(pp):
+                    longer = il.stage_order(most, pp_size=pp, stage=stage)
+                    assert il.stage_order(num, pp_size=pp, stage=stage) == [op for op in longer if op[2] < num]
+
+
+def test_one_f_one_b_rings_at_one_index_never_deadlock_whatever_the_counts():
+    """Brute force: every count vector of 3 pipelines (1..pp + 2 micro-batches) with every pair and the
+    triple ringed at every index all members run, two rings at once: the wait-for graph is acyclic, so
+    `padded_counts` (no 1F1B padding) is safe. The rule's one condition is one index per ring."""
+    groups = [(0, 1), (1, 2), (0, 2), (0, 1, 2)]
+    for pp in (2, 4):
+        for counts in itertools.product(range(1, pp + 3), repeat=3):
+            rings = [(m, g) for g in groups for m in range(min(counts[p] for p in g))]
+            for pair in itertools.combinations(rings, 2):
+                assert il.deadlock_free(list(counts), rings=pair, pp_size=pp), (pp, counts, pair)
+
+
+def test_the_checker_finds_the_cycle_of_rings_held_at_different_indices_in_1f1b():
+    """The planted fault of the 1F1B rule: ring A at micro-batch 0 of pipeline 0 but 1 of pipeline 1,
+    ring B the other way round. Each pipeline runs its micro-batch 0 first, so each waits in A (resp. B)
+    for the other: a cycle, which one index per ring (StepPlan.validate) rules out."""
+    crossed = [((0, 1), (0, 1)), ((1, 0), (0, 1))]
+    cycle = il.deadlock_cycle([2, 2], rings=crossed, pp_size=2)
+    assert cycle is not None and {pipeline for pipeline, _, _ in cycle} == {0, 1}
+    assert il.deadlock_free([2, 2], rings=[((0, 0), (0, 1)), ((1, 1), (0, 1))], pp_size=2)
+
+
+def test_a_larger_group_keeps_more_activations_and_light_microbatches_fit_it():
+    """`resident_peak` by hand: 1F1B stage 0 keeps pp micro-batches; the interleaved schedule with G = pp
+    keeps 2 (pp - 1) + (v - 1) pp + 1 chunks (the budget C was sized for); a larger G keeps more, which
+    full micro-batches overflow and light ones (a long document's ring shards) do not."""
+    assert il.resident_peak([10.0] * 6, pp_size=4) == 40.0 == il.activation_budget(10, pp_size=4)
+    budget = il.activation_budget(10, pp_size=4, vpp_size=2)
+    assert budget == (6 + 4 + 1) * 10 / 2
+    assert il.resident_peak([10.0] * 8, pp_size=4, vpp_size=2) == budget
+    assert il.resident_peak([10.0] * 10, pp_size=4, vpp_size=2, group_size=5) > budget
+    assert not il.group_size_fits([10] * 10, capacity=10, pp_size=4, vpp_size=2, group_size=5)
+    assert il.group_size_fits([4] * 5 + [10] * 5, capacity=10, pp_size=4, vpp_size=2, group_size=5)
+
+
 def test_ring_outside_a_members_count_is_refused():
     with pytest.raises(ValueError, match="micro-batch 5"):
         il.deadlock_cycle([4, 8], rings=[(5, (0, 1))], pp_size=2, vpp_size=2)

@@ -35,15 +35,15 @@ def recompute(plan, cm):
     micro-batch times [rank][index] and each rank's busy time (PP bubble included)."""
     rings = {s.id: s.ring for s in plan.sequences}
     rank_times, padded_times = [], []
-    longest = max(len(schedule.microbatches) for schedule in plan.ranks)
     for schedule in plan.ranks:
         times = []
         for mb in schedule.microbatches:
             shards = [(plan.sequences[sh.seq].length, sh.num_tokens, rings[sh.seq]) for sh in mb.shards]
             times.append(cm.microbatch_time(shards, pp_size=plan.pp_size))
             assert mb.est_time == pytest.approx(times[-1], rel=1e-9)
-        # the runtime pads with empty micro-batches: with PP to the longest pipeline, else an idle rank to one
-        padded = longest if plan.pp_size > 1 else max(1, len(times))
+        # the runtime pads an idle rank with one empty micro-batch; 1F1B pipelines run their own counts
+        # (plan.interleaved: a shorter pipeline's order is the longer one's restricted to its micro-batches)
+        padded = max(1, len(times))
         times += [cm.microbatch_time([], pp_size=plan.pp_size)] * (padded - len(times))
         rank_times.append(pipeline_time(times, pp_size=plan.pp_size))  # checked in test_plan_pipeline
         assert schedule.est_time == pytest.approx(rank_times[-1], rel=1e-9)
@@ -74,7 +74,7 @@ def check(lengths, *, num_ranks, capacity, policy, offload=True, pp_size=1):
         if pp_size == 1:  # from above too: exactly when the last rank finishes under the waiting rule
             assert plan.est_step_time == pytest.approx(max(reference_finish(plan, times)), rel=1e-9)
         else:  # at most every index waiting for the slowest rank's, plus the largest pipeline bubble
-            lockstep = sum(max(t[i] for t in times) for i in range(len(times[0])))
+            lockstep = sum(max(t[i] for t in times if i < len(t)) for i in range(max(map(len, times))))
             bubble = max(r - sum(t) for r, t in zip(rank_times, times))
             assert plan.est_step_time <= (lockstep + bubble) * (1 + 1e-9)
     bound = step_time_lower_bound(lengths, num_ranks=num_ranks, capacity=capacity, cost_model=CM, pp_size=pp_size)

@@ -7,6 +7,9 @@ check refuses them with a ValueError on every rank (same plan, same counts) inst
 schedule. No processes: the counts are pure functions of the plan and the rank's HDPState.
 """
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 
 from megatron_hdp.plan.hand_plan import plan_from_rings
@@ -51,7 +54,29 @@ def test_unlinked_pipelines_keep_their_own_counts_and_ep_groups_run_one():
     plan = _plan([5, 1, 2, 3], [], num_ranks=4)
     assert step.pipeline_counts(plan, state=_state(hdp_size=4), group_size=2) == [6, 2, 2, 4]
     assert step.pipeline_counts(plan, state=_state(hdp_size=4, ep_size=2), group_size=2) == [6, 6, 4, 4]
-    assert step.pipeline_counts(plan, state=_state(hdp_size=4, vpp_size=1), group_size=2) == [5] * 4  # 1F1B
+    assert step.pipeline_counts(plan, state=_state(hdp_size=4, vpp_size=1), group_size=2) == [5, 1, 2, 3]  # 1F1B
+
+
+def test_1f1b_pipelines_linked_by_rings_run_their_own_counts():
+    """1F1B (no virtual stages): pipelines of 5 and 2 micro-batches with rings at 0 and 1 run 5 and 2 (the
+    wait-for graph stays acyclic), and the check passes them before any P2P."""
+    rings = [(0, (0, 1)), (1, (1, 0))]
+    plan = _plan([5, 2], rings)
+    plan = dataclasses.replace(plan, vpp_size=1).validate()
+    assert step.check_pipeline_counts(plan, state=_state(vpp_size=1)) == [5, 2]
+    assert not deadlock_cycle([5, 2], rings=rings, pp_size=2)
+
+
+def test_the_plans_group_size_is_the_one_the_step_runs():
+    """A plan carrying G runs with it (written into Megatron's config, which the interleaved schedule reads
+    at each call); a plan without one runs the G configured before the first step, not the last plan's."""
+    config = SimpleNamespace(microbatch_group_size_per_vp_stage=2)
+    plan = _plan([4, 2], [(0, (0, 1)), (1, (1, 0))])
+    with_g = dataclasses.replace(plan, group_size=3).validate()
+    assert step.step_group_size(with_g, config) == 3 == config.microbatch_group_size_per_vp_stage
+    assert step.check_pipeline_counts(with_g, state=_state(), group_size=3) == [5, 3]
+    assert step.step_group_size(plan, config) == 2 == config.microbatch_group_size_per_vp_stage
+    assert step.check_pipeline_counts(plan, state=_state(), group_size=2) == [4, 2]
 
 
 def test_counts_that_break_the_ring_rule_are_refused_before_the_schedule(monkeypatch):

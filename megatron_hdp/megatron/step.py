@@ -7,10 +7,10 @@ that could hang):
    rank reaches);
 2. collate this rank's micro-batches from the plan; pad with empty micro-batches where collectives bind
    ranks together: the ranks of one expert-parallel group run the same count (MoE all-to-all in every
-   layer), and with PP every pipeline runs the domain's largest count, so that the 1F1B order of every
-   pipeline reaches a ring's micro-batch at the same place (ring members share a micro-batch index);
-   with virtual pipeline stages pipelines run different counts, padded only where Megatron's interleaved
-   schedule or the ring rule of `plan.interleaved` needs it (`pipeline_counts`, checked before any P2P);
+   layer); with PP pipelines run different counts (ring members share a micro-batch index, and 1F1B's
+   order of a shorter pipeline is the longer one's restricted to its micro-batches), padded only where
+   Megatron's interleaved schedule or the ring rule of `plan.interleaved` needs it (`pipeline_counts`,
+   checked before any P2P), with the plan's microbatch group size when it carries one (`step_group_size`);
 3. Megatron's `get_forward_backward_func()` (no pipelining, 1F1B, or the interleaved schedule over
    several model chunks, with `variable_seq_lengths`) runs them, each chunk reading the same micro-batches
    in order from its own iterator (`chunk_iterators`); `finalize_model_grads` all-reduces the gradients
@@ -137,6 +137,17 @@ def check_model_config(config: TransformerConfig, *, state: HDPState) -> None:
         raise ValueError(refused[0])
 
 
+def step_group_size(plan: StepPlan, config: Any) -> Optional[int]:
+    """The microbatch_group_size_per_vp_stage G this step runs: the plan's when it carries one (the planner
+    chose and timed it), else the one configured before the first step. Written into Megatron's `config`,
+    which forward_backward_pipelining_with_interleaving reads at every call (its G checks, warm-up and
+    schedule table), so each step's schedule runs the G its counts were padded for."""
+    configured = config.__dict__.setdefault("_hdp_configured_group_size", config.microbatch_group_size_per_vp_stage)
+    group = configured if plan.group_size is None else plan.group_size
+    config.microbatch_group_size_per_vp_stage = group
+    return group
+
+
 def check_plan(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> None:
     """ValueError on every rank unless `plan` is valid for this domain and the same on every rank.
 
@@ -175,9 +186,9 @@ def pipeline_counts(plan: StepPlan, *, state: HDPState, group_size: Optional[int
     """Micro-batches each HDP rank (with PP: each pipeline) runs for `plan`: the counts the planner times
     (`plan.timing.runtime_microbatch_counts`, one function for both).
 
-    Its own count, raised to its EP group's largest (the MoE all-to-all binds the group in every layer),
-    to the domain's largest with 1F1B (PP > 1), and at least one (every rank takes part in the gradient
-    reduction). With virtual pipeline stages, `plan.interleaved.padded_counts`: the least counts
+    Its own count (1F1B pipelines need no padding for rings, `plan.interleaved`), raised to its EP group's
+    largest (the MoE all-to-all binds the group in every layer), and at least one (every rank takes part
+    in the gradient reduction). With virtual pipeline stages, `plan.interleaved.padded_counts`: the least counts
     Megatron's interleaved schedule runs (`group_size` = microbatch_group_size_per_vp_stage, None: the
     PP size) that keep THE RING RULE written there, so pipelines run different counts and every ring's
     (chunk, micro-batch) is reached without a cycle of waits. An EP group is linked like a ring."""
@@ -226,8 +237,8 @@ def pad_microbatches(
     group_size: Optional[int] = None,
 ) -> list[PackedMicroBatch]:
     """`batches` (this rank's collated micro-batches of `plan`) followed by the empty micro-batches that
-    make up the count `num_microbatches_to_run` asks for: an idle rank runs one, an EP group's or (with
-    1F1B) the domain's ranks run the same count, with virtual pipeline stages the ring rule's count.
+    make up the count `num_microbatches_to_run` asks for: an idle rank runs one, an EP group's ranks run
+    the same count, with virtual pipeline stages the ring rule's count.
 
     A padding micro-batch is a real forward and backward through the whole model, with a loss mask of
     zeros: its loss is exactly 0 and adds nothing to the token-level sum, yet every parameter gets a
@@ -339,7 +350,7 @@ class HDPTrainer:
             for mb in plan.microbatches(rank)
         ]
         batches = pad_microbatches(plan, batches, state=self.state, pad_to_multiple=self.pad_to_multiple,
-                                   group_size=self.config.microbatch_group_size_per_vp_stage)
+                                   group_size=step_group_size(plan, self.config))
         return pinned_for(batches, self.device)
 
     def step(
@@ -348,7 +359,7 @@ class HDPTrainer:
         """One training step of the global batch `plan` describes (the same plan on every rank)."""
         start = time.perf_counter()
         self._stamps = [time.process_time()]
-        check_plan(plan, state=self.state, group_size=self.config.microbatch_group_size_per_vp_stage)
+        check_plan(plan, state=self.state, group_size=step_group_size(plan, self.config))
         batches = self.collate(plan, read_tokens, read_loss_mask)
         ratios = offload_ratios(plan, rank=self.state.hdp_rank, num_microbatches=len(batches))
         forward_step = make_forward_step(

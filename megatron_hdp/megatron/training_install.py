@@ -238,6 +238,7 @@ def _forward_backward(schedule):
     from megatron_hdp.megatron.saved_plans import save_training_step_plan
     from megatron_hdp.megatron.step import (
         chunk_iterators, chunk_offload, offload_ratios, pad_microbatches, pinned_for, pop_offload_stats,
+        step_group_size,
     )
 
     def forward_backward(*, forward_step_func, data_iterator, num_microbatches, **kwargs: Any):
@@ -259,7 +260,7 @@ def _forward_backward(schedule):
         chunks = kwargs["model"]
         microbatches = pad_microbatches(  # ValueError on every rank alike if the counts break the ring rule
             step.plan, list(step.microbatches), state=state, pad_to_multiple=token_multiple(get_args()),
-            group_size=get_model_config(chunks[0]).microbatch_group_size_per_vp_stage,
+            group_size=step_group_size(step.plan, get_model_config(chunks[0])),
         )
         microbatches = pinned_for(microbatches, next(chunks[0].parameters()).device)
         offload = None

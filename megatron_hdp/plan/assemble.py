@@ -6,8 +6,8 @@ way and can be compared side by side:
 - a micro-batch's time is `cost_model.microbatch_time` of its shards on one pipeline stage (documents on
   one ring share one ring exchange, as at run time);
 - a rank's `est_time` is its busy time, the sum of its micro-batch times, the runtime's padding
-  micro-batches included (`timing.runtime_microbatch_counts`: with PP every pipeline runs the largest
-  count, with virtual stages the least counts the interleaved schedule and the ring rule allow); with PP
+  micro-batches included (`timing.runtime_microbatch_counts`: 1F1B pipelines run their own counts, with
+  virtual stages the least counts the interleaved schedule and the ring rule allow); with PP
   it is the makespan of its pipeline in Megatron's order (`pipeline.pipeline_time`: (m + pp - 1) t for
   m equal micro-batches of time t in 1F1B, (m + (pp - 1) / v) t interleaved, set by the heaviest
   micro-batches when they differ);
@@ -75,8 +75,11 @@ def assemble_plan(
     cost_model: CostModel,
     pp_size: int = 1,
     vpp_size: int = 1,
+    group_size: int | None = None,
 ) -> StepPlan:
     """Build the StepPlan: `schedule[rank]` lists that rank's micro-batches, each a list of sequence ids.
+    `group_size`: the microbatch_group_size_per_vp_stage G the plan carries and is timed with (None:
+    Megatron's default, pp_size).
 
     A sequence with a ring of k > 1 ranks must appear in one micro-batch of each member; the member at
     ring position p holds zigzag chunks p and 2k-1-p. The micro-batch capacity is C, or the tokens held
@@ -130,18 +133,20 @@ def assemble_plan(
         times.append(rank_times)
     ep_size = cost_model.expert_parallel_size
     counts = runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size, ep_size=ep_size, vpp_size=vpp_size,
-                                       rings={rings[seq] for seq in ring_index})
+                                       rings={rings[seq] for seq in ring_index}, group_size=group_size)
     for rank, count in enumerate(counts):
         times[rank] += [overhead] * (count - len(times[rank]))  # the runtime's padding micro-batches
         ranks.append(RankSchedule(rank, tuple(schedules[rank]),
-                                  pipeline_time(times[rank], pp_size=pp_size, vpp_size=vpp_size)))
+                                  pipeline_time(times[rank], pp_size=pp_size, vpp_size=vpp_size,
+                                                group_size=group_size)))
     step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
-                     jitter=cost_model.jitter, vpp_size=vpp_size)
+                     jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
     ratios = np.asarray(offload_ratios, dtype=np.float64).tolist()
     sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios))
     assert len(ranks) == num_ranks
     return StepPlan(policy=policy, num_ranks=num_ranks, capacity=capacity, sequences=sequences,
-                    ranks=tuple(ranks), est_step_time=step, pp_size=pp_size, vpp_size=vpp_size)
+                    ranks=tuple(ranks), est_step_time=step, pp_size=pp_size, vpp_size=vpp_size,
+                    group_size=group_size)
 
 
 def step_time(
@@ -153,14 +158,16 @@ def step_time(
     ep_size: int = 1,
     jitter: float = 0.0,
     vpp_size: int = 1,
+    group_size: int | None = None,
 ) -> float:
     """Time the last rank finishes when ring micro-batches (and, with `ep_size` > 1, every micro-batch
     of an expert-parallel group; `times` padded as the runtime runs them) wait for all their members and
     release them together (`timing.coupled_finish`, with the cost model's `jitter`), plus each rank's PP
-    bubble (`pipeline.pipeline_time` with `vpp_size` model chunks per stage)."""
+    bubble (`pipeline.pipeline_time` with `vpp_size` model chunks per stage, groups of `group_size`)."""
     links = [(index, rings[seq]) for seq, index in ring_index.items()]
     groups = link_groups(links + expert_links([len(t) for t in times], ep_size))
     end = coupled_finish([times], groups, jitter=jitter)
     if pp_size > 1:
-        end = end + np.array([pipeline_time(t, pp_size=pp_size, vpp_size=vpp_size) - sum(t) for t in times])
+        end = end + np.array([pipeline_time(t, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size) - sum(t)
+                              for t in times])
     return float(end.max(initial=0.0))

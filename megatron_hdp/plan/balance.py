@@ -31,7 +31,10 @@ This implementation, step by step:
    the token budget (C / n, and with virtual stages the one that fills the count the interleaved
    schedule pads to) and order (heaviest or lightest first) whose makespan in Megatron's pipeline order
    is smallest; then the rings of every pipeline moved by 0-3 indices behind its lightest micro-batches
-   (`shifted`, all members alike so rings stay aligned), the shift of least predicted step time kept.
+   (`shifted`, all members alike so rings stay aligned), and with virtual stages each shift also tried
+   with Megatron's micro-batch group size G raised to cover every pipeline's ring micro-batches
+   (`group_sizes`, only where the resident activations fit, `fits_memory`); the plan of least predicted
+   step time kept, its G carried in the plan for the runtime.
 
 Deviations from the paper: Algorithm 2 forms buckets (micro-batches) first and then assigns them; we
 assign sequences to ranks first and pack per rank, which gives the same "different micro-batch counts"
@@ -51,6 +54,7 @@ import numpy as np
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.assemble import assemble_plan, gc_paused
 from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.interleaved import group_size_fits
 from megatron_hdp.plan.packing import pack_for_pipeline
 from megatron_hdp.plan.placement import fill_gaps, lpt, place_rings, place_rings_by_time
 from megatron_hdp.plan.refine import PipelineCost, refine_exact, refine_local
@@ -58,6 +62,7 @@ from megatron_hdp.plan.bounds import gap, step_time_lower_bound
 from megatron_hdp.plan.sharding import member_times, shard_sequences
 from megatron_hdp.plan.widening import widening_options
 from megatron_hdp.plan.step_plan import StepPlan
+from megatron_hdp.plan.timing import plan_runtime_counts
 
 logger = logging.getLogger(__name__)
 
@@ -237,15 +242,43 @@ def _finish(
         leads.append([list(mb) for mb in leading[rank]])
         packed.append([[items[j] for j in b] for b in bins])
     best = None
+    most_rings = max(map(len, leads), default=0)
     for shift in RING_SHIFTS if pp_size > 1 else (0,):
         schedule = [shifted(lead, bins, shift, weight=lambda mb: sum(map(seconds.__getitem__, mb)))
                     for lead, bins in zip(leads, packed)]
-        plan = assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
-                             schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
-                             vpp_size=vpp_size)
-        if best is None or plan.est_step_time < best.est_step_time * (1 - 1e-9):
-            best = plan
+        for group in group_sizes(pp_size, vpp_size, shift + most_rings):
+            plan = assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
+                                 schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                                 vpp_size=vpp_size, group_size=group)
+            better = best is None or plan.est_step_time < best.est_step_time * (1 - 1e-9)
+            if better and (group is None or fits_memory(plan)):
+                best = plan
     return best
+
+
+def group_sizes(pp_size: int, vpp_size: int, ring_span: int) -> list[int | None]:
+    """The microbatch group sizes G a plan is tried with: Megatron's default (None: G = pp), and with
+    virtual stages G = `ring_span` (the indices up to a pipeline's last ring micro-batch) when that is
+    more than pp: then all its heavy ring micro-batches share the first group, and each one's chunks
+    interleave with the others' instead of crossing the stages alone beside light ones (a heavy
+    micro-batch alone in its group costs nearly its 1F1B crossing, pp x its time)."""
+    if vpp_size == 1 or ring_span <= pp_size:
+        return [None]
+    return [None, ring_span]
+
+
+def fits_memory(plan: StepPlan) -> bool:
+    """Whether every pipeline of `plan`, run with its group size, keeps no more activations than the
+    capacity was sized for (`interleaved.group_size_fits`; a micro-batch's resident tokens are those it
+    holds up to C, offloading keeping the rest on the host; padding micro-batches hold none)."""
+    counts = plan_runtime_counts(plan)
+    for schedule, count in zip(plan.ranks, counts):
+        tokens = [min(mb.num_tokens, plan.capacity) for mb in schedule.microbatches]
+        tokens += [0] * (count - len(tokens))
+        if not group_size_fits(tokens, capacity=plan.capacity, pp_size=plan.pp_size, vpp_size=plan.vpp_size,
+                               group_size=plan.group_size):
+            return False
+    return True
 
 
 RING_SHIFTS = (0, 1, 2, 3)

@@ -21,14 +21,15 @@ micro-batch order and `stage_order` is the classic 1F1B order.
 
 The ring rule
 -------------
-An HDP ring of k > 1 members holds one document at micro-batch index m of every member pipeline; its
-members are the same stage of those pipelines, and on every stage s and chunk c both the forward and
-the backward of (c, m) are collective: each member's op starts when all members reached it. Pipelines
-may run different counts N_p. **Rule: in each set of pipelines linked by rings (directly or through
-other pipelines), every pipeline runs either the set's largest count or a multiple of G.** (With v = 1
-the table is micro-batch order for any N, so the rule always holds: 1F1B needs no padding. With the
-default G = pp, Megatron's own constraint already makes every count a multiple of G; the rule adds
-padding only for G > pp, where Megatron lets a last group of G + r micro-batches, pp <= r < G, run.)
+An HDP ring of k > 1 members holds one document at micro-batch index m of every member pipeline
+(`StepPlan.validate` puts all shards of a sequence at one index); its members are the same stage of
+those pipelines, and on every stage s and chunk c both the forward and the backward of (c, m) are
+collective: each member's op starts when all members reached it. Pipelines may run different counts
+N_p. **Rule: in each set of pipelines linked by rings (directly or through other pipelines), every
+pipeline runs either the set's largest count or a multiple of G.** With v = 1 (1F1B) the rule is empty:
+any counts, no padding (derived below). With v > 1 and the default G = pp, Megatron's own constraint
+already makes every count a multiple of G; the rule adds padding only for G > pp, where Megatron lets a
+last group of G + r micro-batches, pp <= r < G, run.
 
 Deadlock freedom. Model every rank's wait-for graph: its ops in `stage_order`; a forward of (c, m) on
 stage s waits for the forward of (c, m) on stage s - 1 (stage 0 waits for chunk c - 1 of the last
@@ -38,18 +39,35 @@ kind, chunk, m) into one node. Point-to-point sends are taken as posted without 
 receiver (the receiver waits for the sender), as Megatron's batched isend/irecv pairs them. A plan is
 deadlock-free iff this graph is acyclic (`deadlock_free` builds it and checks).
 
-Argument. Let R be a pipeline of the linked set with the largest count M. Under the rule, the schedule
-table of every member p is a prefix of R's: when N_p = M it is R's table, and when N_p is a multiple of G
-every group of p is a full group of G that R has at the same place (R's group starting at N_p - G is
-not R's last, since M > N_p). Forward id j precedes backward id k on a stage iff j <= W0 + k, with W0
-the uncapped warm-up (a capped warm-up N_p x v only drops ids p does not have), the same bound on every
-pipeline; so p's op order on each stage is R's order restricted to p's ids, and p's point-to-point
-dependencies are R's on the same (stage, kind, chunk, micro-batch). Map every op of every member to R's
-op of the same key: consecutive ops of p map to ops R runs in that order on that stage (a path in R),
-a dependency of p maps to the same dependency of R, and a ring node maps to one op of R because all its
-members have the same key. A cycle in the linked set's graph would thus map to a closed walk of positive
-length in R's own graph, which is acyclic (Megatron's schedule completes: each op's dependencies come
-earlier in a run with unit op times). Pipelines in different linked sets share no node. So no cycle.
+The argument rests on one property, *prefix order*: pipeline p's op order on every stage is R's order
+restricted to p's (chunk, micro-batch) ids, R a pipeline of the linked set with the largest count M.
+Given it: map every op of every member to R's op of the same key: consecutive ops of p map to ops R runs
+in that order on that stage (a path in R), a dependency of p maps to the same dependency of R (they do
+not depend on the count), and a ring node maps to one op of R because all its members have the same
+key. A cycle in the linked set's graph would thus map to a closed walk of positive length in R's own
+graph, which is acyclic (Megatron's schedule completes: each op's dependencies come earlier in a run with
+unit op times). Pipelines in different linked sets share no node. So no cycle.
+
+Prefix order, 1F1B (v = 1). The table is micro-batch order, so p's ids 0..N_p - 1 are a prefix of R's.
+On stage s forwards run in increasing m, backwards in increasing m, and forward j runs before backward k
+iff j <= W + k with W = min(N_p, W0), W0 = pp - s - 1. If N_p > W0 the bound is W0, R's own (M >= N_p >
+W0). If N_p <= W0 the warm-up is capped (every forward before every backward), but then every j < N_p
+<= W0 <= W0 + k, so j <= W0 + k holds for all of p's pairs as well: the capped order *is* R's order
+restricted to p's ids. Hence prefix order for any counts: 1F1B pipelines of different counts never
+deadlock through rings held at one index, and `padded_counts` leaves them unpadded (only a pipeline
+without micro-batches runs one, to join the gradient reduction). What the rule does need is one index
+per ring: members holding a ring at different indices can wait on each other in a cycle (two rings
+at indices 0 and 1 on one member and 1 and 0 on the other do); `deadlock_cycle` takes such plans with
+per-member indices so tests can plant them.
+
+Prefix order, interleaved (v > 1). Under the rule every member's schedule table is a prefix of R's: when
+N_p = M it is R's table, and when N_p is a multiple of G every group of p is a full group of G that R
+has at the same place (R's group starting at N_p - G is not R's last, since M > N_p). Forward id j
+precedes backward id k on a stage iff j <= W0 + k, with W0 the uncapped warm-up (a capped warm-up N_p x v
+only drops ids p does not have, as for v = 1), the same bound on every pipeline; so p's op order is R's
+restricted to p's ids. A count that is neither M nor a multiple of G puts a short last group where R has
+a full one, and the same micro-batch's chunk-1 forward gets another virtual id (see the tests' planted
+plan, which deadlocks).
 
 The rule is sufficient, not necessary: a pipeline that breaks it may still be free of deadlock, which
 `deadlock_free` decides; `padded_counts` gives the least counts that satisfy both Megatron and the
@@ -58,13 +76,14 @@ rule, and the planner times those padding micro-batches.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 Op = tuple[str, int, int]
 """(kind 'F' or 'B', model chunk, micro-batch) of one stage's op."""
 
-Ring = tuple[int, Sequence[int]]
-"""(micro-batch index, member pipelines) of one ring."""
+Ring = tuple[int | Sequence[int], Sequence[int]]
+"""(micro-batch index, member pipelines) of one ring. The checker (`deadlock_cycle`) also takes one index
+per member, a plan `StepPlan.validate` refuses, so tests can plant it; the rule's functions take one."""
 
 
 def default_group_size(pp_size: int, group_size: int | None) -> int:
@@ -134,6 +153,39 @@ def stage_order(num_microbatches: int, *, pp_size: int, stage: int, vpp_size: in
     return order
 
 
+def resident_peak(tokens: Sequence[float], *, pp_size: int, vpp_size: int = 1, group_size: int | None = None) -> float:
+    """Most activation tokens any stage of a pipeline keeps at once when it runs micro-batches of these
+    resident `tokens` in Megatron's order: a chunk's forward keeps its micro-batch's tokens / v (the
+    chunk's share of the stage's layers) until that chunk's backward. The group size G sets how many
+    forwards run before the first backward, so a larger G keeps more (`group_size_fits`)."""
+    peak = 0.0
+    for stage in range(pp_size):
+        held = 0.0
+        for kind, _, mb in stage_order(len(tokens), pp_size=pp_size, stage=stage, vpp_size=vpp_size,
+                                       group_size=group_size):
+            held += tokens[mb] / vpp_size if kind == "F" else -tokens[mb] / vpp_size
+            peak = max(peak, held)
+    return peak
+
+
+def activation_budget(capacity: int, *, pp_size: int, vpp_size: int = 1) -> float:
+    """The resident tokens a micro-batch capacity C was sized for: Megatron's default G = pp with every
+    micro-batch full, at its first stage (which keeps the most): pp micro-batches in 1F1B, 2 (pp - 1) +
+    (v - 1) pp + 1 chunks of C / v interleaved (`sim.cluster.ClusterSpec.memory_capacity` sizes C so)."""
+    if vpp_size == 1:
+        return float(pp_size * capacity)
+    return (2 * (pp_size - 1) + (vpp_size - 1) * pp_size + 1) * capacity / vpp_size
+
+
+def group_size_fits(tokens: Sequence[float], *, capacity: int, pp_size: int, vpp_size: int, group_size: int) -> bool:
+    """Whether a pipeline running micro-batches of these resident `tokens` with group size G keeps no
+    more activations than C was sized for (`activation_budget`): a G above pp is free where the
+    micro-batches are light in tokens (e.g. long documents' ring shards), and refused where it would
+    overflow the memory that the default G fills."""
+    return resident_peak(tokens, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size) <= activation_budget(
+        capacity, pp_size=pp_size, vpp_size=vpp_size) * (1 + 1e-9)
+
+
 def dependency(op: Op, *, stage: int, pp_size: int, vpp_size: int) -> tuple[int, Op] | None:
     """(stage, op) that `op` on `stage` receives its input from, or None: a forward from the previous
     virtual stage, a backward from the next one, the last virtual stage's backward from its forward."""
@@ -147,8 +199,10 @@ def dependency(op: Op, *, stage: int, pp_size: int, vpp_size: int) -> tuple[int,
     return (0, ("B", chunk + 1, mb)) if chunk < vpp_size - 1 else (stage, ("F", chunk, mb))
 
 
-def _root(parent: list[int], x: int) -> int:
-    """Union-find root of `x` in `parent`, halving the path on the way."""
+def union_root(parent: list[int] | dict[Hashable, Hashable], x: Hashable) -> Hashable:
+    """Union-find root of `x` in `parent` (a list or a dict mapping every key seen to its parent; a root
+    is its own parent), halving the path on the way. `linked_sets`, `deadlock_cycle` and
+    `timing.link_groups` share it."""
     while parent[x] != x:
         parent[x] = parent[parent[x]]
         x = parent[x]
@@ -160,7 +214,7 @@ def linked_sets(num_pipelines: int, rings: Iterable[Ring]) -> list[list[int]]:
     parent = list(range(num_pipelines))
 
     def find(x: int) -> int:
-        return _root(parent, x)
+        return union_root(parent, x)
 
     for _, members in rings:
         members = list(members)
@@ -185,7 +239,7 @@ def padded_counts(counts: Sequence[int], *, pp_size: int, vpp_size: int = 1, gro
     """The least micro-batch counts, each >= counts[p] and >= 1, that Megatron runs and that satisfy the
     ring rule (module doc): per linked set, the largest count raised to the next count Megatron runs,
     every other pipeline to the next multiple of G (at least G) unless the set's largest is smaller.
-    With v = 1 (1F1B) that is max(count, 1): no padding."""
+    With v = 1 (1F1B) that is max(count, 1): the rule needs no padding (module doc, prefix order)."""
     g = default_group_size(pp_size, group_size)
     if vpp_size == 1:
         return [max(1, n) for n in counts]
@@ -200,7 +254,8 @@ def padded_counts(counts: Sequence[int], *, pp_size: int, vpp_size: int = 1, gro
 
 def satisfies_ring_rule(counts: Sequence[int], *, rings: Iterable[Ring], pp_size: int, vpp_size: int = 1,
                         group_size: int | None = None) -> bool:
-    """Whether `counts` satisfy the ring rule (module doc); Megatron's own constraints not included."""
+    """Whether `counts` satisfy the ring rule (module doc); Megatron's own constraints not included. With
+    v = 1 any counts do (1F1B's prefix order); the one-index-per-ring part is `StepPlan.validate`'s."""
     if vpp_size == 1:
         return True
     g = default_group_size(pp_size, group_size)
@@ -218,7 +273,8 @@ def deadlock_cycle(counts: Sequence[int], *, rings: Iterable[Ring], pp_size: int
     micro-batches with `rings` (module doc), or None when the graph is acyclic (no deadlock).
 
     Brute force over every op of every rank: for checking plans and the rule in tests, not for the
-    planner's hot path. Raises ValueError for a ring at an index a member does not run.
+    planner's hot path. A ring's index may be one per member (`Ring`). Raises ValueError for a ring at
+    an index a member does not run.
     """
     g = default_group_size(pp_size, group_size)
     node: dict[tuple[int, int, Op], int] = {}
@@ -233,18 +289,19 @@ def deadlock_cycle(counts: Sequence[int], *, rings: Iterable[Ring], pp_size: int
     parent = list(range(len(node)))
 
     def find(x: int) -> int:
-        return _root(parent, x)
+        return union_root(parent, x)
 
-    for mb, members in rings:
+    for index, members in rings:
         members = list(members)
-        for p in members:
+        at = [index] * len(members) if isinstance(index, int) else list(index)
+        for p, mb in zip(members, at):
             if not 0 <= mb < counts[p]:
                 raise ValueError(f"ring at micro-batch {mb} includes pipeline {p}, which runs {counts[p]}")
         for s in range(pp_size):
             for kind in "FB":
                 for chunk in range(vpp_size):
-                    first = find(node[(members[0], s, (kind, chunk, mb))])
-                    for p in members[1:]:
+                    first = find(node[(members[0], s, (kind, chunk, at[0]))])
+                    for p, mb in zip(members[1:], at[1:]):
                         parent[find(node[(p, s, (kind, chunk, mb))])] = first
     edges: dict[int, set[int]] = {}
     witness: dict[tuple[int, int], tuple[int, int, Op]] = {}

@@ -34,11 +34,12 @@ FORWARD_SHARE = 1.0 / 3.0
 
 
 @functools.lru_cache(maxsize=1024)
-def _program(num: int, pp_size: int, vpp_size: int) -> tuple[tuple[int, int, int, int], ...]:
+def _program(num: int, pp_size: int, vpp_size: int, group_size: int | None) -> tuple[tuple[int, int, int, int], ...]:
     """Every op of the pipeline in an order that respects all dependencies, each as (stage, micro-batch,
     is_forward, index of the op it waits for in this tuple or -1): a topological order, so the makespan
     is one pass. Its own cycle check: Megatron's order never waits on later work of the same pipeline."""
-    orders = [stage_order(num, pp_size=pp_size, stage=s, vpp_size=vpp_size) for s in range(pp_size)]
+    orders = [stage_order(num, pp_size=pp_size, stage=s, vpp_size=vpp_size, group_size=group_size)
+              for s in range(pp_size)]
     done: dict[tuple[int, tuple[str, int, int]], int] = {}
     out: list[tuple[int, int, int, int]] = []
     position = [0] * pp_size
@@ -58,9 +59,10 @@ def _program(num: int, pp_size: int, vpp_size: int) -> tuple[tuple[int, int, int
     return tuple(out)
 
 
-def pipeline_time(times: Sequence[float], *, pp_size: int, vpp_size: int = 1) -> float:
+def pipeline_time(times: Sequence[float], *, pp_size: int, vpp_size: int = 1, group_size: int | None = None) -> float:
     """Makespan of one pipeline running micro-batches of these stage `times` in Megatron's order with
-    `vpp_size` model chunks per stage (module doc).
+    `vpp_size` model chunks per stage and `group_size` G (microbatch_group_size_per_vp_stage; None: pp_size)
+    micro-batches per group (module doc).
 
     With pp_size = 1 it is the sum of the times. With vpp_size > 1 the count must be one Megatron runs
     (`interleaved.megatron_constraint_error`; pad first, `interleaved.padded_counts`). Cost: one pass
@@ -69,14 +71,14 @@ def pipeline_time(times: Sequence[float], *, pp_size: int, vpp_size: int = 1) ->
     num = len(times)
     if pp_size == 1 or num == 0:
         return float(sum(times))
-    error = megatron_constraint_error(num, pp_size=pp_size, vpp_size=vpp_size)
+    error = megatron_constraint_error(num, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size)
     if error:
         raise ValueError(error)
     forward = [t * FORWARD_SHARE / vpp_size for t in times]
     backward = [t / vpp_size - f for t, f in zip(times, forward)]
     clock = [0.0] * pp_size
     end = []
-    for stage, mb, is_forward, dep in _program(num, pp_size, vpp_size):
+    for stage, mb, is_forward, dep in _program(num, pp_size, vpp_size, group_size if vpp_size > 1 else None):
         start = clock[stage] if dep < 0 else max(clock[stage], end[dep])
         clock[stage] = start + (forward[mb] if is_forward else backward[mb])
         end.append(clock[stage])

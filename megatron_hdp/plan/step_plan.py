@@ -13,7 +13,7 @@ import json
 from collections import deque
 from dataclasses import dataclass, field, fields
 from itertools import chain, repeat
-from typing import Any, Iterator, Sequence, TypeVar
+from typing import Any, Iterator, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -271,6 +271,10 @@ class StepPlan:
     vpp_size: int = 1
     """Model chunks (virtual pipeline stages) per pipeline stage: Megatron's interleaved schedule when > 1.
     In the JSON only when > 1, so plans without virtual stages read and write as before."""
+    group_size: Optional[int] = None
+    """Megatron's microbatch_group_size_per_vp_stage G the plan was made (and timed) for, with virtual
+    stages: the runtime runs the step with it (`megatron.step`). None: the runtime's configured G (pp by
+    default), as plans before this field. In the JSON as "microbatch_group_size", only when set."""
     version: int = PLAN_VERSION
     _digest: list = field(default_factory=list, repr=False, compare=False)
 
@@ -313,6 +317,9 @@ class StepPlan:
             )
         if self.vpp_size > 1 and self.pp_size == 1:
             raise ValueError(f"vpp_size={self.vpp_size} needs pipeline parallelism; pp_size is 1")
+        if self.group_size is not None and (self.vpp_size == 1 or self.group_size < self.pp_size):
+            raise ValueError(f"microbatch group size {self.group_size} needs virtual pipeline stages (vpp_size="
+                             f"{self.vpp_size}) and at least pp_size={self.pp_size} (Megatron's interleaved schedule)")
         if [r.rank for r in self.ranks] != list(range(self.num_ranks)):
             raise ValueError(f"ranks must be listed 0..{self.num_ranks - 1} in order")
         if not _all_valid(self):
@@ -397,6 +404,7 @@ class StepPlan:
             "capacity": self.capacity,
             "pp_size": self.pp_size,
             **({"vpp_size": self.vpp_size} if self.vpp_size > 1 else {}),
+            **({"microbatch_group_size": self.group_size} if self.group_size is not None else {}),
             "sequences": [
                 {"id": s.id, "length": s.length, "ring": list(s.ring), "offload_ratio": s.offload_ratio}
                 for s in self.sequences
@@ -432,6 +440,7 @@ class StepPlan:
             capacity=data["capacity"],
             pp_size=data.get("pp_size", 1),
             vpp_size=data.get("vpp_size", 1),
+            group_size=data.get("microbatch_group_size"),
             sequences=tuple(
                 SequencePlacement(s["id"], s["length"], tuple(s["ring"]), s.get("offload_ratio", 0.0))
                 for s in data["sequences"]

@@ -14,10 +14,10 @@ coupling (`sim.simulator`):
 - a rank runs its micro-batches in order, each phase (forward, backward, or the whole micro-batch) of
   index i after the previous one (`coupled_finish`);
 - padding: the runtime runs empty micro-batches after a rank's own (`megatron.step.pad_microbatches`):
-  with PP (1F1B) every pipeline runs the domain's largest count, with virtual pipeline stages the least
-  counts Megatron's interleaved schedule runs that keep the ring rule (`plan.interleaved`), with expert
-  parallelism every member of an EP group its group's largest, and a rank without micro-batches runs
-  one (`runtime_microbatch_counts`); each costs the micro-batch overhead;
+  with virtual pipeline stages the least counts Megatron's interleaved schedule runs that keep the ring
+  rule (`plan.interleaved`; 1F1B pipelines need none), with expert parallelism every member of an EP
+  group its group's largest, and a rank without micro-batches runs one (`runtime_microbatch_counts`);
+  each costs the micro-batch overhead;
 - expert parallelism: the MoE all-to-all of every layer couples micro-batch i of all members of an EP
   group (`expert_links`), like a ring over the group at every index.
 
@@ -33,7 +33,7 @@ from typing import Collection, Iterable, Sequence
 
 import numpy as np
 
-from megatron_hdp.plan.interleaved import padded_counts
+from megatron_hdp.plan.interleaved import padded_counts, union_root
 from megatron_hdp.plan.step_plan import StepPlan
 
 Groups = dict[tuple[int, int], int]
@@ -50,32 +50,28 @@ def expert_groups(num_ranks: int, ep_size: int) -> list[range]:
 
 def runtime_microbatch_counts(counts: Sequence[int], *, pp_size: int = 1, ep_size: int = 1, vpp_size: int = 1,
                               rings: Iterable[Sequence[int]] = (), group_size: int | None = None) -> list[int]:
-    """Micro-batches each rank runs for a plan giving it `counts[r]`: with PP (1F1B) the largest count on
-    every rank, as `megatron.step.num_microbatches_to_run` pads today; with virtual pipeline stages
-    (`vpp_size` > 1) the least counts Megatron's interleaved schedule runs that keep the ring rule over
-    the plan's `rings` (member ranks) and its expert-parallel groups (`interleaved.padded_counts`); else
+    """Micro-batches each rank runs for a plan giving it `counts[r]`: the least counts that Megatron's
+    schedule runs and that keep the ring rule over the plan's `rings` (member ranks) and its
+    expert-parallel groups (`interleaved.padded_counts`: with 1F1B and without PP each rank's own count,
+    with virtual pipeline stages (`vpp_size` > 1) padded where the interleaved schedule needs it), then
     the largest of each rank's expert-parallel group (every member joins every all-to-all); at least one
     everywhere (every rank joins the gradient reduction). `group_size`: Megatron's
     microbatch_group_size_per_vp_stage (None: pp_size, its default). `megatron.step.pipeline_counts` runs
     exactly these counts."""
-    if pp_size > 1 and vpp_size == 1:
-        return [max(1, max(counts, default=0))] * len(counts)
     groups = expert_groups(len(counts), ep_size)
-    out = list(counts)
-    if vpp_size > 1:
-        links = [(0, tuple(ring)) for ring in rings] + [(0, tuple(group)) for group in groups if len(group) > 1]
-        out = padded_counts(counts, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, rings=links)
+    links = [(0, tuple(ring)) for ring in rings] + [(0, tuple(group)) for group in groups if len(group) > 1]
+    out = padded_counts(counts, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, rings=links)
     for group in groups:
-        most = max(1, max(out[r] for r in group))
+        most = max(out[r] for r in group)
         for r in group:
             out[r] = most
     return out
 
 
 def plan_runtime_counts(plan: StepPlan, *, ep_size: int = 1) -> list[int]:
-    """`runtime_microbatch_counts` of `plan` (its counts, pipeline shape and rings)."""
+    """`runtime_microbatch_counts` of `plan` (its counts, pipeline shape, group size and rings)."""
     return runtime_microbatch_counts([len(s.microbatches) for s in plan.ranks], pp_size=plan.pp_size,
-                                     ep_size=ep_size, vpp_size=plan.vpp_size,
+                                     ep_size=ep_size, vpp_size=plan.vpp_size, group_size=plan.group_size,
                                      rings={seq.ring for seq in plan.sequences if len(seq.ring) > 1})
 
 
@@ -96,10 +92,8 @@ def link_groups(links: Iterable[tuple[int, Sequence[int]]]) -> Groups:
     parent: dict[tuple[int, int], tuple[int, int]] = {}
 
     def find(x: tuple[int, int]) -> tuple[int, int]:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+        parent.setdefault(x, x)
+        return union_root(parent, x)
 
     for index, ranks in links:
         ranks = list(ranks)

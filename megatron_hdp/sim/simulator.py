@@ -19,8 +19,9 @@ What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding n
   are ready, and releases them together when the slowest is done (its busy part is its own work; the
   rest is idle). Coupling is transitive: ranks linked through several rings at the same micro-batch
   index move as one group.
-- Padding: after its own micro-batches a rank runs the runtime's empty ones (with PP up to the domain's
-  largest count, with EP its group's; an idle rank one), each at the micro-batch overhead (`plan.timing`).
+- Padding: after its own micro-batches a rank runs the runtime's empty ones (with virtual pipeline
+  stages where the interleaved schedule and the ring rule need them, with EP up to its group's largest
+  count; an idle rank one), each at the micro-batch overhead (`plan.timing`).
 - Expert parallelism (`CostModel.expert_parallel_size`): micro-batch i of every member of an EP group is
   coupled like a ring (the MoE all-to-all of every layer), `plan.timing.expert_links`.
 - PP: every stage runs its ops in Megatron's order (`plan.interleaved.stage_order`: 1F1B with a warm-up
@@ -299,7 +300,8 @@ def simulate_step(
     for (rank, _), gid in coupled.items():
         members.setdefault(gid, []).append(rank)
 
-    orders = [[stage_order(len(costs[r]), pp_size=p, stage=s, vpp_size=v) for s in range(p)] for r in range(n)]
+    orders = [[stage_order(len(costs[r]), pp_size=p, stage=s, vpp_size=v, group_size=plan.group_size)
+               for s in range(p)] for r in range(n)]
     ops: list[list[list[Op]]] = [[[] for _ in range(p)] for _ in range(n)]
     released: dict[tuple[int, int, tuple[str, int, int]], float] = {}  # (rank, stage, op) -> release time
     arrived: dict[tuple[int, int, str, int], dict[int, float]] = {}  # (gid, stage, kind, chunk) -> rank -> ready
