@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import sys
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from megatron_hdp.sim.cluster import ClusterSpec
 from megatron_hdp.sim.compare import compare_policies
+from output import finish, print_new_rows
 
 HERE = Path(__file__).resolve().parent
 CONTEXT = 2048 * 1024
@@ -105,9 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     for bandwidth in bandwidths:
         for mix in args.mixes.split(","):
             runs.append(run_mix(mix, ring_bandwidth=bandwidth, steps=args.steps, seed=args.seed))
-            print("\n".join(table(runs[-1:]).splitlines()[2:]), flush=True)
-    print()
-    print(table(runs))
+            print_new_rows(table, runs[-1:])
     result = {
         "benchmark": "ablation_bench",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -118,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "seconds": time.perf_counter() - started,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {args.out}")
+    finish(table(runs), result, args.out)
     return 0
 
 

@@ -15,14 +15,14 @@ while the main thread runs a simulated step (1-thread matmuls for --step-seconds
 like GPU work, plus --python-ops tiny tensor ops, which hold it like the Python that launches kernels);
 reported: the step's time next to its time alone (what the loader costs the step) and what `next` still
 waited for (the loader time the step did not hide). Results go to benchmarks/results/loader_bench.json
-with the command and the date.
+with the command and the date. `--repeat N` runs all of it (the corpus written once) N times and reports
+median and range over the runs (`repeats.py`); the JSON keeps every run.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -39,6 +39,8 @@ from megatron_hdp.data.loader import HDPDataLoader
 from megatron_hdp.harness.build_dataset import synthetic_documents, synthetic_lengths, write_indexed_dataset
 from megatron_hdp.megatron.datasets import IndexedDocumentSource
 from megatron_hdp.plan.presets import analytic_cost_model
+from output import write_result
+from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
 
 RESULTS = Path(__file__).resolve().parent / "results" / "loader_bench.json"
 
@@ -55,6 +57,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--step-seconds", type=float, default=0.5, help="simulated step: seconds of matmuls")
     parser.add_argument("--python-ops", type=int, default=20000, help="simulated step: tiny GIL-bound tensor ops")
     parser.add_argument("--overlap-steps", type=int, default=10)
+    add_repeat_argument(parser)
     parser.add_argument("--output", default=str(RESULTS))
     return parser.parse_args(argv)
 
@@ -107,13 +110,9 @@ def overlap(make_loader: Callable[..., HDPDataLoader], step: Callable[[], None],
     return {"step_seconds": stats(step_s), "exposed_wait_seconds": stats(waits)}
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(1)
-    config = HDPConfig(hdp_capacity=args.capacity, hdp_global_batch_tokens=args.batch_tokens, hdp_policy=args.policy)
-    cost_model = analytic_cost_model("llama-7b")
-    prefix, build_seconds = corpus(args)
-
+def measure(args: argparse.Namespace, prefix: str, config: HDPConfig, cost_model) -> dict:
+    """One run: open the index, then sampling, planning and every rank's reads step by step in the
+    foreground, then rank 0's loader producing ahead of a simulated step (thread, worker process)."""
     start = time.perf_counter()
     source = IndexedDocumentSource(prefix)
     open_seconds = time.perf_counter() - start
@@ -159,17 +158,11 @@ def main(argv: list[str]) -> int:
         return HDPDataLoader(source, rank=0, num_ranks=args.num_ranks, config=config, cost_model=cost_model, seed=0,
                              consumed_samples=consumed, **options)
 
-    modes = {"thread": overlap(make_loader, step, args.overlap_steps, prefetch=1),
-             "worker process": overlap(make_loader, step, args.overlap_steps, workers=1)}
-
-    result = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": "python benchmarks/loader_bench.py " + " ".join(argv),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
+    return {
         "setup": {"num_docs": int(source.lengths.size), "corpus_tokens": int(source.lengths.sum() + source.lengths.size),
                   "num_ranks": args.num_ranks, "capacity": args.capacity, "batch_tokens": args.batch_tokens,
                   "policy": args.policy, "steps": args.steps},
-        "index": {"build_seconds": build_seconds, "open_seconds": open_seconds, "loader_init_seconds": init_seconds},
+        "index": {"open_seconds": open_seconds, "loader_init_seconds": init_seconds},
         "per_step": {
             "documents": docs / args.steps,
             "tokens": tokens / args.steps,
@@ -187,38 +180,65 @@ def main(argv: list[str]) -> int:
             "simulated_step": {"matmul_seconds": args.step_seconds, "python_ops": args.python_ops,
                                "seconds_alone": statistics.fmean(alone)},
             "serial_plan_and_load_seconds": statistics.fmean(serial),
-            **modes,
+            "thread": overlap(make_loader, step, args.overlap_steps, prefetch=1),
+            "worker process": overlap(make_loader, step, args.overlap_steps, workers=1),
         },
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
 
-    per = result["per_step"]
+
+def print_result(result: dict) -> None:
+    """The table of one run, or of `repeats.over_runs`'s spread (median [min, max] where a figure varied)."""
+    per, overlapped = result["per_step"], result["overlap"]
+    ms = lambda figure, fmt="{:.1f}": format_spread(figure, fmt, scale=1e3)  # noqa: E731
     rows = [
         ("documents in index", f"{result['setup']['num_docs']:,}"),
-        ("write index (s)", f"{build_seconds:.1f}" if build_seconds else "reused"),
-        ("open index (s)", f"{open_seconds:.3f}"),
-        ("loader init: lengths, pool limit (s)", f"{init_seconds:.3f}"),
-        ("documents / tokens per step", f"{per['documents']:.0f} / {per['tokens']:,.0f}"),
-        ("sample batch per step (ms, mean)", f"{per['sample_seconds']['mean'] * 1e3:.2f}"),
-        (f"plan per step, {args.policy} (ms, mean / max)",
-         f"{per['plan_seconds']['mean'] * 1e3:.1f} / {per['plan_seconds']['max'] * 1e3:.1f}"),
-        (f"read + collate, all {args.num_ranks} ranks (ms/step)", f"{per['load_all_ranks_seconds']['mean'] * 1e3:.1f}"),
-        ("read + collate, one rank (ms/step)", f"{per['load_one_rank_seconds'] * 1e3:.2f}"),
-        ("loader throughput (M tokens/s)", f"{result['throughput']['tokens_per_second_all_ranks_one_process'] / 1e6:.1f}"),
-        ("bytes read / plan tokens x itemsize", f"{read_ratio:.4f}"),
-        ("rank 0: plan + load in the step's thread (ms/step)", f"{statistics.fmean(serial) * 1e3:.1f}"),
-        ("simulated step alone (ms)", f"{statistics.fmean(alone) * 1e3:.1f}"),
+        ("open index (s)", format_spread(result["index"]["open_seconds"], "{:.3f}")),
+        ("loader init: lengths, pool limit (s)", format_spread(result["index"]["loader_init_seconds"], "{:.3f}")),
+        ("documents / tokens per step", f"{format_spread(per['documents'], '{:.0f}')} / "
+                                        f"{format_spread(per['tokens'], '{:,.0f}')}"),
+        ("sample batch per step (ms, mean)", ms(per["sample_seconds"]["mean"], "{:.2f}")),
+        (f"plan per step, {result['setup']['policy']} (ms, mean / p50 / max)",
+         f"{ms(per['plan_seconds']['mean'])} / {ms(per['plan_seconds']['p50'])} / {ms(per['plan_seconds']['max'])}"),
+        (f"read + collate, all {result['setup']['num_ranks']} ranks (ms/step)", ms(per["load_all_ranks_seconds"]["mean"])),
+        ("read + collate, one rank (ms/step)", ms(per["load_one_rank_seconds"], "{:.2f}")),
+        ("loader throughput (M tokens/s)",
+         format_spread(result["throughput"]["tokens_per_second_all_ranks_one_process"], "{:.1f}", scale=1e-6)),
+        ("bytes read / plan tokens x itemsize", format_spread(result["throughput"]["bytes_read_over_plan_tokens"], "{:.4f}")),
+        ("rank 0: plan + load in the step's thread (ms/step)", ms(overlapped["serial_plan_and_load_seconds"])),
+        ("simulated step alone (ms)", ms(overlapped["simulated_step"]["seconds_alone"])),
     ]
-    for mode, numbers in modes.items():
+    for mode in ("thread", "worker process"):
         rows += [
-            (f"  {mode}: step with loader running (ms)", f"{numbers['step_seconds']['mean'] * 1e3:.1f}"),
-            (f"  {mode}: exposed wait per step (ms)", f"{numbers['exposed_wait_seconds']['mean'] * 1e3:.2f}"),
+            (f"  {mode}: step with loader running (ms)", ms(overlapped[mode]["step_seconds"]["mean"])),
+            (f"  {mode}: exposed wait per step (ms, mean / p50)",
+             f"{ms(overlapped[mode]['exposed_wait_seconds']['mean'], '{:.2f}')} / "
+             f"{ms(overlapped[mode]['exposed_wait_seconds']['p50'], '{:.2f}')}"),
         ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
-    print(f"wrote {args.output}")
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    config = HDPConfig(hdp_capacity=args.capacity, hdp_global_batch_tokens=args.batch_tokens, hdp_policy=args.policy)
+    cost_model = analytic_cost_model("llama-7b")
+    prefix, build_seconds = corpus(args)
+    print(f"write index (s): {f'{build_seconds:.1f}' if build_seconds else 'reused'}")
+    runs = repeat_measurement(lambda: measure(args, prefix, config, cost_model), args.repeat,
+                              report=lambda _, result: print_result(result))
+    combined = over_runs(runs)
+    if args.repeat > 1:
+        print(f"\nover {args.repeat} runs: median [min, max]")
+        print_result(combined["spread"])
+    write_result(args.output, {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": "python benchmarks/loader_bench.py " + " ".join(argv),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
+        "index_build_seconds": build_seconds,
+        **combined,
+    }, indent=2)
     return 0
 
 

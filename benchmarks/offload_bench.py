@@ -10,13 +10,14 @@ runs out of memory. On CPU the copies are host-to-host, so memory is the saved-t
 (bytes autograd keeps minus bytes moved) and the longest sequence is extrapolated from it for a notional
 `--cpu-budget-mib` budget. ByteScale's target: ratio 0.5 saves >= 30% activation memory with <= 3%
 slowdown for sequences >= 64K. Results go to benchmarks/results/offload_bench.json with the command.
+`--repeat N` times every ratio in N runs, one after the other (slowdowns taken within a run), and
+reports median and range over the runs (`repeats.py`); the JSON keeps every run.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -27,6 +28,8 @@ import torch
 from megatron_hdp.offload import ActivationOffloader, OffloadConfig
 from megatron_hdp.offload.reference_model import ReferenceGPT
 from megatron_hdp.plan.presets import ModelShape
+from output import write_result
+from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
 
 RESULTS = Path(__file__).resolve().parent / "results" / "offload_bench.json"
 
@@ -48,6 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--search-granularity", type=int, default=8192, help="tokens (CUDA search)")
     parser.add_argument("--host-memory-gib", type=float, default=96.0, help="pinned host memory a trial may use")
     parser.add_argument("--cpu-budget-mib", type=float, default=64.0, help="notional activation budget on CPU")
+    add_repeat_argument(parser)
     parser.add_argument("--output", default=str(RESULTS))
     return parser.parse_args(argv)
 
@@ -150,6 +154,32 @@ def longest_fitting(model, offloader, shape, ratio, device, start, granularity, 
     return low, limit
 
 
+def time_ratios(model, offloader, batch, ratios: list[float], device: torch.device, steps: int,
+                total_saved: int) -> list[dict]:
+    """One run: every ratio, one after the other (each after a warm-up step); slowdown and saving against
+    ratio 0 of the same run."""
+    memory_key = "activation_peak_bytes" if device.type == "cuda" else "saved_bytes_resident"
+    rows = []
+    for ratio in ratios:
+        run_step(model, offloader, batch, ratio, device)  # warm-up: kernels, allocator, pinned pool
+        runs = [run_step(model, offloader, batch, ratio, device) for _ in range(steps)]
+        stats = runs[-1]["stats"]
+        rows.append({
+            "ratio": ratio,
+            "step_time_s": statistics.median(r["seconds"] for r in runs),
+            "activation_peak_bytes": runs[-1]["activation_peak_bytes"],
+            "saved_bytes_resident": total_saved - stats.bytes_offloaded,
+            "bytes_offloaded": stats.bytes_offloaded,
+            "bytes_prefetched": stats.bytes_prefetched,
+            "exposed_wait_s": statistics.median(r["stats"].exposed_wait_s for r in runs),
+        })
+    base = next((r for r in rows if r["ratio"] == 0.0), None)
+    for row in rows if base else ():
+        row["slowdown"] = row["step_time_s"] / base["step_time_s"] - 1
+        row["activation_saving"] = 1 - row[memory_key] / base[memory_key]
+    return rows
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -166,23 +196,15 @@ def main(argv: list[str]) -> int:
     )
     batch = make_batch(shape, seq_len, device)
     total_saved = saved_bytes(model, batch)
-    rows = []
-    for ratio in ratios:
-        run_step(model, offloader, batch, ratio, device)  # warm-up: kernels, allocator, pinned pool
-        runs = [run_step(model, offloader, batch, ratio, device) for _ in range(args.steps)]
-        stats = runs[-1]["stats"]
-        rows.append({
-            "ratio": ratio,
-            "step_time_s": statistics.median(r["seconds"] for r in runs),
-            "activation_peak_bytes": runs[-1]["activation_peak_bytes"],
-            "saved_bytes_resident": total_saved - stats.bytes_offloaded,
-            "bytes_offloaded": stats.bytes_offloaded,
-            "bytes_prefetched": stats.bytes_prefetched,
-            "exposed_wait_s": statistics.median(r["stats"].exposed_wait_s for r in runs),
-        })
-    # The searches come after every ratio is timed: a trial that runs out of GPU memory can leave the
-    # allocator fragmented, which must not weigh on the timed rows.
-    for row in rows:
+    print(f"device {device} ({torch.cuda.get_device_name(device) if cuda else 'host copies'}), "
+          f"{seq_len} tokens, {shape}")
+    runs = repeat_measurement(
+        lambda: {"rows": time_ratios(model, offloader, batch, ratios, device, args.steps, total_saved)},
+        args.repeat, report=lambda _, result: print_rows(result["rows"], device))
+    combined = over_runs(runs)
+    # The searches come after every run is timed: a trial that runs out of GPU memory can leave the
+    # allocator fragmented, which must not weigh on the timed rows. Memory does not vary between runs.
+    for row in combined["rows"]:
         if args.no_search:
             row["longest_seq_len"], row["longest_kind"] = None, "not searched"
         elif cuda:
@@ -195,39 +217,39 @@ def main(argv: list[str]) -> int:
             per_token = row["saved_bytes_resident"] / seq_len
             row["longest_seq_len"] = int(args.cpu_budget_mib * 2**20 / per_token)
             row["longest_kind"] = f"estimated: {args.cpu_budget_mib:g} MiB / resident saved bytes per token"
-    report(rows, shape, seq_len, device, args)
-    return 0
-
-
-def report(rows: list[dict], shape: ModelShape, seq_len: int, device: torch.device, args) -> None:
-    memory_key = "activation_peak_bytes" if device.type == "cuda" else "saved_bytes_resident"
-    base = next((r for r in rows if r["ratio"] == 0.0), None)
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'host copies'}), "
-          f"{seq_len} tokens, {shape}")
-    print(f"{'ratio':>6} {'step s':>9} {'slowdown':>9} {'act MiB':>10} {'saved':>7} {'moved MiB':>10} "
-          f"{'exposed ms':>11} {'longest':>9}")
-    for row in rows:
-        if base:
-            row["slowdown"] = row["step_time_s"] / base["step_time_s"] - 1
-            row["activation_saving"] = 1 - row[memory_key] / base[memory_key]
-        print(f"{row['ratio']:>6.2f} {row['step_time_s']:>9.4f} {row.get('slowdown', 0) * 100:>8.1f}% "
-              f"{row[memory_key] / 2**20:>10.1f} {row.get('activation_saving', 0) * 100:>6.1f}% "
-              f"{row['bytes_offloaded'] / 2**20:>10.1f} {row['exposed_wait_s'] * 1e3:>11.2f} "
-              f"{row['longest_seq_len'] if row['longest_seq_len'] is not None else '-':>9}")
-    result = {
+    print(f"\n{'median' if args.repeat > 1 else 'result'} with the longest sequence:")
+    print_rows(combined["rows"], device)
+    if args.repeat > 1:
+        print(f"\nover {args.repeat} runs: median [min, max]")
+        print_rows(combined["spread"]["rows"], device)
+    write_result(args.output, {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "benchmarks/offload_bench.py", *sys.argv[1:]]),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "memory": "torch.cuda.max_memory_allocated - allocated before the step" if device.type == "cuda"
+        "command": " ".join(["python", "benchmarks/offload_bench.py", *argv]),
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "memory": "torch.cuda.max_memory_allocated - allocated before the step" if cuda
         else "saved-tensor accounting (bytes autograd keeps minus bytes moved)",
         "seq_len": seq_len,
         "shape": shape.__dict__,
-        "rows": rows,
-    }
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {output}")
+        **combined,
+    }, indent=2)
+    return 0
+
+
+def print_rows(rows: list[dict], device: torch.device) -> None:
+    """The table of one run, of the medians, or of `repeats.over_runs`'s spread (median [min, max])."""
+    memory_key = "activation_peak_bytes" if device.type == "cuda" else "saved_bytes_resident"
+
+    def cell(row: dict, key: str, scale: float, fmt: str) -> str:
+        return format_spread(row.get(key, 0), fmt, scale=scale)
+
+    print(f"{'ratio':>6} {'step s':>24} {'slowdown':>24} {'act MiB':>10} {'saved':>7} {'moved MiB':>10} "
+          f"{'exposed ms':>24} {'longest':>9}")
+    for row in rows:
+        longest = row.get("longest_seq_len")
+        print(f"{row['ratio']:>6.2f} {cell(row, 'step_time_s', 1, '{:.4f}'):>24} "
+              f"{cell(row, 'slowdown', 100, '{:.1f}%'):>24} {cell(row, memory_key, 2**-20, '{:.1f}'):>10} "
+              f"{cell(row, 'activation_saving', 100, '{:.1f}%'):>7} {cell(row, 'bytes_offloaded', 2**-20, '{:.1f}'):>10} "
+              f"{cell(row, 'exposed_wait_s', 1e3, '{:.2f}'):>24} {longest if longest is not None else '-':>9}")
 
 
 if __name__ == "__main__":

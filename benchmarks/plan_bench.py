@@ -2,7 +2,7 @@
 
     python benchmarks/plan_bench.py [--tokens 32M] [--ranks 1024,12288] [--capacity 16K] [--models llama-7b,llama3-8b]
         [--mixes byted,github,wikipedia,prolong,wlbllm] [--policies balance,naive,static,megatron-hybrid-cp]
-        [--ranks-per-node none] [--repeats 3] [--out benchmarks/results/plan_bench.json]
+        [--ranks-per-node none] [--repeats 3] [--repeat 1] [--out benchmarks/results/plan_bench.json]
 
 For each mix one batch is sampled (seeded) and planned by every policy at every rank count, under the
 analytic cost model of each model: LLaMA-7B (the paper's; MHA, so a long document's ring traffic is
@@ -17,6 +17,8 @@ included), of which StepPlan construction (`assemble_plan`, the dataclasses), `v
 `make_plan` ("make ms": policy + validate, what the data loader pays per step), each timed on its own.
 CPU time is given because this 2-core machine is shared: wall time varies with the load (recorded in
 the JSON).
+`--repeat N` runs all of it N times (the plans are the same every run; the times are not) and reports
+each time as median and range over the runs (`repeats.py`); the JSON keeps every run.
 Targets (issue 2): balance <= 1.05 for `balance`; a 1,024-rank plan in <= 100 ms and a 12,288-rank plan
 in <= 1 s; `balance` faster than `megatron-hybrid-cp` on every mix.
 """
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import sys
@@ -45,6 +46,8 @@ from megatron_hdp.plan.bounds import step_time_lower_bound
 from megatron_hdp.plan.lengths import DISTRIBUTIONS, sample_global_batch
 from megatron_hdp.plan.planner import make_plan, policy_function
 from megatron_hdp.plan.presets import analytic_cost_model
+from output import finish, print_new_rows
+from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
 
 HERE = Path(__file__).resolve().parent
 
@@ -126,12 +129,19 @@ def measure(policy: str, lengths: list[int], *, num_ranks: int, config: HDPConfi
     }
 
 
+HEAD = f"{'model':<10}{'mix':<10}{'ranks':>6}{'rpn':>5} {'policy':<19}"
+
+
+def _row_head(r: dict) -> str:
+    return f"{r['model']:<10}{r['mix']:<10}{r['ranks']:>6}{str(r.get('ranks_per_node') or '-'):>5} {r['policy']:<19}"
+
+
 def table(records: list[dict]) -> str:
-    header = (f"{'model':<10}{'mix':<10}{'ranks':>6}{'rpn':>5} {'policy':<19}{'step s':>9}{'vs LB':>8}{'bal':>7}{'bal LB':>7}"
+    header = (f"{HEAD}{'step s':>9}{'vs LB':>8}{'bal':>7}{'bal LB':>7}"
               f"{'rings':>6}{'ring TB':>9}{'wall ms':>9}{'cpu ms':>8}{'asm ms':>8}{'val ms':>8}{'make ms':>9}")
     lines = [header, "-" * len(header)]
     for r in records:
-        head = f"{r['model']:<10}{r['mix']:<10}{r['ranks']:>6}{str(r.get('ranks_per_node') or '-'):>5} {r['policy']:<19}"
+        head = _row_head(r)
         if "error" in r:
             lines.append(head + f"n/a: {r['error'][:70]}")
             continue
@@ -139,6 +149,45 @@ def table(records: list[dict]) -> str:
                      f"{r['balance_floor']:>7.3f}{r['rings']:>6}{r['ring_tb']:>9.1f}{r['wall_ms']:>9.0f}"
                      f"{r['cpu_ms']:>8.0f}{r['assemble_ms']:>8.0f}{r['validate_ms']:>8.0f}{r['make_plan_ms']:>9.0f}")
     return "\n".join(lines)
+
+
+def spread_table(records: list[dict]) -> str:
+    """The planner's times over the runs (`repeats.over_runs`'s spread), ms as median [min, max]."""
+    times = ("wall_ms", "cpu_ms", "make_plan_ms")
+    header = HEAD + "".join(f"{t:>22}" for t in times)
+    lines = [header, "-" * len(header)]
+    for r in records:
+        if "error" not in r:
+            lines.append(_row_head(r) + "".join(f"{format_spread(r[t], '{:.0f}'):>22}" for t in times))
+    return "\n".join(lines)
+
+
+def plan_all(args: argparse.Namespace, cost_models: dict, batches: dict[str, list[int]]) -> list[dict]:
+    """One run: every model x mix x ranks x topology x policy, each row printed as it is measured."""
+    config = HDPConfig(hdp=True, hdp_capacity=args.capacity)
+    topologies = [None if n.lower() == "none" else int(n) for n in args.ranks_per_node.split(",")]
+    records = []
+    for model, mix in ((m, x) for m in cost_models for x in args.mixes.split(",")):
+        lengths = batches[mix]
+        for num_ranks, ranks_per_node in ((int(r), n) for r in args.ranks.split(",") for n in topologies):
+            cost_model = dataclasses.replace(cost_models[model], ranks_per_node=ranks_per_node)
+            for policy in args.policies.split(","):
+                record = {"model": model, "mix": mix, "ranks": num_ranks, "ranks_per_node": ranks_per_node,
+                          "policy": policy, "sequences": len(lengths), "tokens": int(sum(lengths)),
+                          "longest": int(max(lengths))}
+                refusal = estimate_plan(policy, lengths, num_ranks=num_ranks, capacity=args.capacity).refusal(
+                    max_shards=10**9, max_seconds=args.max_plan_seconds)
+                if refusal:
+                    record["error"] = refusal
+                else:
+                    try:
+                        record.update(measure(policy, lengths, num_ranks=num_ranks, config=config,
+                                              cost_model=cost_model, repeats=args.repeats if policy == "balance" else 1))
+                    except (ValueError, ImportError) as error:
+                        record["error"] = str(error)
+                records.append(record)
+                print_new_rows(table, [record])
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,43 +202,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--ranks-per-node", default="none",
                         help="comma list of HDP ranks per node for the cost model; none: topology unknown")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of `balance` per batch (fastest kept)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="plans of `balance` per batch within a run, the fastest kept (--repeat: whole runs)")
+    add_repeat_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-plan-seconds", type=float, default=300.0,
                         help="skip a policy whose planning `plan_budget.estimate_plan` puts above this (n/a row)")
     parser.add_argument("--out", default=str(HERE / "results" / "plan_bench.json"))
     args = parser.parse_args(argv)
 
-    models = args.models.split(",")
-    cost_models = {m: analytic_cost_model(m, args.hardware, tp_size=args.tp) for m in models}
-    config = HDPConfig(hdp=True, hdp_capacity=args.capacity)
+    cost_models = {m: analytic_cost_model(m, args.hardware, tp_size=args.tp) for m in args.models.split(",")}
+    batches = {mix: sample_global_batch(mix, num_tokens=args.tokens, seed=args.seed) for mix in args.mixes.split(",")}
     load_before = os.getloadavg()
-    topologies = [None if n.lower() == "none" else int(n) for n in args.ranks_per_node.split(",")]
-    records = []
-    for model, mix in ((m, x) for m in models for x in args.mixes.split(",")):
-        lengths = sample_global_batch(mix, num_tokens=args.tokens, seed=args.seed)
-        for num_ranks, ranks_per_node in ((int(r), n) for r in args.ranks.split(",") for n in topologies):
-            cost_model = dataclasses.replace(cost_models[model], ranks_per_node=ranks_per_node)
-            for policy in args.policies.split(","):
-                record = {"model": model, "mix": mix, "ranks": num_ranks, "ranks_per_node": ranks_per_node,
-                          "policy": policy, "sequences": len(lengths), "tokens": int(sum(lengths)),
-                          "longest": int(max(lengths))}
-                refusal = estimate_plan(policy, lengths, num_ranks=num_ranks, capacity=args.capacity).refusal(
-                    max_shards=10**9, max_seconds=args.max_plan_seconds)
-                if refusal:
-                    record["error"] = refusal
-                    records.append(record)
-                    print(table([record]).splitlines()[-1], flush=True)
-                    continue
-                try:
-                    record.update(measure(policy, lengths, num_ranks=num_ranks, config=config, cost_model=cost_model,
-                                          repeats=args.repeats if policy == "balance" else 1))
-                except (ValueError, ImportError) as error:
-                    record["error"] = str(error)
-                records.append(record)
-                print(table([record]).splitlines()[-1], flush=True)
-    print()
-    print(table(records))
+    runs = repeat_measurement(lambda: {"records": plan_all(args, cost_models, batches)}, args.repeat)
+    combined = over_runs(runs)
+    text = table(combined["records"])
+    if args.repeat > 1:
+        text += f"\n\nover {args.repeat} runs, median [min, max]:\n" + spread_table(combined["spread"]["records"])
     result = {
         "benchmark": "plan_bench",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -198,11 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                     "python": platform.python_version(), "numpy": np.__version__},
         "setup": {"tokens": args.tokens, "capacity": args.capacity, "hardware": args.hardware, "tp": args.tp,
                   "seed": args.seed, "cost_models": {m: cm.to_dict() for m, cm in cost_models.items()}},
-        "records": records,
+        **combined,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {args.out}")
+    finish(text, result, args.out)
     return 0
 
 

@@ -19,14 +19,15 @@ of a padding segment is not counted, so this is a lower bound), and the shape me
 Part 2 (measured, CPU): 2 gloo ranks, PP = 2, a 4-layer GPT (hidden 256), the micro-batch lengths of
 the median-padding pipeline of the first `byted` plan scaled by 1/64, Megatron's 1F1B schedule forward
 and backward, both modes alternating step by step; wall seconds (slowest rank) and CPU seconds summed over the two ranks.
-Results: benchmarks/results/pp_shapes_bench.json with the command and the date.
+Results: benchmarks/results/pp_shapes_bench.json with the command and the date. `--repeat N` runs part 2
+N times (a fresh pair of processes each; the ratio taken within each run) and reports median and range
+over the runs (`repeats.py`); the JSON keeps every run.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import statistics
 import sys
@@ -35,6 +36,9 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+
+from output import write_result
+from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pp_shapes_bench.json"
 
@@ -120,7 +124,8 @@ def _pipeline_rank(rank: int, world: int, lengths: list[int], steps: int) -> dic
 
 
 def measure(lengths: list[int], steps: int) -> dict:
-    """Part 2: both modes on 2 gloo ranks (PP = 2); median wall (slowest rank) and CPU (sum of ranks)."""
+    """Part 2, one run: both modes on 2 gloo ranks (PP = 2), taking turns step by step; median wall
+    (slowest rank) and CPU (sum of ranks), and padded / variable CPU seconds."""
     from megatron_hdp.comm.launch import run_gloo
 
     ranks = run_gloo(_pipeline_rank, 2, lengths, steps, timeout_s=1200)
@@ -129,7 +134,17 @@ def measure(lengths: list[int], steps: int) -> dict:
         walls = [max(r[mode][i][0] for r in ranks) for i in range(steps)]
         cpus = [sum(r[mode][i][1] for r in ranks) for i in range(steps)]
         out[mode] = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
+    out["padded_over_variable_cpu"] = out["padded"]["cpu_s"] / out["variable"]["cpu_s"]
     return out
+
+
+def print_timed(timed: dict) -> None:
+    """Part 2's table of one run, or of `repeats.over_runs`'s spread (median [min, max])."""
+    print(f"{'mode':9} {'wall s':>24} {'cpu s':>24}")
+    for mode in ("variable", "padded"):
+        row = timed[mode]
+        print(f"{mode:9} {format_spread(row['wall_s'], '{:.3f}'):>24} {format_spread(row['cpu_s'], '{:.3f}'):>24}")
+    print(f"padded / variable CPU seconds: {format_spread(timed['padded_over_variable_cpu'], '{:.2f}')}")
 
 
 def main(argv: list[str]) -> None:
@@ -137,6 +152,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--plan-steps", type=int, default=4, help="planned global batches per mix (part 1)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per mode (part 2)")
     parser.add_argument("--scale", type=int, default=64, help="part 2 divides part 1's lengths by this")
+    add_repeat_argument(parser)
     args = parser.parse_args(argv)
 
     plans = [plan_padding(mix, steps=args.plan_steps) for mix in ("byted", "github")]
@@ -145,21 +161,20 @@ def main(argv: list[str]) -> None:
         print(f"{row['mix']:8} {row['padded_over_variable_tokens']:23.3f} {row['worst_step_ratio']:11.3f} "
               f"{row['shape_messages_per_step']:16.0f}")
     lengths = [max(1, n // args.scale) for n in plans[0]["example_pipeline_lengths"]]
-    timed = measure(lengths, args.steps)
     print(f"\nPP=2 on 2 gloo ranks, micro-batch lengths {lengths}")
-    print(f"{'mode':9} {'wall s':>8} {'cpu s':>8}")
-    for mode, row in timed.items():
-        print(f"{mode:9} {row['wall_s']:8.3f} {row['cpu_s']:8.3f}")
-    ratio = timed["padded"]["cpu_s"] / timed["variable"]["cpu_s"]
-    print(f"padded / variable CPU seconds: {ratio:.2f}")
-    RESULTS.write_text(json.dumps({
+    runs = repeat_measurement(lambda: measure(lengths, args.steps), args.repeat,
+                              report=lambda _, timed: print_timed(timed))
+    combined = over_runs(runs)
+    if args.repeat > 1:
+        print(f"\nover {args.repeat} runs: median [min, max]")
+        print_timed(combined["spread"])
+    write_result(RESULTS, {
         "command": "python benchmarks/pp_shapes_bench.py " + " ".join(argv),
-        "date": datetime.date.today().isoformat(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": platform.node(),
         "plans": plans,
-        "measured": {"lengths": lengths, **timed, "padded_over_variable_cpu": ratio},
-    }, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+        "measured": {"lengths": lengths, **combined},
+    })
 
 
 if __name__ == "__main__":

@@ -16,7 +16,11 @@ Goal: the refit run's measured balance is within 5% of the calibrated run's in <
 some step <= 20 on, the mean balance over every window of 4 steps is at most 5% above the calibrated
 run's on the same steps (a refit that balances better than the calibration counts as converged). Writes benchmarks/results/refit_bench.json and refit_bench.png and prints a table.
 
-    PYTHONPATH=. python benchmarks/refit_bench.py [--steps 30] [--repeats 3]
+    PYTHONPATH=. python benchmarks/refit_bench.py [--steps 30] [--repeats 3] [--repeat 5]
+
+`--repeat N` makes N whole runs, each timing its documents afresh (so each has its own calibration and
+its own measured balances), and reports the quoted figures as median and range over the runs
+(`repeats.py`); the JSON keeps every run, the picture shows the first.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import sys
 import time
 from pathlib import Path
@@ -38,6 +41,8 @@ from megatron_hdp.plan.fit import fit_compute, fitted_cost_model
 from megatron_hdp.plan.online_refit import OnlineRefit, RefitSettings, compute_features
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import ModelShape, analytic_cost_model
+from output import write_result
+from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
 
 RESULTS = Path(__file__).parent / "results"
 SHAPE = ModelShape(num_layers=1, hidden_size=128, num_attention_heads=4, num_query_groups=4,
@@ -126,17 +131,8 @@ def converged_step(refit: list[float], calibrated: list[float]) -> int | None:
     return None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--docs", type=int, default=96, help="documents per global batch")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--wrong", default="3,0.333333,3", help="factors applied to the calibrated a1,b1,g")
-    parser.add_argument("--sigma", type=float, default=1.0, help="spread (lognormal sigma) of document lengths")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-
+def measure(args: argparse.Namespace) -> dict:
+    """One run: time the documents afresh, calibrate, and plan every batch under the three cost models."""
     timer = DocumentTimer(args.repeats)
     # calibrated = `fit_compute` (what `megatron-hdp calibrate` fits) on documents timed by the same clock
     lengths = (32, 128, 256, 512, 1024, 2048)
@@ -145,37 +141,91 @@ def main() -> None:
     fa1, fb1, fg = (float(x) for x in args.wrong.split(","))
     wrong = dataclasses.replace(calibrated, a1=a1 * fa1, b1=b1 * fb1, g=g * fg)
     batches = global_batches(args.steps, docs=args.docs, sigma=args.sigma, seed=args.seed)
-    runs = {
+    models = {
         "calibrated": run(batches, calibrated, timer, refit=False),
         "wrong": run(batches, wrong, timer, refit=False),
         "refit": run(batches, wrong, timer, refit=True),
     }
-    step = converged_step(runs["refit"]["balance"], runs["calibrated"]["balance"])
+    step = converged_step(models["refit"]["balance"], models["calibrated"]["balance"])
+    return {"calibrated_coefficients": {"a1": a1, "b1": b1, "g": g}, "models": models,
+            "figures": figures(models, a1, b1), "converged_step": step,
+            "goal_met": step is not None and step <= 20}
+
+
+def figures(models: dict, a1: float, b1: float) -> dict:
+    """What the README quotes of one run: per cost model the mean measured balance of the last 10 steps,
+    the worst step's balance, the range of its prediction error over the last 10 steps; the refit
+    coefficients' range relative to the calibration from step 10 on."""
+    late = models["refit"]["coefficients"][9:]
+    return {
+        "mean_balance_last_10": {name: float(np.mean(r["balance"][-10:])) for name, r in models.items()},
+        "worst_balance": {name: max(r["balance"]) for name, r in models.items()},
+        "error_last_10_min": {name: min(r["prediction_error"][-10:]) for name, r in models.items()},
+        "error_last_10_max": {name: max(r["prediction_error"][-10:]) for name, r in models.items()},
+        "refit_a1_over_calibrated_from_step_10": [min(c["a1"] for c in late) / a1, max(c["a1"] for c in late) / a1],
+        "refit_b1_over_calibrated_from_step_10": [min(c["b1"] for c in late) / b1, max(c["b1"] for c in late) / b1],
+    }
+
+
+def print_run(result: dict) -> None:
+    """One run's steps: measured balance and prediction error per cost model, the refit coefficients."""
+    models, a1, b1 = result["models"], result["calibrated_coefficients"]["a1"], result["calibrated_coefficients"]["b1"]
+    print(f"{'':>4} {'measured balance':^28} {'prediction error':^28} {'refit / calibrated':^20}")
+    print(f"{'step':>4} {'calibrated':>10} {'wrong':>8} {'refit':>8} {'calibrated':>10} {'wrong':>8} {'refit':>8} "
+          f"{'a1':>9} {'b1':>9}")
+    for i, c in enumerate(models["refit"]["coefficients"]):
+        balance = [models[name]["balance"][i] for name in ("calibrated", "wrong", "refit")]
+        error = [models[name]["prediction_error"][i] for name in ("calibrated", "wrong", "refit")]
+        print(f"{i + 1:>4} {balance[0]:>10.3f} {balance[1]:>8.3f} {balance[2]:>8.3f} {error[0]:>10.1%} "
+              f"{error[1]:>8.1%} {error[2]:>8.1%} {c['a1'] / a1:>9.3f} {c['b1'] / b1:>9.3f}")
+    print_figures(result["figures"])
+    step = result["converged_step"]
+    print(f"refit at most {TOLERANCE:.0%} above calibrated (window {WINDOW}) from step {step}; goal (<= 20) "
+          f"{'met' if result['goal_met'] else 'NOT met'}")
+
+
+def print_figures(quoted: dict) -> None:
+    """The quoted figures of one run, or of `repeats.over_runs`'s spread (median [min, max])."""
+    for key, value in quoted.items():
+        if isinstance(value, dict):  # per cost model
+            value = ", ".join(f"{name} {format_spread(v, '{:.3f}')}" for name, v in value.items())
+        else:  # a range [low, high] of one run
+            value = " to ".join(format_spread(v, "{:.3f}") for v in value)
+        print(f"  {key}: {value}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--docs", type=int, default=96, help="documents per global batch")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timings of each document length, the fastest kept (--repeat: whole runs)")
+    add_repeat_argument(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--wrong", default="3,0.333333,3", help="factors applied to the calibrated a1,b1,g")
+    parser.add_argument("--sigma", type=float, default=1.0, help="spread (lognormal sigma) of document lengths")
+    args = parser.parse_args()
+    if args.steps < 10:
+        parser.error(f"--steps must be >= 10 (the figures read the last 10 steps), got {args.steps}")
+    torch.set_num_threads(1)
+
+    runs = repeat_measurement(lambda: measure(args), args.repeat, report=lambda _, result: print_run(result))
+    combined = over_runs(runs)
+    if args.repeat > 1:
+        print(f"\nover {args.repeat} runs (each timing its documents afresh): median [min, max]")
+        print_figures(combined["spread"]["figures"])
+        print(f"  converged from step, run by run: {[run['converged_step'] for run in runs]}")
     result = {
         "command": "python benchmarks/refit_bench.py " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "shape": dataclasses.asdict(SHAPE), "num_ranks": NUM_RANKS, "capacity": CAPACITY, "steps": args.steps,
-        "docs_per_step": args.docs, "sigma": args.sigma, "wrong_factors": [fa1, fb1, fg], "repeats": args.repeats, "window": WINDOW, "tolerance": TOLERANCE,
-        "calibrated_coefficients": {"a1": a1, "b1": b1, "g": g},
-        "runs": runs, "converged_step": step, "goal_met": step is not None and step <= 20,
+        "docs_per_step": args.docs, "sigma": args.sigma, "wrong_factors": [float(x) for x in args.wrong.split(",")],
+        "repeats": args.repeats, "window": WINDOW, "tolerance": TOLERANCE,
+        **combined,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "refit_bench.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(runs, step, RESULTS / "refit_bench.png")
-
-    print(f"{'':>4} {'measured balance':^28} {'prediction error':^28} {'refit / calibrated':^20}")
-    print(f"{'step':>4} {'calibrated':>10} {'wrong':>8} {'refit':>8} {'calibrated':>10} {'wrong':>8} {'refit':>8} "
-          f"{'a1':>9} {'b1':>9}")
-    for i in range(args.steps):
-        c = runs["refit"]["coefficients"][i]
-        balance = [runs[name]["balance"][i] for name in ("calibrated", "wrong", "refit")]
-        error = [runs[name]["prediction_error"][i] for name in ("calibrated", "wrong", "refit")]
-        print(f"{i + 1:>4} {balance[0]:>10.3f} {balance[1]:>8.3f} {balance[2]:>8.3f} {error[0]:>10.1%} "
-              f"{error[1]:>8.1%} {error[2]:>8.1%} {c['a1'] / a1:>9.3f} {c['b1'] / b1:>9.3f}")
-    means = {name: float(np.mean(r["balance"][-10:])) for name, r in runs.items()}
-    print(f"mean balance of the last 10 steps: {means}")
-    print(f"refit at most {TOLERANCE:.0%} above calibrated (window {WINDOW}) from step {step}; goal (<= 20) "
-          f"{'met' if result['goal_met'] else 'NOT met'}")
+    write_result(RESULTS / "refit_bench.json", result)
+    plot(runs[0]["models"], runs[0]["converged_step"], RESULTS / "refit_bench.png")
+    print(f"plotted run 1 of {args.repeat}: {RESULTS / 'refit_bench.png'}")
 
 
 def plot(runs: dict, step: int | None, path: Path) -> None:

@@ -2,6 +2,7 @@
 
     python benchmarks/ring_bench.py                          # CPU: L=4096, k = 1 2 4 8; GPU part if CUDA
     python benchmarks/ring_bench.py --seq-len 8192 --repeats 5
+    python benchmarks/ring_bench.py --repeat 5               # 5 whole runs: each figure as median [min, max]
 
 CPU (always): for each k, k gloo ranks on this machine (one thread each) run `ring_attention` on their
 zigzag shards of one causal document, forward and forward+backward, `--repeats` timed iterations after
@@ -16,13 +17,14 @@ GPU (only when torch.cuda.is_available()): local-kernel throughput in TFLOP/s (c
 2*L^2*D*Hq, backward 2.5x that) of every available backend for 4K-128K-token documents, and the
 decomposition overhead of k virtual ranks on one GPU against a single varlen call over the same tokens
 (target: within 1.25x). Results go to benchmarks/results/ring_bench.json with the command and the date.
+`--repeat N` runs all of it N times (each ratio taken within its run) and reports median and range over
+the runs (`repeats.py`); the JSON keeps every run.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import statistics
 import sys
@@ -44,6 +46,8 @@ from megatron_hdp.attention import (
 )
 from megatron_hdp.attention.backends import Segments
 from megatron_hdp.comm.launch import run_gloo
+from output import write_result
+from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ring_bench.json"
 GPU_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -56,7 +60,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=8, help="query heads (CPU)")
     parser.add_argument("--kv-heads", type=int, default=2, help="kv heads (CPU)")
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="timed iterations after one warm-up")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed iterations after one warm-up, within a run (--repeat: whole runs)")
+    add_repeat_argument(parser)
     parser.add_argument("--gpu-heads", type=int, default=16)
     parser.add_argument("--gpu-kv-heads", type=int, default=8)
     parser.add_argument("--gpu-head-dim", type=int, default=128)
@@ -231,7 +237,8 @@ def print_table(title: str, rows: list[dict]) -> None:
         print("  (none)")
         return
     columns = list(rows[0])
-    cells = [[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in columns] for r in rows]
+    cells = [[format_spread(r[c], "{:.4g}") if isinstance(r[c], (float, dict)) else str(r[c]) for c in columns]
+             for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     print("  " + "  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for row in cells:
@@ -241,7 +248,6 @@ def print_table(title: str, rows: list[dict]) -> None:
 def cpu_section(args: argparse.Namespace) -> dict:
     shape = dict(L=args.seq_len, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
     section = {"shape": {**shape, "dtype": "float32"}, "ring_vs_local": cpu_ring_vs_local(args)}
-    print_table(f"CPU: ring over k gloo ranks vs one rank ({shape}, causal, fp32)", section["ring_vs_local"])
     section["decomposition"] = decomposition(
         args.seq_len,
         [k for k in args.ranks if k > 1],
@@ -252,7 +258,6 @@ def cpu_section(args: argparse.Namespace) -> dict:
         device=torch.device("cpu"),
         repeats=args.repeats,
     )
-    print_table("CPU: k virtual ranks in one process (no communication) vs one local call", section["decomposition"])
     return section
 
 
@@ -261,7 +266,6 @@ def gpu_section(args: argparse.Namespace) -> dict:
     shape = dict(heads=args.gpu_heads, kv_heads=args.gpu_kv_heads, head_dim=args.gpu_head_dim)
     section = {"device": torch.cuda.get_device_name(device), "shape": {**shape, "dtype": "bfloat16"}}
     section["kernel_throughput"] = kernel_throughput(args, device, dtype)
-    print_table(f"GPU: local kernels on {section['device']} ({shape}, causal, bf16)", section["kernel_throughput"])
     section["decomposition"] = [
         row
         for length in args.gpu_lengths
@@ -276,27 +280,44 @@ def gpu_section(args: argparse.Namespace) -> dict:
             repeats=args.repeats,
         )
     ]
-    print_table("GPU: k virtual ranks on one GPU vs one varlen call (target ratio <= 1.25)", section["decomposition"])
     return section
+
+
+def print_result(result: dict) -> None:
+    """The tables of one run, or of `repeats.over_runs`'s spread (median [min, max] where a figure varied)."""
+    cpu = result["cpu"]
+    print_table(f"CPU: ring over k gloo ranks vs one rank ({cpu['shape']}, causal)", cpu["ring_vs_local"])
+    print_table("CPU: k virtual ranks in one process (no communication) vs one local call", cpu["decomposition"])
+    gpu = result["gpu"]
+    if isinstance(gpu, str):
+        print(f"\nGPU: {gpu}")
+        return
+    print_table(f"GPU: local kernels on {gpu['device']} ({gpu['shape']}, causal)", gpu["kernel_throughput"])
+    print_table("GPU: k virtual ranks on one GPU vs one varlen call (target ratio <= 1.25)", gpu["decomposition"])
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """One run: the CPU section, and the GPU section when CUDA is present."""
+    cpu = cpu_section(args)
+    gpu = gpu_section(args) if torch.cuda.is_available() else "not measured: no CUDA device on this machine"
+    return {"cpu": cpu, "gpu": gpu}
 
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    runs = repeat_measurement(lambda: measure(args), args.repeat, report=lambda _, result: print_result(result))
+    combined = over_runs(runs)
+    if args.repeat > 1:
+        print(f"\nover {args.repeat} runs: median [min, max]")
+        print_result(combined["spread"])
     result = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": "python benchmarks/ring_bench.py " + " ".join(argv),
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpu_threads_per_rank": 1},
-        "cpu": cpu_section(args),
+        **combined,
     }
-    if torch.cuda.is_available():
-        result["gpu"] = gpu_section(args)
-    else:
-        result["gpu"] = "not measured: no CUDA device on this machine"
-        print("\nGPU: not measured (no CUDA device)")
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_result(args.output, result, indent=2)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ from megatron_hdp.comm.launch import run_gloo
 from megatron_hdp.harness.cpu_training import CpuRunSpec, train_policies
 from megatron_hdp.plan.cost_model import CostModel
 
+import repeats
+
 RESULTS = Path(__file__).resolve().parent / "results" / "step_bench.json"
 
 
@@ -74,13 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="no training: the simulator's breakdown of every policy on the batches of --mixes, "
                              "with the cost model, all-reduce bandwidth and step overhead of --predict-from")
     parser.add_argument("--mixes", default="byted,github", help="mixes of the simulated breakdown")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="independent runs of the whole measurement; figures as median and range over them")
+    repeats.add_repeat_argument(parser)
     parser.add_argument("--output", default=str(RESULTS))
-    args = parser.parse_args(argv)
-    if args.repeat < 1:
-        parser.error(f"--repeat must be >= 1, got {args.repeat}")
-    return args
+    return parser.parse_args(argv)
 
 
 def simulated_breakdown(spec: CpuRunSpec, mixes: list[str], cost_model: CostModel, *, ranks: int, grad_bytes: int,
@@ -210,34 +208,28 @@ def judge_prediction(rows: list[dict], out_of_sample: bool) -> dict:
     return out
 
 
-def spread(values: list[float]) -> dict:
-    """Median and range of one figure over the runs."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
-
-
 def over_runs(runs: list[dict]) -> dict:
-    """Each summary figure and each prediction figure of the runs as median and range (`spread`)."""
-    summary = {policy: {k: spread([r["summary"][policy][k] for r in runs]) for k in runs[0]["summary"][policy]}
+    """Each summary figure and each prediction figure of the runs as median and range (`repeats.spread`)."""
+    summary = {policy: {k: repeats.spread([r["summary"][policy][k] for r in runs]) for k in runs[0]["summary"][policy]}
                for policy in runs[0]["summary"]}
     for policy in summary:  # the speedups, per run, of each policy over the two bases
         for base in ("static", "megatron-hybrid-cp"):
             if base in runs[0]["summary"]:
-                summary[policy][f"speedup_over_{base}"] = spread(
+                summary[policy][f"speedup_over_{base}"] = repeats.spread(
                     [r["summary"][base]["step_time_s"] / r["summary"][policy]["step_time_s"] for r in runs])
     prediction = {}
     for name in runs[0]["prediction"]:
         prediction[name] = {}
         for figure, errors in runs[0]["prediction"][name].items():
             if errors:
-                prediction[name][figure] = {k: spread([r["prediction"][name][figure][k] for r in runs])
+                prediction[name][figure] = {k: repeats.spread([r["prediction"][name][figure][k] for r in runs])
                                             for k in ("median_abs_error", "worst_abs_error")}
     return {"summary": summary, "prediction": prediction}
 
 
 def format_spread(label: str, figure: dict, unit: str = "%") -> str:
     """`label median [min, max]` of one figure over the runs, as a percentage, a speedup (x) or seconds (s)."""
-    fmt = {"%": lambda v: f"{v:.1%}", "x": lambda v: f"{v:.2f}x", "s": lambda v: f"{v:.3f}"}[unit]
-    return f"{label} {fmt(figure['median'])} [{fmt(figure['min'])}, {fmt(figure['max'])}]"
+    return f"{label} {repeats.format_spread(figure, {'%': '{:.1%}', 'x': '{:.2f}x', 's': '{:.3f}'}[unit])}"
 
 
 def format_prediction(prediction: dict) -> str:

@@ -44,13 +44,14 @@ class Step:
 
 
 def _json_rows(path: Path) -> list[dict]:
-    """Every dict in a benchmark's JSON result (rows are nested differently per benchmark)."""
+    """Every dict in a benchmark's JSON result (rows are nested differently per benchmark); of a result
+    of several runs (`--repeat`), the medians only, not each run (`runs`) nor their ranges (`spread`)."""
     rows, stack = [], [json.loads(path.read_text())]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
             rows.append(item)
-            stack.extend(item.values())
+            stack.extend(value for key, value in item.items() if key not in ("runs", "spread"))
         elif isinstance(item, list):
             stack.extend(item)
     return rows
