@@ -80,7 +80,7 @@ def test_jitter_adds_the_expected_lead_of_the_slowest_ring_member():
 
 def test_pipelines_are_padded_to_the_largest_microbatch_count():
     """PP = 2: rank 0 runs three micro-batches, rank 1 one; the runtime pads rank 1's pipeline with two
-    empty micro-batches (`megatron.step.pad_microbatches`). Planner and simulator both time them."""
+    empty micro-batches (`data.prepare.pad_microbatches`). Planner and simulator both time them."""
     from megatron_hdp.plan.pipeline import pipeline_time
 
     lengths = [3000, 3000, 3000, 6000]
@@ -98,7 +98,7 @@ def test_pipelines_are_padded_to_the_largest_microbatch_count():
 
 def test_expert_parallel_groups_couple_every_microbatch():
     """EP = 2: the MoE all-to-all couples micro-batch i of both members; rank 1 has one micro-batch and
-    runs a padding one beside rank 0's second (`megatron.step.num_microbatches_to_run`)."""
+    runs a padding one beside rank 0's second (`data.prepare.num_microbatches_to_run`)."""
     ep = CostModel.from_dict({**H100.to_dict(), "expert_parallel_size": 2})
     lengths = [3000, 1000, 6000]
     plan = assemble_plan(policy="hand", lengths=lengths, rings=[(0,), (0,), (1,)], offload_ratios=[0.0] * 3,

@@ -13,7 +13,7 @@ coupling (`sim.simulator`):
   (`jitter_lead`): a predicted wait that equal work on every member does not remove;
 - a rank runs its micro-batches in order, each phase (forward, backward, or the whole micro-batch) of
   index i after the previous one (`coupled_finish`);
-- padding: the runtime runs empty micro-batches after a rank's own (`megatron.step.pad_microbatches`):
+- padding: the runtime runs empty micro-batches after a rank's own (`data.prepare.pad_microbatches`):
   with PP (1F1B) every pipeline runs the domain's largest count, with virtual pipeline stages the least
   counts Megatron's interleaved schedule runs that keep the ring rule (`plan.interleaved`), with expert
   parallelism every member of an EP group its group's largest, and a rank without micro-batches runs
@@ -51,12 +51,12 @@ def expert_groups(num_ranks: int, ep_size: int) -> list[range]:
 def runtime_microbatch_counts(counts: Sequence[int], *, pp_size: int = 1, ep_size: int = 1, vpp_size: int = 1,
                               rings: Iterable[Sequence[int]] = (), group_size: int | None = None) -> list[int]:
     """Micro-batches each rank runs for a plan giving it `counts[r]`: with PP (1F1B) the largest count on
-    every rank, as `megatron.step.num_microbatches_to_run` pads today; with virtual pipeline stages
+    every rank, as `data.prepare.num_microbatches_to_run` pads; with virtual pipeline stages
     (`vpp_size` > 1) the least counts Megatron's interleaved schedule runs that keep the ring rule over
     the plan's `rings` (member ranks) and its expert-parallel groups (`interleaved.padded_counts`); else
     the largest of each rank's expert-parallel group (every member joins every all-to-all); at least one
     everywhere (every rank joins the gradient reduction). `group_size`: Megatron's
-    microbatch_group_size_per_vp_stage (None: pp_size, its default). `megatron.step.pipeline_counts` runs
+    microbatch_group_size_per_vp_stage (None: pp_size, its default). `data.prepare.pipeline_counts` runs
     exactly these counts."""
     if pp_size > 1 and vpp_size == 1:
         return [max(1, max(counts, default=0))] * len(counts)
