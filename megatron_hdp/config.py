@@ -58,6 +58,11 @@ class HDPConfig:
     hdp_max_offload_ratio: float = 1.0
     """Largest fraction of a micro-batch's activations the planner may offload."""
 
+    hdp_offload_min_tensor_bytes: Optional[int] = None
+    """Saved activations smaller than this many bytes stay on the device when offloading (their copy costs
+    more launch overhead than it frees). Unset: the offloader's default, 1 MiB; 0 moves every tensor
+    (tiny test models)."""
+
     hdp_cost_model: Optional[str] = None
     """JSON of measured cost-model coefficients (from `megatron-hdp calibrate`); analytic if unset."""
 
@@ -114,6 +119,8 @@ class HDPConfig:
             raise ValueError(f"hdp_policy {self.hdp_policy!r} is not one of {', '.join(POLICIES)}")
         if not 0.0 <= self.hdp_max_offload_ratio <= 1.0:
             raise ValueError(f"hdp_max_offload_ratio must be in [0, 1], got {self.hdp_max_offload_ratio}")
+        if self.hdp_offload_min_tensor_bytes is not None and self.hdp_offload_min_tensor_bytes < 0:
+            raise ValueError(f"hdp_offload_min_tensor_bytes must be >= 0, got {self.hdp_offload_min_tensor_bytes}")
         if self.hdp_global_batch_tokens is not None and self.hdp_global_batch_tokens <= 0:
             raise ValueError(f"hdp_global_batch_tokens must be positive, got {self.hdp_global_batch_tokens}")
         if self.hdp_attention_backend not in ATTENTION_BACKENDS:

@@ -310,7 +310,7 @@ INSTALL_ARGS = (
     "--global-batch-size 6 --train-iters 2 --lr 1e-3 --bf16 --tokenizer-type NullTokenizer --vocab-size 64 "
     "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
     "--transformer-impl local --calculate-per-token-loss --attention-dropout 0.0 --num-workers 0 --seed 1234 "
-    "--hdp --hdp-capacity 32 --hdp-offload --hdp-attention-backend torch_varlen"
+    "--hdp --hdp-capacity 32 --hdp-offload --hdp-offload-min-tensor-bytes 0 --hdp-attention-backend torch_varlen"
 ).split()
 INSTALL_DOCUMENTS = [50, 9, 12, 20, 45, 8, 16, 30, 11, 40, 7, 14]
 """Document lengths (tokens) of the indexed dataset of `install_step`: the longer ones exceed
@@ -347,14 +347,13 @@ def install_step(rank: str = "0") -> None:
     from megatron_hdp.megatron.args import parse_and_check
     from megatron_hdp.megatron.initialize import initialize_hdp
     from megatron_hdp.harness.model import build_gpt, tiny_llama_config
-    from megatron_hdp.offload import OffloadConfig
 
     args, _ = parse_and_check(INSTALL_ARGS, world_size=WORLD)
     set_args(args)
     init_num_microbatches_calculator(me, None, args.global_batch_size, args.micro_batch_size, WORLD)
     initialize_hdp()
-    training_install.OFFLOAD_CONFIG = OffloadConfig(min_tensor_bytes=0)
     training_install.install(args)
+    runtime = training_install.installed()
 
     prefix = tempfile.mkdtemp() + "/docs"
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
@@ -371,10 +370,11 @@ def install_step(rank: str = "0") -> None:
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0), [ddp])
     built = lambda *a, **k: ([ddp], optimizer, None)  # noqa: E731  (Megatron's get_model + optimizer, done above)
-    chunks, optimizer, _ = training_install._setup_model_and_optimizer(built)()
+    chunks, optimizer, _ = training_install._setup_model_and_optimizer(built, runtime)()
     config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, ddp.no_sync  # as train() sets them
     config.grad_scale_func = optimizer.scale_loss
-    assert training_install._STATE.offloaders, "--hdp-offload attaches an offloader"
+    assert runtime.offloaders, "--hdp-offload attaches an offloader"
+    assert runtime.offloaders[0].config.min_tensor_bytes == 0, "--hdp-offload-min-tensor-bytes reaches it"
 
     data_iterator = iter(loader)
     logged = []
@@ -391,11 +391,11 @@ def install_step(rank: str = "0") -> None:
         )
         optimizer.step()
         training.consume_seqlen_stats_in_iteration()
-        training_install._training_log(lambda: logged.append(iteration))()  # Megatron's log line: stood in for
+        training_install._training_log(lambda: logged.append(iteration), runtime)()  # Megatron's log line: stood in for
     loader.close()
     assert logged == [0, 1], logged
-    assert training_install._STATE.telemetry.use_cuda, "the telemetry clocks the step with CUDA events"
-    stats = training_install.hdp_statistics()
+    assert runtime.telemetry.use_cuda, "the telemetry clocks the step with CUDA events"
+    stats = runtime.statistics()
     assert stats["hdp/microbatches-this-rank"] >= 1 and stats["hdp/offload-GB"] >= 0, stats
     pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
     assert not pageable, f"blocking host-to-device copies inside layers: {pageable[:3]}"

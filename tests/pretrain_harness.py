@@ -118,10 +118,9 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
     from megatron.training import training
 
     from megatron_hdp.megatron import training_install
-    from megatron_hdp.offload import OffloadConfig
 
-    if offload_min_tensor_bytes is not None:  # the tiny model's tensors move too
-        training_install.OFFLOAD_CONFIG = OffloadConfig(min_tensor_bytes=offload_min_tensor_bytes)
+    if offload_min_tensor_bytes is not None and "--hdp" in argv:  # the tiny model's tensors move too
+        argv = [*argv, "--hdp-offload-min-tensor-bytes", str(offload_min_tensor_bytes)]
     if script is None or reference_plans is not None:
         import pretrain_gpt_hdp
     if reference_plans is not None:

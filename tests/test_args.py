@@ -61,7 +61,7 @@ def test_defaults_and_off():
 
 
 def test_virtual_pipeline_stages_are_accepted():
-    """--hdp with Megatron's interleaved schedule: the ring rule pads pipelines' counts (megatron.step)."""
+    """--hdp with Megatron's interleaved schedule: the ring rule pads pipelines' counts (data.prepare)."""
     argv = TINY + HDP + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
                          "--num-layers-per-virtual-pipeline-stage", "1"]
     args, config = parse_and_check(argv, world_size=4)
@@ -149,12 +149,12 @@ def test_every_microbatch_reaches_the_gemms_in_a_shape_its_recipe_quantizes(quan
 
     from megatron_hdp.data.collate import collate_microbatch
     from megatron_hdp.plan.hand_plan import plan_from_rings
-    from megatron_hdp.megatron.step import pad_microbatches
+    from megatron_hdp.data.prepare import pad_microbatches
 
     args, _ = _parse_quantized(TINY + HDP + quantized + parallel)
     sp_size = args.tensor_model_parallel_size if args.sequence_parallel else 1
     plan = plan_from_rings([37, 5, 300], [(0,), (0,), (0, 1)], [0, 1, 0], num_ranks=3, capacity=256)
-    from megatron_hdp.megatron.initialize import HDPState
+    from megatron_hdp.comm.domain import HDPState
 
     for rank in range(3):  # rank 2 has nothing planned: it runs padding micro-batches only
         state = HDPState(hdp_rank=rank, hdp_global_ranks=(0, 1, 2), tp_size=1, pp_size=1, pp_rank=0, vpp_size=1,

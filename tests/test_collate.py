@@ -87,3 +87,20 @@ def test_bad_reader_and_padding_arguments_raise():
         collate_microbatch(plan, mb, _raw, pad_to_multiple=0)
     empty = empty_microbatch(rank=2, num_tokens=3)
     assert empty.num_loss_tokens == 0 and empty.num_tokens == 3 and empty.groups[0].ring == (2,)
+
+
+def test_each_microbatch_carries_the_largest_offload_ratio_of_its_sequences():
+    """The forward step offloads the ratio the micro-batch carries (no side channel beside the iterator):
+    the largest planned ratio of the sequences it holds shards of, read here from the plan itself; 0 for
+    padding; kept through `to` and `pin_memory`'s copies."""
+    ratios = [0.0, 0.25, 0.5, 0.0, 0.75, 0.0]
+    base = _plan()
+    plan = plan_from_rings([s.length for s in base.sequences], [s.ring for s in base.sequences],
+                           [0, 0, 0, 0, 1, 1], num_ranks=3, capacity=64, offload_ratios=ratios)
+    for rank in range(3):
+        for mb in plan.microbatches(rank):
+            packed = collate_microbatch(plan, mb, _raw, rank=rank)
+            held = {shard.seq for shard in mb.shards}
+            assert packed.offload_ratio == max((ratios[seq] for seq in held), default=0.0), (rank, held)
+            assert packed.to("cpu").offload_ratio == packed.offload_ratio
+    assert empty_microbatch(rank=0).offload_ratio == 0.0

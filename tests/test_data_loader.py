@@ -266,3 +266,20 @@ def test_worker_processes_and_synchronous_mode_yield_the_threads_steps(corpus):
             next(loader)
     for loader in loaders:
         loader.close()
+
+
+def test_a_loader_given_a_function_plans_each_step_with_the_cost_model_it_returns(corpus):
+    """install()'s runtime hands its loaders `HDPRuntime.current_cost_model`, which the online refit
+    updates: the step planned after the update is the planner's plan under the new model."""
+    prefix, _ = corpus
+    current = [COST_MODEL]
+    slower = dataclasses.replace(COST_MODEL, a1=COST_MODEL.a1 * 8, g=COST_MODEL.g * 3)
+    with _loader(prefix, 0, cost_model=lambda: current[0], prefetch=0) as loader:
+        first = next(loader)
+        current[0] = slower
+        second = next(loader)
+    for step, model in ((first, COST_MODEL), (second, slower)):
+        expected = make_plan(step.plan.lengths, num_ranks=NUM_RANKS, config=CONFIG, cost_model=model)
+        assert step.plan.digest() == expected.digest()
+    assert second.plan.digest() != make_plan(second.plan.lengths, num_ranks=NUM_RANKS, config=CONFIG,
+                                             cost_model=COST_MODEL).digest()

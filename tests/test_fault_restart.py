@@ -58,7 +58,7 @@ def _pretrain(rank: int, world_size: int, argv: list[str], kill_at: int) -> dict
 
     def recording_training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs):
         losses[iteration] = float(loss_dict["lm loss"])
-        sample_ids[iteration] = training_install._STATE.last_step.sample_ids.tolist()
+        sample_ids[iteration] = training_install.installed().last_step.sample_ids.tolist()
         return original_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
 
     training.training_log = recording_training_log

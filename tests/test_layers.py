@@ -108,6 +108,26 @@ def test_every_import_points_down_the_layer_order():
     assert violations() == []
 
 
+INTEGRATION_SHARE = 0.20
+"""The most of the package's Python (non-blank lines) the integration layer, megatron/, may hold: it holds
+only the integration (flags, install(), initialize, layer spec, forward step, datasets, shims, Megatron's
+own policies); what works without Megatron lives in the layers below it, what drives it in harness/."""
+
+
+def non_blank_lines(paths: list[Path]) -> int:
+    """Lines of `paths` that hold more than whitespace."""
+    return sum(1 for path in paths for line in path.read_text().splitlines() if line.strip())
+
+
+def test_the_integration_layer_stays_small():
+    package = non_blank_lines(sorted(ROOT.rglob("*.py")))
+    integration = non_blank_lines(sorted((ROOT / "megatron").rglob("*.py")))
+    assert integration <= INTEGRATION_SHARE * package, (
+        f"megatron/ holds {integration} of the package's {package} non-blank Python lines "
+        f"({integration / package:.1%} > {INTEGRATION_SHARE:.0%}): move what needs no Megatron, or is not "
+        "integration, to its layer")
+
+
 def test_the_order_has_no_cycle():
     """'below' is a partial order: repeatedly peeling layers whose allowed imports are all peeled empties it."""
     left = dict(MAY_IMPORT)

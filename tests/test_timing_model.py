@@ -81,7 +81,7 @@ def test_jitter_adds_the_expected_lead_of_the_slowest_ring_member():
 def test_1f1b_pipelines_run_their_own_counts():
     """PP = 2: rank 0 runs three micro-batches, rank 1 one; 1F1B needs no padding for rings
     (`plan.interleaved`), so rank 1's pipeline runs its one micro-batch only
-    (`megatron.step.pad_microbatches`). Planner and simulator both time exactly that."""
+    (`data.prepare.pad_microbatches`). Planner and simulator both time exactly that."""
     from megatron_hdp.plan.pipeline import pipeline_time
 
     lengths = [3000, 3000, 3000, 6000]
@@ -97,7 +97,7 @@ def test_1f1b_pipelines_run_their_own_counts():
 
 def test_expert_parallel_groups_couple_every_microbatch():
     """EP = 2: the MoE all-to-all couples micro-batch i of both members; rank 1 has one micro-batch and
-    runs a padding one beside rank 0's second (`megatron.step.num_microbatches_to_run`)."""
+    runs a padding one beside rank 0's second (`data.prepare.num_microbatches_to_run`)."""
     ep = CostModel.from_dict({**H100.to_dict(), "expert_parallel_size": 2})
     lengths = [3000, 1000, 6000]
     plan = assemble_plan(policy="hand", lengths=lengths, rings=[(0,), (0,), (1,)], offload_ratios=[0.0] * 3,

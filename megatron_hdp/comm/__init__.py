@@ -1,7 +1,9 @@
 """comm layer of megatron_hdp: rings over global ranks of the HDP communicator, P2P exchange, traffic.
 
-`plan_agreement` (the digest all-gather every step runs before its first ring), `collectives` and `launch`
-(the gloo harness) are imported by their own paths; importing this package does not start anything.
+`domain` (`HDPState`: this rank's place in the HDP domain, plain data), `plan_agreement` (the digest
+all-gather every step runs before its first ring), `telemetry` (what each rank measures of a step and
+gathers over the domain), `collectives` and `launch` (the gloo harness) are imported by their own paths;
+importing this package does not start anything.
 """
 
 from megatron_hdp.comm.p2p import Pending, Ring, current_ring, shift

@@ -3,7 +3,7 @@
     megatron-hdp report runs/llama-128k          # reads runs/llama-128k/**/events.out.tfevents.* and
                                                  # runs/llama-128k/**/iter_*.json (--hdp-save-plans)
 
-Reads the measured telemetry the run logged to TensorBoard (`megatron_hdp.megatron.telemetry`) and the
+Reads the measured telemetry the run logged to TensorBoard (`megatron_hdp.comm.telemetry`) and the
 plan's predictions next to it, plus the saved plans for the ring sizes, and writes `dashboard.png`
 (per-step predicted vs measured step time, predicted vs measured balance, where each step's time went,
 ring-size histogram, ring and cross-node bytes, per-rank compute) and `summary.md`.

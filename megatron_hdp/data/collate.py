@@ -54,6 +54,9 @@ class PackedMicroBatch:
     """Tokens of this micro-batch that count in the loss."""
     num_padding: int
     """Padding tokens appended at the end."""
+    offload_ratio: float = 0.0
+    """Fraction of its activations the forward offloads (`ActivationOffloader.microbatch`): the largest
+    planned ratio of its sequences (the planner sized the micro-batch with it), 0 for padding."""
 
     @property
     def num_tokens(self) -> int:
@@ -63,9 +66,8 @@ class PackedMicroBatch:
 
     def _with(self, convert) -> "PackedMicroBatch":
         moved = {name: convert(getattr(self, name)) for name in self._TENSORS}
-        return PackedMicroBatch(
-            **moved, groups=self.groups, num_loss_tokens=self.num_loss_tokens, num_padding=self.num_padding
-        )
+        return PackedMicroBatch(**moved, groups=self.groups, num_loss_tokens=self.num_loss_tokens,
+                                num_padding=self.num_padding, offload_ratio=self.offload_ratio)
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "PackedMicroBatch":
         """The same micro-batch with its tensors on `device` (asynchronous from pinned memory when
@@ -190,6 +192,7 @@ def collate_microbatch(
         groups=tuple(groups),
         num_loss_tokens=int(loss_mask.sum().item()),
         num_padding=num_padding,
+        offload_ratio=max(plan.sequences[seq].offload_ratio for seq in shards),
     )
 
 

@@ -16,7 +16,8 @@ DataLoader worker processes, which keeps the pure-Python planner from taking the
 loop (worker w plans steps w, w + workers, ...; they arrive in order); `prefetch=0` without workers plans
 in the consumer's thread. On the consumer side, before a step is handed out, the plan digests are
 all-gathered over the HDP domain when torch.distributed is initialized (`comm.plan_agreement`; off
-with check_plans=False when the consumer checks itself, as `HDPTrainer.step` does): a rank with a
+with check_plans=False when the consumer checks itself, as both training drivers do in
+`data.prepare.prepare_step`): a rank with a
 different dataset, seed or config fails loudly here instead of hanging in a ring later. `consumed_samples`
 advances by the documents of each handed-out step and is what to checkpoint; a loader built with it
 resumes with the same documents and plans.
@@ -151,7 +152,7 @@ class HDPDataLoader:
         rank: int,
         num_ranks: int,
         config: HDPConfig,
-        cost_model: CostModel,
+        cost_model: CostModel | Callable[[], CostModel],
         seed: int,
         consumed_samples: int = 0,
         global_batch_size: Optional[int] = None,
@@ -168,8 +169,10 @@ class HDPDataLoader:
     ):
         if not 0 <= rank < num_ranks:
             raise ValueError(f"rank {rank} is outside the HDP domain of {num_ranks} ranks")
+        self._cost_model = cost_model
         lengths = np.asarray(source.lengths, dtype=np.int64)
-        limit, why = self._length_limit(lengths, max_length, num_ranks=num_ranks, config=config, cost_model=cost_model)
+        limit, why = self._length_limit(lengths, max_length, num_ranks=num_ranks, config=config,
+                                        cost_model=self.cost_model)
         lengths = limit_lengths(lengths, max_length=limit, overlong=config.hdp_overlong_documents, why=why)
         tokens = config.hdp_global_batch_tokens
         if tokens is not None and global_batch_size is not None:
@@ -188,7 +191,6 @@ class HDPDataLoader:
         self.rank = rank
         self.num_ranks = num_ranks
         self.config = config
-        self.cost_model = cost_model
         self.pp_size = pp_size
         self.vpp_size = vpp_size
         """Virtual pipeline stages per PP rank the plans are made for (Megatron's interleaved schedule)."""
@@ -204,6 +206,13 @@ class HDPDataLoader:
         """Total time the consumer waited for a step (what the background work failed to hide)."""
         self._stream: Optional[Iterator[HDPStep]] = None
         self._closed = False
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model the next step is planned with: the one given, or, when a function was given (e.g.
+        `megatron.training_install.HDPRuntime.current_cost_model`, which the online refit updates), what
+        it returns now. Worker processes plan with the model current when they start."""
+        return self._cost_model() if callable(self._cost_model) else self._cost_model
 
     @staticmethod
     def _length_limit(
@@ -279,7 +288,7 @@ class HDPDataLoader:
     def __getstate__(self) -> dict:
         """What a worker process needs (it runs `_steps`): no stream, no process group."""
         state = dict(self.__dict__)
-        state.update(_stream=None, group=None)
+        state.update(_stream=None, group=None, _cost_model=self.cost_model)
         return state
 
     # --- consumer side -------------------------------------------------------------------------

@@ -343,7 +343,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
       excess over T, median over k. On a CPU both are mostly software cost per ring step (message posting,
       one kernel call per block, the merge), which is why they are fitted, not taken from the ping-pong.
     """
-    from megatron_hdp.plan.fit import fit_compute
+    from megatron_hdp.plan.fit import fit_compute, fitted_cost_model
 
     world, rank = trainer.state.hdp_size, trainer.state.hdp_rank
     alone = [(r,) for r in range(world)]
@@ -380,9 +380,8 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
         # fp32: each of the 3k-2 messages (CostModel.ring_messages) carries one member's K/V or dK/dV
         latencies.append((exposed + attention) / CostModel.ring_messages(k) - kv_bytes * tokens / bandwidth)
     latency = max(float(np.median(latencies)), link_latency) if latencies else link_latency
-    return CostModel(
-        a1=float(a1), b1=float(b1), g=float(g),
-        a2=float(4 * (6 * spec.hidden_size + 2 * kv_channels + 4 * spec.ffn_hidden_size)), b2=0.0,
+    return fitted_cost_model(
+        (a1, b1, g), (4 * (6 * spec.hidden_size + 2 * kv_channels + 4 * spec.ffn_hidden_size), 0.0),
         kv_bytes_per_token=float(kv_bytes), activation_dtype_bytes=4, num_layers=spec.num_layers,
         ring_bandwidth=float(bandwidth), ring_latency=latency, ring_block_overhead=block_overhead,
         jitter=measure_jitter(trainer, spec),

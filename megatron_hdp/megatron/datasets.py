@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 from megatron.core.datasets.blended_dataset import BlendedDataset
@@ -220,7 +220,8 @@ def _say_once(message: str) -> None:
 
 
 def build_hdp_data_loader(
-    dataset: Any, consumed_samples: int, *, cost_model: CostModel, max_length: Optional[int] = None
+    dataset: Any, consumed_samples: int, *, cost_model: CostModel | Callable[[], CostModel],
+    max_length: Optional[int] = None,
 ) -> Optional[HDPDataLoader]:
     """Megatron's `build_pretraining_data_loader(dataset, consumed_samples)`, planned by HDP.
 
@@ -229,7 +230,9 @@ def build_hdp_data_loader(
     returns under `--dataloader-type external`) is returned unchanged. Megatron's `--num-workers` N >= 1
     plans and reads in N worker processes; 0 in a background thread. Megatron's datasets (GPT, blended,
     SFT) come in Megatron's own order, so they are taken in order; a bare IndexedDataset or map-style
-    dataset is shuffled per epoch.
+    dataset is shuffled per epoch. `cost_model`: the model, or a function returning the current one
+    (`HDPRuntime.current_cost_model`). The loader leaves the plan-agreement check to the step
+    (`data.prepare.prepare_step`, which install()'s forward_backward runs).
     """
     from megatron.core import parallel_state
 
@@ -263,4 +266,5 @@ def build_hdp_data_loader(
         pad_to_multiple=token_multiple(args),
         workers=getattr(args, "num_workers", 0),
         group=parallel_state.get_data_parallel_group(),
+        check_plans=False,
     )

@@ -17,11 +17,10 @@ environment's torch, and calls the scheduler the way Megatron's `wrap_data_itera
 re-implemented here; without MEGATRON_LM_DIR, or with a checkout that lacks the scheduler, planning
 raises one ValueError saying so (`plan`, `simulate` and `plan_bench` then show the policy as n/a).
 
-Conversion of Megatron's answer, `sample_id_groups[j][rank]` -> ids:
-- a sequence held by k ranks in its micro-batch -> a ring of those k ranks (ascending: the CP rank order
-  of the group) with zigzag chunks; k = 1 -> the whole sequence on one rank;
-- micro-batch j of the plan on every rank = Megatron's micro-batch j (every rank has every index), holding
-  that rank's sequences of it. Times come from `assemble_plan`, like every policy's.
+Megatron's answer, `sample_id_groups[j][rank]` -> ids, becomes rings and per-rank micro-batches as the
+Hybrid-CP adapter's does (`plan.scheduler_groups.rings_and_schedule`): micro-batch j of the plan on every
+rank = Megatron's micro-batch j, rings with zigzag chunks. Times come from `assemble_plan`, like every
+policy's.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from typing import Optional, Sequence
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.assemble import assemble_plan
 from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.scheduler_groups import rings_and_schedule
 from megatron_hdp.plan.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -141,18 +141,7 @@ def plan_megatron_dynamic_cp(
     _check_inputs(lengths, num_ranks=num_ranks, capacity=capacity)
     groups = megatron_dynamic_cp_schedule(lengths, num_ranks=num_ranks, capacity=capacity,
                                           microbatch_group_size_per_vp_stage=pp_size if vpp_size > 1 else None)
-    rings: list[tuple[int, ...]] = [()] * len(lengths)
-    for per_rank in groups:
-        assert len(per_rank) == num_ranks, f"Megatron scheduled {len(per_rank)} ranks, not {num_ranks}"
-        members: dict[int, list[int]] = {}
-        for rank, ids in enumerate(per_rank):
-            for sample in ids:
-                members.setdefault(sample, []).append(rank)
-        for sample, ranks in members.items():
-            assert not rings[sample], f"Megatron scheduled sequence {sample} in two micro-batches"
-            rings[sample] = tuple(ranks)
-    assert all(rings), "Megatron's schedule dropped a sequence"
-    schedule = [[list(per_rank[rank]) for per_rank in groups] for rank in range(num_ranks)]
+    rings, schedule = rings_and_schedule(groups, num_ranks=num_ranks, num_sequences=len(lengths))
     logger.debug("%s: %d micro-batches for %d sequences on %d ranks", POLICY, len(groups), len(lengths), num_ranks)
     return assemble_plan(policy=POLICY, lengths=lengths, rings=rings, offload_ratios=[0.0] * len(lengths),
                          schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,

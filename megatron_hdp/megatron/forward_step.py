@@ -11,13 +11,14 @@ of plain data parallelism over the same global batch.
 from __future__ import annotations
 
 from functools import partial
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
 from megatron_hdp.attention.core_attention import HDPBatchMeta
 from megatron_hdp.data.collate import PackedMicroBatch
 from megatron_hdp.megatron.layer_spec import HDPPackedSeqParams, model_windows
+from megatron_hdp.offload.offloader import ActivationOffloader
 
 
 def packed_seq_params(
@@ -69,18 +70,18 @@ def model_chunk_index(model: torch.nn.Module) -> int:
     return getattr(unwrap_model(model), "vp_stage", None) or 0
 
 
-def make_forward_step(*, hdp_global_ranks: tuple[int, ...], backend: str = "auto", offload_ratios=None):
+def make_forward_step(*, hdp_global_ranks: tuple[int, ...], backend: str = "auto",
+                      offloaders: Sequence[ActivationOffloader] = ()):
     """A Megatron `forward_step_func(data_iterator, model)` reading `PackedMicroBatch`es.
 
     Each micro-batch arrives on the host and is moved once to the device of the model's parameters
     (non-blocking: asynchronous when the step pinned it) before the forward. With virtual pipeline
     stages the schedule passes each model chunk its own iterator over the same micro-batches (chunk c
     takes micro-batch m at its own place in the interleaved order), so every HDP datum of the micro-batch
-    — rings, positions, documents, loss mask — reaches every chunk with it.
+    — rings, positions, documents, loss mask, offload ratio — reaches every chunk with it.
 
-    `offload_ratios`, when given, holds per model chunk a pair (offloader, iterator of ratios): each
-    micro-batch's forward through chunk c runs inside `offloader_c.microbatch(ratio=next(ratios_c))`
-    (a chunk sees its micro-batches in order, as it sees them from its data iterator).
+    `offloaders`, when given, holds one offloader per model chunk: each micro-batch's forward through
+    chunk c runs inside `offloaders[c].microbatch(ratio=<the micro-batch's offload_ratio>)`.
     """
 
     def forward_step(data_iterator: Iterator[PackedMicroBatch], model: torch.nn.Module):
@@ -97,11 +98,10 @@ def make_forward_step(*, hdp_global_ranks: tuple[int, ...], backend: str = "auto
             labels=batch.labels[None],
             packed_seq_params=params,
         )
-        if offload_ratios is None:
+        if not offloaders:
             output = model(**inputs)
         else:
-            offloader, ratios = offload_ratios[model_chunk_index(model)]
-            with offloader.microbatch(ratio=next(ratios)):
+            with offloaders[model_chunk_index(model)].microbatch(ratio=host.offload_ratio):
                 output = model(**inputs)
         return output, partial(token_loss, batch.loss_mask)
 

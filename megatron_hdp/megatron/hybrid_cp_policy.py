@@ -7,10 +7,9 @@ of sub-samples; inside a group each rank runs its sub-samples one forward/backwa
 barrier over the whole DP x CP group ends every group (`hybrid_context_parallel_forward_backward`).
 PP is not supported there.
 
-This adapter calls that scheduler (not a re-implementation) and converts its answer:
-- a sequence on a CP group of k ranks -> a ring of those k ranks (ascending, as Megatron's CP rank order)
-  holding zigzag chunks; k = 1 -> the whole sequence on one rank;
-- group j -> micro-batch index j on every rank, holding all of that rank's sub-samples of group j. The
+This adapter calls that scheduler (not a re-implementation) and converts its answer as the Dynamic-CP
+adapter does (`plan.scheduler_groups.rings_and_schedule`: rings of the ranks holding a sequence, zigzag
+chunks; group j -> micro-batch index j on every rank, holding that rank's sub-samples of group j). The
   simulator puts a barrier after each micro-batch index of this policy (Megatron's group barrier).
   Megatron runs each sub-sample as its own forward/backward pass, so peak memory is one sub-sample's
   (<= C tokens per rank) even when the group's sum exceeds C; the micro-batch's `capacity` is therefore
@@ -33,6 +32,7 @@ from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPSchedul
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.layout import zigzag_chunks
+from megatron_hdp.plan.scheduler_groups import rings_and_schedule
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -80,23 +80,13 @@ def plan_megatron_hybrid_cp(
     _check_inputs(lengths, num_ranks=num_ranks, capacity=capacity, pp_size=pp_size)
     _, sample_id_groups = megatron_schedule(lengths, num_ranks=num_ranks, capacity=capacity)
 
-    rings: dict[int, tuple[int, ...]] = {}
-    for group_index, per_rank in enumerate(sample_id_groups):
-        members: dict[int, list[int]] = {}
-        for rank, ids in enumerate(per_rank):
-            for sample in ids:
-                members.setdefault(sample, []).append(rank)
-        for sample, ranks in members.items():
-            assert sample not in rings, f"Megatron scheduled sequence {sample} in two groups"
-            rings[sample] = tuple(ranks)
-    assert sorted(rings) == list(range(len(lengths))), "Megatron's schedule dropped a sequence"
-
+    rings, schedule = rings_and_schedule(sample_id_groups, num_ranks=num_ranks, num_sequences=len(lengths))
     schedules = []
-    for rank in range(num_ranks):
+    for rank, per_group in enumerate(schedule):
         microbatches = []
-        for per_rank in sample_id_groups:
+        for ids in per_group:
             shards, est_time = [], 0.0
-            for sample in per_rank[rank]:
+            for sample in ids:
                 length, ring = lengths[sample], rings[sample]
                 k = len(ring)
                 chunks = ((0, length),) if k == 1 else zigzag_chunks(length, k, ring.index(rank))

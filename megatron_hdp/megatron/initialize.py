@@ -4,7 +4,7 @@ Megatron is initialized with `context_parallel_size=1`, so its data-parallel gro
 TP rank) coordinate *is* the HDP domain: the D ranks a step plan distributes sequences over. Megatron's
 DDP then reduces gradients over exactly that domain, and a ring for a sequence at stage s / TP rank t
 connects the HDP ranks at that same (s, t) — by point-to-point messages in the default communicator,
-addressed by the global ranks in `HDPState.hdp_global_ranks`.
+addressed by the global ranks in `HDPState.hdp_global_ranks` (`comm.domain`: plain data, built here).
 
 Order of the steps (each depends on the one before): CPU shims (no CUDA) -> a barrier on the default
 group -> parallel_state -> seeds. The barrier is the default group's first operation, with every rank
@@ -15,7 +15,6 @@ taking part: NCCL creates a group's communicator lazily, at its first call, and 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -23,36 +22,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import random as mp_random
 
+from megatron_hdp.comm.domain import HDPState
 from megatron_hdp.megatron.cpu_shims import apply_cpu_shims
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HDPState:
-    """This rank's place in the HDP domain and the mesh around it."""
-
-    hdp_rank: int
-    """This rank's index in the HDP domain (= Megatron's data-parallel rank); the plan's rank id."""
-    hdp_global_ranks: tuple[int, ...]
-    """Global rank of HDP rank i at this rank's (PP stage, TP rank): ring members are addressed by them."""
-    tp_size: int
-    pp_size: int
-    pp_rank: int
-    vpp_size: int
-    """Model chunks per pipeline stage (virtual pipeline stages; 1: no interleaving)."""
-    ep_size: int
-    ep_hdp_ranks: tuple[int, ...]
-    """HDP ranks of this rank's expert-parallel group (they exchange tokens in every MoE layer)."""
-
-    @property
-    def hdp_size(self) -> int:
-        """D: ranks in the HDP domain."""
-        return len(self.hdp_global_ranks)
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
 
 
 def hdp_state() -> HDPState:

@@ -1,22 +1,16 @@
 """The HDP training step: this rank's own micro-batches through Megatron's schedule, then DDP and optimizer.
 
-One step, on every rank (the order matters; every check that can fail comes before the first collective
-that could hang):
-1. check the plan: valid, sized for this HDP domain, and identical on every rank (the data layer's
-   `check_plan_agreement`: an all-gather of its SHA-256 digest — the first collective, and one every
-   rank reaches);
-2. collate this rank's micro-batches from the plan; pad with empty micro-batches where collectives bind
-   ranks together: the ranks of one expert-parallel group run the same count (MoE all-to-all in every
-   layer); with PP pipelines run different counts (ring members share a micro-batch index, and 1F1B's
-   order of a shorter pipeline is the longer one's restricted to its micro-batches), padded only where
-   Megatron's interleaved schedule or the ring rule of `plan.interleaved` needs it (`pipeline_counts`,
-   checked before any P2P), with the plan's microbatch group size when it carries one (`step_group_size`);
-3. Megatron's `get_forward_backward_func()` (no pipelining, 1F1B, or the interleaved schedule over
+One step, on every rank:
+1. `data.prepare.prepare_step`, the step preparation the Megatron-LM driver (`training_install`) shares:
+   the plan checked on every rank (valid, sized for this domain, runnable counts, the same digest
+   everywhere), this rank's micro-batches collated, padded to the count the step runs, pinned for a GPU;
+   with virtual pipeline stages the step runs the micro-batch group size its plan carries (`step_group_size`);
+2. Megatron's `get_forward_backward_func()` (no pipelining, 1F1B, or the interleaved schedule over
    several model chunks, with `variable_seq_lengths`) runs them, each chunk reading the same micro-batches
    in order from its own iterator (`chunk_iterators`); `finalize_model_grads` all-reduces the gradients
    over the data-parallel group (= HDP domain) and divides them by the global loss-token count
    (`calculate_per_token_loss`);
-4. the optimizer steps; the statistics of the step are gathered (loss, times, balance, ring bytes).
+3. the optimizer steps; the statistics of the step are gathered (loss, times, balance, ring bytes).
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,15 +27,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hdp.comm.collectives import all_gather_flat
-from megatron_hdp.comm.plan_agreement import check_plan_agreement
+from megatron_hdp.comm.domain import HDPState
 from megatron_hdp.comm.traffic import count_traffic
-from megatron_hdp.data.collate import MaskReader, PackedMicroBatch, TokenReader, collate_microbatch, empty_microbatch
+from megatron_hdp.data.collate import MaskReader, TokenReader
+from megatron_hdp.data.prepare import chunk_iterators, prepare_step
 from megatron_hdp.megatron.forward_step import make_forward_step
+from megatron_hdp.offload.offloader import ActivationOffloader, pop_offload_stats
 from megatron_hdp.megatron import quantization
-from megatron_hdp.megatron.initialize import HDPState
-from megatron_hdp.plan.interleaved import megatron_constraint_error, satisfies_ring_rule
 from megatron_hdp.plan.step_plan import StepPlan
-from megatron_hdp.plan.timing import runtime_microbatch_counts
 
 logger = logging.getLogger(__name__)
 
@@ -148,148 +141,6 @@ def step_group_size(plan: StepPlan, config: Any) -> Optional[int]:
     return group
 
 
-def check_plan(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> None:
-    """ValueError on every rank unless `plan` is valid for this domain and the same on every rank.
-
-    The comm layer's `check_plan_agreement` over all ranks (every TP rank and PP stage must run the same
-    plan too), with this domain's checks as its local check: a rank that rejects the plan still joins the
-    digest all-gather, so no peer hangs in it. With virtual pipeline stages the local check includes the
-    counts the pipelines will run against Megatron's constraints and the ring rule
-    (`check_pipeline_counts`; `group_size`: microbatch_group_size_per_vp_stage)."""
-
-    def fits_domain(plan: StepPlan) -> None:
-        plan.validate()
-        if plan.num_ranks != state.hdp_size:
-            raise ValueError(f"the plan is for {plan.num_ranks} HDP ranks but the HDP domain has {state.hdp_size}")
-        if plan.pp_size != state.pp_size:
-            raise ValueError(f"the plan was made for pp_size={plan.pp_size} but PP is {state.pp_size}")
-        if plan.vpp_size != state.vpp_size:
-            raise ValueError(f"the plan was made for vpp_size={plan.vpp_size} but the model has {state.vpp_size} "
-                             "virtual pipeline stages per PP rank: plan with the model's vpp_size")
-        check_pipeline_counts(plan, state=state, group_size=group_size)
-
-    check_plan_agreement(plan, check=fits_domain)
-
-
-def ring_slots(plan: StepPlan) -> list[tuple[int, tuple[int, ...]]]:
-    """(micro-batch index, member HDP ranks) of every ring of `plan` (a validated plan puts all members of
-    a ring at one index): the `rings` of `plan.interleaved`, whose pipelines are the HDP ranks."""
-    index_of = {}
-    for schedule in plan.ranks:
-        for index, mb in enumerate(schedule.microbatches):
-            for shard in mb.shards:
-                index_of[shard.seq] = index
-    return [(index_of[seq.id], tuple(seq.ring)) for seq in plan.sequences if len(seq.ring) > 1]
-
-
-def pipeline_counts(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> list[int]:
-    """Micro-batches each HDP rank (with PP: each pipeline) runs for `plan`: the counts the planner times
-    (`plan.timing.runtime_microbatch_counts`, one function for both).
-
-    Its own count (1F1B pipelines need no padding for rings, `plan.interleaved`), raised to its EP group's
-    largest (the MoE all-to-all binds the group in every layer), and at least one (every rank takes part
-    in the gradient reduction). With virtual pipeline stages, `plan.interleaved.padded_counts`: the least counts
-    Megatron's interleaved schedule runs (`group_size` = microbatch_group_size_per_vp_stage, None: the
-    PP size) that keep THE RING RULE written there, so pipelines run different counts and every ring's
-    (chunk, micro-batch) is reached without a cycle of waits. An EP group is linked like a ring."""
-    return runtime_microbatch_counts(
-        [len(r.microbatches) for r in plan.ranks], pp_size=state.pp_size, ep_size=state.ep_size,
-        vpp_size=state.vpp_size, rings=[members for _, members in ring_slots(plan)], group_size=group_size,
-    )
-
-
-def check_pipeline_counts(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> list[int]:
-    """`pipeline_counts`, checked against Megatron's interleaved-schedule constraints and THE RING RULE
-    (plan.interleaved) before any micro-batch runs: ValueError naming the broken constraint, raised alike
-    on every rank (same plan, same counts), so no rank enters a ring P2P that a peer never reaches."""
-    counts = pipeline_counts(plan, state=state, group_size=group_size)
-    if state.vpp_size == 1:
-        return counts
-    for rank, count in enumerate(counts):
-        error = megatron_constraint_error(count, pp_size=state.pp_size, vpp_size=state.vpp_size,
-                                          group_size=group_size)
-        if error:
-            raise ValueError(f"HDP rank {rank}'s pipeline would run {count} micro-batches: {error}; set "
-                             "--microbatch-group-size-per-virtual-pipeline-stage within [pp, micro-batches]")
-    rings = ring_slots(plan)
-    if not satisfies_ring_rule(counts, rings=rings, pp_size=state.pp_size, vpp_size=state.vpp_size,
-                               group_size=group_size):
-        raise ValueError(
-            f"micro-batch counts {counts} of the pipelines break the ring rule of the interleaved schedule for "
-            f"rings (micro-batch, pipelines) {rings}: in each set of pipelines linked by rings every count must "
-            "be the set's largest or a multiple of microbatch_group_size_per_vp_stage, or ring P2P can deadlock "
-            "(plan.interleaved); pad with plan.interleaved.padded_counts"
-        )
-    return counts
-
-
-def num_microbatches_to_run(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> int:
-    """Micro-batches this rank runs (`check_pipeline_counts` at its HDP rank)."""
-    return check_pipeline_counts(plan, state=state, group_size=group_size)[state.hdp_rank]
-
-
-def pad_microbatches(
-    plan: StepPlan,
-    batches: list[PackedMicroBatch],
-    *,
-    state: HDPState,
-    pad_to_multiple: int = 1,
-    group_size: Optional[int] = None,
-) -> list[PackedMicroBatch]:
-    """`batches` (this rank's collated micro-batches of `plan`) followed by the empty micro-batches that
-    make up the count `num_microbatches_to_run` asks for: an idle rank runs one, an EP group's ranks run
-    the same count, with virtual pipeline stages the ring rule's count.
-
-    A padding micro-batch is a real forward and backward through the whole model, with a loss mask of
-    zeros: its loss is exactly 0 and adds nothing to the token-level sum, yet every parameter gets a
-    (zero) gradient from it. So on every rank Megatron DDP's per-parameter gradient hooks fire once in
-    the last micro-batch, as `--overlap-grad-reduce` needs before it issues each bucket's reduction, the
-    rank joins the gradient reduction, and with MoE it joins every layer's expert all-to-all.
-    """
-    num_padding = num_microbatches_to_run(plan, state=state, group_size=group_size) - len(batches)
-    assert num_padding >= 0, f"{len(batches)} micro-batches for a rank the plan gives fewer"
-    return batches + [empty_microbatch(rank=state.hdp_rank, num_tokens=pad_to_multiple) for _ in range(num_padding)]
-
-
-def pinned_for(batches: list[PackedMicroBatch], device: torch.device) -> list[PackedMicroBatch]:
-    """`batches` in pinned host memory when the model is on a GPU (the forward step copies each one
-    non-blocking: asynchronous only from pinned memory), else unchanged."""
-    return [b.pin_memory() for b in batches] if device.type == "cuda" else batches
-
-
-def chunk_iterators(batches: list, num_chunks: int) -> Any:
-    """The `data_iterator` argument of Megatron's schedule: an iterator over `batches`, or with several
-    model chunks (virtual pipeline stages) a list of them, one per chunk, each over all of `batches`: the
-    interleaved schedule calls forward_step(data_iterator[c], model[c]) for micro-batch m of chunk c in
-    increasing m, so each chunk's iterator hands it the same micro-batch m, with all its HDP metadata."""
-    return iter(batches) if num_chunks == 1 else [iter(batches) for _ in range(num_chunks)]
-
-
-def chunk_offload(offloaders: Sequence[Any], ratios: list[float]) -> Optional[list[tuple[Any, Iterator[float]]]]:
-    """`make_forward_step`'s `offload_ratios`: per model chunk its offloader (None: this rank offloads
-    nothing) with its own iterator over the micro-batches' `ratios`."""
-    if not offloaders:
-        return None
-    return [(offloader, iter(ratios)) for offloader in offloaders]
-
-
-def offload_ratios(plan: StepPlan, *, rank: int, num_microbatches: int) -> list[float]:
-    """The activation-offload ratio of each of the `num_microbatches` micro-batches rank `rank` runs: the
-    largest planned ratio of its sequences (the planner sized the micro-batch with it), 0 for padding."""
-    ratios = [
-        max((plan.sequences[sh.seq].offload_ratio for sh in mb.shards), default=0.0) for mb in plan.microbatches(rank)
-    ]
-    assert len(ratios) <= num_microbatches
-    return ratios + [0.0] * (num_microbatches - len(ratios))
-
-
-def pop_offload_stats(offloaders: Sequence[Any]) -> Any:
-    """The step's `OffloadStats` of this rank, summed over its model chunks' offloaders (None: none)."""
-    if not offloaders:
-        return None
-    return sum((offloader.pop_step_stats() for offloader in offloaders[1:]), offloaders[0].pop_step_stats())
-
-
 class HDPTrainer:
     """Runs HDP steps for a model wrapped in Megatron DDP (one chunk, or with virtual pipeline stages a
     list of chunks in stage order), with a Megatron optimizer."""
@@ -301,7 +152,7 @@ class HDPTrainer:
         optimizer: Any,
         state: HDPState,
         backend: str = "auto",
-        offloader: Any = None,
+        offloader: ActivationOffloader | Sequence[ActivationOffloader] | None = None,
     ) -> None:
         self.model = model
         self.chunks: list[torch.nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -313,7 +164,7 @@ class HDPTrainer:
         self.optimizer = optimizer
         self.state = state
         self.backend = backend
-        self.offloaders: list[Any] = [] if offloader is None else (
+        self.offloaders: list[ActivationOffloader] = [] if offloader is None else (
             list(offloader) if isinstance(offloader, (list, tuple)) else [offloader])
         """One ActivationOffloader per model chunk (its layers), or none."""
         if self.offloaders and len(self.offloaders) != len(self.chunks):
@@ -337,35 +188,17 @@ class HDPTrainer:
         self._stamps.append(time.process_time())
         finalize_model_grads(*args, **kwargs)
 
-    def collate(
-        self, plan: StepPlan, read_tokens: TokenReader, read_loss_mask: Optional[MaskReader] = None
-    ) -> list[PackedMicroBatch]:
-        """This rank's packed micro-batches, padded to the count `num_microbatches_to_run` asks for; in
-        pinned host memory when the model is on a GPU (the forward step copies each one asynchronously)."""
-        rank = self.state.hdp_rank
-        batches = [
-            collate_microbatch(
-                plan, mb, read_tokens, pad_to_multiple=self.pad_to_multiple, read_loss_mask=read_loss_mask, rank=rank
-            )
-            for mb in plan.microbatches(rank)
-        ]
-        batches = pad_microbatches(plan, batches, state=self.state, pad_to_multiple=self.pad_to_multiple,
-                                   group_size=step_group_size(plan, self.config))
-        return pinned_for(batches, self.device)
-
     def step(
         self, plan: StepPlan, read_tokens: TokenReader, *, read_loss_mask: Optional[MaskReader] = None
     ) -> StepStats:
         """One training step of the global batch `plan` describes (the same plan on every rank)."""
         start = time.perf_counter()
         self._stamps = [time.process_time()]
-        check_plan(plan, state=self.state, group_size=step_group_size(plan, self.config))
-        batches = self.collate(plan, read_tokens, read_loss_mask)
-        ratios = offload_ratios(plan, rank=self.state.hdp_rank, num_microbatches=len(batches))
-        forward_step = make_forward_step(
-            hdp_global_ranks=self.state.hdp_global_ranks, backend=self.backend,
-            offload_ratios=chunk_offload(self.offloaders, ratios),
-        )
+        batches = prepare_step(plan, state=self.state, device=self.device, pad_to_multiple=self.pad_to_multiple,
+                               group_size=step_group_size(plan, self.config),
+                               read_tokens=read_tokens, read_loss_mask=read_loss_mask)
+        forward_step = make_forward_step(hdp_global_ranks=self.state.hdp_global_ranks, backend=self.backend,
+                                         offloaders=self.offloaders)
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -14,66 +14,135 @@ a thin wrapper around Megatron's own function (the whole monkeypatch surface, in
    datasets (`datasets_built_on_every_rank`; `pretrain_gpt.py` builds them on TP rank 0 of the first
    and last stages only, and every rank plans). `build_pretraining_data_loader`: the HDP loader (our sampler + planner + THD collation) over the same
    Megatron dataset; it yields one `HDPStep` per training step.
-4. `get_forward_backward_func`: the schedule is called with this rank's micro-batches of the step and
-   its own micro-batch count (from the plan, padded as `step.pad_microbatches` says; with virtual
-   pipeline stages each model chunk gets its own iterator over the same micro-batches, and the counts
-   are checked against the ring rule before the schedule starts), and with HDP's
-   forward step (token-level loss; Megatron's `calculate_per_token_loss` divides by the global batch's
-   token count, summed over the HDP domain; each micro-batch offloads the ratio its plan gives); it also
+4. `get_forward_backward_func`: the schedule is called with this rank's micro-batches of the step,
+   prepared by `data.prepare.prepare_step` exactly as the Core-API trainer prepares them (plan checked on
+   every rank, padded to the count the step runs, pinned; with virtual pipeline stages each model chunk
+   gets its own iterator over the same micro-batches), its own micro-batch count, and HDP's forward step
+   (token-level loss; Megatron's `calculate_per_token_loss` divides by the global batch's token count,
+   summed over the HDP domain; each micro-batch offloads the ratio it carries from its plan); it also
    keeps `args.consumed_train_samples` equal to the documents the loader consumed.
 5. `training_log`: HDP statistics (balance, rings, ring-attention bytes, micro-batch counts, loader
-   wait, offloaded bytes) and the measured telemetry of `telemetry.py` in Megatron's log line and its
+   wait, offloaded bytes) and the measured telemetry of `comm/telemetry.py` in Megatron's log line and its
    TensorBoard / W&B writers, every `--hdp-log-interval` steps; with --hdp-online-refit the measured
-   steps refit the cost model the loader plans with.
+   steps refit the cost model the loaders plan with (`HDPRuntime.learn`).
 6. `consume_seqlen_stats_in_iteration`: the plan's real tokens and sum of s^2 for Megatron's FLOPs.
 7. `save_checkpoint`: with --hdp-online-refit, the learned cost model is written next to each checkpoint.
 
 With PP > 1 it also sets `args.variable_seq_lengths` before the model config is built from `args`
 (`_pipeline_shapes_per_microbatch`): the tensors between stages take each micro-batch's length.
 
+What the wrappers share (config, loaders, offloaders, telemetry, the current cost model and its online
+refit) is one `HDPRuntime`, built by install() and closed over by each wrapper; the patch table in
+`megatron.training.training` is the only process-wide state (`installed()` reads the runtime from it).
+
 Anything else Megatron does (optimizer, DDP gradient reduction over the data-parallel group = the HDP
 domain, checkpoints, LR schedule) is unchanged.
 """
+
+from __future__ import annotations
 
 import contextlib
 import functools
 import logging
 from argparse import Namespace
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+import torch
+
+from megatron_hdp.comm.telemetry import (
+    PER_RANK_FIELDS, StepTelemetry, collective_device, console_line, gather_rows, plan_seqlen_stats, summarize,
+    write_stats,
+)
 from megatron_hdp.config import HDPConfig
+from megatron_hdp.data.loader import HDPDataLoader, HDPStep
 from megatron_hdp.megatron.args import token_multiple, validate_hdp_args
 from megatron_hdp.megatron.training_compat import check_megatron_version, require_megatron_training
+from megatron_hdp.offload import ActivationOffloader, OffloadConfig, OffloadStats
+from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.online_refit import OnlineRefit
+from megatron_hdp.plan.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Installed:
-    """What install() set up; the wrappers read it (one per process)."""
+class HDPRuntime:
+    """What install() set up for this process, built once by it; the patch wrappers close over it."""
 
     config: HDPConfig
-    cost_model: Any
-    last_step: Any = None
-    loaders: list = field(default_factory=list)
-    offloaders: list = field(default_factory=list)
+    cost_model: CostModel
+    """The cost model the loaders plan the next steps with (they read it through `current_cost_model`);
+    with --hdp-online-refit, `learn` replaces it by the refit's."""
+    telemetry: StepTelemetry
+    """Measures this rank's training steps."""
+    offload_config: Optional[OffloadConfig] = None
+    """What the --hdp-offload offloaders move (None: their defaults)."""
+    refit: Optional[OnlineRefit] = None
+    """Learns the cost model from the measured steps (--hdp-online-refit), else None."""
+    loaders: list[HDPDataLoader] = field(default_factory=list)
+    offloaders: list[ActivationOffloader] = field(default_factory=list)
     """Each model chunk's ActivationOffloader (--hdp-offload), built by the setup_model_and_optimizer wrapper."""
-    last_offload: Any = None
+    last_step: Optional[HDPStep] = None
+    last_offload: Optional[OffloadStats] = None
     """OffloadStats of the last training step on this rank."""
-    telemetry: Any = None
-    """The `StepTelemetry` measuring this rank's training steps."""
-    refit: Any = None
-    """The `OnlineRefit` learning the cost model (--hdp-online-refit), else None."""
-    plans: dict = field(default_factory=dict)
+    plans: dict[int, StepPlan] = field(default_factory=dict)
     """Plans of measured steps the refit has not seen yet, by iteration."""
 
+    def current_cost_model(self) -> CostModel:
+        """The cost model to plan the next step with (what the loaders call)."""
+        return self.cost_model
 
-_STATE: Optional[_Installed] = None
+    def learn(self, measured: list[tuple[int, torch.Tensor]]) -> None:
+        """Online refit: feed each measured step's per-rank compute and its plan to the refit, plan the next
+        steps with its model, and log the model's coefficients. With TP or PP the step's compute is first
+        averaged over the model-parallel group, so every rank of the job learns the same model and keeps
+        planning the same steps."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.training import get_args
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
-OFFLOAD_CONFIG: Any = None
-"""The `OffloadConfig` of the offloader install() attaches with --hdp-offload (None: its defaults); set
-it before the model is built to tune what moves (e.g. min_tensor_bytes=0 in tests of tiny models)."""
+        assert self.refit is not None
+        group = parallel_state.get_model_parallel_group()
+        size = dist.get_world_size(group)
+        for iteration, table in measured:
+            compute = table[:, PER_RANK_FIELDS.index("compute")].double()
+            if size > 1:
+                compute = compute.to(collective_device(group))
+                dist.all_reduce(compute, group=group)
+                compute = compute.cpu() / size
+            self.cost_model = self.refit.observe(self.plans.pop(iteration), compute.tolist())
+        coefficients = {f"hdp/cost-model/{name}": getattr(self.cost_model, name) for name in ("a1", "b1", "g")}
+        write_stats(get_args().curr_iteration + 1, coefficients, writer=get_tensorboard_writer(),
+                    wandb_writer=get_wandb_writer())
+
+    def statistics(self) -> dict[str, float]:
+        """Statistics of the last HDP step on this rank (empty before the first step)."""
+        step = self.last_step
+        if step is None:
+            return {}
+        summary = step.plan.summary(self.cost_model)
+        stats = {
+            "hdp/balance": float(summary.balance),
+            "hdp/rings": float(summary.num_rings),
+            "hdp/ring-attention-GB": summary.attention_bytes / 1e9,
+            "hdp/microbatches-max": float(summary.max_microbatches),
+            "hdp/microbatches-min": float(summary.min_microbatches),
+            "hdp/microbatches-this-rank": float(len(step.microbatches)),
+            "hdp/tokens": float(summary.num_tokens),
+            "hdp/sequences": float(summary.num_sequences),
+            "hdp/est-step-time-s": float(summary.est_step_time),
+            "hdp/plan-s": float(step.plan_seconds),
+            "hdp/loader-wait-s": float(sum(loader.wait_seconds for loader in self.loaders)),
+        }
+        if self.last_offload is not None:  # this rank's activation offloading (--hdp-offload)
+            stats.update({
+                "hdp/offload-GB": self.last_offload.bytes_offloaded / 1e9,
+                "hdp/prefetch-GB": self.last_offload.bytes_prefetched / 1e9,
+                "hdp/offload-exposed-s": float(self.last_offload.exposed_wait_s),
+            })
+        return stats
 
 
 def hdp_layer_spec(config: Any) -> Any:
@@ -97,7 +166,7 @@ def hdp_layer_spec(config: Any) -> Any:
     )
 
 
-def _cost_model(args: Namespace, config: HDPConfig) -> Any:
+def _cost_model(args: Namespace, config: HDPConfig) -> CostModel:
     """The planner's cost model: measured (--hdp-cost-model) or analytic from the model's shape, with the
     node size (--hdp-ranks-per-node, default: local world size / TP)."""
     import dataclasses
@@ -108,8 +177,7 @@ def _cost_model(args: Namespace, config: HDPConfig) -> Any:
     return dataclasses.replace(_base_cost_model(args, config), ranks_per_node=ranks_per_node)
 
 
-def _base_cost_model(args: Namespace, config: HDPConfig) -> Any:
-    from megatron_hdp.plan.cost_model import CostModel
+def _base_cost_model(args: Namespace, config: HDPConfig) -> CostModel:
     from megatron_hdp.plan.presets import ModelShape, analytic_cost_model
 
     if config.hdp_cost_model is not None:
@@ -132,7 +200,7 @@ def _base_cost_model(args: Namespace, config: HDPConfig) -> Any:
 
 
 # --- the wrappers (see the module docstring for what each replaces) ----------------------------------
-def _setup_model_and_optimizer(original):
+def _setup_model_and_optimizer(original: Callable, runtime: HDPRuntime) -> Callable:
     @functools.wraps(original)
     def setup_model_and_optimizer(*args: Any, **kwargs: Any):
         from megatron.core.utils import unwrap_model
@@ -142,12 +210,10 @@ def _setup_model_and_optimizer(original):
         model, optimizer, scheduler = original(*args, **kwargs)
         for chunk in model:
             prepare_model_for_hdp(unwrap_model(chunk))
-        assert _STATE is not None
         chunk_layers = [unwrap_model(chunk).decoder.layers for chunk in model]  # one chunk per virtual stage
-        if _STATE.config.hdp_offload and all(len(layers) for layers in chunk_layers):
-            from megatron_hdp.offload import ActivationOffloader
-
-            _STATE.offloaders = [ActivationOffloader(layers=layers, config=OFFLOAD_CONFIG) for layers in chunk_layers]
+        if runtime.config.hdp_offload and all(len(layers) for layers in chunk_layers):
+            runtime.offloaders = [ActivationOffloader(layers=layers, config=runtime.offload_config)
+                                  for layers in chunk_layers]
         return model, optimizer, scheduler
 
     return setup_model_and_optimizer
@@ -179,7 +245,7 @@ def datasets_built_on_every_rank():
         BlendedMegatronDatasetBuilder.__init__ = original
 
 
-def _build_datasets(original):
+def _build_datasets(original: Callable, runtime: HDPRuntime) -> Callable:
     @functools.wraps(original)
     def build_train_valid_test_datasets(*args: Any, **kwargs: Any):
         with datasets_built_on_every_rank():
@@ -188,19 +254,17 @@ def _build_datasets(original):
     return build_train_valid_test_datasets
 
 
-def _build_data_loader(original):
+def _build_data_loader(original: Callable, runtime: HDPRuntime) -> Callable:
     @functools.wraps(original)
     def build_pretraining_data_loader(dataset: Any, consumed_samples: int):
         from megatron.training import get_args
 
         from megatron_hdp.megatron.datasets import build_hdp_data_loader
 
-        assert _STATE is not None
-        loader = build_hdp_data_loader(
-            dataset, consumed_samples, cost_model=_STATE.cost_model, max_length=get_args().seq_length
-        )
+        loader = build_hdp_data_loader(dataset, consumed_samples, cost_model=runtime.current_cost_model,
+                                       max_length=get_args().seq_length)
         if loader is not None:
-            _STATE.loaders.append(loader)
+            runtime.loaders.append(loader)
         return loader
 
     return build_pretraining_data_loader
@@ -228,21 +292,20 @@ def _account_consumed_samples(step: Any) -> None:
     args.consumed_train_samples = step.consumed_samples - increment
 
 
-def _forward_backward(schedule):
-    """Megatron's schedule, run on one HDP step: this rank's micro-batches, its own count, HDP's forward."""
+def _forward_backward(schedule: Callable, runtime: HDPRuntime) -> Callable:
+    """Megatron's schedule, run on one HDP step: this rank's micro-batches (`data.prepare.prepare_step`, as
+    the Core-API trainer prepares them), its own count, HDP's forward."""
     from megatron.core.utils import get_model_config
     from megatron.training import get_args
 
+    from megatron_hdp.data.prepare import chunk_iterators, prepare_step
     from megatron_hdp.megatron.forward_step import make_forward_step
     from megatron_hdp.megatron.initialize import hdp_state
     from megatron_hdp.megatron.saved_plans import save_training_step_plan
-    from megatron_hdp.megatron.step import (
-        chunk_iterators, chunk_offload, offload_ratios, pad_microbatches, pinned_for, pop_offload_stats,
-        step_group_size,
-    )
+    from megatron_hdp.megatron.step import step_group_size
+    from megatron_hdp.offload.offloader import pop_offload_stats
 
     def forward_backward(*, forward_step_func, data_iterator, num_microbatches, **kwargs: Any):
-        assert _STATE is not None
         if isinstance(data_iterator, list):  # virtual pipeline stages: Megatron built one loader per chunk
             data_iterator = data_iterator[0]  # the others plan the same steps; never iterated, they never start
         if data_iterator is None:
@@ -255,27 +318,24 @@ def _forward_backward(schedule):
         training = not kwargs.get("forward_only", False)  # evaluation consumes validation documents
         if training:
             _account_consumed_samples(step)
-            save_training_step_plan(step, _STATE.config.hdp_save_plans)  # --hdp-save-plans (rank 0)
+            save_training_step_plan(step, runtime.config.hdp_save_plans)  # --hdp-save-plans (rank 0)
         state = hdp_state()
         chunks = kwargs["model"]
-        microbatches = pad_microbatches(  # ValueError on every rank alike if the counts break the ring rule
-            step.plan, list(step.microbatches), state=state, pad_to_multiple=token_multiple(get_args()),
-            group_size=step_group_size(step.plan, get_model_config(chunks[0])),
+        config = get_model_config(chunks[0])
+        microbatches = prepare_step(  # ValueError on every rank alike for a plan this domain cannot run
+            step.plan, state=state, device=next(chunks[0].parameters()).device,
+            pad_to_multiple=token_multiple(get_args()), group_size=step_group_size(step.plan, config),
+            microbatches=step.microbatches,
         )
-        microbatches = pinned_for(microbatches, next(chunks[0].parameters()).device)
-        offload = None
-        if training and _STATE.offloaders:
-            ratios = offload_ratios(step.plan, rank=state.hdp_rank, num_microbatches=len(microbatches))
-            offload = chunk_offload(_STATE.offloaders, ratios)
-        _STATE.last_step = step
-        forward = make_forward_step(hdp_global_ranks=state.hdp_global_ranks, offload_ratios=offload,
-                                    backend=_STATE.config.hdp_attention_backend)
+        offloaders = runtime.offloaders if training else []
+        runtime.last_step = step
+        forward = make_forward_step(hdp_global_ranks=state.hdp_global_ranks, offloaders=offloaders,
+                                    backend=runtime.config.hdp_attention_backend)
         measure = contextlib.nullcontext()
         if training:
-            config = get_model_config(kwargs["model"][0])
-            measure = _STATE.telemetry.measure(get_args().curr_iteration + 1, model_config=config)
-            if _STATE.refit is not None:
-                _STATE.plans[get_args().curr_iteration + 1] = step.plan
+            measure = runtime.telemetry.measure(get_args().curr_iteration + 1, model_config=config)
+            if runtime.refit is not None:
+                runtime.plans[get_args().curr_iteration + 1] = step.plan
         with measure as marks:
             result = schedule(
                 forward_step_func=forward,
@@ -283,75 +343,71 @@ def _forward_backward(schedule):
                 num_microbatches=len(microbatches),
                 **kwargs,
             )
-            if offload is not None:  # every backward of the step has run when the schedule returns
-                _STATE.last_offload = pop_offload_stats(_STATE.offloaders)
-                marks.offload_exposed = float(_STATE.last_offload.exposed_wait_s)
+            if offloaders:  # every backward of the step has run when the schedule returns
+                runtime.last_offload = pop_offload_stats(offloaders)
+                marks.offload_exposed = float(runtime.last_offload.exposed_wait_s)
         return result
 
     return forward_backward
 
 
-def _get_forward_backward_func(original):
+def _get_forward_backward_func(original: Callable, runtime: HDPRuntime) -> Callable:
     @functools.wraps(original)
     def get_forward_backward_func(*args: Any, **kwargs: Any):
-        return _forward_backward(original(*args, **kwargs))
+        return _forward_backward(original(*args, **kwargs), runtime)
 
     return get_forward_backward_func
 
 
+def installed() -> Optional[HDPRuntime]:
+    """The runtime the installed wrappers close over (None before install() with --hdp), read from the
+    patch table in `megatron.training.training`: the only place it is kept."""
+    from megatron.training import training
+
+    return getattr(training.get_forward_backward_func, "_hdp_runtime", None)
+
+
 def hdp_statistics() -> dict[str, float]:
-    """Statistics of the last HDP step on this rank (empty before the first step)."""
-    if _STATE is None or _STATE.last_step is None:
-        return {}
-    step = _STATE.last_step
-    summary = step.plan.summary(_STATE.cost_model)
-    return {
-        "hdp/balance": float(summary.balance),
-        "hdp/rings": float(summary.num_rings),
-        "hdp/ring-attention-GB": summary.attention_bytes / 1e9,
-        "hdp/microbatches-max": float(summary.max_microbatches),
-        "hdp/microbatches-min": float(summary.min_microbatches),
-        "hdp/microbatches-this-rank": float(len(step.microbatches)),
-        "hdp/tokens": float(summary.num_tokens),
-        "hdp/sequences": float(summary.num_sequences),
-        "hdp/est-step-time-s": float(summary.est_step_time),
-        "hdp/plan-s": float(step.plan_seconds),
-        "hdp/loader-wait-s": float(sum(loader.wait_seconds for loader in _STATE.loaders)),
-        **_offload_statistics(_STATE.last_offload),
-    }
+    """`HDPRuntime.statistics` of the installed runtime (empty before install() or the first step)."""
+    runtime = installed()
+    return runtime.statistics() if runtime is not None else {}
 
 
-def _offload_statistics(stats: Any) -> dict[str, float]:
-    """This rank's activation offloading in the last step (nothing without --hdp-offload)."""
-    if stats is None:
-        return {}
-    return {
-        "hdp/offload-GB": stats.bytes_offloaded / 1e9,
-        "hdp/prefetch-GB": stats.bytes_prefetched / 1e9,
-        "hdp/offload-exposed-s": float(stats.exposed_wait_s),
-    }
+def log_telemetry(telemetry: StepTelemetry, iteration: int) -> list[tuple[int, torch.Tensor]]:
+    """Gather, summarise and write the measured steps up to `iteration` (up to the one before on CUDA:
+    its events are read one step late); return them as `gather_rows` does. Called on every rank at the
+    same iterations (a collective)."""
+    from megatron.core import parallel_state
+    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+    from megatron.training.utils import print_rank_last
+
+    lag = 1 if telemetry.use_cuda else 0
+    rows = telemetry.read(iteration - lag)
+    measured = gather_rows(rows, group=parallel_state.get_data_parallel_group())
+    for step, table in measured:
+        stats = summarize(table)
+        write_stats(step, stats, writer=get_tensorboard_writer(), wandb_writer=get_wandb_writer())
+        print_rank_last(console_line(step, stats))
+    return measured
 
 
-def _training_log(original):
+def _training_log(original: Callable, runtime: HDPRuntime) -> Callable:
     @functools.wraps(original)
     def training_log(*args: Any, **kwargs: Any):
         from megatron.training import get_args
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
         from megatron.training.utils import print_rank_last
 
-        from megatron_hdp.megatron.telemetry import learn_from_steps, log_telemetry, write_stats
-
         result = original(*args, **kwargs)
-        assert _STATE is not None
         iteration = get_args().curr_iteration + 1
-        stats = hdp_statistics()
-        if stats and iteration % _STATE.config.hdp_log_interval == 0:
+        stats = runtime.statistics()
+        if stats and iteration % runtime.config.hdp_log_interval == 0:
             write_stats(iteration, stats, writer=get_tensorboard_writer(), wandb_writer=get_wandb_writer())
             line = " | ".join(f"{name[4:]}: {value:.4g}" for name, value in stats.items())
             print_rank_last(f" [HDP] iteration {iteration:8d} | {line}")
-            measured = log_telemetry(_STATE.telemetry, iteration)
-            if _STATE.refit is not None:
-                _use_cost_model(learn_from_steps(_STATE.refit, measured, _STATE.plans))
+            measured = log_telemetry(runtime.telemetry, iteration)
+            if runtime.refit is not None:
+                runtime.learn(measured)
         return result
 
     return training_log
@@ -386,23 +442,7 @@ def _pipeline_shapes_per_microbatch(args: Namespace) -> None:
     args.variable_seq_lengths = True
 
 
-def _use_cost_model(model: Any) -> None:
-    """Plan the next steps with `model` (the online refit's) and log its coefficients."""
-    from megatron.training import get_args
-    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
-
-    from megatron_hdp.megatron.telemetry import write_stats
-
-    assert _STATE is not None
-    _STATE.cost_model = model
-    for loader in _STATE.loaders:
-        loader.cost_model = model
-    coefficients = {f"hdp/cost-model/{name}": getattr(model, name) for name in ("a1", "b1", "g")}
-    write_stats(get_args().curr_iteration + 1, coefficients, writer=get_tensorboard_writer(),
-                wandb_writer=get_wandb_writer())
-
-
-def _save_checkpoint(original):
+def _save_checkpoint(original: Callable, runtime: HDPRuntime) -> Callable:
     @functools.wraps(original)
     def save_checkpoint(iteration: int, *args: Any, **kwargs: Any):
         """Megatron's checkpoint, plus the learned cost model next to it (--hdp-online-refit)."""
@@ -412,24 +452,20 @@ def _save_checkpoint(original):
         from megatron_hdp.plan.online_refit import save_refit
 
         result = original(iteration, *args, **kwargs)
-        assert _STATE is not None
-        if _STATE.refit is not None and get_args().save and dist.get_rank() == 0:
-            save_refit(_STATE.refit, get_args().save, iteration=iteration)
+        if runtime.refit is not None and get_args().save and dist.get_rank() == 0:
+            save_refit(runtime.refit, get_args().save, iteration=iteration)
         return result
 
     return save_checkpoint
 
 
-def _consume_seqlen_stats(original):
+def _consume_seqlen_stats(original: Callable, runtime: HDPRuntime) -> Callable:
     @functools.wraps(original)
     def consume_seqlen_stats_in_iteration():
         """The real tokens and sum of squared document lengths of the last HDP step, for Megatron's FLOPs
         (its own per-rank count would take each ring member's shard as a document of its own)."""
-        from megatron_hdp.megatron.telemetry import plan_seqlen_stats
-
         original()  # drains Megatron's own counters (issues its all-reduce only when something filled them)
-        assert _STATE is not None
-        return plan_seqlen_stats(_STATE.last_step.plan) if _STATE.last_step is not None else (None, None)
+        return plan_seqlen_stats(runtime.last_step.plan) if runtime.last_step is not None else (None, None)
 
     return consume_seqlen_stats_in_iteration
 
@@ -450,10 +486,10 @@ def install(args: Optional[Namespace] = None) -> Optional[HDPConfig]:
 
     `args` defaults to Megatron's `get_args()`. Returns the HDPConfig, or None when HDP is off. Raises
     ValueError for flags HDP cannot run with and, with --hdp only, RuntimeError on a megatron-core release
-    not in `training_compat.SUPPORTED_MCORE` (without --hdp it only warns). Calling it
-    again in the same process re-reads the flags but patches only once.
+    not in `training_compat.SUPPORTED_MCORE` (without --hdp it only warns). Builds the one `HDPRuntime`
+    the wrappers close over (`installed()` finds it). Calling it again in the same process re-reads the
+    flags and wraps Megatron's own functions again, around a new runtime (never a wrapper around a wrapper).
     """
-    global _STATE
     require_megatron_training()
     from megatron.training import training
 
@@ -476,21 +512,24 @@ def install(args: Optional[Namespace] = None) -> Optional[HDPConfig]:
 
     if apply_cpu_shims():
         apply_training_cpu_shims()
-    from megatron_hdp.megatron.telemetry import StepTelemetry
-
     cost_model, refit = _cost_model(args, config), None
     if config.hdp_online_refit:  # resumed from the checkpoint's learned model when --load has one
-        from megatron_hdp.plan.online_refit import OnlineRefit, RefitSettings, load_refit
+        from megatron_hdp.plan.online_refit import RefitSettings, load_refit
 
         settings = RefitSettings(warmup_steps=config.hdp_refit_warmup_steps)
         refit = (load_refit(args.load, settings) if args.load else None) or OnlineRefit(cost_model, settings)
         cost_model = refit.model
-    _STATE = _Installed(config=config, cost_model=cost_model, telemetry=StepTelemetry(), refit=refit)
+    offload = None
+    if config.hdp_offload_min_tensor_bytes is not None:
+        offload = OffloadConfig(min_tensor_bytes=config.hdp_offload_min_tensor_bytes)
+    runtime = HDPRuntime(config=config, cost_model=cost_model, telemetry=StepTelemetry(), offload_config=offload,
+                         refit=refit)
     for name, wrap in _PATCHES.items():
         current = getattr(training, name)
-        if not getattr(current, "_hdp_installed", False):
-            wrapped = wrap(current)
-            wrapped._hdp_installed = True  # type: ignore[attr-defined]
-            setattr(training, name, wrapped)
+        original = getattr(current, "_hdp_original", current)
+        wrapped = wrap(original, runtime)
+        wrapped._hdp_original = original  # type: ignore[attr-defined]
+        setattr(training, name, wrapped)
+    training.get_forward_backward_func._hdp_runtime = runtime  # type: ignore[attr-defined]
     logger.info("HDP installed into megatron.training: %s", config)
     return config

@@ -34,7 +34,7 @@ import contextlib
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -183,3 +183,10 @@ class ActivationOffloader:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def pop_offload_stats(offloaders: Sequence[ActivationOffloader]) -> Optional[OffloadStats]:
+    """The step's `OffloadStats` of this rank, summed over its model chunks' offloaders (None: none)."""
+    if not offloaders:
+        return None
+    return sum((offloader.pop_step_stats() for offloader in offloaders[1:]), offloaders[0].pop_step_stats())

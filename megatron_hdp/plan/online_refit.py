@@ -1,6 +1,6 @@
 """A cost model that learns from the run: refit the compute coefficients (a1, b1, g) from measured times.
 
-Every step each rank measures its compute time (`megatron_hdp.megatron.telemetry`), and the step's plan
+Every step each rank measures its compute time (`megatron_hdp.comm.telemetry`), and the step's plan
 says what that rank computed. Under the cost model (`CostModel.microbatch_time`, ring traffic hidden
 under attention) a rank's compute is linear in the coefficients:
 

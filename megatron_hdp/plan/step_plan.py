@@ -273,8 +273,8 @@ class StepPlan:
     In the JSON only when > 1, so plans without virtual stages read and write as before."""
     group_size: Optional[int] = None
     """Megatron's microbatch_group_size_per_vp_stage G the plan was made (and timed) for, with virtual
-    stages: the runtime runs the step with it (`megatron.step`). None: the runtime's configured G (pp by
-    default), as plans before this field. In the JSON as "microbatch_group_size", only when set."""
+    stages: the runtime runs the step with it (`megatron.step.step_group_size`). None: the runtime's
+    configured G (pp by default), as plans before this field. In the JSON as "microbatch_group_size", only when set."""
     version: int = PLAN_VERSION
     _digest: list = field(default_factory=list, repr=False, compare=False)
 

@@ -13,7 +13,7 @@ coupling (`sim.simulator`):
   (`jitter_lead`): a predicted wait that equal work on every member does not remove;
 - a rank runs its micro-batches in order, each phase (forward, backward, or the whole micro-batch) of
   index i after the previous one (`coupled_finish`);
-- padding: the runtime runs empty micro-batches after a rank's own (`megatron.step.pad_microbatches`):
+- padding: the runtime runs empty micro-batches after a rank's own (`data.prepare.pad_microbatches`):
   with virtual pipeline stages the least counts Megatron's interleaved schedule runs that keep the ring
   rule (`plan.interleaved`; 1F1B pipelines need none), with expert parallelism every member of an EP
   group its group's largest, and a rank without micro-batches runs one (`runtime_microbatch_counts`);
@@ -56,7 +56,7 @@ def runtime_microbatch_counts(counts: Sequence[int], *, pp_size: int = 1, ep_siz
     with virtual pipeline stages (`vpp_size` > 1) padded where the interleaved schedule needs it), then
     the largest of each rank's expert-parallel group (every member joins every all-to-all); at least one
     everywhere (every rank joins the gradient reduction). `group_size`: Megatron's
-    microbatch_group_size_per_vp_stage (None: pp_size, its default). `megatron.step.pipeline_counts` runs
+    microbatch_group_size_per_vp_stage (None: pp_size, its default). `data.prepare.pipeline_counts` runs
     exactly these counts."""
     groups = expert_groups(len(counts), ep_size)
     links = [(0, tuple(ring)) for ring in rings] + [(0, tuple(group)) for group in groups if len(group) > 1]

@@ -1,4 +1,5 @@
-"""Measured per-step telemetry of an HDP run under `megatron.training`: where each rank's time went.
+"""Measured per-step telemetry of an HDP run: where each rank's time went (no Megatron import; the
+Megatron-LM driver, `megatron.training_install`, runs it and writes it through Megatron's writers).
 
 The plan predicts a step; this module measures it. For every training step and every rank of the HDP
 domain it records
@@ -17,10 +18,11 @@ the step's telemetry is logged, one step late, when they are long complete. On C
 time (what the rank's own threads did: a rank blocked in a gloo wait uses none, and ranks sharing cores
 do not inflate each other) and the waits and finalize are wall time.
 
-`TelemetryLog.log` gathers the ranks' records over the data-parallel group (outside the step, at
-Megatron's `training_log`) and writes per step the max / mean / min over ranks, the measured balance
-(max / mean compute, next to the plan's `hdp/balance`) and each rank's compute and idle, through
-Megatron's TensorBoard and W&B writers and one console line. `plan_seqlen_stats` gives Megatron's FLOPs
+`gather_rows` gathers the ranks' records over the data-parallel group (outside the step, at Megatron's
+`training_log`: `megatron.training_install.log_telemetry`); `summarize` makes per step the max / mean /
+min over ranks, the measured balance (max / mean compute, next to the plan's `hdp/balance`) and each
+rank's compute and idle, which `write_stats` writes through Megatron's TensorBoard and W&B writers and
+`console_line` prints. `plan_seqlen_stats` gives Megatron's FLOPs
 count the real tokens and sum of squared document lengths of an HDP step.
 """
 
@@ -245,42 +247,3 @@ def plan_seqlen_stats(plan: Any) -> tuple[float, float]:
     squared wherever its tokens are, so a document split over a ring counts as one document."""
     lengths = [float(seq.length) for seq in plan.sequences]
     return sum(lengths), sum(n * n for n in lengths)
-
-
-def log_telemetry(telemetry: StepTelemetry, iteration: int) -> list[tuple[int, torch.Tensor]]:
-    """Gather, summarise and write the measured steps up to `iteration` (up to the one before on CUDA:
-    its events are read one step late); return them as `gather_rows` does. Called on every rank at the
-    same iterations (a collective)."""
-    from megatron.core import parallel_state
-    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
-    from megatron.training.utils import print_rank_last
-
-    lag = 1 if telemetry.use_cuda else 0
-    rows = telemetry.read(iteration - lag)
-    measured = gather_rows(rows, group=parallel_state.get_data_parallel_group())
-    for step, table in measured:
-        stats = summarize(table)
-        write_stats(step, stats, writer=get_tensorboard_writer(), wandb_writer=get_wandb_writer())
-        print_rank_last(console_line(step, stats))
-    return measured
-
-
-def learn_from_steps(refit: Any, measured: list[tuple[int, torch.Tensor]], plans: dict[int, Any]) -> Any:
-    """Feed each measured step's per-rank compute and its plan (popped from `plans`) to `refit`
-    (`plan.online_refit.OnlineRefit`); return its current cost model.
-
-    With TP or PP the step's compute is first averaged over the model-parallel group, so every rank of
-    the job learns the same model and keeps planning the same steps.
-    """
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_model_parallel_group()
-    size = dist.get_world_size(group)
-    for iteration, table in measured:
-        compute = table[:, PER_RANK_FIELDS.index("compute")].double()
-        if size > 1:
-            compute = compute.to(collective_device(group))
-            dist.all_reduce(compute, group=group)
-            compute = compute.cpu() / size
-        refit.observe(plans.pop(iteration), compute.tolist())
-    return refit.model
