@@ -9,8 +9,8 @@ from one micro-batch to the next. Megatron offers two ways to run that, compared
 - `variable`: `variable_seq_lengths=True`; every stage-to-stage send is preceded by its shape (3 int64,
   one extra small P2P exchange per transfer). What `install()` sets with PP > 1.
 - `padded`: fixed shapes; every micro-batch of a pipeline padded to the step's longest micro-batch of
-  that pipeline (its `seq_length`), including the empty micro-batches that make a short pipeline run the
-  domain's count (each then costs a full-length forward and backward).
+  that pipeline (its `seq_length`), including the empty micro-batches the runtime pads a pipeline with
+  (`plan.timing.plan_runtime_counts`; each then costs a full-length forward and backward).
 
 Part 1 (plans at scale, no timing): the LLaMA-70B PP 4 launch configuration (pool 32, --hdp-capacity 16K,
 8M-token batches of the `byted` and `github` mixes, the analytic H100 cost model): per step, the tokens
@@ -49,6 +49,7 @@ def plan_padding(mix: str, *, steps: int, seed: int = 0) -> dict:
     from megatron_hdp.plan.lengths import sample_global_batch
     from megatron_hdp.plan.planner import make_plan
     from megatron_hdp.plan.presets import analytic_cost_model
+    from megatron_hdp.plan.timing import plan_runtime_counts
 
     pool, pp, capacity = 32, 4, 16384
     config = HDPConfig(hdp=True, hdp_capacity=capacity)
@@ -58,14 +59,15 @@ def plan_padding(mix: str, *, steps: int, seed: int = 0) -> dict:
         lengths = sample_global_batch(mix, num_tokens=8 * 2**20, seed=seed + step, max_length=pool * capacity)
         plan = make_plan(lengths, num_ranks=pool, config=config, cost_model=cost, pp_size=pp)
         per_rank = [[mb.num_tokens for mb in plan.microbatches(r)] for r in range(pool)]
-        count = max(len(m) for m in per_rank)  # with PP every pipeline runs the domain's largest count
+        counts = plan_runtime_counts(plan)  # what each pipeline runs, its padding micro-batches included
         real = sum(sum(m) for m in per_rank)
-        padded = sum(max(m, default=1) * count for m in per_rank)
+        padded = sum(max(m, default=1) * count for m, count in zip(per_rank, counts))
         ratios.append(padded / real)
-        messages.append(pool * count * 2 * (pp - 1))  # one shape message per activation and per gradient send
+        messages.append(sum(counts) * 2 * (pp - 1))  # one shape message per activation and per gradient send
         if lengths_example is None:  # the pipeline of median padding, its empty micro-batches as 1 token
-            median = sorted(per_rank, key=lambda m: max(m, default=1) * count / max(sum(m), 1))[pool // 2]
-            lengths_example = median + [1] * (count - len(median))
+            order = sorted(range(pool), key=lambda r: max(per_rank[r], default=1) * counts[r] / max(sum(per_rank[r]), 1))
+            median = order[pool // 2]
+            lengths_example = per_rank[median] + [1] * (counts[median] - len(per_rank[median]))
     return {
         "mix": mix,
         "padded_over_variable_tokens": statistics.mean(ratios),
