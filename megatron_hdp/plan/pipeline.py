@@ -67,12 +67,29 @@ def _program(num: int, pp_size: int, vpp_size: int, group_size: int | None) -> t
 def pipeline_time(times: Sequence[float], *, pp_size: int, vpp_size: int = 1, group_size: int | None = None) -> float:
     """Makespan of one pipeline running micro-batches of these stage `times` in Megatron's order with
     `vpp_size` model chunks per stage and `group_size` G (microbatch_group_size_per_vp_stage; None: pp_size)
-    micro-batches per group (module doc): `pipelines_finish` of this one pipeline.
+    micro-batches per group (module doc).
 
     With pp_size = 1 it is the sum of the times. With vpp_size > 1 the count must be one Megatron runs
-    (`interleaved.megatron_constraint_error`; pad first, `interleaved.padded_counts`).
+    (`interleaved.megatron_constraint_error`; pad first, `interleaved.padded_counts`). Cost: one pass
+    over the 2 x len(times) x pp_size x vpp_size ops in plain Python: the packer's inner loop times one
+    pipeline thousands of times, where numpy's per-call cost would dominate; `pipelines_finish` is the
+    same recurrence over many pipelines at once (tests/test_plan_pipeline.py holds them equal).
     """
-    return float(pipelines_finish([times], pp_size=pp_size, vpp_size=vpp_size, group_size=group_size)[0])
+    num = len(times)
+    if pp_size == 1 or num == 0:
+        return float(sum(times))
+    error = megatron_constraint_error(num, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size)
+    if error:
+        raise ValueError(error)
+    forward = [t * FORWARD_SHARE / vpp_size for t in times]
+    backward = [t / vpp_size - f for t, f in zip(times, forward)]
+    clock = [0.0] * pp_size
+    end = []
+    for stage, mb, is_forward, dep in _program(num, pp_size, vpp_size, group_size if vpp_size > 1 else None):
+        start = clock[stage] if dep < 0 else max(clock[stage], end[dep])
+        clock[stage] = start + (forward[mb] if is_forward else backward[mb])
+        end.append(clock[stage])
+    return max(clock)
 
 
 def pipelines_finish(
