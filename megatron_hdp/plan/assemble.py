@@ -8,7 +8,7 @@ way and can be compared side by side:
 - a rank's `est_time` is its busy time, the sum of its micro-batch times, the runtime's padding
   micro-batches included (`timing.runtime_microbatch_counts`: 1F1B pipelines run their own counts, with
   virtual stages the least counts the interleaved schedule and the ring rule allow); with PP
-  it is the makespan of its pipeline in Megatron's order (`pipeline.pipeline_time`: (m + pp - 1) t for
+  it is the makespan of its pipeline in Megatron's order (`pipeline.pipelines_finish` alone, all pipelines at once: (m + pp - 1) t for
   m equal micro-batches of time t in 1F1B, (m + (pp - 1) / v) t interleaved, set by the heaviest
   micro-batches when they differ);
 - `est_step_time` is the time the last rank reaches the gradient all-reduce, from the timeline of

@@ -16,9 +16,10 @@ coupling (`sim.simulator`):
 - pipelines (PP > 1): the coupling holds on every op of Megatron's pipeline order, a ring micro-batch's
   forward or backward of one chunk on one stage starting when every member's stage is ready for it
   (`pipeline_step_finish`, evaluated exactly by `pipeline.pipelines_finish`). Ring waits and pipeline
-  bubbles are one timeline: a wait that falls in a rank's fill or drain idle time costs nothing, so the
-  step is not each rank's coupled finish plus its own bubble (a sum that over-estimated plans whose
-  waits hide in bubbles by up to ~6% and misranked the balance planner's candidates, issue 23);
+  bubbles are one timeline: a wait that falls in a rank's fill or drain idle time costs nothing, and a
+  wait on one stage delays the stages after it, so the step is not each rank's coupled finish plus its
+  own bubble (that sum missed both ways, e.g. 13.71 s against the simulator's 14.88 s for byted's first
+  VPP 5 batch of issue 23's table, and misranked the balance planner's candidates);
 - padding: the runtime runs empty micro-batches after a rank's own (`data.prepare.pad_microbatches`):
   with virtual pipeline stages the least counts Megatron's interleaved schedule runs that keep the ring
   rule (`plan.interleaved`; 1F1B pipelines need none), with expert parallelism every member of an EP
@@ -206,8 +207,7 @@ def pipeline_step_finish(times: Sequence[Sequence[float]], groups: Groups, *, pp
     member's stage is ready for it and ends for all when the slowest is done, plus the `jitter` lead
     (`pipeline.pipelines_finish`, exact). The pipeline bubble and the ring waits are one timeline: idle
     time a rank spends in fill or drain hides a wait for a ring member that is still busy, so the step is
-    not each rank's coupled finish plus its bubble (the rule before, which over-estimated and misranked
-    plans whose waits fall in the bubbles)."""
+    not each rank's coupled finish plus its bubble (the rule before, which misranked candidate plans)."""
     lead = (lambda k: jitter * expected_max_of_normals(k) / k) if jitter else None
     return pipelines_finish(times, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, groups=groups,
                             lead=lead)
