@@ -7,10 +7,10 @@ way and can be compared side by side:
   one ring share one ring exchange, as at run time);
 - a rank's `est_time` is its busy time, the sum of its micro-batch times, the runtime's padding
   micro-batches included (`timing.runtime_microbatch_counts`: 1F1B pipelines run their own counts, with
-  virtual stages the least counts the interleaved schedule and the ring rule allow); with PP
-  it is the makespan of its pipeline in Megatron's order (`pipeline.pipelines_finish` alone, all pipelines at once: (m + pp - 1) t for
-  m equal micro-batches of time t in 1F1B, (m + (pp - 1) / v) t interleaved, set by the heaviest
-  micro-batches when they differ);
+  virtual stages the least counts the interleaved schedule and the ring rule allow); with PP it is
+  the makespan of its pipeline alone in Megatron's order (`pipeline.pipelines_finish`, all pipelines at
+  once: (m + pp - 1) t for m equal micro-batches of time t in 1F1B, (m + (pp - 1) / v) t interleaved,
+  set by the heaviest micro-batches when they differ);
 - `est_step_time` is the time the last rank reaches the gradient all-reduce, from the timeline of
   `timing.py` (the one step-time model): a ring micro-batch starts only when every member has finished
   its previous micro-batch and ends for all of them when the slowest is done; with PP op by op through
