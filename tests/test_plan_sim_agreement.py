@@ -7,7 +7,8 @@ micro-batch times, so it must equal the plan's `est_time` for every rank of ever
 Hybrid-CP runs one pass per sub-sample (its adapter charges the micro-batch overhead per sub-sample), so
 its plans are compared under its own execution rules, `POLICY_RULES["megatron-hybrid-cp"]`. The
 planner's offload ratios hide their copies under compute (ByteScale Eq. 3), so the simulator's exposed
-offload is zero and does not separate the two either.
+offload is zero and does not separate the two either. With PP the planner's step time is the
+simulator's compute end on random pipeline plans with rings, so both rank candidate plans alike.
 """
 
 import os
