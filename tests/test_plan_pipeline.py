@@ -6,7 +6,7 @@ import pytest
 
 from megatron_hdp.plan.assemble import assemble_plan
 from megatron_hdp.plan.packing import best_fit, pack_for_pipeline
-from megatron_hdp.plan.pipeline import pipeline_time
+from megatron_hdp.plan.pipeline import pipeline_time, pipelines_finish
 from megatron_hdp.plan.presets import analytic_cost_model
 from megatron_hdp.sim.simulator import simulate_step
 
@@ -156,3 +156,19 @@ def test_a_group_holding_all_heavy_microbatches_shrinks_the_bubble_and_the_plann
     assert simulated[5] == pytest.approx(plans[5].est_step_time, rel=1e-9)  # rings aligned, equal members
     assert fits_memory(plans[5])
     assert not fits_memory(dataclasses.replace(plans[5], capacity=2000))
+
+
+def test_many_pipelines_at_once_are_each_pipeline_alone():
+    """`pipelines_finish` (numpy over pipelines, the op order of the largest count shared by the others)
+    without coupling gives each pipeline's `pipeline_time` exactly, for uneven counts (1F1B: any; with
+    virtual stages: multiples of G beside counts with a longer last group, which get their own order)."""
+    rng = np.random.default_rng(2)
+    for pp, vpp, group, counts in [(2, 1, None, [1, 3, 7, 2]), (4, 1, None, [5, 1, 9, 4, 9]),
+                                   (4, 2, None, [4, 8, 12, 4]), (4, 2, 8, [8, 12, 16, 13, 12]), (2, 3, 4, [4, 6, 8])]:
+        times = [rng.uniform(0.1, 2.0, size=n).tolist() for n in counts]
+        together = pipelines_finish(times, pp_size=pp, vpp_size=vpp, group_size=group)
+        alone = [pipeline_time(t, pp_size=pp, vpp_size=vpp, group_size=group) for t in times]
+        assert together.tolist() == alone, (pp, vpp, group, counts)
+    with pytest.raises(ValueError, match="break the ring rule"):
+        pipelines_finish([[1.0] * 8, [1.0] * 12, [1.0] * 13], pp_size=4, vpp_size=2, group_size=8,
+                         groups={(1, 0): 0, (2, 0): 0})

@@ -7,7 +7,8 @@ micro-batch times, so it must equal the plan's `est_time` for every rank of ever
 Hybrid-CP runs one pass per sub-sample (its adapter charges the micro-batch overhead per sub-sample), so
 its plans are compared under its own execution rules, `POLICY_RULES["megatron-hybrid-cp"]`. The
 planner's offload ratios hide their copies under compute (ByteScale Eq. 3), so the simulator's exposed
-offload is zero and does not separate the two either.
+offload is zero and does not separate the two either. With PP the planner's step time is the
+simulator's compute end on random pipeline plans with rings, so both rank candidate plans alike.
 """
 
 import os
@@ -88,3 +89,50 @@ def test_step_time_follows_the_independent_waiting_rule(cost_model):
             timeline = simulate_step(plan, cost_model, rules=rules, grad_bytes=0)
             assert timeline.compute_end == pytest.approx(step, rel=1e-9), f"{policy} on {name}"
             assert plan.est_step_time == pytest.approx(step, rel=1e-9), f"{policy} on {name}"
+
+
+JITTERY = CostModel.from_dict({**SLOW_RING.to_dict(), "jitter": 0.07})
+PIPELINES = [(2, 1, None), (4, 1, None), (2, 2, None), (4, 2, None), (4, 2, 8), (2, 3, 4)]
+"""(pp_size, vpp_size, group_size) of the random pipeline plans below: 1F1B, interleaved, G above pp."""
+
+
+def _random_pipeline_plan(lengths, *, num_ranks, seed, cost_model, pp_size, vpp_size, group_size):
+    """A random placement (`hand_plan.random_plan`: rings of any size at any index, uneven counts) timed
+    by the planner's `assemble_plan` as a pipeline plan."""
+    from megatron_hdp.plan.assemble import assemble_plan
+    from megatron_hdp.plan.hand_plan import random_plan
+
+    drawn = random_plan(lengths, num_ranks=num_ranks, seed=seed, max_slots=5)
+    schedule = [[[s.seq for s in mb.shards] for mb in r.microbatches] for r in drawn.ranks]
+    return assemble_plan(policy="random", lengths=lengths, rings=[s.ring for s in drawn.sequences],
+                         offload_ratios=[0.0] * len(lengths), schedule=schedule, capacity=drawn.capacity,
+                         cost_model=cost_model, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size)
+
+
+@pytest.mark.parametrize("cost_model", [CM, SLOW_RING, JITTERY], ids=["h100", "slow-ring", "jittery"])
+def test_pipeline_step_time_is_the_simulated_one_and_ranks_candidates_alike(cost_model):
+    """With PP the planner's `est_step_time` (`timing.pipeline_step_finish`) is the simulator's compute
+    end, to 1e-9, on random plans with rings (1F1B and interleaved, G = pp and above): ring waits and
+    pipeline bubbles are one timeline in both, so a wait that falls in a rank's fill or drain costs
+    nothing. Hence the planner ranks two candidate plans of one batch (two placements, or one placement
+    with two group sizes, as the balance planner's candidates differ) the way the simulator does. The
+    rule before (each rank's coupled finish plus its own bubble) fails both."""
+    rng = np.random.default_rng(5)
+    pairs = 0
+    for seed in range(24):
+        pp, vpp, group = PIPELINES[seed % len(PIPELINES)]
+        num_ranks = int(rng.integers(2, 6))
+        lengths = rng.integers(1, 20000, size=int(rng.integers(2, 10))).tolist()
+        first = _random_pipeline_plan(lengths, num_ranks=num_ranks, seed=seed, cost_model=cost_model, pp_size=pp,
+                                      vpp_size=vpp, group_size=group)
+        other = dict(seed=seed + 1000, group_size=group) if vpp == 1 else dict(seed=seed, group_size=2 * pp)
+        second = _random_pipeline_plan(lengths, num_ranks=num_ranks, cost_model=cost_model, pp_size=pp,
+                                       vpp_size=vpp, **other)
+        simulated = [simulate_step(p, cost_model, rules=PolicyRules()).compute_end for p in (first, second)]
+        where = f"seed {seed}, {num_ranks} ranks, pp {pp}, vpp {vpp}, G {group}, lengths {lengths}"
+        for plan, end in zip((first, second), simulated):
+            assert plan.est_step_time == pytest.approx(end, rel=1e-9), where
+        if abs(simulated[0] - simulated[1]) > 1e-6 * max(simulated):
+            pairs += 1
+            assert (first.est_step_time < second.est_step_time) == (simulated[0] < simulated[1]), where
+    assert pairs >= 12  # most pairs differ: the ranking is tested, not skipped

@@ -7,14 +7,15 @@ way and can be compared side by side:
   one ring share one ring exchange, as at run time);
 - a rank's `est_time` is its busy time, the sum of its micro-batch times, the runtime's padding
   micro-batches included (`timing.runtime_microbatch_counts`: 1F1B pipelines run their own counts, with
-  virtual stages the least counts the interleaved schedule and the ring rule allow); with PP
-  it is the makespan of its pipeline in Megatron's order (`pipeline.pipeline_time`: (m + pp - 1) t for
-  m equal micro-batches of time t in 1F1B, (m + (pp - 1) / v) t interleaved, set by the heaviest
-  micro-batches when they differ);
+  virtual stages the least counts the interleaved schedule and the ring rule allow); with PP it is
+  the makespan of its pipeline alone in Megatron's order (`pipeline.pipelines_finish`, all pipelines at
+  once: (m + pp - 1) t for m equal micro-batches of time t in 1F1B, (m + (pp - 1) / v) t interleaved,
+  set by the heaviest micro-batches when they differ);
 - `est_step_time` is the time the last rank reaches the gradient all-reduce, from the timeline of
   `timing.py` (the one step-time model): a ring micro-batch starts only when every member has finished
-  its previous micro-batch and ends for all of them when the slowest is done. A plan whose rings start
-  in step with equal member times has est_step_time = max est_time.
+  its previous micro-batch and ends for all of them when the slowest is done; with PP op by op through
+  the pipeline order, so waits that fall in a pipeline's bubbles cost nothing (the simulator's timeline,
+  to 1e-9). A plan whose rings start in step with equal member times has est_step_time = max est_time.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import numpy as np
 
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.layout import zigzag_chunks
-from megatron_hdp.plan.pipeline import pipeline_time
+from megatron_hdp.plan.pipeline import pipelines_finish
 from megatron_hdp.plan.sharding import whole_times
-from megatron_hdp.plan.timing import coupled_finish, expert_links, link_groups, runtime_microbatch_counts
+from megatron_hdp.plan.timing import (coupled_finish, expert_links, link_groups, pipeline_step_finish,
+                                      runtime_microbatch_counts)
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, build_many
 
 
@@ -105,7 +107,6 @@ def assemble_plan(
     ring_index: dict[int, int] = {}
     times: list[list[float]] = []
     schedules: list[list[MicroBatch]] = []
-    ranks: list[RankSchedule] = []
     for rank, microbatches in enumerate(schedule):
         built: list[MicroBatch] = []
         rank_times: list[float] = []
@@ -136,9 +137,8 @@ def assemble_plan(
                                        rings={rings[seq] for seq in ring_index}, group_size=group_size)
     for rank, count in enumerate(counts):
         times[rank] += [overhead] * (count - len(times[rank]))  # the runtime's padding micro-batches
-        ranks.append(RankSchedule(rank, tuple(schedules[rank]),
-                                  pipeline_time(times[rank], pp_size=pp_size, vpp_size=vpp_size,
-                                                group_size=group_size)))
+    alone = pipelines_finish(times, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
+    ranks = [RankSchedule(rank, tuple(built), own) for rank, (built, own) in enumerate(zip(schedules, alone))]
     step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
                      jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
     ratios = np.asarray(offload_ratios, dtype=np.float64).tolist()
@@ -162,12 +162,14 @@ def step_time(
 ) -> float:
     """Time the last rank finishes when ring micro-batches (and, with `ep_size` > 1, every micro-batch
     of an expert-parallel group; `times` padded as the runtime runs them) wait for all their members and
-    release them together (`timing.coupled_finish`, with the cost model's `jitter`), plus each rank's PP
-    bubble (`pipeline.pipeline_time` with `vpp_size` model chunks per stage, groups of `group_size`)."""
+    release them together, with the cost model's `jitter` (`timing.coupled_finish`; with PP every op of
+    Megatron's pipeline order coupled the same way, `timing.pipeline_step_finish`, with `vpp_size` model
+    chunks per stage and groups of `group_size`)."""
     links = [(index, rings[seq]) for seq, index in ring_index.items()]
     groups = link_groups(links + expert_links([len(t) for t in times], ep_size))
-    end = coupled_finish([times], groups, jitter=jitter)
     if pp_size > 1:
-        end = end + np.array([pipeline_time(t, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size) - sum(t)
-                              for t in times])
+        end = pipeline_step_finish(times, groups, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size,
+                                   jitter=jitter)
+    else:
+        end = coupled_finish([times], groups, jitter=jitter)
     return float(end.max(initial=0.0))

@@ -17,17 +17,22 @@ dependencies:
                        stage while the others wait), so the bubble is set by the heaviest micro-batches;
                        the interleaved order lets the others' chunks run while it crosses.
 
-The simulator (`megatron_hdp.sim.simulator`) runs the same order with the same shares and adds what a
-single pipeline cannot see (ring members of several pipelines waiting for each other); for a pipeline
-without rings both give the same time (tests/test_plan_pipeline.py).
+`pipelines_finish` evaluates many pipelines at once, vectorised over pipelines, with ring members of
+several pipelines waiting for each other op by op (`timing.pipeline_step_finish`, the planner's step
+time). The simulator (`megatron_hdp.sim.simulator`) runs the same order with the same shares in an event
+loop of its own; both give the same times (tests/test_plan_pipeline.py without rings,
+tests/test_plan_sim_agreement.py with them).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
-from megatron_hdp.plan.interleaved import dependency, megatron_constraint_error, stage_order
+import numpy as np
+
+from megatron_hdp.plan.interleaved import (default_group_size, dependency, linked_sets, megatron_constraint_error,
+                                           stage_order)
 
 FORWARD_SHARE = 1.0 / 3.0
 """Fraction of a micro-batch's time spent in the forward pass (backward = 2x forward)."""
@@ -66,7 +71,9 @@ def pipeline_time(times: Sequence[float], *, pp_size: int, vpp_size: int = 1, gr
 
     With pp_size = 1 it is the sum of the times. With vpp_size > 1 the count must be one Megatron runs
     (`interleaved.megatron_constraint_error`; pad first, `interleaved.padded_counts`). Cost: one pass
-    over the 2 x len(times) x pp_size x vpp_size ops.
+    over the 2 x len(times) x pp_size x vpp_size ops in plain Python: the packer's inner loop times one
+    pipeline thousands of times, where numpy's per-call cost would dominate; `pipelines_finish` is the
+    same recurrence over many pipelines at once (tests/test_plan_pipeline.py holds them equal).
     """
     num = len(times)
     if pp_size == 1 or num == 0:
@@ -83,3 +90,110 @@ def pipeline_time(times: Sequence[float], *, pp_size: int, vpp_size: int = 1, gr
         clock[stage] = start + (forward[mb] if is_forward else backward[mb])
         end.append(clock[stage])
     return max(clock)
+
+
+def pipelines_finish(
+    times: Sequence[Sequence[float]],
+    *,
+    pp_size: int,
+    vpp_size: int = 1,
+    group_size: int | None = None,
+    groups: Mapping[tuple[int, int], int] | None = None,
+    lead: Callable[[int], float] | None = None,
+) -> np.ndarray:
+    """When each pipeline's last op ends: pipeline r runs micro-batches of stage times `times[r]` in
+    Megatron's order (module doc), and the ops of micro-batch i of the pipelines sharing a group id at
+    `groups[(r, i)]` (`timing.link_groups`: rings, expert-parallel groups) are coupled on every (stage,
+    chunk, forward/backward): the op starts when every member's stage is ready for it (its own previous
+    op and its pipeline dependency released) and ends for all members when the slowest is done, plus
+    `lead(k)` x the members' summed op time for a group of k (`timing.jitter_lead`; None: no lead).
+
+    Exact: the same start/end recurrence as the op-level simulator, evaluated without an event queue.
+    In each set of coupled pipelines the counts keep the ring rule (`interleaved.padded_counts`), so
+    every pipeline's op order is a restriction of the order of one with the set's largest count M
+    (`interleaved` module doc, prefix order); one topological order of M's ops (`_program`) is then a
+    valid order for all of them, and the ops of one key (stage, micro-batch, direction) of all pipelines
+    sharing that order are evaluated together as numpy arrays. With 1F1B every count is a prefix of the
+    largest; interleaved, sets whose largest count is a multiple of G share the order of the global
+    largest count and every other largest count gets its own. Cost: one numpy step over pipelines per op
+    of each distinct order (2 x M x pp_size x vpp_size ops), not one Python step per op of every pipeline.
+
+    With pp_size = 1 (no pipeline, no coupling allowed here: `timing.coupled_finish`) each pipeline's
+    time is the sum of its times. Raises ValueError for a count Megatron does not run or counts that break
+    the ring rule.
+    """
+    num = len(times)
+    if pp_size == 1:
+        if groups:
+            raise ValueError("coupled micro-batches without pipeline stages are timed by timing.coupled_finish")
+        return np.array([float(sum(t)) for t in times])
+    counts = [len(t) for t in times]
+    for count in set(counts) - {0}:
+        error = megatron_constraint_error(count, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size)
+        if error:
+            raise ValueError(error)
+    g = default_group_size(pp_size, group_size)
+    members: dict[int, list[int]] = {}
+    for (rank, _), gid in (groups or {}).items():
+        members.setdefault(gid, []).append(rank)
+    most = max(counts, default=0)
+    classes: dict[int, list[int]] = {}
+    for linked in linked_sets(num, [(0, ranks) for ranks in members.values()]):
+        largest = max(counts[r] for r in linked)
+        shared = vpp_size == 1 or largest == most or largest % g == 0
+        if any(counts[r] != largest and (vpp_size > 1 and counts[r] % g) for r in linked):
+            raise ValueError(f"counts {[counts[r] for r in linked]} of coupled pipelines {linked} break the ring "
+                             f"rule (group size {g}): pad them with interleaved.padded_counts")
+        classes.setdefault(most if shared else largest, []).extend(linked)
+    out = np.zeros(num)
+    for count, ranks in classes.items():
+        if count:
+            out[ranks] = _finish_in_order(count, [times[r] for r in ranks], ranks, groups or {}, lead,
+                                          pp_size=pp_size, vpp_size=vpp_size,
+                                          group_size=group_size if vpp_size > 1 else None)
+    return out
+
+
+def _finish_in_order(count: int, times: list[Sequence[float]], ranks: list[int], groups: Mapping[tuple[int, int], int],
+                     lead: Callable[[int], float] | None, *, pp_size: int, vpp_size: int,
+                     group_size: int | None) -> np.ndarray:
+    """`pipelines_finish` of the pipelines `ranks` (their `times`), all running restrictions of the op
+    order of `count` micro-batches."""
+    width = len(ranks)
+    stage_times = np.zeros((count, width))
+    present = np.zeros((count, width), dtype=bool)
+    for column, rank_times in enumerate(times):
+        stage_times[: len(rank_times), column] = rank_times
+        present[: len(rank_times), column] = True
+    everywhere = present.all(axis=1).tolist()
+    forward = stage_times * FORWARD_SHARE / vpp_size
+    backward = stage_times / vpp_size - forward
+    # coupled pipelines per micro-batch index: members sorted by group, for numpy's reduceat
+    local = {rank: column for column, rank in enumerate(ranks)}
+    by_index: dict[int, dict[int, list[int]]] = {}
+    for (rank, index), gid in groups.items():
+        if rank in local:
+            by_index.setdefault(index, {}).setdefault(gid, []).append(local[rank])
+    coupled = {}
+    for index, by_gid in by_index.items():
+        sizes = np.array([len(m) for m in by_gid.values()])
+        factor = np.array([lead(int(k)) for k in sizes]) if lead else None
+        coupled[index] = (np.concatenate([np.array(m) for m in by_gid.values()]),
+                          np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes, factor)
+    program = _program(count, pp_size, vpp_size, group_size)
+    clock = np.zeros((pp_size, width))
+    end = np.empty((len(program), width))
+    for position, (stage, mb, is_forward, dep) in enumerate(program):
+        duration = forward[mb] if is_forward else backward[mb]
+        start = clock[stage] if dep < 0 else np.maximum(clock[stage], end[dep])
+        finish = start + duration
+        if mb in coupled:
+            order, offsets, sizes, factor = coupled[mb]
+            spent = duration[order]
+            top = np.maximum.reduceat(start[order], offsets) + np.maximum.reduceat(spent, offsets)
+            if factor is not None:
+                top += factor * np.add.reduceat(spent, offsets)
+            finish[order] = np.repeat(top, sizes)
+        clock[stage] = finish if everywhere[mb] else np.where(present[mb], finish, clock[stage])
+        end[position] = clock[stage]
+    return clock.max(axis=0)
