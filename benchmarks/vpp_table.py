@@ -162,7 +162,7 @@ def main(argv: list[str]) -> int:
             raise SystemExit("--vpp must include 1 (the speedups are also given over static at VPP 1)")
         cells = run_cells(vpps, args.policies.split(","), steps=args.steps, seed=args.seed)
         crossing = {dist: crossing_bound(dist, steps=args.steps, seed=args.seed) for dist in DISTRIBUTIONS}
-        data = {"command": "python benchmarks/vpp_table.py " + " ".join(argv), "date": datetime.date.today().isoformat(),
+        data = {"command": " ".join(["python benchmarks/vpp_table.py", *argv]), "date": datetime.date.today().isoformat(),
                 "machine": platform.platform(), "cells": cells, "crossing_bound": crossing}
         out.write_text(json.dumps(data, indent=2) + "\n")
     section = render(data)
