@@ -542,8 +542,12 @@ def main(argv: list[str]) -> int:
     import fake_gpu_scenarios
 
     getattr(fake_gpu_scenarios, scenario)(*argv[3:])
-    print(f"scenario {scenario}: ok")
-    return 0
+    print(f"scenario {scenario}: ok", flush=True)
+    sys.stderr.flush()
+    # The verdict is in. Skip the interpreter's teardown: with the fake CUDA guard preloaded it aborted
+    # twice in one CI run on a loaded host ("terminate called without an active exception" from a C++
+    # destructor, after "ok"; never reproduced on an idle one), which is not what any scenario tests.
+    os._exit(0)
 
 
 if __name__ == "__main__":
