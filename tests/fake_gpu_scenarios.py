@@ -87,18 +87,32 @@ def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: 
     return mode
 
 
+
+def _assert_no_pageable_copies_in_layers(mode) -> None:
+    """No host-to-device copy inside a transformer layer unless pinned and non-blocking (a pageable or
+    blocking one syncs the host with the GPU in the middle of a layer)."""
+    pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
+    assert not pageable, ("blocking host-to-device copies inside layers: "
+                          f"{[(c['where'], c['bytes']) for c in pageable[:3]]}")
+
+
+def _assert_no_blocking_transfer_copies(mode) -> None:
+    """No blocking host-to-device copy between a micro-batch's transfer and its backward."""
+    import fake_gpu
+
+    blocking = fake_gpu.blocking_copies_in_microbatches(mode)
+    assert not blocking, (f"{len(blocking)} blocking host-to-device copies between a micro-batch's transfer and "
+                          f"its backward: {[(c['where'], c['bytes']) for c in blocking[:4]]}")
+
 def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
     """`_run_hdp_steps` as global rank `rank` of 2, then the step's host-to-device copies checked."""
     import fake_gpu
 
     mode = _run_hdp_steps(int(pp_size), int(rank))
-    pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
-    assert not pageable, f"blocking host-to-device copies inside layers (one per layer per micro-batch): {pageable[:3]}"
+    _assert_no_pageable_copies_in_layers(mode)
     batch_copies = [c for c in mode.h2d if "collate.py" in c["where"]]
     assert batch_copies and all(c["pinned"] and c["non_blocking"] for c in batch_copies), batch_copies
-    blocking = fake_gpu.blocking_copies_in_microbatches(mode)
-    assert not blocking, (f"{len(blocking)} blocking host-to-device copies between a micro-batch's transfer and "
-                          f"its backward: {[(c['where'], c['bytes']) for c in blocking[:4]]}")
+    _assert_no_blocking_transfer_copies(mode)
     megatrons = fake_gpu.blocking_copies_in_microbatches(mode, code="/megatron/core/")  # e.g. PP shapes
     print(f"blocking copies in micro-batches: none of ours, {len(megatrons)} of Megatron's")
     print(f"host-to-device copies of the step: {len(batch_copies)} of micro-batch tensors (pinned, non-blocking), "
@@ -137,8 +151,7 @@ def hdp_step_vpp(rank: str = "0") -> None:
     mode.h2d.clear()
     stats = trainer.step(plan, _read_tokens)
     assert stats.offload.num_microbatches == 8, "each chunk's offloader saw each micro-batch"
-    pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
-    assert not pageable, f"blocking host-to-device copies inside layers: {pageable[:3]}"
+    _assert_no_pageable_copies_in_layers(mode)
     batch_copies = [c for c in mode.h2d if "collate.py" in c["where"]]
     assert batch_copies and all(c["pinned"] and c["non_blocking"] for c in batch_copies), batch_copies
     print(f"virtual pipeline: {len(batch_copies)} micro-batch copies (pinned, non-blocking) over 2 chunks")
@@ -213,11 +226,8 @@ def window_ring(rank: str, log_path: str) -> None:
     for _ in range(2):
         trainer.step(plan, _read_tokens)
     assert mode.backward_ops, "the backward ran on autograd's device thread"
-    pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
-    assert not pageable, f"blocking host-to-device copies inside layers: {[(c['where'], c['bytes']) for c in pageable]}"
-    blocking = fake_gpu.blocking_copies_in_microbatches(mode)
-    assert not blocking, (f"{len(blocking)} blocking host-to-device copies between a micro-batch's transfer and "
-                          f"its backward: {[(c['where'], c['bytes']) for c in blocking[:4]]}")
+    _assert_no_pageable_copies_in_layers(mode)
+    _assert_no_blocking_transfer_copies(mode)
     with open(log_path, "w") as out:
         json.dump({"p2p": fake_gpu.p2p_log(), "collectives": fake_gpu.collective_log()}, out)
     print(f"windowed rings: {sum(map(len, fake_gpu.p2p_log().values()))} P2P group calls")
@@ -397,14 +407,11 @@ def install_step(rank: str = "0") -> None:
     assert runtime.telemetry.use_cuda, "the telemetry clocks the step with CUDA events"
     stats = runtime.statistics()
     assert stats["hdp/microbatches-this-rank"] >= 1 and stats["hdp/offload-GB"] >= 0, stats
-    pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
-    assert not pageable, f"blocking host-to-device copies inside layers: {pageable[:3]}"
+    _assert_no_pageable_copies_in_layers(mode)
     batch_copies = [c for c in mode.h2d if "collate.py" in c["where"]]
     assert batch_copies and all(c["pinned"] and c["non_blocking"] for c in batch_copies), (
         f"micro-batches copied to the GPU from pageable memory (a synchronous copy each): {batch_copies[:3]}")
-    blocking = fake_gpu.blocking_copies_in_microbatches(mode)
-    assert not blocking, (f"{len(blocking)} blocking host-to-device copies between a micro-batch's transfer and "
-                          f"its backward: {[(c['where'], c['bytes']) for c in blocking[:4]]}")
+    _assert_no_blocking_transfer_copies(mode)
     print(f"install() path: {len(batch_copies)} micro-batch copies (pinned, non-blocking); "
           f"hdp statistics {sorted(stats)[:3]}...")
 
@@ -453,9 +460,6 @@ def moe_routers(rank: str = "0") -> None:
             fake_gpu._LAYER_DEPTH[0] -= 1
             torch.stack([p.sum() for p in probs]).sum().backward()
     assert mode.backward_ops, "the backward ran on autograd's device thread"
-    pageable = [c for c in mode.h2d if c["layer"] and not (c["pinned"] and c["non_blocking"])]
-    assert not pageable, f"blocking host-to-device copies inside MoE layers: {[c['where'] for c in pageable[:3]]}"
-    blocking = fake_gpu.blocking_copies_in_microbatches(mode)
-    assert not blocking, (f"{len(blocking)} blocking host-to-device copies between a micro-batch's transfer and "
-                          f"its backward: {[(c['where'], c['bytes']) for c in blocking[:4]]}")
+    _assert_no_pageable_copies_in_layers(mode)
+    _assert_no_blocking_transfer_copies(mode)
     print(f"MoE routers: {len(mode.h2d)} host-to-device copies in the last step, none blocking")
