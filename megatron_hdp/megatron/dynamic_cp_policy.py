@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.assemble import assemble_plan
 from megatron_hdp.plan.cost_model import CostModel
-from megatron_hdp.plan.scheduler_groups import rings_and_schedule
+from megatron_hdp.plan.scheduler_groups import check_pool_holds, rings_and_schedule
 from megatron_hdp.plan.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -120,14 +120,6 @@ def megatron_dynamic_cp_schedule(
     return reply["groups"]
 
 
-def _check_inputs(lengths: Sequence[int], *, num_ranks: int, capacity: int) -> None:
-    too_long = [(i, n) for i, n in enumerate(lengths) if n > capacity * num_ranks]
-    if too_long:
-        i, n = too_long[0]
-        raise ValueError(f"sequence {i} of length {n} exceeds the pool's {num_ranks} x {capacity} tokens "
-                         f"({len(too_long)} such sequences)")
-
-
 def plan_megatron_dynamic_cp(
     lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel, pp_size: int,
     vpp_size: int = 1,
@@ -138,7 +130,7 @@ def plan_megatron_dynamic_cp(
     multiple of `microbatch_group_size_per_vp_stage`, whose Megatron default is the pipeline size.
     """
     capacity = config.hdp_capacity
-    _check_inputs(lengths, num_ranks=num_ranks, capacity=capacity)
+    check_pool_holds(lengths, num_ranks=num_ranks, capacity=capacity)
     groups = megatron_dynamic_cp_schedule(lengths, num_ranks=num_ranks, capacity=capacity,
                                           microbatch_group_size_per_vp_stage=pp_size if vpp_size > 1 else None)
     rings, schedule = rings_and_schedule(groups, num_ranks=num_ranks, num_sequences=len(lengths))

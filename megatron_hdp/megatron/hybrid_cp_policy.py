@@ -32,7 +32,7 @@ from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPSchedul
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.layout import zigzag_chunks
-from megatron_hdp.plan.scheduler_groups import rings_and_schedule
+from megatron_hdp.plan.scheduler_groups import check_pool_holds, rings_and_schedule
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -65,11 +65,7 @@ def _check_inputs(lengths: Sequence[int], *, num_ranks: int, capacity: int, pp_s
     if num_ranks < 1 or num_ranks & (num_ranks - 1):
         raise ValueError(f"policy {POLICY} needs a power-of-two HDP pool (Megatron builds a CP group per power "
                          f"of two), got num_ranks={num_ranks}")
-    too_long = [(i, n) for i, n in enumerate(lengths) if n > capacity * num_ranks]
-    if too_long:
-        i, n = too_long[0]
-        raise ValueError(f"sequence {i} of length {n} exceeds the pool's {num_ranks} x {capacity} tokens "
-                         f"({len(too_long)} such sequences)")
+    check_pool_holds(lengths, num_ranks=num_ranks, capacity=capacity)
 
 
 def plan_megatron_hybrid_cp(

@@ -29,3 +29,13 @@ def rings_and_schedule(
             rings[sequence] = tuple(ranks)
     assert all(rings), "the scheduler's schedule dropped a sequence"
     return rings, [[list(per_rank[rank]) for per_rank in groups] for rank in range(num_ranks)]
+
+
+def check_pool_holds(lengths: Sequence[int], *, num_ranks: int, capacity: int) -> None:
+    """ValueError naming the first sequence longer than the whole pool (`num_ranks` x `capacity` tokens),
+    which no CP group of a Megatron scheduler can hold."""
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > capacity * num_ranks]
+    if too_long:
+        i, n = too_long[0]
+        raise ValueError(f"sequence {i} of length {n} exceeds the pool's {num_ranks} x {capacity} tokens "
+                         f"({len(too_long)} such sequences)")
