@@ -2,7 +2,7 @@
 `simulated_ring_attention` (k virtual ranks on one GPU, bf16, 16 query / 8 KV heads of 128), after three
 warm-ups; prints the ops by host time and by GPU time.
 
-    python benchmarks/ring_profile.py 4096 8      # L tokens, k ranks (the README's 77 ms host / 8.6 ms GPU)
+    python benchmarks/ring_profile.py 4096 8      # L tokens, k ranks (README: 77-98 ms host for 8.7 ms GPU)
 """
 import sys, torch
 from torch.profiler import profile, ProfilerActivity
