@@ -210,10 +210,28 @@ def _microbatch_seconds(trainer, lengths: list[int], rings: list[tuple[int, ...]
     """Fewest CPU seconds (forward + backward) of this rank's first micro-batch over `repeats` HDP steps of
     the hand plan (`lengths` on `rings`, all in micro-batch 0), after one untimed step: the runtime's own
     path (collation, Megatron's schedule, DDP hooks), as the measured steps take it."""
+    return _interleaved_microbatch_seconds(trainer, [(lengths, rings, capacity)], repeats)[0]
+
+
+def _interleaved_microbatch_seconds(trainer, cases: list[tuple[list[int], list[tuple[int, ...]], int]],
+                                    repeats: int) -> list[float]:
+    """`_microbatch_seconds` of several hand plans ((lengths, rings, capacity) each), timed in turns: one
+    untimed step of each, then `repeats` rounds that run every plan once. A slowdown of the host then
+    touches every plan alike instead of whichever was timed during it, so differences between the plans
+    (what a fit reads its slopes from) keep their size."""
+    from megatron_hdp.harness.exactness import token_reader
     from megatron_hdp.plan.hand_plan import plan_from_rings
 
-    plan = plan_from_rings(lengths, rings, [0] * len(lengths), num_ranks=trainer.state.hdp_size, capacity=capacity)
-    return min(run.forward[0] + run.backward[0] for run in _timed_runs(trainer, plan, repeats))
+    plans = [plan_from_rings(lengths, rings, [0] * len(lengths), num_ranks=trainer.state.hdp_size, capacity=capacity)
+             for lengths, rings, capacity in cases]
+    fewest = [float("inf")] * len(plans)
+    for repeat in range(repeats + 1):
+        for i, plan in enumerate(plans):
+            trainer.step(plan, token_reader(0, plan.lengths))
+            if repeat:
+                run = trainer.last_busy
+                fewest[i] = min(fewest[i], run.forward[0] + run.backward[0])
+    return fewest
 
 
 def _timed_runs(trainer, plan, repeats: int) -> list:
@@ -336,12 +354,15 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
       error) over whole documents of `spec.fit_lengths`, one per rank;
     - `jitter` from `measure_jitter`;
     - ring link: bandwidth from `_ring_link`; the rest from ring micro-batches, each member holding C
-      tokens: `ring_block_overhead` from n = 8 documents of k C / n tokens against one of k C on the
-      widest ring k (the extra 2 (k-1) (n-1) kernel calls; ring transfers are the same), then
-      `ring_latency` from one document of k C on rings of k = 2, 4, 8: the per-message cost that makes
-      the simulator's exposed ring time (3k-2 messages, hidden under attention) match the measured
-      excess over T, median over k. On a CPU both are mostly software cost per ring step (message posting,
-      one kernel call per block, the merge), which is why they are fitted, not taken from the ping-pong.
+      tokens, timed in turns (`_interleaved_microbatch_seconds`, 2 x `spec.fit_repeats` rounds):
+      `ring_block_overhead` from n = 8 documents of k C / n tokens against one of k C on the widest ring
+      k (the extra 2 (k-1) (n-1) kernel calls; ring transfers are the same), then `ring_latency` from one
+      document of k C on rings of k = 2, 4, 8: the per-message cost that makes the simulator's exposed
+      ring time (3k-2 messages, hidden under attention) match the measured excess over T, median over k.
+      On a CPU both are mostly software cost per ring step (message posting, one kernel call per block,
+      the merge), which is why they are fitted, not taken from the ping-pong. The block overhead is a
+      difference of two timings; timed one after the other (as before issue 24's fix), a change of the
+      host's speed between them moved it 20x from run to run.
     """
     from megatron_hdp.plan.fit import fit_compute, fitted_cost_model
 
@@ -356,27 +377,25 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     kv_channels = spec.hidden_size // spec.num_attention_heads * spec.num_query_groups
     kv_bytes = 4 * 2 * kv_channels
     tokens = spec.capacity
-
-    def ring_layer_seconds(k: int, num_documents: int) -> float:
-        """Median member's CPU seconds per layer: `num_documents` of k C / n tokens on rings of k ranks."""
-        rings = [tuple(range(i, i + k)) for i in range(0, world - k + 1, k)]
-        length = k * tokens // num_documents
-        lengths = [length] * (num_documents * len(rings))
-        mine = _microbatch_seconds(trainer, lengths, [ring for ring in rings for _ in range(num_documents)],
-                                   capacity=tokens + num_documents, repeats=spec.fit_repeats)
-        members = [r for ring in rings for r in ring]
-        return _median_over_ranks(mine if rank in members else 0.0, members) / spec.num_layers
-
     ring_sizes = [k for k in (2, 4, 8) if k <= world]
-    one = {k: ring_layer_seconds(k, 1) for k in ring_sizes}
+    rows = [(k, 1) for k in ring_sizes] + ([(ring_sizes[-1], 8)] if ring_sizes else [])
+    cases = []
+    for k, n in rows:
+        rings = [tuple(range(i, i + k)) for i in range(0, world - k + 1, k)]
+        cases.append(([k * tokens // n] * (n * len(rings)), [ring for ring in rings for _ in range(n)], tokens + n))
+    mine = _interleaved_microbatch_seconds(trainer, cases, 2 * spec.fit_repeats)
+    per_layer = {}
+    for (k, n), seconds in zip(rows, mine):
+        members = [r for r in range(world) if r < world - world % k]
+        per_layer[k, n] = _median_over_ranks(seconds if rank in members else 0.0, members) / spec.num_layers
     block_overhead = 0.0
     if ring_sizes:
-        k, n = ring_sizes[-1], 8
-        block_overhead = max(0.0, (ring_layer_seconds(k, n) - one[k]) / (2 * (k - 1) * (n - 1)))
+        k, n = rows[-1]
+        block_overhead = max(0.0, (per_layer[k, n] - per_layer[k, 1]) / (2 * (k - 1) * (n - 1)))
     latencies = []
-    for k, per_layer in one.items():
+    for k in ring_sizes:
         attention = a1 * k * tokens * tokens
-        exposed = per_layer - (g + b1 * tokens + attention + 2 * (k - 1) * block_overhead)
+        exposed = per_layer[k, 1] - (g + b1 * tokens + attention + 2 * (k - 1) * block_overhead)
         # fp32: each of the 3k-2 messages (CostModel.ring_messages) carries one member's K/V or dK/dV
         latencies.append((exposed + attention) / CostModel.ring_messages(k) - kv_bytes * tokens / bandwidth)
     latency = max(float(np.median(latencies)), link_latency) if latencies else link_latency
