@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
-from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder, get_bin_path, get_idx_path
+from megatron.core.datasets.indexed_dataset import (
+    DType, IndexedDataset, IndexedDatasetBuilder, get_bin_path, get_idx_path)
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 
 from megatron_hdp.config import HDPConfig
@@ -64,7 +65,9 @@ def indexed_dataset_exists(prefix: str) -> bool:
     return os.path.isfile(get_idx_path(prefix)) and os.path.isfile(get_bin_path(prefix))
 
 
-def write_indexed_dataset(prefix: str | os.PathLike, documents: Iterable[np.ndarray], *, vocab_size: int) -> tuple[int, int]:
+def write_indexed_dataset(
+    prefix: str | os.PathLike, documents: Iterable[np.ndarray], *, vocab_size: int
+) -> tuple[int, int]:
     """Write `documents` (1-D integer arrays of raw token ids) as an indexed dataset at `prefix`.
 
     Token ids must lie in [0, vocab_size); the token dtype is megatron-core's choice for that vocabulary

@@ -141,7 +141,9 @@ def step_group_size(plan: StepPlan, config: Any) -> Optional[int]:
     return group
 
 
-def sync_grads_at_schedule_end(chunks: Sequence[torch.nn.Module], finalize: Callable = finalize_model_grads) -> None:
+def sync_grads_at_schedule_end(
+    chunks: Sequence[torch.nn.Module], *, finalize: Callable = finalize_model_grads
+) -> None:
     """Have Megatron's schedule reduce the gradients of `chunks` (in Megatron DDP) as Megatron-LM's train()
     does: no gradient sync in the micro-batches before the last (`no_sync_func`), then `finalize`
     (finalize_model_grads: the all-reduce over the data-parallel group, divided by the loss-token count
@@ -206,7 +208,7 @@ class HDPTrainer:
         self._stamps: list[float] = []
         self.last_busy: Optional[BusyTimes] = None
         """This rank's `BusyTimes` of the last step (local, not gathered)."""
-        sync_grads_at_schedule_end(self.chunks, self._finalize)
+        sync_grads_at_schedule_end(self.chunks, finalize=self._finalize)
 
     def _finalize(self, *args: Any, **kwargs: Any) -> None:
         self._finalize_start = time.perf_counter()
