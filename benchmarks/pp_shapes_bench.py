@@ -84,7 +84,8 @@ def _pipeline_rank(rank: int, world: int, lengths: list[int], steps: int) -> dic
 
     from megatron_hdp.harness.exactness import reference_forward_step
     from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.harness.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.megatron.model import build_gpt, wrap_for_training
 
     initialize_hdp(pipeline_model_parallel_size=2)
     config = tiny_llama_config(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4,

@@ -28,7 +28,7 @@ def build_sp_gpt(config, *, vocab_size: int, max_sequence_length: int):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     from megatron_hdp.megatron.layer_spec import get_gpt_layer_with_hdp_spec
-    from megatron_hdp.harness.model import build_gpt
+    from megatron_hdp.megatron.model import build_gpt
 
     spec = copy.deepcopy(get_gpt_layer_with_hdp_spec(num_experts=config.num_moe_experts, normalization=config.normalization))
     spec.submodules = dataclasses.replace(

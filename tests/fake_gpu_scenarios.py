@@ -52,7 +52,8 @@ def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_hdp.harness.model import build_gpt, tiny_llama_config
+    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.megatron.model import build_gpt
     from megatron_hdp.megatron.step import HDPTrainer
     from megatron_hdp.offload import ActivationOffloader
 
@@ -130,7 +131,8 @@ def hdp_step_vpp(rank: str = "0") -> None:
     mode = fake_gpu.install(world_size=WORLD, rank=int(rank))
     from megatron_hdp.plan.hand_plan import plan_from_rings
     from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.harness.model import build_gpt_chunks, tiny_llama_config, wrap_chunks_for_training
+    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.megatron.model import build_gpt_chunks, wrap_chunks_for_training
     from megatron_hdp.megatron.step import HDPTrainer
     from megatron_hdp.offload import ActivationOffloader
 
@@ -207,7 +209,8 @@ def window_ring(rank: str, log_path: str) -> None:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_hdp.harness.model import build_gpt, tiny_llama_config
+    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.megatron.model import build_gpt
     from megatron_hdp.megatron.initialize import initialize_hdp
     from megatron_hdp.megatron.step import HDPTrainer
     from megatron_hdp.plan.hand_plan import plan_from_rings
@@ -356,7 +359,8 @@ def install_step(rank: str = "0") -> None:
     from megatron_hdp.megatron import training_install
     from megatron_hdp.megatron.args import parse_and_check
     from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.harness.model import build_gpt, tiny_llama_config
+    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.megatron.model import build_gpt
 
     args, _ = parse_and_check(INSTALL_ARGS, world_size=WORLD)
     set_args(args)

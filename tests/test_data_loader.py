@@ -19,8 +19,7 @@ from megatron_hdp.config import HDPConfig
 from megatron_hdp.data.collate import collate_microbatch
 from megatron_hdp.data.loader import HDPDataLoader, pool_length_limit
 from megatron_hdp.data.source import MapStyleSource
-from megatron_hdp.harness.build_dataset import write_indexed_dataset
-from megatron_hdp.megatron.datasets import IndexedDocumentSource
+from megatron_hdp.megatron.datasets import IndexedDocumentSource, write_indexed_dataset
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
 

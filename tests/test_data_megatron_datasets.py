@@ -17,7 +17,7 @@ from megatron_hdp.comm.launch import run_gloo
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.data.loader import HDPDataLoader
 from megatron_hdp.data.source import MapStyleSource
-from megatron_hdp.harness.build_dataset import build_demo_dataset, main, synthetic_lengths, write_indexed_dataset
+from megatron_hdp.harness.build_dataset import build_demo_dataset, main, synthetic_lengths
 from megatron_hdp.data.blend import blend_quotas, leading_pieces, token_blend_order
 from megatron_hdp.megatron.datasets import (
     BlendedDocumentSource,
@@ -25,6 +25,7 @@ from megatron_hdp.megatron.datasets import (
     IndexedDocumentSource,
     build_hdp_data_loader,
     document_source,
+    write_indexed_dataset,
 )
 from megatron_hdp.plan.presets import analytic_cost_model
 

@@ -2,8 +2,9 @@
 
 Two checks. The first reads every module of the package with `ast` (no import runs): each `import` and
 `from ... import` statement, at module level or inside a function, and every string constant that is a
-dotted `megatron_hdp.<layer>...` path (what `importlib.import_module` would load), must name a layer that
-`MAY_IMPORT` puts below the module's own; torch and Megatron only where DESIGN.md allows them. The
+dotted `megatron_hdp.<layer>...` or `megatron.<module>...` path (what `importlib.import_module` would
+load), must name a layer that `MAY_IMPORT` puts below the module's own; torch and Megatron only where
+DESIGN.md allows them (Megatron: only the integration layer, megatron/). The
 second imports the pure layers in a subprocess with torch and Megatron blocked, which also catches a
 third-party import that pulls torch in behind our back.
 """
@@ -38,7 +39,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
 }
 """Layer (a subpackage, or a top-level module) -> the layers below it, the only ones it may import.
 From DESIGN.md: plan/ and sim/ are pure; comm/, attention/, offload/, data/ use torch, not Megatron;
-megatron/ is the integration, harness/ drives it for evidence, commands/ are the CLI."""
+megatron/ is the integration (the only layer that imports Megatron), harness/ drives it for evidence,
+commands/ are the CLI."""
 
 SAME_LAYER = {"cli": "commands"}
 """Top-level modules that belong to a subpackage's layer: the CLI entry point is the commands' layer (a
@@ -47,10 +49,11 @@ command may start `python -m megatron_hdp.cli`)."""
 NO_TORCH = frozenset({"__init__", "config", "run_logs", "plan", "sim"})
 """Layers that never import torch (nor anything built on it)."""
 TORCH_BUILT = ("torch", "transformer_engine", "flash_attn", "apex", "megatron")
-MEGATRON_ALLOWED = frozenset({"megatron", "harness"})
-"""The only layers that import Megatron (`megatron.core`, `megatron.training`)."""
+MEGATRON_ALLOWED = frozenset({"megatron"})
+"""The only layer that imports Megatron (`megatron.core`, `megatron.training`): the integration. The
+harnesses, the commands and everything below reach Megatron only through its functions."""
 
-_MODULE_PATH = re.compile(r"megatron_hdp(\.[A-Za-z_]\w*)+")
+_MODULE_PATH = re.compile(r"(megatron_hdp|megatron)(\.[A-Za-z_]\w*)+")
 
 
 def layer_of(path: Path, root: Path) -> str:
@@ -61,7 +64,8 @@ def layer_of(path: Path, root: Path) -> str:
 
 
 def imported_names(path: Path, root: Path) -> list[tuple[int, str]]:
-    """(line, dotted name) of every module `path` imports or names as a full `megatron_hdp.` module path."""
+    """(line, dotted name) of every module `path` imports or names as a full `megatron_hdp.` or `megatron.`
+    module path."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = ".".join(("megatron_hdp", *path.relative_to(root).parent.parts))
     names = []
@@ -146,6 +150,9 @@ def test_the_order_has_no_cycle():
          "plan imports megatron_hdp.megatron.policies"),
         ("plan/leak.py", "def f():\n    import torch\n", "pure layer: no torch"),
         ("data/leak.py", "from megatron.core import parallel_state\n", "import Megatron"),
+        ("harness/leak.py", "def f():\n    import megatron.training\n", "harness imports megatron.training"),
+        ("commands/leak.py", "import importlib\nM = importlib.import_module('megatron.core.parallel_state')\n",
+         "commands imports megatron.core.parallel_state"),
         ("comm/leak.py", "from ..megatron import step\n", "comm imports megatron_hdp.megatron "),
         ("sim/leak.py", "from megatron_hdp import offload\n", "sim imports megatron_hdp.offload "),
         ("newlayer/leak.py", "x = 1\n", "not in MAY_IMPORT"),

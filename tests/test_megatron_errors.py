@@ -18,7 +18,8 @@ def _errors(rank, world_size):
     from megatron_hdp.plan.hand_plan import random_plan
     from megatron_hdp.megatron.initialize import initialize_hdp
     from megatron_hdp.megatron.layer_spec import prepare_model_for_hdp
-    from megatron_hdp.harness.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.megatron.model import build_gpt, wrap_for_training
     from megatron_hdp.megatron.step import HDPTrainer
     from megatron_hdp.plan.planner import make_plan
     from megatron_hdp.plan.presets import analytic_cost_model, model_shape

@@ -53,7 +53,8 @@ def _init(tp=1, pp=1, ep=1, vpp=None):
 def _reference(rank, world_size):
     from megatron_hdp.harness.exactness import VOCAB_SIZE, full_weights, reference_steps
     from megatron_hdp.megatron.initialize import destroy_hdp
-    from megatron_hdp.harness.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.megatron.model import build_gpt, wrap_for_training
 
     out = {}
     for kind, experts, num_layers in (("dense", None, 2), ("moe", NUM_EXPERTS, 2), (VPP_KIND, None, VPP_LAYERS)):
@@ -133,7 +134,8 @@ def _plant(case):
 
 def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
     from megatron_hdp.harness.exactness import VOCAB_SIZE, load_full_weights, local_grads, token_reader
-    from megatron_hdp.harness.model import build_gpt_chunks, tiny_llama_config, wrap_chunks_for_training
+    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.megatron.model import build_gpt_chunks, wrap_chunks_for_training
     from megatron_hdp.megatron.step import HDPTrainer
 
     case = case or {}
@@ -266,7 +268,8 @@ def _window_reference(rank, world_size):
     """The dense reference of `_reference` with `WINDOW`: Megatron's DotProductAttention masks the window."""
     from megatron_hdp.harness.exactness import VOCAB_SIZE, full_weights, reference_steps
     from megatron_hdp.megatron.initialize import destroy_hdp
-    from megatron_hdp.harness.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.megatron.model import build_gpt, wrap_for_training
 
     _megatron_window_mask_on_cpu()
     _init()

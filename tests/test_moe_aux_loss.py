@@ -31,7 +31,8 @@ def _padding_and_rejections(rank, world_size):
     from megatron_hdp.megatron.forward_step import make_forward_step
     from megatron_hdp.plan.hand_plan import random_plan
     from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.harness.model import build_gpt, tiny_llama_config
+    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.megatron.model import build_gpt
 
     state = initialize_hdp(seed=3)
     config = tiny_llama_config(num_moe_experts=4, moe_aux_loss_coeff=AUX_LOSS_COEFF, moe_z_loss_coeff=Z_LOSS_COEFF)

@@ -100,7 +100,8 @@ def _hdp_step_offload_vs_plain(rank, world_size):
     from megatron_hdp.harness.exactness import VOCAB_SIZE, full_weights, load_full_weights, local_grads, token_reader
     from megatron_hdp.plan.hand_plan import plan_from_rings
     from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.harness.model import build_gpt, tiny_llama_config, wrap_for_training
+    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.megatron.model import build_gpt, wrap_for_training
     from megatron_hdp.megatron.step import HDPTrainer
     from megatron_hdp.offload import ActivationOffloader, OffloadConfig
 

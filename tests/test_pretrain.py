@@ -32,7 +32,8 @@ EOD = 255  # NullTokenizer's EOD: --vocab-size - 1; the counting documents hold 
 
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory) -> str:
-    from megatron_hdp.harness.build_dataset import synthetic_documents, write_indexed_dataset
+    from megatron_hdp.harness.build_dataset import synthetic_documents
+    from megatron_hdp.megatron.datasets import write_indexed_dataset
 
     prefix = str(tmp_path_factory.mktemp("data") / "docs")
     lengths = np.array(RAW_LENGTHS)

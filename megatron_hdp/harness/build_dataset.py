@@ -1,4 +1,5 @@
-"""Write a real Megatron indexed dataset (`PREFIX.bin` + `PREFIX.idx`) with megatron-core's own builder.
+"""Write a real Megatron indexed dataset (`PREFIX.bin` + `PREFIX.idx`) with megatron-core's own builder
+(`megatron_hdp.megatron.datasets.write_indexed_dataset`).
 
 Inputs: a seeded synthetic corpus (the demo's and the tests'), text files or JSONL, or token files.
 
@@ -26,44 +27,16 @@ import argparse
 import json
 import logging
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
-from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
+from megatron_hdp.megatron.datasets import indexed_dataset_exists, write_indexed_dataset
 from megatron_hdp.plan.lengths import SYNTHETIC as SYNTHETIC_MIXES
 from megatron_hdp.plan.lengths import synthetic_lengths as mix_lengths
 
-logger = logging.getLogger(__name__)
-
 BYTE_VOCAB = 256
 DISTRIBUTIONS = ("lognormal", *SYNTHETIC_MIXES)
-
-
-def write_indexed_dataset(prefix: str | Path, documents: Iterable[np.ndarray], *, vocab_size: int) -> tuple[int, int]:
-    """Write `documents` (1-D integer arrays of raw token ids) as an indexed dataset at `prefix`.
-
-    Token ids must lie in [0, vocab_size); the token dtype is megatron-core's choice for that vocabulary
-    (uint16 up to 65,500 ids, int32 beyond). Returns (documents, tokens) written.
-    """
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    prefix = str(prefix)
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=DType.optimal_dtype(vocab_size))
-    num_docs = num_tokens = 0
-    for doc in documents:
-        doc = np.asarray(doc)
-        if doc.ndim != 1 or (doc.size and (doc.min() < 0 or doc.max() >= vocab_size)):
-            builder.data_file.close()
-            Path(get_bin_path(prefix)).unlink()
-            raise ValueError(f"document {num_docs} is not a 1-D array of token ids in [0, {vocab_size})")
-        builder.add_document(doc, [doc.size])
-        num_docs += 1
-        num_tokens += doc.size
-    builder.finalize(get_idx_path(prefix))
-    logger.info("wrote %s.{bin,idx}: %d documents, %d tokens", prefix, num_docs, num_tokens)
-    return num_docs, num_tokens
 
 
 def synthetic_lengths(
@@ -136,7 +109,7 @@ def build_demo_dataset(
 ) -> str:
     """Write the demo's synthetic corpus under `directory` (skipped when already there); return its prefix."""
     prefix = str(Path(directory) / f"hdp_demo_{num_docs}docs_v{vocab_size}_s{seed}_max{max_length}")
-    if Path(get_idx_path(prefix)).is_file() and Path(get_bin_path(prefix)).is_file():
+    if indexed_dataset_exists(prefix):
         return prefix
     lengths = synthetic_lengths(num_docs, seed=seed, median=max(2, max_length // 16), max_length=max_length)
     write_indexed_dataset(prefix, synthetic_documents(lengths, vocab_size=vocab_size, seed=seed), vocab_size=vocab_size)

@@ -196,7 +196,7 @@ def _model_config(spec: CpuRunSpec):
 
 def _build(spec: CpuRunSpec, state):
     from megatron_hdp.harness.exactness import VOCAB_SIZE
-    from megatron_hdp.harness.model import build_gpt, wrap_for_training
+    from megatron_hdp.megatron.model import build_gpt, wrap_for_training
     from megatron_hdp.megatron.step import HDPTrainer
 
     torch.manual_seed(spec.seed)

@@ -55,20 +55,18 @@ def global_name(name: str, *, layer_offset: int, expert_offset: int) -> str:
 
 def shard_infos(model: torch.nn.Module) -> dict[str, ShardInfo]:
     """ShardInfo of every parameter of this rank's model chunk (a GPTModel, maybe inside DDP), by local name."""
-    from megatron.core import parallel_state as ps
+    from megatron_hdp.megatron.initialize import expert_parallel_coordinate, tensor_parallel_coordinate
 
     inner = getattr(model, "module", model)
     layers = inner.decoder.layers
     layer_offset = layers[0].layer_number - 1 if len(layers) else 0
     num_experts = inner.config.num_moe_experts or 0
-    ep_size = ps.get_expert_model_parallel_world_size()
-    expert_offset = ps.get_expert_model_parallel_rank() * (num_experts // ep_size) if num_experts else 0
+    ep_rank, ep_size = expert_parallel_coordinate()
+    expert_offset = ep_rank * (num_experts // ep_size) if num_experts else 0
     infos = {}
     for name, param in inner.named_parameters():
         tp = bool(getattr(param, "tensor_model_parallel", False))
-        is_expert = not getattr(param, "allreduce", True)
-        tp_size = ps.get_expert_tensor_parallel_world_size() if is_expert else ps.get_tensor_model_parallel_world_size()
-        tp_rank = ps.get_expert_tensor_parallel_rank() if is_expert else ps.get_tensor_model_parallel_rank()
+        tp_rank, tp_size = tensor_parallel_coordinate(expert=not getattr(param, "allreduce", True))
         infos[name] = ShardInfo(
             name=global_name(name, layer_offset=layer_offset, expert_offset=expert_offset),
             tp_rank=tp_rank,
@@ -160,25 +158,16 @@ def reference_forward_step(data_iterator, model):
 
 def reference_steps(model: torch.nn.Module, optimizer, batches: Sequence[tuple[int, Sequence[int]]]) -> list[dict]:
     """Train `model` (one rank, Megatron DDP) on each (seed, lengths) batch; per step its loss and grads."""
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron_hdp.megatron.step import forward_backward, sync_grads_at_schedule_end
 
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = model.no_sync
+    sync_grads_at_schedule_end([model])
     results = []
     for seed, lengths in batches:
         docs = [document_tokens(seed, i, n) for i, n in enumerate(lengths)]
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = get_forward_backward_func()(
-            forward_step_func=reference_forward_step,
-            data_iterator=iter(docs),
-            model=[model],
-            num_microbatches=len(docs),
-            seq_length=max(lengths),
-            micro_batch_size=1,
-            forward_only=False,
-        )
+        losses = forward_backward([model], reference_forward_step, iter(docs), num_microbatches=len(docs),
+                                  seq_length=max(lengths))
         total = torch.stack([x["lm loss"].double() for x in losses]).sum(0)
         grads = {name: g for name, (_, g) in local_grads(model).items()}
         optimizer.step()

@@ -3,8 +3,8 @@
     python -m megatron_hdp.harness.gpu_smoke                                   # one GPU
     torchrun --nproc-per-node N -m megatron_hdp.harness.gpu_smoke              # every local GPU
 
-`megatron-hdp selftest` runs both; it lives here because it builds a Megatron model (only
-`megatron_hdp/megatron/` imports Megatron).
+`megatron-hdp selftest` runs both. The model, its DDP and optimizer come from the integration layer
+(`megatron_hdp.megatron.model`: only `megatron_hdp/megatron/` imports Megatron).
 """
 
 import os
@@ -12,13 +12,12 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from megatron_hdp.plan.hand_plan import plan_from_rings
+from megatron_hdp.harness.model import tiny_llama_config
 from megatron_hdp.megatron.initialize import initialize_hdp
-from megatron_hdp.harness.model import build_gpt, tiny_llama_config
+from megatron_hdp.megatron.model import build_gpt, wrap_for_training
 from megatron_hdp.megatron.step import HDPTrainer
+from megatron_hdp.plan.hand_plan import plan_from_rings
 
 
 def main() -> None:
@@ -34,8 +33,7 @@ def main() -> None:
         True, torch.bfloat16, torch.bfloat16, False)
     with torch.device("cuda"):
         model = build_gpt(config, vocab_size=256, max_sequence_length=4096)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True), [ddp])
+    ddp, optimizer = wrap_for_training(model, lr=1e-4, weight_decay=0.01, bf16=True)
     trainer = HDPTrainer(model=ddp, optimizer=optimizer, state=state)
     rings = [tuple(range(world)), (0,)] if world > 1 else [(0,), (0,)]
     plan = plan_from_rings([2048, 512], rings, [0, 0], num_ranks=world, capacity=4096)

@@ -1,6 +1,8 @@
 """megatron layer of megatron_hdp: the integration with Megatron-Core / Megatron-LM APIs, and only that
-(flags, install(), initialize, layer spec, forward step, datasets, CPU shims, Megatron's own policies);
-what drives it for evidence (CPU training runs, exactness references, GPU smoke) lives in `harness/`.
+(flags, install(), initialize, layer spec, model building, forward step and schedule, datasets, CPU
+shims, Megatron's own policies), and the only layer that imports Megatron; what drives it for evidence
+(CPU training runs, exactness references, GPU smoke, dataset building) lives in `harness/` and reaches
+Megatron through these modules' functions.
 
 The Megatron-LM entry points are exported lazily, so importing this package does not import
 megatron.training (which is slow and needs the version check in `training_compat`). The module behind

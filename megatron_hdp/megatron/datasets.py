@@ -19,18 +19,21 @@ HDP plans documents, not Megatron's fixed `--seq-length` windows: each adapter (
 
 `build_hdp_data_loader(dataset, consumed_samples, cost_model=...)` has the shape of Megatron's
 `build_pretraining_data_loader` and reads Megatron's arguments and parallel state.
+`write_indexed_dataset` writes an indexed dataset with megatron-core's own builder (the corpora of
+`megatron_hdp.harness.build_dataset`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
-from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+from megatron.core.datasets.indexed_dataset import (
+    DType, IndexedDataset, IndexedDatasetBuilder, get_bin_path, get_idx_path)
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 
 from megatron_hdp.config import HDPConfig
@@ -55,6 +58,39 @@ def _check_files(prefix: str) -> None:
         header = stream.read(len(_INDEX_HEADER))
     if header != _INDEX_HEADER:
         raise ValueError(f"{get_idx_path(prefix)} is not a Megatron index file (header {header!r})")
+
+
+def indexed_dataset_exists(prefix: str) -> bool:
+    """Whether both files of the indexed dataset at `prefix` (PREFIX.bin, PREFIX.idx) are there."""
+    return os.path.isfile(get_idx_path(prefix)) and os.path.isfile(get_bin_path(prefix))
+
+
+def write_indexed_dataset(
+    prefix: str | os.PathLike, documents: Iterable[np.ndarray], *, vocab_size: int
+) -> tuple[int, int]:
+    """Write `documents` (1-D integer arrays of raw token ids) as an indexed dataset at `prefix`.
+
+    Token ids must lie in [0, vocab_size); the token dtype is megatron-core's choice for that vocabulary
+    (uint16 up to 65,500 ids, int32 beyond). Returns (documents, tokens) written.
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    prefix = str(prefix)
+    os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=DType.optimal_dtype(vocab_size))
+    num_docs = num_tokens = 0
+    for doc in documents:
+        doc = np.asarray(doc)
+        if doc.ndim != 1 or (doc.size and (doc.min() < 0 or doc.max() >= vocab_size)):
+            builder.data_file.close()
+            os.unlink(get_bin_path(prefix))
+            raise ValueError(f"document {num_docs} is not a 1-D array of token ids in [0, {vocab_size})")
+        builder.add_document(doc, [doc.size])
+        num_docs += 1
+        num_tokens += doc.size
+    builder.finalize(get_idx_path(prefix))
+    logger.info("wrote %s.{bin,idx}: %d documents, %d tokens", prefix, num_docs, num_tokens)
+    return num_docs, num_tokens
 
 
 class IndexedDocumentSource:

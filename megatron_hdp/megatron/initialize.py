@@ -112,6 +112,19 @@ def initialize_hdp(
     return state
 
 
+def tensor_parallel_coordinate(*, expert: bool = False) -> tuple[int, int]:
+    """This rank's (rank, size) in the group a tensor-parallel weight is split over: Megatron's expert-TP
+    group for an expert's weights (`expert`), its TP group for the others."""
+    if expert:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def expert_parallel_coordinate() -> tuple[int, int]:
+    """This rank's (rank, size) in its expert-parallel group (which experts of a MoE layer it holds)."""
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+
+
 def destroy_hdp() -> None:
     """Tear down Megatron's parallel_state (tests and demos that initialize more than once)."""
     ps.destroy_model_parallel()

@@ -141,6 +141,36 @@ def step_group_size(plan: StepPlan, config: Any) -> Optional[int]:
     return group
 
 
+def sync_grads_at_schedule_end(
+    chunks: Sequence[torch.nn.Module], *, finalize: Callable = finalize_model_grads
+) -> None:
+    """Have Megatron's schedule reduce the gradients of `chunks` (in Megatron DDP) as Megatron-LM's train()
+    does: no gradient sync in the micro-batches before the last (`no_sync_func`), then `finalize`
+    (finalize_model_grads: the all-reduce over the data-parallel group, divided by the loss-token count
+    under calculate_per_token_loss) once the schedule ends; no per-bucket sync hook."""
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize
+    no_sync = [chunk.no_sync for chunk in chunks]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.grad_sync_func = None
+
+
+def forward_backward(chunks: Sequence[torch.nn.Module], forward_step: Callable, data_iterator: Any, *,
+                     num_microbatches: int, seq_length: int) -> list[dict]:
+    """Forward and backward of `num_microbatches` micro-batches (one sequence each) over `chunks` by
+    Megatron's schedule (`get_forward_backward_func`: none, 1F1B or interleaved, as parallel_state was
+    initialized); the loss dictionaries the last pipeline stage collected."""
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=list(chunks),
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+
+
 class HDPTrainer:
     """Runs HDP steps for a model wrapped in Megatron DDP (one chunk, or with virtual pipeline stages a
     list of chunks in stage order), with a Megatron optimizer."""
@@ -178,10 +208,7 @@ class HDPTrainer:
         self._stamps: list[float] = []
         self.last_busy: Optional[BusyTimes] = None
         """This rank's `BusyTimes` of the last step (local, not gathered)."""
-        self.config.finalize_model_grads_func = self._finalize
-        no_sync = [chunk.no_sync for chunk in self.chunks]
-        self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        self.config.grad_sync_func = None
+        sync_grads_at_schedule_end(self.chunks, finalize=self._finalize)
 
     def _finalize(self, *args: Any, **kwargs: Any) -> None:
         self._finalize_start = time.perf_counter()
@@ -203,15 +230,9 @@ class HDPTrainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         with count_traffic() as traffic:
-            losses = get_forward_backward_func()(
-                forward_step_func=_stamped(forward_step, self._stamps),
-                data_iterator=chunk_iterators(batches, len(self.chunks)),
-                model=self.chunks,
-                num_microbatches=len(batches),
-                seq_length=max(b.num_tokens for b in batches),
-                micro_batch_size=1,
-                forward_only=False,
-            )
+            losses = forward_backward(self.chunks, _stamped(forward_step, self._stamps),
+                                      chunk_iterators(batches, len(self.chunks)), num_microbatches=len(batches),
+                                      seq_length=max(b.num_tokens for b in batches))
         compute_time = self._finalize_start - start
         ok, grad_norm, _ = self.optimizer.step()
         assert ok, "the fp32 optimizer step cannot be skipped"
