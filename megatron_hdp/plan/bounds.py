@@ -25,6 +25,7 @@ document sets it above the work bound (issue 23); `critical_path_floor` is the l
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -89,19 +90,21 @@ def _fastest_links(ring_size: int, *, cost_model: CostModel, num_ranks: int) -> 
     return rings
 
 
+@functools.lru_cache(maxsize=64)
 def fastest_crossing(length: int, *, num_ranks: int, cost_model: CostModel, pp_size: int = 1) -> tuple[float, int]:
     """(seconds, ring size): the least time a document of `length` tokens needs to cross every pipeline
     stage forward and back, and the ring size that gives it.
 
     Megatron's schedules (1F1B or interleaved) run a micro-batch's forward of chunk c on stage s after the
     forward of the virtual stage before it, and its backward after the one after it, so its 2 x pp x vpp
-    ops form one chain: their times, `pipeline.FORWARD_SHARE` / vpp and the rest / vpp of its stage time each, sum to
-    pp x its stage time, whatever the vpp. A member of a ring of k holds at least ceil(length / k) of its
+    ops form one chain: their times, `pipeline.FORWARD_SHARE` / vpp and the rest / vpp of its stage time
+    each, sum to pp x its stage time, whatever the vpp. A member of a ring of k holds at least ceil(length / k) of its
     tokens, and its micro-batch's stage time is at least that shard's alone in the cost model's own
     `microbatch_time` (further shards, offload copies, waits and jitter only add), at the fastest link such
     a ring can get (`_fastest_links`). Minimised over k = 1 .. min(num_ranks, length): a larger k holds one
     token and only sends more. With pp 1 this is the document's fastest forward and backward. Longer
-    documents take no less at every k, so a batch's longest document has the longest crossing.
+    documents take no less at every k, so a batch's longest document has the longest crossing. Cached:
+    `plan` and `simulate` ask for one document's twice (its time, and the floor it sets).
     """
     if length <= 0 or num_ranks <= 0:
         raise ValueError(f"a crossing needs a positive length and ranks, got length {length}, num_ranks {num_ranks}")

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 from tqdm import tqdm
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.plan.bounds import fastest_crossing
+from megatron_hdp.plan.bounds import critical_path_floor, fastest_crossing
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.lengths import sample_global_batch
 from megatron_hdp.plan.planner import make_plan, policy_function
@@ -135,13 +135,13 @@ def compute_floor(lengths: Sequence[int], cost_model: CostModel, *, num_ranks: i
 
 def step_floors(lengths: Sequence[int], cost_model: CostModel, *, num_ranks: int, pp_size: int) -> dict:
     """One batch's floors in seconds, without the all-reduce: "work_s" (`compute_floor`), "crossing_s" and
-    "crossing_ring_size" (the longest document's `fastest_crossing`), "critical_path_s" (the larger:
-    `plan.bounds.critical_path_floor` of the work floor)."""
+    "crossing_ring_size" (the longest document's `fastest_crossing`), "critical_path_s" (the larger,
+    `critical_path_floor`)."""
     work = compute_floor(lengths, cost_model, num_ranks=num_ranks, pp_size=pp_size)
     crossing, ring_size = fastest_crossing(int(max(lengths)), num_ranks=num_ranks, cost_model=cost_model,
                                            pp_size=pp_size)
-    return {"work_s": work, "crossing_s": crossing, "crossing_ring_size": ring_size,
-            "critical_path_s": max(work, crossing)}
+    critical = critical_path_floor(work, lengths, num_ranks=num_ranks, cost_model=cost_model, pp_size=pp_size)
+    return {"work_s": work, "crossing_s": crossing, "crossing_ring_size": ring_size, "critical_path_s": critical}
 
 
 def _failed(policy: str, error: str) -> PolicyStats:
