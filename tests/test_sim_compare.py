@@ -11,7 +11,7 @@ from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.hand_plan import plan_from_rings
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.sim.cluster import ClusterSpec, format_tokens
-from megatron_hdp.sim.compare import compare_policies, compute_floor
+from megatron_hdp.sim.compare import compare_policies, compute_floor, format_table
 from megatron_hdp.sim.plots import plot_gantt, plot_plans, plot_throughput
 from megatron_hdp.sim.simulator import simulate_step
 from picture_check import assert_real_picture
@@ -103,6 +103,19 @@ def test_compare_policies_same_batches_and_reports_unsupported():
     # no policy beats 1/n of the batch's compute (each shard of L tokens on a ring costs a1 L t + b1 t, and
     # a ring's shards sum to the whole sequence's a1 L^2 + b1 L)
     assert all(s.tokens_per_second <= result.floor_tokens_per_second for s in stats.values() if not s.error)
+    # nor the critical-path floor, which is never above the work floor in throughput (tests of the bound
+    # itself: test_critical_path_floor.py); both ratios are reported per policy and in the JSON
+    critical = result.critical_path_floor_tokens_per_second
+    assert critical <= result.floor_tokens_per_second
+    for s in stats.values():
+        if not s.error:
+            assert s.of_critical_path_floor == pytest.approx(s.tokens_per_second / critical) and s.of_critical_path_floor <= 1
+            assert s.of_work_floor == pytest.approx(s.tokens_per_second / result.floor_tokens_per_second)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["critical_path_floor_speedup"] == pytest.approx(critical / stats["static"].tokens_per_second)
+    assert [f["critical_path_s"] for f in data["floor_steps"]] == [max(f["work_s"], f["crossing_s"])
+                                                                    for f in data["floor_steps"]]
+    assert "(critical-path floor)" in format_table(result) and "of critical-path floor" in format_table(result)
 
 
 def test_compute_floor_with_pp_is_set_by_one_long_document():

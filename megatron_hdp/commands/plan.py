@@ -9,7 +9,9 @@
 The batch is either a length file (one integer per line; all of it, or a sample of --tokens tokens) or
 a mix (`--dist`: byted, github, wikipedia, prolong, wlbllm) sampled to --tokens (default 4 x ranks x
 capacity, at most 128M tokens). Each policy's row shows the predicted step time, its gap to the lower
-bound any plan has, balance (max / mean rank time), the PP bubble (mean seconds a pipeline spends beyond
+bound of the work (`bounds.step_time_lower_bound`) and to the critical-path floor (that bound, or the
+longest document's fastest crossing of every pipeline stage when longer: `bounds.critical_path_floor`),
+balance (max / mean rank time), the PP bubble (mean seconds a pipeline spends beyond
 its micro-batches' time, `--vpp` for Megatron's interleaved schedule), rings, micro-batches per rank,
 ring-attention bytes (TB per step), the sequences that offload and the planner's wall time (validation
 included). A policy whose plan is estimated to exceed --max-shards or --max-plan-seconds is skipped with
@@ -113,13 +115,15 @@ def _batch(args: argparse.Namespace) -> tuple[list[int], str]:
     return sample_global_batch(args.dist, num_tokens=tokens, seed=args.seed), note
 
 
-def summary_row(plan, *, cost_model, wall_s: float, bound: float) -> dict:
-    """One table row (and JSON record) of a plan's statistics; `bound` is the batch's step-time lower bound."""
+def summary_row(plan, *, cost_model, wall_s: float, bound: float, critical: float) -> dict:
+    """One table row (and JSON record) of a plan's statistics; `bound` is the batch's step-time lower bound
+    of the work, `critical` its critical-path floor."""
     stats = plan.summary(cost_model)
     return {
         "policy": plan.policy,
         "step_s": plan.est_step_time,
         "gap": plan.est_step_time / bound - 1.0 if bound > 0 else 0.0,
+        "critical_path_gap": plan.est_step_time / critical - 1.0 if critical > 0 else 0.0,
         "balance": stats.balance,
         "rings": stats.num_rings,
         "max_ring": max(stats.ring_sizes, default=1),
@@ -144,7 +148,7 @@ def pipeline_bubble(plan) -> float:
 
 def format_table(rows: list[dict]) -> str:
     """The side-by-side table: one line per policy, `n/a: reason` where a policy refused the batch."""
-    header = (f"{'policy':<20}{'step (s)':>10}{'vs bound':>10}{'balance':>9}{'bubble s':>9}{'rings':>7}"
+    header = (f"{'policy':<20}{'step (s)':>10}{'vs bound':>10}{'vs crit.':>10}{'balance':>9}{'bubble s':>9}{'rings':>7}"
               f"{'max ring':>9}{'mb/rank':>9}{'ring TB':>10}{'x-node':>8}{'net TB':>9}{'offload':>8}{'plan ms':>9}")
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -152,7 +156,8 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"{row['policy']:<20}n/a: {row['error']}")
             continue
         lines.append(
-            f"{row['policy']:<20}{row['step_s']:>10.3f}{'+%.1f%%' % (100 * row['gap']):>10}{row['balance']:>9.3f}"
+            f"{row['policy']:<20}{row['step_s']:>10.3f}{'+%.1f%%' % (100 * row['gap']):>10}"
+            f"{'+%.1f%%' % (100 * row['critical_path_gap']):>10}{row['balance']:>9.3f}"
             f"{row['bubble_s']:>9.3f}{row['rings']:>7}{row['max_ring']:>9}{row['microbatches']:>9}{row['attention_tb']:>10.2f}"
             f"{row['rings_across_nodes']:>8}{row['network_tb']:>9.2f}{row['offloaded']:>8}{row['plan_ms']:>9.1f}"
         )
@@ -185,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
     from megatron_hdp.commands.plan_budget import estimate_plan
     from megatron_hdp.config import HDPConfig
-    from megatron_hdp.plan.bounds import step_time_lower_bound
+    from megatron_hdp.plan.bounds import critical_path_floor, fastest_crossing, step_time_lower_bound
     from megatron_hdp.plan.cost_model import CostModel
     from megatron_hdp.plan.planner import make_plan
     from megatron_hdp.plan.presets import analytic_cost_model
@@ -205,9 +210,13 @@ def run(args: argparse.Namespace) -> int:
     lengths, batch_note = _batch(args)
     bound = step_time_lower_bound(lengths, num_ranks=args.ranks, capacity=args.capacity, cost_model=cost_model,
                                   pp_size=args.pp, max_offload_ratio=config.max_offload_ratio)
+    crossing, crossing_ring = fastest_crossing(max(lengths), num_ranks=args.ranks, cost_model=cost_model,
+                                               pp_size=args.pp)
+    critical = critical_path_floor(bound, lengths, num_ranks=args.ranks, cost_model=cost_model, pp_size=args.pp)
     print(f"batch: {len(lengths)} sequences, {sum(lengths):,} tokens ({batch_note}), longest {max(lengths):,}; "
           f"{args.ranks} ranks x capacity {args.capacity:,}, pp {args.pp}, vpp {args.vpp}; step-time lower bound "
-          f"{bound:.3f} s")
+          f"{bound:.3f} s (work), critical-path floor {critical:.3f} s (the longest document crosses the "
+          f"pipeline in {crossing:.3f} s at best, on a ring of {crossing_ring})")
     compared = list(args.compare)
     if args.policy not in compared:
         compared.append(args.policy)
@@ -228,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"policy": policy, "error": str(error)})
             continue
         plans[policy] = plan
-        rows.append(summary_row(plan, cost_model=cost_model, wall_s=time.perf_counter() - start, bound=bound))
+        rows.append(summary_row(plan, cost_model=cost_model, wall_s=time.perf_counter() - start, bound=bound,
+                                critical=critical))
     progress.close()
     print(format_table(rows))
     if args.json:

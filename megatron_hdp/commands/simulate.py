@@ -5,7 +5,9 @@
         [--steps 4] [--json out.json] [--plot out.png]
 
 Samples global batches from the length mix, plans each with every policy, simulates every step per rank
-(`megatron_hdp/sim/simulator.py`) and prints tokens/s, speedup over static, balance, idle fraction (and
+(`megatron_hdp/sim/simulator.py`) and prints tokens/s, speedup over static, the share of the work floor
+and of the critical-path floor each policy reaches (`sim.compare`: the batch's compute over every GPU,
+and no less than the longest document's fastest crossing of the pipeline), balance, idle fraction (and
 the part of it spent in PP bubbles) and ring-attention traffic. `--vpp N` runs every pipeline stage as N
 model chunks in Megatron's interleaved schedule (the default capacity then follows its larger
 activation memory). `--plot out.png` writes the per-rank timelines of one step (out.png) and tokens/s

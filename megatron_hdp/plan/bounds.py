@@ -16,10 +16,16 @@ with step time T has
 W(T) falls as T rises, so the smallest T meeting all three is found by bisection (`widening.settle_target`
 with no slack, the same search the planner's ring widening uses with slack). Micro-batch overheads, waits
 and the PP fill/drain only add to a plan's time, so the bound holds for every policy's plan.
+
+That is a bound on work, per pipeline stage. A second one holds on a dependency chain (`fastest_crossing`):
+a document's micro-batch crosses every pipeline stage forward and back one op after the other, whatever
+the schedule, so no step is shorter than its longest document's fastest crossing. With PP 4 a 1.2M-token
+document sets it above the work bound (issue 23); `critical_path_floor` is the larger of the two.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -71,3 +77,53 @@ def gap(plan: StepPlan, *, cost_model: CostModel, max_offload_ratio: float = 1.0
     bound = step_time_lower_bound(plan.lengths, num_ranks=plan.num_ranks, capacity=plan.capacity,
                                   cost_model=cost_model, pp_size=plan.pp_size, max_offload_ratio=max_offload_ratio)
     return plan.est_step_time / bound - 1.0 if bound > 0 else 0.0
+
+
+def _fastest_links(ring_size: int, *, cost_model: CostModel, num_ranks: int) -> list[tuple[int, ...]]:
+    """Rings of `ring_size` ranks out of `num_ranks` between them on every link speed such a ring can get:
+    inside one node where it fits one, and one that crosses nodes where one can (the inter-node link may
+    be the faster in a cost model); the cost model prices a ring at its slowest link."""
+    rings = [tuple(range(ring_size))]
+    per_node = cost_model.ranks_per_node
+    if per_node is not None and 1 < ring_size <= per_node < num_ranks:
+        rings.append(tuple(range(ring_size - 1)) + (per_node,))
+    return rings
+
+
+@functools.lru_cache(maxsize=64)
+def fastest_crossing(length: int, *, num_ranks: int, cost_model: CostModel, pp_size: int = 1) -> tuple[float, int]:
+    """(seconds, ring size): the least time a document of `length` tokens needs to cross every pipeline
+    stage forward and back, and the ring size that gives it.
+
+    Megatron's schedules (1F1B or interleaved) run a micro-batch's forward of chunk c on stage s after the
+    forward of the virtual stage before it, and its backward after the one after it, so its 2 x pp x vpp
+    ops form one chain: their times, `pipeline.FORWARD_SHARE` / vpp and the rest / vpp of its stage time
+    each, sum to pp x its stage time, whatever the vpp. A member of a ring of k holds at least ceil(length / k) of its
+    tokens, and its micro-batch's stage time is at least that shard's alone in the cost model's own
+    `microbatch_time` (further shards, offload copies, waits and jitter only add), at the fastest link such
+    a ring can get (`_fastest_links`). Minimised over k = 1 .. min(num_ranks, length): a larger k holds one
+    token and only sends more. With pp 1 this is the document's fastest forward and backward. Longer
+    documents take no less at every k, so a batch's longest document has the longest crossing. Cached:
+    `plan` and `simulate` ask for one document's twice (its time, and the floor it sets).
+    """
+    if length <= 0 or num_ranks <= 0:
+        raise ValueError(f"a crossing needs a positive length and ranks, got length {length}, num_ranks {num_ranks}")
+    best = (float("inf"), 1)
+    for k in range(1, min(num_ranks, length) + 1):
+        tokens = -(-length // k)
+        stage = min(cost_model.microbatch_time([(length, tokens, ring)], pp_size=pp_size)
+                    for ring in _fastest_links(k, cost_model=cost_model, num_ranks=num_ranks))
+        if pp_size * stage < best[0]:
+            best = (pp_size * stage, k)
+    return best
+
+
+def critical_path_floor(work_floor: float, lengths: Sequence[int], *, num_ranks: int, cost_model: CostModel,
+                        pp_size: int = 1) -> float:
+    """max(`work_floor`, the longest document's `fastest_crossing`): a step-time lower bound on the
+    longest chain of dependent work as well as on the work per rank (`work_floor`: seconds, e.g.
+    `step_time_lower_bound` or the simulator's compute floor)."""
+    if not len(lengths):
+        return work_floor
+    crossing, _ = fastest_crossing(int(max(lengths)), num_ranks=num_ranks, cost_model=cost_model, pp_size=pp_size)
+    return max(work_floor, crossing)

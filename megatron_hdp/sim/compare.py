@@ -3,6 +3,11 @@
 Every policy plans the *same* global batches (whole documents drawn from a length mix until the token
 budget, clipped to the context length) with `make_plan`, and every plan runs through `simulate_step`
 with the cluster's gradient all-reduce. Throughput is total tokens over total simulated time.
+
+Two floors bound every policy from above in throughput: the work floor (`compute_floor`: the batch's
+compute spread over every GPU) and the critical-path floor (`plan.bounds.critical_path_floor`: also no
+step shorter than its longest document's fastest crossing of the pipeline). With PP the second can sit
+well below the first in tokens/s, and only the second is a throughput some schedule might reach.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Optional, Sequence
 from tqdm import tqdm
 
 from megatron_hdp.config import HDPConfig
+from megatron_hdp.plan.bounds import critical_path_floor, fastest_crossing
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.lengths import sample_global_batch
 from megatron_hdp.plan.planner import make_plan, policy_function
@@ -57,6 +63,10 @@ class PolicyStats:
     """Throughput over the static baseline's (None without a baseline)."""
     error: Optional[str] = None
     """Why the policy cannot run this setup (then every number is NaN)."""
+    of_work_floor: Optional[float] = None
+    """Throughput over the work floor's (`Comparison.floor_tokens_per_second`)."""
+    of_critical_path_floor: Optional[float] = None
+    """Throughput over the critical-path floor's (`Comparison.critical_path_floor_tokens_per_second`)."""
 
 
 @dataclass
@@ -70,7 +80,13 @@ class Comparison:
     steps: int
     stats: dict[str, PolicyStats]
     floor_tokens_per_second: float
-    """Tokens/s of `compute_floor` plus the all-reduce: no placement can beat it under this cost model."""
+    """Tokens/s of `compute_floor` plus the all-reduce (the work floor): no placement can beat it under
+    this cost model."""
+    critical_path_floor_tokens_per_second: float
+    """Tokens/s of `critical_path_floor` plus the all-reduce: no schedule of this execution can beat it."""
+    floor_steps: list[dict]
+    """Per step: the work floor, the longest document's fastest crossing and its ring size, in seconds
+    without the all-reduce (`step_floors`), and the all-reduce ("allreduce_s")."""
     plans: dict[str, StepPlan] = field(repr=False)
     timelines: dict[str, StepTimeline] = field(repr=False)
 
@@ -82,6 +98,14 @@ class Comparison:
             return None
         return self.floor_tokens_per_second / base.tokens_per_second
 
+    @property
+    def critical_path_floor_speedup(self) -> Optional[float]:
+        """The critical-path floor's throughput over static's."""
+        base = self.stats.get(BASELINE)
+        if base is None or base.error is not None:
+            return None
+        return self.critical_path_floor_tokens_per_second / base.tokens_per_second
+
     def to_dict(self) -> dict:
         return {
             "setup": {**asdict(self.spec), "num_ranks": self.spec.num_ranks, "capacity": self.spec.rank_capacity,
@@ -90,6 +114,9 @@ class Comparison:
             "policies": {name: asdict(s) for name, s in self.stats.items()},
             "floor_tokens_per_second": self.floor_tokens_per_second,
             "floor_speedup": self.floor_speedup,
+            "critical_path_floor_tokens_per_second": self.critical_path_floor_tokens_per_second,
+            "critical_path_floor_speedup": self.critical_path_floor_speedup,
+            "floor_steps": self.floor_steps,
         }
 
 
@@ -104,6 +131,17 @@ def compute_floor(lengths: Sequence[int], cost_model: CostModel, *, num_ranks: i
     """
     per_document = [cost_model.layer_compute_time(seq_len=n, num_tokens=n) * cost_model.num_layers for n in lengths]
     return max(sum(per_document) / (pp_size * num_ranks), max(per_document, default=0.0) / num_ranks)
+
+
+def step_floors(lengths: Sequence[int], cost_model: CostModel, *, num_ranks: int, pp_size: int) -> dict:
+    """One batch's floors in seconds, without the all-reduce: "work_s" (`compute_floor`), "crossing_s" and
+    "crossing_ring_size" (the longest document's `fastest_crossing`), "critical_path_s" (the larger,
+    `critical_path_floor`)."""
+    work = compute_floor(lengths, cost_model, num_ranks=num_ranks, pp_size=pp_size)
+    crossing, ring_size = fastest_crossing(int(max(lengths)), num_ranks=num_ranks, cost_model=cost_model,
+                                           pp_size=pp_size)
+    critical = critical_path_floor(work, lengths, num_ranks=num_ranks, cost_model=cost_model, pp_size=pp_size)
+    return {"work_s": work, "crossing_s": crossing, "crossing_ring_size": ring_size, "critical_path_s": critical}
 
 
 def _failed(policy: str, error: str) -> PolicyStats:
@@ -149,13 +187,17 @@ def compare_policies(
     errors: dict[str, str] = {}
     plans: dict[str, StepPlan] = {}
     timelines: dict[str, StepTimeline] = {}
-    floor = {"tokens": 0, "time": 0.0}
+    floor = {"tokens": 0, "time": 0.0, "critical": 0.0}
+    floor_steps = []
     allreduce = allreduce_time(grad_bytes=spec.grad_bytes, num_ranks=spec.num_ranks,
                                bandwidth=spec.grad_allreduce_bandwidth)
     for step in tqdm(range(steps), desc=f"simulate {distribution} {context} tokens", disable=not progress, unit="step"):
         lengths = sample_global_batch(distribution, num_tokens=budget, seed=seed + step, max_length=context)
         floor["tokens"] += sum(lengths)
-        floor["time"] += compute_floor(lengths, cost_model, num_ranks=spec.num_ranks, pp_size=spec.pp_size) + allreduce
+        floors = step_floors(lengths, cost_model, num_ranks=spec.num_ranks, pp_size=spec.pp_size)
+        floor_steps.append({**floors, "allreduce_s": allreduce})
+        floor["time"] += floors["work_s"] + allreduce
+        floor["critical"] += floors["critical_path_s"] + allreduce
         for policy in policies:
             if policy in errors:
                 continue
@@ -202,15 +244,22 @@ def compare_policies(
             rings_across_nodes=total["across"] / steps,
             network_gb_per_rank=total["network"] / steps / 1e9,
         )
-    base = stats.get(BASELINE)
-    if base is not None and base.error is None:
-        stats = {name: _with_speedup(s, base.tokens_per_second) for name, s in stats.items()}
     floor_tps = floor["tokens"] / floor["time"]
-    return Comparison(spec, context, distribution, budget, steps, stats, floor_tps, plans, timelines)
+    critical_tps = floor["tokens"] / floor["critical"]
+    base = stats.get(BASELINE)
+    baseline = base.tokens_per_second if base is not None and base.error is None else None
+    stats = {name: _with_ratios(s, baseline, floor_tps, critical_tps) for name, s in stats.items()}
+    return Comparison(spec, context, distribution, budget, steps, stats, floor_tps, critical_tps, floor_steps,
+                      plans, timelines)
 
 
-def _with_speedup(stats: PolicyStats, baseline: float) -> PolicyStats:
-    return replace(stats, speedup=stats.tokens_per_second / baseline if stats.error is None else None)
+def _with_ratios(stats: PolicyStats, baseline: Optional[float], floor: float, critical: float) -> PolicyStats:
+    """`stats` with its throughput over static's (`baseline`, None: no baseline) and over both floors'."""
+    if stats.error is not None:
+        return stats
+    tps = stats.tokens_per_second
+    return replace(stats, speedup=tps / baseline if baseline is not None else None, of_work_floor=tps / floor,
+                   of_critical_path_floor=tps / critical)
 
 
 def throughput_sweep(
@@ -227,19 +276,30 @@ def throughput_sweep(
 
 def format_table(comparison: Comparison) -> str:
     """The comparison as a markdown table."""
-    rows = ["| policy | tokens/s | speedup vs static | step s | balance (max/mean) | idle | of which bubble "
-            "| exposed comm | attention GB/GPU | rings across nodes | network GB/GPU | plan s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| policy | tokens/s | speedup vs static | of work floor | of critical-path floor | step s "
+            "| balance (max/mean) | idle | of which bubble | exposed comm | attention GB/GPU | rings across nodes "
+            "| network GB/GPU | plan s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in comparison.stats.values():
         if s.error:
-            rows.append(f"| {s.policy} | n/a: {s.error} | | | | | | | | | | |")
+            rows.append(f"| {s.policy} | n/a: {s.error} | | | | | | | | | | | | |")
             continue
         speedup = f"{s.speedup:.2f}x" if s.speedup is not None else "-"
-        rows.append(f"| {s.policy} | {s.tokens_per_second:,.0f} | {speedup} | {s.step_time:.2f} | {s.balance:.2f} | "
+        rows.append(f"| {s.policy} | {s.tokens_per_second:,.0f} | {speedup} | {s.of_work_floor:.0%} | "
+                    f"{s.of_critical_path_floor:.0%} | {s.step_time:.2f} | {s.balance:.2f} | "
                     f"{s.idle_fraction:.1%} | {s.bubble_fraction:.1%} | {s.comm_fraction:.1%} | "
                     f"{s.attention_gb_per_rank:.1f} | "
                     f"{s.rings_across_nodes:.1f} | {s.network_gb_per_rank:.1f} | {s.plan_seconds:.2f} |")
-    bound = comparison.floor_speedup
-    rows.append(f"| (compute floor) | {comparison.floor_tokens_per_second:,.0f} | "
-                f"{f'{bound:.2f}x' if bound is not None else '-'} | | | | | | | | | |")
+    steps = comparison.floor_steps
+    for name, tps, bound, key in (
+            ("work floor", comparison.floor_tokens_per_second, comparison.floor_speedup, "work_s"),
+            ("critical-path floor", comparison.critical_path_floor_tokens_per_second,
+             comparison.critical_path_floor_speedup, "critical_path_s")):
+        seconds = sum(f[key] + f["allreduce_s"] for f in steps) / len(steps)
+        rows.append(f"| ({name}) | {tps:,.0f} | {f'{bound:.2f}x' if bound is not None else '-'} | | | "
+                    f"{seconds:.2f} | | | | | | | | |")
+    rows.append("\nWork floor: the batch's compute over every GPU. Critical-path floor: that, or the longest "
+                "document's fastest forward and backward across every pipeline stage when longer; per step "
+                + ", ".join(f"{f['crossing_s']:.2f} s on a ring of {f['crossing_ring_size']} against "
+                            f"{f['work_s']:.2f} s of work" for f in steps) + ".")
     return "\n".join(rows)
