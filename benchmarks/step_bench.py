@@ -310,7 +310,8 @@ def main(argv: list[str]) -> int:
         if fitted_on:  # run i predicts with the earlier file's run i (its fit and its speed probe)
             fit = fits[index % len(fits)]
             cost_model = CostModel.from_dict(fit["cost_model"]).to_dict()
-            measured = {k: fit[k] for k in ("allreduce_bandwidth", "step_overhead", "speed_probe") if k in fit}
+            measured = {k: fit[k] for k in ("allreduce_bandwidth", "step_overhead", "speed_probe", "ring_probe")
+                        if k in fit}
         load_before = os.getloadavg()
         result = run_gloo(train_policies, args.ranks, spec, cost_model, measured, timeout_s=3600)[0]
         summary = summarize(result["rows"], policies)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron_hdp.comm.launch import run_gloo
 from megatron_hdp.harness.cpu_training import CpuRunSpec, train_policies
+from megatron_hdp.plan.cost_model import CostModel
 
 SPEC = CpuRunSpec(
     policies=("balance", "static", "megatron-hybrid-cp"), steps=1, warmup_steps=0, capacity=128, tokens_per_step=1024, max_length=256,
@@ -78,3 +79,33 @@ def test_rows(ranks) -> None:
         assert 0 < row["predicted_time"] and 0 < row["wall_time"]
         assert row["predicted_time"] == row["predicted_time_in_run_fit"]  # no cost model from outside
         assert len(per_rank["predicted_compute"]) == 2
+
+
+def test_ring_probe_rescales_only_the_ring_coefficients() -> None:
+    """A round whose ring probe moved 1.5x while the speed probe moved 1.2x predicts with the fit's ring
+    latency and block overhead x 1.25 (1.5 / 1.2), then scales the whole step by 1.2; without a ring
+    probe on either side only the speed factor applies; a plan without rings is untouched by it."""
+    import dataclasses
+
+    from megatron_hdp.harness.cpu_training import _predicted_time
+    from megatron_hdp.plan.hand_plan import plan_from_rings
+    from megatron_hdp.sim.simulator import PolicyRules, simulate_step
+
+    model = CostModel(a1=1e-8, b1=1e-5, g=3e-3, a2=1.0, b2=0.0, kv_bytes_per_token=256.0, num_layers=2,
+                      ring_bandwidth=2e9, ring_latency=1e-3, ring_block_overhead=4e-5)
+    ringed = plan_from_rings([512, 64, 64], [(0, 1), (0,), (1,)], [0, 1, 1], num_ranks=2, capacity=256)
+    whole = plan_from_rings([64, 64], [(0,), (1,)], [0, 0], num_ranks=2, capacity=256)
+    fit = {"model": model, "allreduce_bandwidth": 1e9, "step_overhead": 0.01, "speed_probe": 0.02,
+           "ring_probe": 0.04}
+    now = {"speed_probe": 0.024, "ring_probe": 0.06}
+    scaled = dataclasses.replace(model, ring_latency=1.25e-3, ring_block_overhead=5e-5)
+    for plan in (ringed, whole):
+        by_hand = simulate_step(plan, scaled, grad_bytes=0, allreduce_bandwidth=1e9, rules=PolicyRules())
+        _, predicted, speed = _predicted_time("balance", plan, grad_bytes=0, now=now, **fit)
+        assert speed == pytest.approx(1.2)
+        assert predicted == pytest.approx((by_hand.step_time + 0.01) * 1.2)
+        plain = simulate_step(plan, model, grad_bytes=0, allreduce_bandwidth=1e9, rules=PolicyRules())
+        _, unringed, _ = _predicted_time("balance", plan, grad_bytes=0, now=now, **{**fit, "ring_probe": None})
+        assert unringed == pytest.approx((plain.step_time + 0.01) * 1.2)
+    assert _predicted_time("balance", ringed, grad_bytes=0, now=now, **fit)[1] > \
+        _predicted_time("balance", ringed, grad_bytes=0, now=now, **{**fit, "ring_probe": None})[1]

@@ -27,7 +27,9 @@ tokens per rank, timed like the fit — runs before and after the fit (their med
 conditions) and before and after each round of steps (their mean: the round's), and each step's
 prediction is scaled by probe now / probe at the fit (`measure_speed_probe`); an
 out-of-sample prediction divides by the probe of the run that fitted its model. Rows keep the unscaled
-prediction too.
+prediction too. A second probe times ring work (`measure_ring_probe`: the fit's block-overhead row), which
+a change of the host's load slows by another factor than compute (gloo threads, kernel calls): the fit's
+ring coefficients are scaled by how much more than the speed probe it moved (`_predicted_time`).
 Wall time is reported too; it measures the total work of all ranks on the shared cores.
 """
 
@@ -328,6 +330,35 @@ def measure_speed_probe(trainer, spec: CpuRunSpec, *, repeats: int = 3) -> float
     return _median_over_ranks(mine)
 
 
+def _ring_case(world: int, k: int, num_documents: int, tokens: int) -> tuple[list[int], list[tuple[int, ...]], int]:
+    """A hand plan's (lengths, rings, capacity): rings of `k` tiling the ranks, each carrying `num_documents`
+    documents of k `tokens` / n tokens, so every member holds `tokens`."""
+    rings = [tuple(range(i, i + k)) for i in range(0, world - k + 1, k)]
+    lengths = [k * tokens // num_documents] * (num_documents * len(rings))
+    return lengths, [ring for ring in rings for _ in range(num_documents)], tokens + num_documents
+
+
+def measure_ring_probe(trainer, spec: CpuRunSpec, *, repeats: int = 3) -> Optional[float]:
+    """CPU seconds of one ring micro-batch, `RING_PROBE` on the widest ring (median over its members,
+    fewest over `repeats`): `measure_speed_probe`'s twin for ring work. A ring's cost on this host is
+    mostly software per message and per block (gloo threads, kernel calls), which a change of load slows
+    by another factor than a whole document's compute: the ratio of the two probes between the fit and a
+    round rescales the fit's ring coefficients (`_predicted_time`). None with fewer than 2 ranks."""
+    world = trainer.state.hdp_size
+    if world < 2:
+        return None
+    k = max(size for size in (2, 4, 8) if size <= world)
+    lengths, rings, capacity = _ring_case(world, k, RING_PROBE_DOCUMENTS, spec.capacity)
+    members = list(range(world - world % k))
+    mine = _microbatch_seconds(trainer, lengths, rings, capacity=capacity, repeats=repeats)
+    return _median_over_ranks(mine if trainer.state.hdp_rank in members else 0.0, members)
+
+
+def measure_probes(trainer, spec: CpuRunSpec) -> dict:
+    """{"speed_probe": whole-document probe, "ring_probe": ring probe} of the host now (module doc)."""
+    return {"speed_probe": measure_speed_probe(trainer, spec), "ring_probe": measure_ring_probe(trainer, spec)}
+
+
 def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches: int = 6) -> float:
     """`CostModel.jitter`: how much the same phase varies from rank to rank, measured as the steps measure
     their phases. Every rank runs `microbatches` micro-batches of one whole document of C tokens each
@@ -344,6 +375,10 @@ def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches: int = 6) -> float
     fastest = _fastest(_timed_runs(trainer, plan, spec.timing_repeats))
     phases = np.stack([_over_ranks(t) for t in (*fastest.forward, *fastest.backward)])  # [phase, rank]
     return float(np.median(phases.std(axis=1) / phases.mean(axis=1)))
+
+
+RING_PROBE_DOCUMENTS = 8
+"""Documents per ring micro-batch of the block-overhead row of `fit_cost_model` and of the ring probe."""
 
 
 def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
@@ -378,12 +413,9 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     kv_bytes = 4 * 2 * kv_channels
     tokens = spec.capacity
     ring_sizes = [k for k in (2, 4, 8) if k <= world]
-    rows = [(k, 1) for k in ring_sizes] + ([(ring_sizes[-1], 8)] if ring_sizes else [])
-    cases = []
-    for k, n in rows:
-        rings = [tuple(range(i, i + k)) for i in range(0, world - k + 1, k)]
-        cases.append(([k * tokens // n] * (n * len(rings)), [ring for ring in rings for _ in range(n)], tokens + n))
-    mine = _interleaved_microbatch_seconds(trainer, cases, 2 * spec.fit_repeats)
+    rows = [(k, 1) for k in ring_sizes] + ([(ring_sizes[-1], RING_PROBE_DOCUMENTS)] if ring_sizes else [])
+    mine = _interleaved_microbatch_seconds(trainer, [_ring_case(world, k, n, tokens) for k, n in rows],
+                                           2 * spec.fit_repeats)
     per_layer = {}
     for (k, n), seconds in zip(rows, mine):
         members = [r for r in range(world) if r < world - world % k]
@@ -415,26 +447,32 @@ def silence_megatron_warnings() -> None:
 
 
 def _predicted_time(policy: str, plan, model: CostModel, *, grad_bytes: int, allreduce_bandwidth: float,
-                    step_overhead: float, speed_probe: float, probe_now: float):
+                    step_overhead: float, speed_probe: float, ring_probe: Optional[float], now: dict):
     """The simulator's timeline of `plan` (our runtime's rules for every plan it runs as planned; Megatron's
     for the one it runs per sub-sample), the predicted step time (+ the per-step work it does not model)
-    scaled by `probe_now / speed_probe` (module doc), and that factor."""
+    scaled by the speed factor now["speed_probe"] / `speed_probe` (module doc), and that factor. The fit's
+    ring coefficients are first scaled by how much more (or less) the ring probe moved than the speed
+    probe since the fit (none without a ring probe on both sides)."""
     from megatron_hdp.sim.simulator import POLICY_RULES, PolicyRules, simulate_step
 
+    speed = now["speed_probe"] / speed_probe
+    if ring_probe and now.get("ring_probe"):
+        ring = now["ring_probe"] / ring_probe / speed
+        model = dataclasses.replace(model, ring_latency=model.ring_latency * ring,
+                                    ring_block_overhead=model.ring_block_overhead * ring)
     rules = POLICY_RULES[HYBRID_CP] if policy == HYBRID_CP else PolicyRules()
     timeline = simulate_step(plan, model, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth,
                              rules=rules)
-    speed = probe_now / speed_probe
     return timeline, (timeline.step_time + step_overhead) * speed, speed
 
 
 def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, grad_bytes: int, predict: dict,
-                  in_run: dict, probe_now: float, run_plan=None, barriers=()) -> StepRow:
+                  in_run: dict, now: dict, run_plan=None, barriers=()) -> StepRow:
     """`plan` is the policy's plan; `run_plan` what ran (default: `plan`), with group `barriers`. Empty
     micro-batches of a `run_plan` are slots Megatron does not run: their measured times count as zero.
-    `predict` and `in_run`: {"model", "allreduce_bandwidth", "step_overhead", "speed_probe"} to predict
-    with (the same dict unless a cost model came from outside the run); `probe_now`: the probe of this
-    step's round."""
+    `predict` and `in_run`: {"model", "allreduce_bandwidth", "step_overhead", "speed_probe", "ring_probe"}
+    to predict with (the same dict unless a cost model came from outside the run); `now`: the probes of
+    this step's round (`measure_probes`)."""
     from megatron_hdp.sim.replay import dedicated_step_time
 
     run_plan = run_plan or plan
@@ -455,9 +493,8 @@ def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, grad_bytes:
         barriers_after=barriers,
     )
     busy = [b.before + sum(b.forward) + sum(b.backward) + b.after for b in busy_by_rank]
-    timeline, predicted, speed = _predicted_time(policy, plan, grad_bytes=grad_bytes, probe_now=probe_now, **predict)
-    _, predicted_in_run, speed_in_run = _predicted_time(policy, plan, grad_bytes=grad_bytes, probe_now=probe_now,
-                                                        **in_run)
+    timeline, predicted, speed = _predicted_time(policy, plan, grad_bytes=grad_bytes, now=now, **predict)
+    _, predicted_in_run, speed_in_run = _predicted_time(policy, plan, grad_bytes=grad_bytes, now=now, **in_run)
     compute = [sum(b.forward) + sum(b.backward) for b in busy_by_rank]
     per_rank = {
         "compute": compute, "before": [b.before for b in busy_by_rank], "after": [b.after for b in busy_by_rank],
@@ -507,24 +544,26 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     state = initialize_hdp(seed=spec.seed)
     config = HDPConfig(hdp=True, hdp_capacity=spec.capacity, hdp_offload=False)
     first = _build(spec, state)
-    probes = [measure_speed_probe(first, spec)]  # around the fit, so that their median is the fit's conditions
+    probes = [measure_probes(first, spec)]  # around the fit, so that their medians are the fit's conditions
     fitted = fit_cost_model(first, spec)
-    probes.append(measure_speed_probe(first, spec))
+    probes.append(measure_probes(first, spec))
     model = CostModel.from_dict(cost_model) if cost_model else fitted
     grad_bytes = grad_buffer_bytes(first)
     allreduce_bandwidth = measure_allreduce_bandwidth(grad_bytes)
     step_overhead = measure_step_overhead(first, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth)
-    probes.append(measure_speed_probe(first, spec))
+    probes.append(measure_probes(first, spec))
     in_run = {"model": fitted, "allreduce_bandwidth": allreduce_bandwidth, "step_overhead": step_overhead,
-              "speed_probe": statistics.median(probes)}
+              **{key: _median_or_none([p[key] for p in probes]) for key in probes[0]}}
     predict = {**in_run, "model": model, **{k: v for k, v in (measured or {}).items() if k in in_run}}
+    if measured and "ring_probe" not in measured:
+        predict["ring_probe"] = None  # another run's fit without its ring probe: no ring rescaling
     rows = []
     # The policies take turns step by step (each its own model, built from the same seed), so that a
     # change of load on a shared host between the start and the end of the run weighs on every policy alike.
     trainers = [_build(spec, state) for _ in spec.policies]
     batches = [planned_batches(spec, state, config, model, policy) for policy in spec.policies]
     for step, planned in enumerate(zip(*batches)):
-        probe_before = measure_speed_probe(first, spec)  # the host's speed over this round (module doc)
+        probe_before = measure_probes(first, spec)  # the host's speed over this round (module doc)
         measured_round = []
         for policy, trainer, (plan, read_tokens) in zip(spec.policies, trainers, planned):
             run_plan, barriers = per_subsample_plan(plan) if policy == HYBRID_CP else (plan, ())
@@ -537,11 +576,12 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
             busy_by_rank = [None] * world_size
             dist.all_gather_object(busy_by_rank, _fastest(runs))
             measured_round.append((policy, plan, stats, busy_by_rank, run_plan, barriers))
-        probe_now = (probe_before + measure_speed_probe(first, spec)) / 2
+        probe_after = measure_probes(first, spec)
+        now = {key: _mean_or_none([probe_before[key], probe_after[key]]) for key in probe_before}
         if step >= spec.warmup_steps and rank == 0:
             for policy, plan, stats, busy_by_rank, run_plan, barriers in measured_round:
                 row = _measured_row(policy, step - spec.warmup_steps, plan, stats, busy_by_rank, grad_bytes,
-                                    predict, in_run, probe_now, run_plan, barriers)
+                                    predict, in_run, now, run_plan, barriers)
                 rows.append(asdict(row))
     for generator in batches:
         generator.close()  # leaves the HDP loaders' contexts
@@ -550,6 +590,15 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
 
 
 def _timing_record(timing: dict) -> dict:
-    """A {"model": CostModel, "allreduce_bandwidth", "step_overhead"} set as JSON-ready values."""
+    """A {"model": CostModel, "allreduce_bandwidth", "step_overhead", probes} set as JSON-ready values."""
     return {"cost_model": timing["model"].to_dict(), "allreduce_bandwidth": timing["allreduce_bandwidth"],
-            "step_overhead": timing["step_overhead"], "speed_probe": timing["speed_probe"]}
+            "step_overhead": timing["step_overhead"], "speed_probe": timing["speed_probe"],
+            "ring_probe": timing["ring_probe"]}
+
+
+def _median_or_none(values: list) -> Optional[float]:
+    return None if None in values else statistics.median(values)
+
+
+def _mean_or_none(values: list) -> Optional[float]:
+    return None if None in values else statistics.mean(values)

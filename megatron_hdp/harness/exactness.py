@@ -2,7 +2,9 @@
 
 The reference is independent of HDP's own code: Megatron's stock local layer spec (its own attention
 and its own RoPE), each document as its own batch [1, L], the loss = sum of token losses / total tokens
-of the global batch, Megatron's schedule and optimizer on one rank. The HDP run loads the reference's
+of the global batch, Megatron's schedule and optimizer on one rank (reached through `megatron/`, the
+only layer that imports Megatron: `step.forward_backward` passes its arguments to Megatron's
+`get_forward_backward_func()` unchanged, with no HDP code on the way). The HDP run loads the reference's
 initial weights — each parameter sliced the way its TP rank / PP stage / EP rank holds it — trains the
 same global batches, and reports its loss and gradients with the metadata to compare them shard by
 shard (`expected_shard`). Used by tests/test_megatron_exactness.py and the demo's self-check.
