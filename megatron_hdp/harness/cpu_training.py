@@ -330,6 +330,21 @@ def measure_speed_probe(trainer, spec: CpuRunSpec, *, repeats: int = 3) -> float
     return _median_over_ranks(mine)
 
 
+RING_PROBE_DOCUMENTS = 8
+"""Documents per ring micro-batch of the block-overhead row of `fit_cost_model` and of the ring probe."""
+
+
+def _ring_sizes(world: int) -> list[int]:
+    """The ring sizes the fit and the ring probe time: 2, 4, 8, as far as `world` ranks hold them."""
+    return [k for k in (2, 4, 8) if k <= world]
+
+
+def _median_over_ring_members(trainer, seconds: float, k: int) -> float:
+    """Median of `seconds` over the ranks that rings of `k` tiling the ranks (`_ring_case`) cover."""
+    members = list(range(trainer.state.hdp_size - trainer.state.hdp_size % k))
+    return _median_over_ranks(seconds if trainer.state.hdp_rank in members else 0.0, members)
+
+
 def _ring_case(world: int, k: int, num_documents: int, tokens: int) -> tuple[list[int], list[tuple[int, ...]], int]:
     """A hand plan's (lengths, rings, capacity): rings of `k` tiling the ranks, each carrying `num_documents`
     documents of k `tokens` / n tokens, so every member holds `tokens`."""
@@ -339,7 +354,7 @@ def _ring_case(world: int, k: int, num_documents: int, tokens: int) -> tuple[lis
 
 
 def measure_ring_probe(trainer, spec: CpuRunSpec, *, repeats: int = 3) -> Optional[float]:
-    """CPU seconds of one ring micro-batch, `RING_PROBE` on the widest ring (median over its members,
+    """CPU seconds of one ring micro-batch, `RING_PROBE_DOCUMENTS` documents on the widest ring (median over its members,
     fewest over `repeats`): `measure_speed_probe`'s twin for ring work. A ring's cost on this host is
     mostly software per message and per block (gloo threads, kernel calls), which a change of load slows
     by another factor than a whole document's compute: the ratio of the two probes between the fit and a
@@ -347,11 +362,10 @@ def measure_ring_probe(trainer, spec: CpuRunSpec, *, repeats: int = 3) -> Option
     world = trainer.state.hdp_size
     if world < 2:
         return None
-    k = max(size for size in (2, 4, 8) if size <= world)
+    k = _ring_sizes(world)[-1]
     lengths, rings, capacity = _ring_case(world, k, RING_PROBE_DOCUMENTS, spec.capacity)
-    members = list(range(world - world % k))
-    mine = _microbatch_seconds(trainer, lengths, rings, capacity=capacity, repeats=repeats)
-    return _median_over_ranks(mine if trainer.state.hdp_rank in members else 0.0, members)
+    return _median_over_ring_members(trainer, _microbatch_seconds(trainer, lengths, rings, capacity=capacity,
+                                                                  repeats=repeats), k)
 
 
 def measure_probes(trainer, spec: CpuRunSpec) -> dict:
@@ -377,10 +391,6 @@ def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches: int = 6) -> float
     return float(np.median(phases.std(axis=1) / phases.mean(axis=1)))
 
 
-RING_PROBE_DOCUMENTS = 8
-"""Documents per ring micro-batch of the block-overhead row of `fit_cost_model` and of the ring probe."""
-
-
 def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     """The cost model of this model on this CPU, in CPU seconds of the runtime's own micro-batches (median
     over ranks, which run them at once):
@@ -401,7 +411,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     """
     from megatron_hdp.plan.fit import fit_compute, fitted_cost_model
 
-    world, rank = trainer.state.hdp_size, trainer.state.hdp_rank
+    world = trainer.state.hdp_size
     alone = [(r,) for r in range(world)]
     measured = np.array([
         _median_over_ranks(_microbatch_seconds(trainer, [s] * world, alone, capacity=s, repeats=spec.fit_repeats))
@@ -412,14 +422,12 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     kv_channels = spec.hidden_size // spec.num_attention_heads * spec.num_query_groups
     kv_bytes = 4 * 2 * kv_channels
     tokens = spec.capacity
-    ring_sizes = [k for k in (2, 4, 8) if k <= world]
+    ring_sizes = _ring_sizes(world)
     rows = [(k, 1) for k in ring_sizes] + ([(ring_sizes[-1], RING_PROBE_DOCUMENTS)] if ring_sizes else [])
     mine = _interleaved_microbatch_seconds(trainer, [_ring_case(world, k, n, tokens) for k, n in rows],
                                            2 * spec.fit_repeats)
-    per_layer = {}
-    for (k, n), seconds in zip(rows, mine):
-        members = [r for r in range(world) if r < world - world % k]
-        per_layer[k, n] = _median_over_ranks(seconds if rank in members else 0.0, members) / spec.num_layers
+    per_layer = {(k, n): _median_over_ring_members(trainer, seconds, k) / spec.num_layers
+                 for (k, n), seconds in zip(rows, mine)}
     block_overhead = 0.0
     if ring_sizes:
         k, n = rows[-1]
