@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from megatron_hdp.plan.fit import fit_activation, fit_compute, fit_relative, fitted_cost_model
+from megatron_hdp.plan.fit import fit_activation, fit_compute, fit_jitter, fit_relative, fitted_cost_model
 from megatron_hdp.plan.presets import analytic_cost_model
 
 SEQ_LENS = (256, 512, 1024, 2048, 4096)
@@ -75,3 +75,31 @@ def test_fit_of_noisy_times_stays_near_the_truth():
     for s in lengths:
         truth = a1 * s * s + b1 * s + g
         assert fitted[0] * s * s + fitted[1] * s + fitted[2] == pytest.approx(truth, rel=0.06)
+
+
+def test_fit_jitter_recovers_the_spread_of_normal_times_from_their_leads():
+    """Monte Carlo reference: members' times drawn as mean x (1 + sigma N(0, 1)) on rings of 2, 4 and 8;
+    the fit inverts the expected lead of the slowest member (a numerical integral, not these draws)."""
+    rng = np.random.default_rng(0)
+    sigma = 0.08
+    phases = [1.0 + sigma * rng.standard_normal(k) for k in (2, 4, 8) for _ in range(4000)]
+    assert fit_jitter(phases) == pytest.approx(sigma, rel=0.03)
+    assert fit_jitter([[2.0, 2.0], [1.0, 1.0, 1.0, 1.0]]) == 0.0  # equal members: no lead
+
+
+def test_fit_jitter_is_fitted_to_the_lead_not_the_spread():
+    """Heavy tails (one member of eight 30 % slow, the rest equal): the standard deviation over members is
+    0.096 of the mean, but the slowest leads the mean by 0.253, which the fitted jitter must reproduce
+    through E[max of 8 normals] (0.178, not 0.096)."""
+    slow = [1.3] + [1.0] * 7
+    lead = max(slow) / np.mean(slow) - 1.0
+    expected_max_of_8 = 1.4236  # E[max of 8 standard normals], tabulated
+    assert fit_jitter([slow] * 3) == pytest.approx(lead / expected_max_of_8, rel=1e-3)
+    assert fit_jitter([slow]) > np.std(slow) / np.mean(slow) * 1.5
+
+
+def test_fit_jitter_refuses_what_it_cannot_fit():
+    with pytest.raises(ValueError, match="at least one coupled phase"):
+        fit_jitter([[1.0], []])
+    with pytest.raises(ValueError, match="> 0"):
+        fit_jitter([[1.0, 0.0]])

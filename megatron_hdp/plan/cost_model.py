@@ -100,7 +100,7 @@ class CostModel:
     (0: every rank runs at the model's time). Members of a ring finish with the slowest, so rings pay the
     expected lead of the slowest of k over their mean (`plan.timing.jitter_lead`). About 0 on
     dedicated GPUs; several percent for CPU processes sharing cores (fitted by `benchmarks/step_bench.py`
-    from the spread over ranks of identical micro-batches)."""
+    to the lead of the slowest member of identical ring micro-batches, `plan.fit.fit_jitter`)."""
     recompute_granularity: str = "none"
     """Megatron's --recompute-granularity these coefficients hold for: none, full or selective.
     Recomputation trades Act(s) for T(s) (full keeps a layer's input only and runs its forward twice), so

@@ -79,6 +79,25 @@ def fit_activation(seq_lens: Sequence[int], nbytes: Sequence[float]) -> tuple[fl
     return float(a2), float(b2)
 
 
+def fit_jitter(coupled_phases: Sequence[Sequence[float]]) -> float:
+    """`CostModel.jitter` from measured coupled phases, each the times of one phase (a forward or a
+    backward) of the members of one group that run it together: the least-squares fit of the slowest
+    member's lead over the members' mean, max / mean - 1, to jitter x E[max of k normals] over every
+    phase (`timing.jitter_lead`, what the simulator charges each coupled phase). Fitted on the lead it
+    predicts, not on the spread: where a phase's times have heavier tails than a normal's, the standard
+    deviation under-predicts the lead."""
+    from megatron_hdp.plan.timing import expected_max_of_normals
+
+    groups = [np.asarray(times, dtype=float) for times in coupled_phases if len(times) > 1]
+    if not groups:
+        raise ValueError("fitting the jitter needs at least one coupled phase of 2 or more members")
+    if min(times.min() for times in groups) <= 0:
+        raise ValueError("coupled phase times must be > 0")
+    leads = np.array([times.max() / times.mean() - 1.0 for times in groups])
+    expected = np.array([expected_max_of_normals(len(times)) for times in groups])
+    return float(leads @ expected / (expected @ expected))
+
+
 def fitted_cost_model(
     compute: Sequence[float],
     activation: Optional[Sequence[float]] = None,
