@@ -145,14 +145,21 @@ def expected_max_of_normals(k: int) -> float:
     return float(np.sum(x * density) * (x[1] - x[0]))
 
 
-def jitter_lead(durations: Sequence[float] | np.ndarray, jitter: float) -> float:
+def jitter_lead(durations: Sequence[float] | np.ndarray, jitter: float,
+                passes: Sequence[float] | np.ndarray | None = None) -> float:
     """The wait a coupled group's k members add to a phase when each member's time varies by `jitter` (a
-    relative standard deviation, `CostModel.jitter`): the expected lead of the slowest of k noisy times
-    over their mean, jitter x mean x E[max of k standard normals]; 0 without jitter or for one member. A
-    coupled phase lasts its slowest member's modelled time plus this."""
+    relative standard deviation of one pass, `CostModel.jitter`): the expected lead of the slowest of k
+    noisy times over their mean, jitter x mean x E[max of k standard normals]; 0 without jitter or for
+    one member. A coupled phase lasts its slowest member's modelled time plus this. A member whose phase
+    is `passes` forward or backward passes (Megatron's hybrid CP: one per sub-sample, coupled only by the
+    group's barrier) varies by jitter / sqrt(passes): passes vary independently, so their sum varies less
+    than each of them (default: one pass each)."""
     if not jitter or len(durations) < 2:
         return 0.0
-    return jitter * float(np.mean(durations)) * expected_max_of_normals(len(durations))
+    spread = np.asarray(durations, dtype=float)
+    if passes is not None:
+        spread = spread / np.sqrt(np.asarray(passes, dtype=float))
+    return jitter * float(np.mean(spread)) * expected_max_of_normals(len(durations))
 
 
 def coupled_finish(

@@ -212,11 +212,12 @@ def _per_ring_size(values: np.ndarray, sizes: np.ndarray, function) -> np.ndarra
 
 
 def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shards: _Shards) -> np.ndarray:
-    """[micro-batches, 4]: compute, exposed comm, exposed offload, ring bytes of each micro-batch on one
-    stage, from the cost model's own formulas evaluated on arrays of shards."""
+    """[micro-batches, 5]: compute, exposed comm, exposed offload, ring bytes and forward/backward passes
+    of each micro-batch on one stage, from the cost model's own formulas evaluated on arrays of shards."""
     num_mbs = int(shards.first_microbatch[-1])
     layers = cost.num_layers / plan.pp_size
-    out = np.zeros((num_mbs, 4))
+    out = np.zeros((num_mbs, 5))
+    out[:, 4] = 1.0
     # a micro-batch without shards still runs one (empty) forward and backward: the runtime's overhead g
     out[:, 0] = np.where(np.bincount(shards.microbatch, minlength=num_mbs) == 0, cost.g * layers, 0.0)
     if not len(shards.tokens):
@@ -226,6 +227,7 @@ def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shard
     _, first_shard, pass_of_shard = np.unique(passes, return_index=True, return_inverse=True)
     mb_of_pass = shards.microbatch[first_shard]
     num_passes = len(mb_of_pass)
+    out[:, 4] = np.maximum(1, np.bincount(mb_of_pass, minlength=num_mbs))
     compute = cost.layer_compute_time(seq_len=shards.length, num_tokens=shards.tokens)
     attention = compute - cost.layer_compute_time(seq_len=0, num_tokens=shards.tokens)
     # shards of one pass on one ring share one exchange: summed tokens against summed attention
@@ -285,14 +287,14 @@ def simulate_step(
     shards = _Shards.of(plan)
     mb_costs = _microbatch_costs(plan, cost_model, rules, shards)
     bounds = shards.first_microbatch
-    costs = [mb_costs[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]  # [rank][index] -> 4 numbers
+    costs = [mb_costs[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]  # [rank][index] -> 5 numbers
     with_ring = np.bincount(shards.microbatch, weights=shards.ring_size > 1, minlength=len(mb_costs)) > 0
     has_ring = [with_ring[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]
     # the runtime's padding micro-batches (empty, at the micro-batch overhead) after each rank's own
     padding = cost_model.microbatch_time([], pp_size=p)
     extra = np.array(plan_runtime_counts(plan, ep_size=cost_model.expert_parallel_size)) - [len(c) for c in costs]
     for r in range(n):
-        costs[r] += [[padding, 0.0, 0.0, 0.0]] * int(extra[r])
+        costs[r] += [[padding, 0.0, 0.0, 0.0, 1.0]] * int(extra[r])
         has_ring[r] += [False] * int(extra[r])
     coupled = plan_groups(plan, barrier_per_microbatch=rules.barrier_per_microbatch,
                           ep_size=cost_model.expert_parallel_size)
@@ -331,7 +333,8 @@ def simulate_step(
         start = max(group.values())
         parts = {rank: op_parts(rank, kind, index) for rank in group}
         durations = [sum(part) for part in parts.values()]
-        release = start + max(durations) + jitter_lead(durations, cost_model.jitter)
+        passes = [costs[rank][index][4] for rank in group]
+        release = start + max(durations) + jitter_lead(durations, cost_model.jitter, passes)
         for rank, (compute, comm, offload) in parts.items():
             busy_end = start + compute + comm + offload
             ops[rank][stage].append(Op(kind=kind, microbatch=index, start=start, busy_end=busy_end, comm=comm,
