@@ -13,8 +13,9 @@ process time), so each rank's *process CPU time* of each phase of a step is what
 dedicated core, and `megatron_hdp.sim.replay.dedicated_step_time` adds the waits the plan implies (ring
 members run a ring micro-batch together; the all-reduce waits for the last rank). The cost model is
 fitted in the same currency, on the runtime's own micro-batches (`fit_cost_model`: T(s) per layer from
-whole documents, ring costs from ring micro-batches), the gradient all-reduce from CPU seconds of an
-all-reduce of the gradient buffer. The prediction of each step is `simulate_step(plan, cost_model,
+whole documents, ring costs from ring micro-batches, each timed as a step's second micro-batch, the
+jitter from the lead of ring micro-batches' slowest members), the gradient all-reduce from CPU seconds
+of an all-reduce of the gradient buffer. The prediction of each step is `simulate_step(plan, cost_model,
 rules=PolicyRules())` — our runtime runs balance's, static's and naive's plans with one pass per
 micro-batch and no barrier between micro-batches — or, for `megatron-hybrid-cp`, which runs as Megatron
 runs it (one pass per sub-sample, a barrier per group; its replay adds those barriers), Megatron's rules
@@ -209,9 +210,10 @@ def _build(spec: CpuRunSpec, state):
 
 LEAD_TOKENS = 16
 """Tokens of the whole document each rank runs as micro-batch 0 of a timed hand plan, before the one timed
-(`_microbatch_seconds`): a step's first micro-batch costs more than the others (about 0.8 ms of 8-15 on
-this CPU, the same at every length), which a per-micro-batch coefficient fitted on first micro-batches
-charged to every micro-batch of a step; that excess is a per-step cost (`measure_step_overhead`)."""
+(`_microbatch_seconds`): a step's first micro-batch costs more than the others (on this CPU 0.7-1.2 ms
+at 16-64 tokens, 8-11 ms in all; within the noise at 256-1,024 tokens), which g, read mostly from the
+fit's shortest rows, charged to every micro-batch of a step; that excess is a per-step cost
+(`measure_step_overhead`)."""
 
 
 def _microbatch_seconds(trainer, lengths: list[int], rings: list[tuple[int, ...]], *, capacity: int,
