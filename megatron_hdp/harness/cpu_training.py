@@ -411,7 +411,7 @@ def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches_per_size: int = 2)
         return 0.0
     lengths, rings, slots = [], [], []
     for index, k in enumerate(sizes):
-        ring_lengths, ring_of_each, capacity = _ring_case(world, k, 1, spec.capacity)
+        ring_lengths, ring_of_each, capacity = _ring_case(world, k, 1, spec.capacity)  # one document per ring
         lengths += ring_lengths
         rings += ring_of_each
         slots += [index] * len(ring_lengths)
@@ -421,7 +421,7 @@ def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches_per_size: int = 2)
     for phase in (fastest.forward, fastest.backward):
         for index in range(len(sizes)):
             seconds = _over_ranks(phase[index] if index < len(phase) else 0.0)
-            coupled += [seconds[list(ring)] for ring in sorted({ring for ring, slot in zip(rings, slots) if slot == index})]
+            coupled += [seconds[list(ring)] for ring, slot in zip(rings, slots) if slot == index]
     return fit_jitter(coupled)
 
 
