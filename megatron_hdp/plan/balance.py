@@ -39,8 +39,9 @@ This implementation, step by step:
 With expert parallelism (`CostModel.expert_parallel_size` e > 1) the members of an EP group run every
 micro-batch together (the MoE all-to-all): steps 3-6 are also run with each EP group planned as a unit of
 e lanes (`expert_units`: rings grown to whole units where that pays, lanes of one micro-batch index of
-matching time, the same count on every lane), and the plan of least predicted step time under the EP
-coupling is kept; the alternative ring sizes are then tried in the family that planned better.
+matching time, the same count on every lane): first, then rank by rank unless the unit plan is already
+within `RETRY_GAP` of its mean rank time or the lower bound, and the plan of least predicted step time
+under the EP coupling is kept; the alternative ring sizes are then tried in the family that planned better.
 
 Deviations from the paper: Algorithm 2 forms buckets (micro-batches) first and then assigns them; we
 assign sequences to ranks first and pack per rank, which gives the same "different micro-batch counts"
@@ -52,6 +53,7 @@ reports how far a plan is from it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Sequence
 
@@ -153,13 +155,18 @@ def _plan_balance(
     if cost_model.expert_parallel_size > 1:  # EP groups planned as units; plans rank by rank stay candidates
         units = [(_build_units, option) for option in unit_options(options, lengths=tokens, capacity=capacity,
                                                                    cost_model=cost_model, pp_size=pp_size)]
-    plan, family = _best(lengths, units[:1] + ranks[:1], None, **common)
-    mean = sum(r.est_time for r in plan.ranks) / num_ranks
-    if pp_size > 1 or (plan.est_step_time > RETRY_GAP * mean
-                       and plan.est_step_time > RETRY_GAP * step_time_lower_bound(
-                           tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
-                           max_offload_ratio=config.max_offload_ratio)):
-        # the alternatives of the family that planned better (both when rank by rank did)
+    bound = functools.cache(lambda: step_time_lower_bound(tokens, num_ranks=num_ranks, capacity=capacity,
+                                                          cost_model=cost_model,
+                                                          max_offload_ratio=config.max_offload_ratio))
+
+    def improvable(plan: StepPlan) -> bool:  # with PP always; else above both its mean rank time and the bound
+        mean = sum(r.est_time for r in plan.ranks) / num_ranks
+        return pp_size > 1 or (plan.est_step_time > RETRY_GAP * mean and plan.est_step_time > RETRY_GAP * bound())
+
+    plan, family = _best(lengths, (units or ranks)[:1], None, **common)
+    if units and improvable(plan):  # the plan rank by rank, when the units' leaves room
+        plan, family = _best(lengths, ranks[:1], (plan, family), **common)
+    if improvable(plan):  # the alternatives of the family that planned better (both when rank by rank did)
         plan, _ = _best(lengths, units[1:] + (ranks[1:] if family is _build else []), (plan, family), **common)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("balance plan: step %.4g s, gap to the lower bound %.2f%%", plan.est_step_time,
