@@ -106,6 +106,8 @@ def _case_config(config, case):
         return dataclasses.replace(config, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if recompute == "selective":
         return dataclasses.replace(config, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    if recompute == "mla_up_proj":
+        return dataclasses.replace(config, recompute_granularity="selective", recompute_modules=["mla_up_proj"])
     if case.get("window"):
         return dataclasses.replace(config, window_size=case["window"], window_attn_skip_freq=case.get("skip"))
     return config
@@ -148,12 +150,18 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
     is_moe = ep > 1 or case.get("moe", False)
     moe = dict(num_moe_experts=NUM_EXPERTS, **MOE_LOSSES) if is_moe else {}
     config = tiny_llama_config(num_layers=VPP_LAYERS if case.get("vpp") else 2, sequence_parallel=case.get("sp", False),
-                               **moe)
+                               **moe, **case.get("fields", {}))
     config = _case_config(config, case)
     if case.get("sp"):
         from exactness_cases import build_sp_gpt
 
         chunks = [build_sp_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)]
+    elif case.get("block"):  # Megatron's decoder block spec (dense and MoE layers by moe_layer_freq)
+        from megatron_hdp.megatron.layer_spec import get_gpt_decoder_block_with_hdp_spec
+        from megatron_hdp.megatron.model import build_gpt
+
+        chunks = [build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128,
+                            transformer_layer_spec=get_gpt_decoder_block_with_hdp_spec(config))]
     else:
         chunks = build_gpt_chunks(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)
     for chunk in chunks:

@@ -145,25 +145,19 @@ class HDPRuntime:
         return stats
 
 
-def hdp_layer_spec(config: Any) -> Any:
-    """`--spec` target: Megatron's GPT layer spec for `config` (a GPTModelConfig) with HDP core attention."""
-    from megatron_hdp.megatron.layer_spec import get_gpt_layer_with_hdp_spec
+def hdp_layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
+    """`--spec` target: the GPT layer spec Megatron-LM builds for `config` (a GPTModelConfig) with HDP's
+    attention: for `--num-experts` its decoder block spec (dense and MoE layers by --moe-layer-freq)."""
+    from megatron_hdp.megatron.layer_spec import get_gpt_decoder_block_with_hdp_spec, get_gpt_layer_with_hdp_spec
 
     transformer = config.transformer
-    if transformer.transformer_impl == "transformer_engine":
-        return get_gpt_layer_with_hdp_spec(
-            backend="transformer_engine",
-            num_experts=transformer.num_moe_experts,
-            moe_grouped_gemm=transformer.moe_grouped_gemm,
-            qk_layernorm=transformer.qk_layernorm,
-        )
-    return get_gpt_layer_with_hdp_spec(
-        backend="local",
-        num_experts=transformer.num_moe_experts,
-        moe_grouped_gemm=transformer.moe_grouped_gemm,
-        qk_layernorm=transformer.qk_layernorm,
-        normalization=transformer.normalization,
-    )
+    te = transformer.transformer_impl == "transformer_engine"
+    if transformer.num_moe_experts:
+        return get_gpt_decoder_block_with_hdp_spec(transformer, use_transformer_engine=te, vp_stage=vp_stage)
+    common = dict(qk_layernorm=transformer.qk_layernorm, multi_latent_attention=transformer.multi_latent_attention)
+    if te:
+        return get_gpt_layer_with_hdp_spec(backend="transformer_engine", **common)
+    return get_gpt_layer_with_hdp_spec(backend="local", normalization=transformer.normalization, **common)
 
 
 def _cost_model(args: Namespace, config: HDPConfig) -> CostModel:
