@@ -93,6 +93,7 @@ def wrap_chunks_for_training(
     chunks: Sequence[GPTModel],
     *,
     lr: float = 1e-3,
+    adam_eps: float = 1e-8,
     weight_decay: float = 0.0,
     clip_grad: float = 1.0,
     overlap_grad_reduce: bool = False,
@@ -109,8 +110,8 @@ def wrap_chunks_for_training(
     (`disable_bucketing`). `distributed_optimizer` shards the optimizer state and the reduced gradients
     over the HDP domain (reduce-scatter, then an all-gather of the updated parameters:
     --use-distributed-optimizer); `overlap_param_gather` defers that all-gather to forward pre-hooks of
-    the next step (--overlap-param-gather). `bf16`: the chunks hold bf16 parameters, the optimizer fp32
-    main copies of them (--bf16)."""
+    the next step (--overlap-param-gather). `adam_eps`: Adam's epsilon (--adam-eps). `bf16`: the chunks
+    hold bf16 parameters, the optimizer fp32 main copies of them (--bf16)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
@@ -124,7 +125,8 @@ def wrap_chunks_for_training(
     ]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16,
+            optimizer="adam", lr=lr, adam_eps=adam_eps, weight_decay=weight_decay, clip_grad=clip_grad,
+            bf16=bf16,
             use_distributed_optimizer=distributed_optimizer,
         ),
         ddps,
