@@ -154,6 +154,36 @@ class HDPCoreAttention(MegatronModule):
         )
 
 
+class HDPCoreAttentionForTE(HDPCoreAttention):
+    """`HDPCoreAttention` in the place of Megatron's `TEDotProductAttention`, with the checkpoint keys it has.
+
+    TE's DotProductAttention is a TE module: its `get_extra_state` (TE 2.x pytorch/module/base.py) puts
+    `_extra_state` into the module's state dict, an empty uint8 tensor unless FP8 attention ran, so a
+    `--ckpt-format torch` checkpoint of a TE model holds `...core_attention._extra_state` in every layer;
+    Megatron's `TEDotProductAttention.sharded_state_dict` leaves it out of `torch_dist` checkpoints (it
+    saves only a learnable softmax offset, which HDP refuses). This leaf saves the same (an empty extra
+    state; nothing sharded), so TE checkpoints move both ways under either format. A checkpoint whose
+    attention extra state holds something (an FP8 run's, `torch` format) is refused: HDP's attention would
+    drop it, and the checkpoint HDP saved next would lose it without a word.
+    """
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            return
+        raise ValueError(
+            f"layer {self.layer_number}'s core_attention._extra_state in the checkpoint holds Transformer Engine's "
+            "FP8 state (an FP8 run saved with --ckpt-format torch), which HDP's attention would drop: convert the "
+            "checkpoint with plain Megatron (--ckpt-convert-format torch_dist, which leaves it out), or load it "
+            "without --hdp"
+        )
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+        return {}
+
+
 def get_gpt_layer_with_hdp_spec(*, backend: str = "local", **spec_kwargs: Any) -> ModuleSpec:
     """Megatron's GPT layer spec (`local` or `transformer_engine`) with `HDPCoreAttention` as its
     `core_attention`. `spec_kwargs` go to Megatron's spec function (num_experts, moe_grouped_gemm,
@@ -172,7 +202,8 @@ def get_gpt_layer_with_hdp_spec(*, backend: str = "local", **spec_kwargs: Any) -
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
     spec = copy.deepcopy(spec)
     attention = spec.submodules.self_attention
-    attention.submodules = dataclasses.replace(attention.submodules, core_attention=HDPCoreAttention)
+    leaf = HDPCoreAttentionForTE if backend == "transformer_engine" else HDPCoreAttention  # same checkpoint keys
+    attention.submodules = dataclasses.replace(attention.submodules, core_attention=leaf)
     return with_document_aux_loss_router(spec)
 
 
