@@ -61,20 +61,22 @@ def segment_attention(q, k, v, segments: Segments, causal: bool, scale: float, w
 
 
 def check_backend_in_ring(backend: str, label: str) -> None:
-    """`backend` alone (ring of 1) and in a ring of 3, causal and not, GQA, against the float64 reference."""
+    """`backend` alone (ring of 1) and in a ring of 3, causal and not, GQA, against the float64 reference;
+    causal in a ring of 3 also with V narrower than q and k (multi-latent attention's head dims, 8 / 4)."""
     seqlens = [1, 5, 12, 23]
-    gen = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(sum(seqlens), h, 8, generator=gen) for h in (4, 2, 2, 4))
-    for causal in (True, False):
+    for causal, value_dim, ring_sizes in ((True, 8, (1, 3)), (False, 8, (1, 3)), (True, 4, (3,))):
+        gen = torch.Generator().manual_seed(value_dim)
+        dims = (8, 8, value_dim, value_dim)
+        q, k, v, dout = (torch.randn(sum(seqlens), h, d, generator=gen) for h, d in zip((4, 2, 2, 4), dims))
         want = reference_with_grads(q, k, v, dout, seqlens, causal=causal, scale=0.3)
-        for ring_size in (1, 3):
+        for ring_size in ring_sizes:
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
             out = simulated_ring_attention(
                 *leaves, seqlens=seqlens, ring_size=ring_size, causal=causal, softmax_scale=0.3, backend=backend
             )
             got = [out, *torch.autograd.grad(out, leaves, dout)]
             for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-                where = f"{label} causal={causal} ring={ring_size} {name}"
+                where = f"{label} causal={causal} ring={ring_size} dv={value_dim} {name}"
                 torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=lambda m: f"{where}: {m}")
 
 

@@ -48,6 +48,13 @@ class ModelShape:
         layer = h * (h + 2 * kv) + h * h + mlp + 2 * h
         return self.num_layers * layer + 2 * self.vocab_size * h
 
+    def expert_parameters(self) -> int:
+        """Of `num_parameters`, the experts' (every expert's MLP in every layer; 0 for a dense model): what
+        expert parallelism shards over EP x expert-TP ranks instead of TP."""
+        if not self.num_experts:
+            return 0
+        return self.num_layers * (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size * self.num_experts
+
 
 @dataclass(frozen=True)
 class HardwareProfile:
