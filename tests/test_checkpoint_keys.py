@@ -12,7 +12,7 @@ Megatron's source (the class itself cannot be built without TE). The other TE-sp
 their own `_extra_state`) are the same modules in both models and stay the local ones here. A TE FP8
 attention state, which HDP's attention would drop, is refused on load in one line.
 
-The model-level half of the file-level checks in tests/test_checkpoint_round_trip.py (the checkpoint
+The model-level half of the file-level checks in tests/test_checkpoints.py (the checkpoint
 files of a plain and an HDP run hold the same keys).
 """
 

@@ -4,9 +4,8 @@ Megatron-Core assumes a GPU in a handful of places: tensors created with `device
 `torch.cuda.current_device()` (the loss-token counter of the schedules, the optimizer's scale and
 found-inf flags, grad-norm clipping, DDP's buffers), `torch.cuda.synchronize/current_stream`, and a CUDA
 RNG tracker. On a CPU build these raise "Torch not compiled with CUDA enabled". The patches below make
-them CPU operations and nothing else; with CUDA present `apply_cpu_shims()` does nothing. One more
-(patch 5) covers what a GPU run never meets: the distributed optimizer's checkpoints with torch's own
-Adam (no TE or Apex) and fp32 parameters.
+them CPU operations and nothing else; with CUDA present `apply_cpu_shims()` does nothing. Patch 5:
+the distributed optimizer's checkpoints with torch's own Adam (no TE or Apex) and fp32 parameters.
 
 Each patch is small and named after what it fixes; `apply_cpu_shims()` is idempotent and checks the
 Megatron-Core version it was written against.
@@ -181,42 +180,16 @@ def _patch_moe_split_sizes() -> None:
 
 
 def _patch_distributed_optimizer_checkpoints() -> None:
-    """Patch 5: Megatron's distributed optimizer saves and loads its checkpoints with torch's Adam.
-
-    Without Transformer Engine or Apex (the CPU; `HAVE_APEX_OR_TE` is False) three of its steps go wrong, in
-    megatron-core 0.19.2 and 0.20 alike (core/optimizer/distrib_optimizer.py):
-
-    a) Every resume, `torch_dist` or `torch`: loading first builds `sharded_state_dict(is_loading=True)`,
-       which calls `state_dict()`, whose no-TE/Apex branch reads the training step from each parameter's
-       torch-Adam state (lines 837-839: `steps = [s["step"].item() for s in ...]; assert len(steps) == 1`).
-       A fresh optimizer has no per-parameter state before its first step, so `steps` is empty and the
-       assert stops the load. The shim lends that one call a step 0 on each parameter and takes it back:
-       on load the state dict only gives the structure, and the checkpoint's own step replaces the 0
-       (`load_state_dict` sets every parameter's step from the loaded param groups).
-    b) Every load of the parameter state ends in `_set_main_param_and_optimizer_states` (lines
-       1193-1225), which copies the saved main parameters and moments into the optimizer's with `copy_`:
-       - with fp32 parameters (every CPU run: no --bf16) the main parameters are views of the model's
-         leaf parameters (line 467, `model_param.view(-1)[start:end]`), so in grad mode the copy raises
-         "a view of a leaf Variable that requires grad is being used in an in-place operation". Two of
-         its callers run under `@torch.no_grad()` (`load_parameter_state_from_fs_model_space`,
-         `..._fully_reshardable`); those `torch_dist` (`..._dp_reshardable`, its default) and `torch`
-         (`..._dp_zero`) take do not. The shim runs the copy under `torch.no_grad()`, as those two do.
-       - it copies every tensor of the parameter's optimizer state, and torch's Adam keeps its step there
-         as a tensor (TE's and Apex's keep it in the param group). The saved step is not the step:
-         `torch_dist`'s default sharding saves it as a `LocalNonpersistentObject` ("handled separately
-         via param_groups", its comment at line 1954; 1964 in 0.20), so a load gets back the fresh optimizer's own 0
-         and resets the restored step (Adam's bias corrections then restart); the `torch` format's
-         file does not hold one (`KeyError: 'step'`). The step comes from the param groups
-         (`load_state_dict`, just before); the shim keeps it, as the `fs_model_space` loader does.
-    c) Every resume: `load_state_dict`'s no-TE/Apex branch gives every parameter's state one and the same
-       step tensor (lines 1028-1032: `step = torch.tensor(...)`, then `s["step"] = step` for each; torch's
-       `Optimizer.load_state_dict` keeps a "step" tensor as it is). Torch's Adam adds 1 to each
-       parameter's step in place, so the shared counter grows by the number of parameters per optimizer
-       step and the bias corrections after a resume are wrong (the weights drifted from the
-       uninterrupted run's by ~1e-3 after one step on the tiny test model). The shim gives each
-       parameter its own copy, as the HybridDeviceOptimizer branch next to it does (`.detach().clone()`).
-    A GPU run would meet them only without TE and Apex (b: in fp32 too); GPU runs keep Megatron's code (the shims
-    apply only without CUDA).
+    """Patch 5: Megatron's distributed optimizer resumes with torch's Adam (no TE/Apex: `HAVE_APEX_OR_TE`
+    False), `torch_dist` or `torch`; megatron-core 0.19.2 and 0.20, core/optimizer/distrib_optimizer.py:
+    a) `state_dict()` reads the step from each parameter's Adam state (`assert len(steps) == 1`, lines
+       837-839), which a fresh optimizer lacks: lent a step 0 per parameter for that call (the load's).
+    b) `_set_main_param_and_optimizer_states` (1193-1225) `copy_`s into fp32 main params, views of leaves,
+       in grad mode ("a view of a leaf Variable..."): run under `torch.no_grad()` as its fs_model_space
+       callers do; and it copies a saved per-parameter step that `torch_dist` does not persist (a fresh 0
+       returns) and `torch` lacks (KeyError): the step `load_state_dict` restored is kept.
+    c) `load_state_dict` shares one step tensor among all parameters (1028-1032) and Adam bumps it once per
+       parameter: each gets its own copy, as the HybridDeviceOptimizer branch does.
     """
     from megatron.core.optimizer import distrib_optimizer
 
@@ -232,9 +205,8 @@ def _patch_distributed_optimizer_checkpoints() -> None:
         if distrib_optimizer.HAVE_APEX_OR_TE or len(inner.state) > 0:
             return original_state_dict(self)
         try:  # a fresh torch Adam: a placeholder step on each parameter for this one call
-            for group in inner.param_groups:
-                for param in group["params"]:
-                    inner.state[param] = {"step": torch.tensor(0.0)}
+            inner.state.update({param: {"step": torch.tensor(0.0)} for group in inner.param_groups
+                                for param in group["params"]})
             return original_state_dict(self)
         finally:
             inner.state.clear()
@@ -249,10 +221,9 @@ def _patch_distributed_optimizer_checkpoints() -> None:
 
     def load_state_dict(self: Any, state_dict: dict) -> None:
         original_load_state_dict(self, state_dict)
-        if not distrib_optimizer.HAVE_APEX_OR_TE:
-            for state in self.optimizer.state.values():
-                if "step" in state:
-                    state["step"] = state["step"].detach().clone()
+        for state in [] if distrib_optimizer.HAVE_APEX_OR_TE else self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].detach().clone()
 
     for shim in (state_dict, set_main_param_and_optimizer_states, load_state_dict):
         shim._hdp_cpu_shim = True  # type: ignore[attr-defined]

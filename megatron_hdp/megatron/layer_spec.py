@@ -164,16 +164,11 @@ class HDPCoreAttention(MegatronModule):
 
 
 class HDPCoreAttentionForTE(HDPCoreAttention):
-    """`HDPCoreAttention` in the place of Megatron's `TEDotProductAttention`, with the checkpoint keys it has.
-
-    TE's DotProductAttention is a TE module: its `get_extra_state` (TE 2.x pytorch/module/base.py) puts
-    `_extra_state` into the module's state dict, an empty uint8 tensor unless FP8 attention ran, so a
-    `--ckpt-format torch` checkpoint of a TE model holds `...core_attention._extra_state` in every layer;
-    Megatron's `TEDotProductAttention.sharded_state_dict` leaves it out of `torch_dist` checkpoints (it
-    saves only a learnable softmax offset, which HDP refuses). This leaf saves the same (an empty extra
-    state; nothing sharded), so TE checkpoints move both ways under either format. A checkpoint whose
-    attention extra state holds something (an FP8 run's, `torch` format) is refused: HDP's attention would
-    drop it, and the checkpoint HDP saved next would lose it without a word.
+    """`HDPCoreAttention` in the place of Megatron's `TEDotProductAttention`, with its checkpoint keys: an
+    empty `_extra_state` in the state dict (TE 2.x module/base.py `get_extra_state`, without FP8) and
+    nothing in the sharded one (Megatron's `sharded_state_dict` saves only a softmax offset, which HDP
+    refuses), so TE checkpoints move both ways in either format. A non-empty attention extra state (an FP8
+    run's, `torch` format) is refused rather than dropped from the next checkpoint without a word.
     """
 
     def get_extra_state(self) -> torch.Tensor:

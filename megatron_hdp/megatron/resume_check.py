@@ -1,12 +1,10 @@
 """install()'s check of what an --hdp resume changes (`megatron_hdp.data.resume`), where Megatron reads it.
 
-`load_checkpoint` (megatron/training/checkpointing.py, 0.19 and 0.20) first reads the arguments the
-checkpoint was saved with, through `_load_base_checkpoint` (with `rank0=True` for `torch_dist`, before any
-sharded tensor is read; the whole file for `torch`), and decides from them what to reshard. Wrapped
-there, a TP, PP or EP change stops every rank alike with a one-line ValueError before anything loads
-(Megatron's own refusal of a TP/PP change with the distributed optimizer comes later and names neither
-flag). The saved arguments are kept in the runtime for the loader's check of the documents' lengths. A
---finetune load starts a new run (Megatron does not check its arguments either) and is not checked.
+`load_checkpoint` (megatron/training/checkpointing.py, 0.19 and 0.20) first reads the checkpoint's saved
+arguments through `_load_base_checkpoint`, before any sharded tensor is read. Wrapped there, a TP, PP or
+EP change stops every rank with a one-line ValueError naming the flag (Megatron's own later refusal with
+the distributed optimizer names none); the arguments are kept for the loader's check of the documents'
+lengths. A --finetune load starts a new run and is not checked (Megatron does not check it either).
 """
 
 from __future__ import annotations

@@ -28,9 +28,8 @@ whole monkeypatch surface, in call order):
    steps refit the cost model the loaders plan with (`HDPRuntime.learn`).
 6. `consume_seqlen_stats_in_iteration`: the plan's real tokens and sum of s^2 for Megatron's FLOPs.
 7. `save_checkpoint`: with --hdp-online-refit, the learned cost model is written next to each checkpoint.
-8. `checkpointing._load_base_checkpoint` (`resume_check`): a resume that changes TP, PP or EP is refused as
-   soon as Megatron reads the checkpoint's arguments; the loader then checks that the documents keep
-   the lengths the checkpoint's run trained them at (`data/resume.py`). The HDP pool's size may change.
+8. `checkpointing._load_base_checkpoint` (`resume_check`): a resume may change the pool's size, not TP,
+   PP, EP or the documents' lengths (`data/resume.py`).
 
 With PP > 1 it also sets `args.variable_seq_lengths` before the model config is built from `args`
 (`_pipeline_shapes_per_microbatch`): the tensors between stages take each micro-batch's length.
@@ -95,8 +94,7 @@ class HDPRuntime:
     plans: dict[int, StepPlan] = field(default_factory=dict)
     """Plans of measured steps the refit has not seen yet, by iteration."""
     checkpoint_args: Any = None
-    """The arguments the checkpoint --load read was saved with (None: none read), kept by
-    `resume_check.wrap_load_base_checkpoint` for the loader's check of a resume."""
+    """The saved arguments of the checkpoint --load read (None: none), for the loader's resume check."""
 
     def current_cost_model(self) -> CostModel:
         """The cost model to plan the next step with (what the loaders call)."""
