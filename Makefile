@@ -16,13 +16,13 @@ $(STAMP): setup.py Makefile
 	@if $(PY) -c 'import sys; sys.exit(sys.version_info >= (3, 12))'; then \
 	  echo "Python < 3.12: CPU torch wheel, then megatron-core without its Python pin"; \
 	  $(PIP) install torch==2.13.0 && \
-	  $(PIP) install numpy packaging && \
+	  $(PIP) install numpy packaging psutil && \
 	  $(PIP) install --no-deps --ignore-requires-python megatron-core==0.19.2 && \
 	  $(PIP) install triton==3.8.0 && \
 	  $(PIP) install --no-deps -e . && \
 	  $(PIP) install scipy tqdm matplotlib pytest pytest-timeout hypothesis tensorboard ninja; \
 	else \
-	  $(PIP) install torch==2.13.0 megatron-core==0.19.2 && \
+	  $(PIP) install torch==2.13.0 megatron-core==0.19.2 psutil && \
 	  $(PIP) install -e '.[test,plot]'; \
 	fi
 	touch $(STAMP)

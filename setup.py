@@ -14,7 +14,8 @@ setup(
     # torch and megatron-core are installed by the Makefile on Python 3.11 (CPU wheel, --no-deps
     # megatron-core); a plain `pip install .` on Python >= 3.12 resolves them normally. The versions are
     # README.md's "Supported versions" table (tests/test_versions.py holds the two together).
-    install_requires=["torch>=2.6", "megatron-core>=0.19,<0.21", "numpy", "scipy", "tqdm"],
+    # psutil: megatron-core's torch_dist checkpoint writer (filesystem_async.py) needs it and does not declare it
+    install_requires=["torch>=2.6", "megatron-core>=0.19,<0.21", "numpy", "scipy", "tqdm", "psutil"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "tensorboard", "ninja"],  # ninja: the fake-GPU harness builds its CUDA guard
         "te": ["transformer-engine[pytorch]>=2.0,<3"],  # te_fused attention backend: TE 2.x API

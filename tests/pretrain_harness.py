@@ -3,8 +3,11 @@ pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron
 
 - `TINY`: a tiny GPT's Megatron flags (CPU, gloo, per-token loss, no fusions) without data flags.
 - `pretrain_rank(rank, world_size, argv, reference_plans=None)`: one rank of a run (for `run_gloo`);
-  returns the losses, HDP statistics and consumed-sample counts Megatron logged per step. With
-  `reference_plans=(plans_dir, data_prefix)` the run trains plain Megatron on `PlannedPiecesDataset`.
+  returns per step the losses, HDP statistics and consumed-sample counts Megatron logged, the iteration
+  numbers, and under --hdp the step's sample ids and plan digest. With `record_weights` also this rank's
+  parameters (every model chunk's) after each step, and before its first one (what the run started from:
+  initialised or loaded). A run that ends by --exit-interval (Megatron's sys.exit(0)) returns normally.
+  With `reference_plans=(plans_dir, data_prefix)` the run trains plain Megatron on `PlannedPiecesDataset`.
 - `run_pretrain(argv, world_size=4, script=None, python_path=(), reference_plans=None)`: a whole run on
   gloo ranks (`pretrain_rank` on each); `python_path` goes first on each rank's `sys.path` (a Megatron-LM
   checkout, to train with its own `megatron` package). `logged_losses` / `assert_same_losses` read and
@@ -12,7 +15,8 @@ pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron
 - `PlannedPiecesDataset`: the reference for document-level HDP. It reads plans saved with
   `--hdp-save-plans` and yields, step after step, each planned sequence as its own Megatron sample: the
   piece's tokens (by its `source`: document, offset, length, read from the indexed dataset directly),
-  padded to --seq-length with loss mask 0 on the padding (and, with --eod-mask-loss, on input positions
+  from the sample index a resumed run starts at (its consumed samples; the samples after the plans' are
+  the script's own dataset's, so a run can go on as plain Megatron would), padded to --seq-length with loss mask 0 on the padding (and, with --eod-mask-loss, on input positions
   holding the tokenizer's EOD, as Megatron masks them). Causal attention keeps the padding at the end
   invisible to the real positions, so a plain run with --global-batch-size = the documents of a step
   computes each document as its own sequence: HDP's loss, by an independent path.
@@ -73,12 +77,17 @@ def read_saved_plans(directory: str | Path) -> list[dict]:
 class PlannedPiecesDataset:
     """Each planned sequence of the saved plans as one padded Megatron sample (module docstring)."""
 
-    def __init__(self, plans_dir: str, data_prefix: str, seq_length: int, *, eod: Optional[int] = None):
+    def __init__(self, plans_dir: str, data_prefix: str, seq_length: int, *, eod: Optional[int] = None,
+                 start: int = 0, after=None):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         self.indexed = IndexedDataset(data_prefix)
         self.seq_length = seq_length
         self.eod = eod
+        self.start = start
+        """The first sample index: a run resumed after `start` consumed samples reads the plans' first piece."""
+        self.after = after
+        """The dataset whose samples come after the plans' (None: none)."""
         """With --eod-mask-loss: input positions holding this token do not count (Megatron's rule)."""
         self.pieces = [
             (entry["source"]["document"], entry["source"]["offset"], entry["length"])
@@ -87,12 +96,14 @@ class PlannedPiecesDataset:
         ]
 
     def __len__(self) -> int:
-        return len(self.pieces)
+        return len(self.after) if self.after is not None else self.start + len(self.pieces)
 
     def __getitem__(self, index: int) -> dict:
         import torch
 
-        document, offset, length = self.pieces[index]
+        if index >= self.start + len(self.pieces):
+            return self.after[index]
+        document, offset, length = self.pieces[index - self.start]
         raw = torch.from_numpy(self.indexed.get(document, offset=offset, length=length + 1).astype(np.int64))
         tokens = torch.zeros(self.seq_length, dtype=torch.int64)
         labels = torch.zeros(self.seq_length, dtype=torch.int64)
@@ -105,18 +116,21 @@ class PlannedPiecesDataset:
                 "position_ids": torch.arange(self.seq_length), "attention_mask": causal.unsqueeze(0)}
 
 
-def _planned_pieces_provider(plans_dir: str, data_prefix: str, train_val_test_num_samples, vp_stage=None):
+def _planned_pieces_provider(plans_dir: str, data_prefix: str, train_val_test_num_samples, vp_stage=None, *,
+                             provider):
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
     from megatron.training import get_args
 
     args = get_args()
     eod = build_tokenizer(args).eod if args.eod_mask_loss else None
-    return PlannedPiecesDataset(plans_dir, data_prefix, args.seq_length, eod=eod), None, None
+    dataset = PlannedPiecesDataset(plans_dir, data_prefix, args.seq_length, eod=eod, start=args.consumed_train_samples,
+                                   after=provider(train_val_test_num_samples)[0])  # built after --load
+    return dataset, None, None
 
 
 def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: Optional[tuple[str, str]] = None,
                   offload_min_tensor_bytes: Optional[int] = 0, script: Optional[str] = None,
-                  python_path: tuple[str, ...] = ()) -> dict:
+                  python_path: tuple[str, ...] = (), record_weights: bool = False) -> dict:
     """Run examples/pretrain_gpt_hdp.main(argv) (or `script` through run_pretrain) on this rank; return what
     Megatron logged per step."""
     os.environ["RANK"] = str(rank)  # Megatron's parse_args reads RANK and WORLD_SIZE from the environment
@@ -134,9 +148,10 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
     if script is None or reference_plans is not None:
         import pretrain_gpt_hdp
     if reference_plans is not None:
-        pretrain_gpt_hdp.datasets_provider = functools.partial(_planned_pieces_provider, *reference_plans)
+        pretrain_gpt_hdp.datasets_provider = functools.partial(_planned_pieces_provider, *reference_plans,
+                                                               provider=pretrain_gpt_hdp.datasets_provider)
 
-    losses, stats, consumed = [], [], []
+    losses, stats, consumed, iterations, ids, digests, weights = [], [], [], [], [], [], {}
     original = training.training_log
 
     def recording_training_log(loss_dict, *args, **kwargs):
@@ -144,16 +159,41 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
             losses.append(float(loss_dict["lm loss"]))
         stats.append(training_install.hdp_statistics())
         consumed.append(training.get_args().consumed_train_samples)  # after Megatron's per-step increment
+        iterations.append(training.get_args().curr_iteration + 1)
+        runtime = training_install.installed()
+        if runtime is not None:
+            ids.append(runtime.last_step.sample_ids.tolist())
+            digests.append(runtime.last_step.plan.digest())
         return original(loss_dict, *args, **kwargs)
 
-    training.training_log = recording_training_log
-    if script is None:
-        pretrain_gpt_hdp.main(argv)
-    else:
-        from megatron_hdp.harness.run_pretrain import run_script
+    original_step = training.train_step
 
-        run_script(script, argv)
-    return {"losses": losses, "stats": stats, "consumed": consumed}
+    def recording_train_step(forward_step_func, data_iterator, model, *args, **kwargs):
+        def parameters():
+            return {f"{index}.{name}": value.detach().clone() for index, chunk in enumerate(model)
+                    for name, value in chunk.named_parameters()}
+
+        if not weights:
+            weights[training.get_args().curr_iteration] = parameters()
+        result = original_step(forward_step_func, data_iterator, model, *args, **kwargs)
+        weights[training.get_args().curr_iteration + 1] = parameters()
+        return result
+
+    training.training_log = recording_training_log
+    if record_weights:
+        training.train_step = recording_train_step
+    try:
+        if script is None:
+            pretrain_gpt_hdp.main(argv)
+        else:
+            from megatron_hdp.harness.run_pretrain import run_script
+
+            run_script(script, argv)
+    except SystemExit as stop:  # --exit-interval: Megatron ends the run with sys.exit(0)
+        if stop.code not in (0, None):
+            raise
+    return {"losses": losses, "stats": stats, "consumed": consumed, "iterations": iterations, "ids": ids,
+            "digests": digests, "weights": weights}
 
 
 def run_pretrain(
@@ -163,6 +203,7 @@ def run_pretrain(
     script: Optional[Path] = None,
     python_path: tuple[str, ...] = (),
     reference_plans: Optional[tuple[str, str]] = None,
+    record_weights: bool = False,
     timeout_s: float = 600,
 ) -> list[dict]:
     """`pretrain_rank` on `world_size` gloo ranks (module docstring); what each rank logged, by rank."""
@@ -170,7 +211,7 @@ def run_pretrain(
 
     env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # TP > 1 needs it
     return run_gloo(pretrain_rank, world_size, argv, reference_plans, 0, None if script is None else str(script),
-                    tuple(python_path), timeout_s=timeout_s, env=env)
+                    tuple(python_path), record_weights, timeout_s=timeout_s, env=env)
 
 
 def logged_losses(run: list[dict]) -> list[float]:

@@ -3,7 +3,8 @@ saves a checkpoint every 2 iterations; one rank's process is killed (SIGKILL) in
 after its forward and before its backward, while its ring peers wait on it. Every other rank must stop with
 an error naming the failure within a bounded time (no hang); a restart from the last checkpoint must then
 train iterations 3 and 4 on the same documents (the HDP loader's sample ids) with the same losses as a run
-that was never interrupted."""
+that was never interrupted, and save the same weights and optimizer state at iteration 4 (`--ckpt-format
+torch` without the distributed optimizer; the other formats: tests/test_checkpoints.py)."""
 
 import os
 import sys
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_hdp.comm.launch import gloo_reports
 from pretrain_harness import ROOT, TINY
@@ -127,3 +129,26 @@ def test_a_dead_rank_stops_the_others_and_a_restart_repeats_no_data(data_prefix,
     # and the interrupted run's first two iterations were the uninterrupted run's
     for iteration in (1, 2):
         assert faulty[0]["ids"][iteration] == reference["ids"][iteration]
+    # both saved iteration 4: the same weights and optimizer state, to the bit
+    saved = [_tensors(torch.load(Path(run) / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt",
+                                 weights_only=False)) for run in (tmp_path / "whole", ckpt)]
+    assert saved[0].keys() == saved[1].keys() and any(".self_attention." in key for key in saved[0])
+    assert all(torch.equal(saved[0][key], saved[1][key]) for key in saved[0])
+
+
+def _tensors(checkpoint: dict) -> dict:
+    """Every tensor of a `torch`-format checkpoint's model and optimizer, by its path in the file."""
+    found = {}
+
+    def walk(value, path):
+        if isinstance(value, torch.Tensor):
+            found[path] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}.{key}")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, f"{path}.{index}")
+
+    walk({"model": checkpoint["model"], "optimizer": checkpoint["optimizer"]}, "")
+    return found

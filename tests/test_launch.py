@@ -67,6 +67,15 @@ def test_gloo_reports_every_outcome_of_a_run_where_a_rank_dies():
     assert [(reports[r].value, reports[r].error) for r in (0, 2)] == [(0, None), (2, None)]
 
 
+def _start_a_manager(rank, world_size):
+    with mp.get_context("spawn").Manager() as manager:  # what Megatron's torch_dist checkpoint writer starts
+        return manager.list([rank])[0]
+
+
+def test_a_rank_may_start_processes_of_its_own():
+    assert run_gloo(_start_a_manager, 2, timeout_s=120) == [0, 1]  # a daemonic rank may not
+
+
 def test_hang_ends_with_timeout():
     with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
         run_gloo(_hang_on_rank_zero, 2, timeout_s=10)

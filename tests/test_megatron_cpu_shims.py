@@ -69,3 +69,98 @@ def test_cpu_shims_patch_and_megatron_optimizer_steps():
     ok, grad_norm, weights = run_gloo(_check_shims, 1, timeout_s=120)[0]
     assert ok and abs(grad_norm - 4.0) < 1e-6
     assert all(abs(w - (1.0 - 0.5)) < 1e-6 for w in weights)  # w - lr * g * (1 / 4)
+
+
+def _resume_distributed_optimizer(rank, world_size, directory):
+    """Two Adam steps with Megatron's distributed optimizer, a checkpoint in both formats (`torch_dist`:
+    Megatron's dist_checkpointing with the sharding type `megatron.training` saves; `torch`: the state
+    dict plus the parameter-state file), each loaded into a fresh model and optimizer (other initial
+    weights), then one more step everywhere with the same gradient. Returns, per format, the names of the
+    tensors (weights, Adam's moments and step) that differ from the uninterrupted optimizer's after it."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hdp.megatron.cpu_shims import apply_cpu_shims
+
+    apply_cpu_shims()
+    ps.initialize_model_parallel(1, 1)
+
+    class Tiny(MegatronModule):
+        def __init__(self, start):
+            super().__init__(TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1))
+            self.w = torch.nn.Parameter(torch.arange(7.0) + start)
+            self.b = torch.nn.Parameter(torch.arange(5.0) - start)
+            self.c = torch.nn.Parameter(torch.arange(3.0) * start)  # DDP aligns each to 64: b, c on rank 0
+
+    def build(start):
+        tiny = Tiny(start)
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=True)
+        model = DistributedDataParallel(tiny.config, ddp, tiny)
+        config = OptimizerConfig(optimizer="adam", lr=0.1, weight_decay=0.01, bf16=False, clip_grad=0.0,
+                                 use_distributed_optimizer=True)
+        return tiny, model, get_megatron_optimizer(config, [model])
+
+    def step(tiny, model, optimizer, scale):
+        for param in (tiny.w, tiny.b, tiny.c):  # the same gradient on every rank: DP-averaged, it stays this one
+            param.main_grad.copy_(torch.linspace(-1.0, 1.0, param.numel()) * scale + torch.arange(param.numel()) * 0.1)
+        model.finish_grad_sync()
+        optimizer.step()
+
+    def state(tiny, optimizer):
+        inner = optimizer.chained_optimizers[0].optimizer
+        tensors = {name: param.detach().clone() for name, param in tiny.named_parameters()}
+        for index, param in enumerate(p for group in inner.param_groups for p in group["params"]):
+            for key, value in inner.state[param].items():
+                tensors[f"{index}.{key}"] = value.detach().clone().reshape(-1)
+        return tensors
+
+    tiny, model, optimizer = build(0.0)
+    step(tiny, model, optimizer, 1.0)
+    step(tiny, model, optimizer, -2.0)
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True}
+    sharded = {"model": tiny.sharded_state_dict()}
+    sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"], metadata=metadata)
+    dist_checkpointing.save(sharded, f"{directory}/torch_dist")
+    plain = {"model": tiny.state_dict(), "optimizer": optimizer.state_dict()}
+    optimizer.save_parameter_state(f"{directory}/distrib_optim.pt")
+    torch.distributed.barrier()
+
+    resumed = {}
+    for checkpoint in ("torch_dist", "torch"):
+        tiny2, model2, optimizer2 = build(10.0)
+        if checkpoint == "torch_dist":
+            sharded = {"model": tiny2.sharded_state_dict()}
+            sharded["optimizer"] = optimizer2.sharded_state_dict(sharded["model"], is_loading=True, metadata=metadata)
+            loaded = dist_checkpointing.load(sharded, f"{directory}/torch_dist")
+            tiny2.load_state_dict(loaded["model"])
+            optimizer2.load_state_dict(loaded["optimizer"])
+        else:
+            tiny2.load_state_dict(plain["model"])
+            optimizer2.load_state_dict(plain["optimizer"])
+            optimizer2.load_parameter_state(f"{directory}/distrib_optim.pt")
+        resumed[checkpoint] = (tiny2, model2, optimizer2)
+
+    step(tiny, model, optimizer, 3.0)
+    expected = state(tiny, optimizer)
+    differences = {}
+    for checkpoint, (tiny2, model2, optimizer2) in resumed.items():
+        step(tiny2, model2, optimizer2, 3.0)
+        got = state(tiny2, optimizer2)
+        assert got.keys() == expected.keys(), (checkpoint, got.keys(), expected.keys())
+        differences[checkpoint] = sorted(key for key in expected if not torch.equal(got[key], expected[key]))
+    ps.destroy_model_parallel()
+    return differences
+
+
+def test_the_distributed_optimizer_resumes_exactly_from_both_checkpoint_formats(tmp_path):
+    """Without patch 5 the `torch_dist` load stops at `assert len(steps) == 1` and the `torch` one at an
+    in-place copy into a view of a leaf; without its step handling the resumed Adam steps from step 0
+    (`torch_dist`) or stops at `KeyError: 'step'` (`torch`), or counts one step per parameter."""
+    (tmp_path / "torch_dist").mkdir()
+    for rank_differences in run_gloo(_resume_distributed_optimizer, 2, str(tmp_path), timeout_s=300):
+        assert rank_differences == {"torch_dist": [], "torch": []}

@@ -36,6 +36,23 @@ def test_runs_the_script_as_main_with_its_arguments(tmp_path):
     assert run.stdout.strip().splitlines()[-1] == f"['--a', '1'] {tmp_path}"
 
 
+def test_a_process_the_script_spawns_does_not_run_it_again(tmp_path):
+    """Megatron's torch_dist writer spawns a multiprocessing Manager in the script's process; a spawned child
+    re-runs the parent's main script unless it is marked main-only, and pretrain_gpt.py's imports fail there
+    on Python 3.11 (the Manager died: EOFError at every save)."""
+    script = tmp_path / "spawns.py"
+    script.write_text(
+        "import multiprocessing\n"
+        "if __name__ != '__main__':\n"
+        "    raise SystemExit('the script ran again in a spawned child')\n"
+        "with multiprocessing.get_context('spawn').Manager() as manager:\n"
+        "    print(manager.list([7])[0])\n")
+    run = subprocess.run([sys.executable, "-m", "megatron_hdp.harness.run_pretrain", str(script)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "7"
+
+
 def test_pipelines_get_per_microbatch_shapes():
     args, _ = parse_and_check(FLAGS + ["--pipeline-model-parallel-size", "2"], world_size=4)
     assert args.variable_seq_lengths is False  # Megatron's validate_args resets it

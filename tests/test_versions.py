@@ -83,3 +83,15 @@ def test_the_backend_api_checks_pass_on_this_torch():
 
     assert "window_size" in inspect.signature(varlen.varlen_attn).parameters
     assert hasattr(flex_attention, "AuxRequest")
+
+
+def test_setup_installs_what_megatron_cores_default_checkpoints_need():
+    """megatron-core's torch_dist writer (dist_checkpointing/strategies/filesystem_async.py) raises "psutil is
+    not installed" at every save, and megatron-core does not declare it: both of the Makefile's install
+    branches and setup.py install it (a fresh `make setup` could save no torch_dist checkpoint without)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    assert filesystem_async.HAVE_PSUTIL
+    assert "psutil" in _requirements()
+    branches = (ROOT / "Makefile").read_text().split("\telse \\")
+    assert len(branches) == 2 and all("psutil" in branch for branch in branches)

@@ -144,7 +144,8 @@ def gloo_reports(
         ctx.Process(
             target=_child,
             args=(fn, rank, world_size, port, args, kwargs, results, group_timeout_s, num_threads, env or {}),
-            daemon=True,
+            daemon=False,  # a rank may start processes of its own (Megatron's torch_dist checkpoint writer
+            # starts a multiprocessing Manager), which a daemonic process may not; `stop` ends every child
         )
         for rank in range(world_size)
     ]

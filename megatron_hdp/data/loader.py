@@ -171,8 +171,10 @@ class HDPDataLoader:
             raise ValueError(f"rank {rank} is outside the HDP domain of {num_ranks} ranks")
         self._cost_model = cost_model
         lengths = np.asarray(source.lengths, dtype=np.int64)
-        limit, why = self._length_limit(lengths, max_length, num_ranks=num_ranks, config=config,
-                                        cost_model=self.cost_model)
+        limit, why = self.sample_length_limit(lengths, max_length, num_ranks=num_ranks, config=config,
+                                              cost_model=self.cost_model)
+        self.length_limit = limit
+        """The longest sample this loader trains (None: no limit); longer ones were refused or truncated."""
         lengths = limit_lengths(lengths, max_length=limit, overlong=config.hdp_overlong_documents, why=why)
         tokens = config.hdp_global_batch_tokens
         if tokens is not None and global_batch_size is not None:
@@ -215,7 +217,7 @@ class HDPDataLoader:
         return self._cost_model() if callable(self._cost_model) else self._cost_model
 
     @staticmethod
-    def _length_limit(
+    def sample_length_limit(
         lengths: np.ndarray, max_length: Optional[int], *, num_ranks: int, config: HDPConfig, cost_model: CostModel
     ) -> tuple[Optional[int], str]:
         """The longest sample this run can train, and why: the model's `max_length`, and the longest

@@ -10,12 +10,13 @@ skips Megatron's `make` of the dataset helpers when `helpers_cpp` already import
 applies the CPU shims when CUDA is absent (`cpu_shims`) and then, under torchrun, starts the default
 process group with gloo (env:// rendezvous) unless one exists, puts the script's directory first on `sys.path`
 (as `python script.py` would, so `model_provider`, `gpt_builders` etc. import), and runs it as
-`__main__` with the remaining arguments as its `sys.argv`. On a machine with CUDA it changes nothing but
-the path and argv.
+`__main__` (main-only: processes it spawns do not re-run it) with the remaining arguments as its
+`sys.argv`. On a machine with CUDA it changes nothing but the path and argv.
 """
 
-import runpy
+import importlib.machinery
 import sys
+import types
 from pathlib import Path
 from typing import Optional
 
@@ -41,7 +42,28 @@ def run_script(script: str, argv: list[str]) -> None:
             dist.init_process_group("gloo")
     sys.path.insert(0, str(path.parent))
     sys.argv = [str(path), *argv]
-    runpy.run_path(str(path), run_name="__main__")
+    _run_as_main(path)
+
+
+def _run_as_main(path: Path) -> None:
+    """Run `path` as `__main__`, as `python path` would, marked as main-only code for multiprocessing.
+
+    Megatron's torch_dist checkpoint writer starts a multiprocessing Manager (a spawned process), and a
+    spawned child first re-runs its parent's main script, unless that module's `__spec__` is named
+    `__main__` (multiprocessing/spawn.py, `_fixup_main_from_name`: main-only code is not re-run).
+    `runpy.run_path` leaves `__spec__` None, so the child re-ran pretrain_gpt.py, whose imports of
+    megatron.training lack this process's set-up (Python 3.11's `typing.override`): the Manager died and
+    every torch_dist save failed with EOFError.
+    """
+    module = types.ModuleType("__main__")
+    module.__file__ = str(path)
+    module.__spec__ = importlib.machinery.ModuleSpec("__main__", None, origin=str(path))
+    previous = sys.modules["__main__"]
+    sys.modules["__main__"] = module
+    try:
+        exec(compile(path.read_bytes(), str(path), "exec"), module.__dict__)  # noqa: S102 - the user's script
+    finally:
+        sys.modules["__main__"] = previous
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -4,7 +4,8 @@ Megatron-Core assumes a GPU in a handful of places: tensors created with `device
 `torch.cuda.current_device()` (the loss-token counter of the schedules, the optimizer's scale and
 found-inf flags, grad-norm clipping, DDP's buffers), `torch.cuda.synchronize/current_stream`, and a CUDA
 RNG tracker. On a CPU build these raise "Torch not compiled with CUDA enabled". The patches below make
-them CPU operations and nothing else; with CUDA present `apply_cpu_shims()` does nothing.
+them CPU operations and nothing else; with CUDA present `apply_cpu_shims()` does nothing. Patch 5:
+the distributed optimizer's checkpoints with torch's own Adam (no TE or Apex) and fp32 parameters.
 
 Each patch is small and named after what it fixes; `apply_cpu_shims()` is idempotent and checks the
 Megatron-Core version it was written against.
@@ -178,6 +179,59 @@ def _patch_moe_split_sizes() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+def _patch_distributed_optimizer_checkpoints() -> None:
+    """Patch 5: Megatron's distributed optimizer resumes with torch's Adam (no TE/Apex: `HAVE_APEX_OR_TE`
+    False), `torch_dist` or `torch`; megatron-core 0.19.2 and 0.20, core/optimizer/distrib_optimizer.py:
+    a) `state_dict()` reads the step from each parameter's Adam state (`assert len(steps) == 1`, lines
+       837-839), which a fresh optimizer lacks: lent a step 0 per parameter for that call (the load's).
+    b) `_set_main_param_and_optimizer_states` (1193-1225) `copy_`s into fp32 main params, views of leaves,
+       in grad mode ("a view of a leaf Variable..."): run under `torch.no_grad()` as its fs_model_space
+       callers do; and it copies a saved per-parameter step that `torch_dist` does not persist (a fresh 0
+       returns) and `torch` lacks (KeyError): the step `load_state_dict` restored is kept.
+    c) `load_state_dict` shares one step tensor among all parameters (1028-1032) and Adam bumps it once per
+       parameter: each gets its own copy, as the HybridDeviceOptimizer branch does.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    optimizer_class = distrib_optimizer.DistributedOptimizer
+    if getattr(optimizer_class.state_dict, "_hdp_cpu_shim", False):
+        return
+    original_state_dict = optimizer_class.state_dict
+    original_set = optimizer_class._set_main_param_and_optimizer_states
+    original_load_state_dict = optimizer_class.load_state_dict
+
+    def state_dict(self: Any) -> dict:
+        inner = self.optimizer
+        if distrib_optimizer.HAVE_APEX_OR_TE or len(inner.state) > 0:
+            return original_state_dict(self)
+        try:  # a fresh torch Adam: a placeholder step on each parameter for this one call
+            inner.state.update({param: {"step": torch.tensor(0.0)} for group in inner.param_groups
+                                for param in group["params"]})
+            return original_state_dict(self)
+        finally:
+            inner.state.clear()
+
+    def set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: dict) -> None:
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        if "step" in state:  # restored from the param groups: copied onto itself, kept
+            tensors = {**tensors, "step": state["step"]}
+        with torch.no_grad():
+            original_set(self, model_param, tensors)
+
+    def load_state_dict(self: Any, state_dict: dict) -> None:
+        original_load_state_dict(self, state_dict)
+        for state in [] if distrib_optimizer.HAVE_APEX_OR_TE else self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].detach().clone()
+
+    for shim in (state_dict, set_main_param_and_optimizer_states, load_state_dict):
+        shim._hdp_cpu_shim = True  # type: ignore[attr-defined]
+    optimizer_class.state_dict = state_dict
+    optimizer_class._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+    optimizer_class.load_state_dict = load_state_dict
+
+
 def check_mcore_version() -> str:
     """The installed Megatron-Core version; a warning once when the shims were not tested against it."""
     from megatron.core import package_info
@@ -200,6 +254,7 @@ def apply_cpu_shims() -> bool:
     _patch_torch_cuda()
     _patch_rng_tracker()
     _patch_moe_split_sizes()
+    _patch_distributed_optimizer_checkpoints()
     mode = CudaDeviceToCpu()
     mode.__enter__()  # stays on the torch-function mode stack for the life of the process
     _APPLIED.append(mode)

@@ -163,6 +163,31 @@ class HDPCoreAttention(MegatronModule):
         )
 
 
+class HDPCoreAttentionForTE(HDPCoreAttention):
+    """`HDPCoreAttention` in the place of Megatron's `TEDotProductAttention`, with its checkpoint keys: an
+    empty `_extra_state` in the state dict (TE 2.x module/base.py `get_extra_state`, without FP8) and
+    nothing in the sharded one (Megatron's `sharded_state_dict` saves only a softmax offset, which HDP
+    refuses), so TE checkpoints move both ways in either format. A non-empty attention extra state (an FP8
+    run's, `torch` format) is refused rather than dropped from the next checkpoint without a word.
+    """
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            return
+        raise ValueError(
+            f"layer {self.layer_number}'s core_attention._extra_state in the checkpoint holds Transformer Engine's "
+            "FP8 state (an FP8 run saved with --ckpt-format torch), which HDP's attention would drop: convert the "
+            "checkpoint with plain Megatron (--ckpt-convert-format torch_dist, which leaves it out), or load it "
+            "without --hdp"
+        )
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+        return {}
+
+
 def get_gpt_layer_with_hdp_spec(*, backend: str = "local", **spec_kwargs: Any) -> ModuleSpec:
     """Megatron's GPT layer spec (`local` or `transformer_engine`) with HDP's attention (`with_hdp_attention`).
     `spec_kwargs` go to Megatron's spec function (num_experts, moe_grouped_gemm, qk_layernorm,
@@ -177,7 +202,7 @@ def get_gpt_layer_with_hdp_spec(*, backend: str = "local", **spec_kwargs: Any) -
         if not getattr(gpt_layer_specs, "HAVE_TE", False):
             raise ValueError("backend='transformer_engine' needs Transformer Engine installed; use backend='local'")
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
-    return with_hdp_attention(spec)
+    return with_hdp_attention(spec, transformer_engine=backend == "transformer_engine")
 
 
 def get_gpt_decoder_block_with_hdp_spec(
@@ -194,12 +219,13 @@ def get_gpt_decoder_block_with_hdp_spec(
     swapped: dict[int, ModuleSpec] = {}  # Megatron repeats one spec object per kind of layer
     for spec in block.layer_specs:
         if id(spec) not in swapped:
-            swapped[id(spec)] = with_hdp_attention(spec)
+            swapped[id(spec)] = with_hdp_attention(spec, transformer_engine=use_transformer_engine)
     return dataclasses.replace(block, layer_specs=[swapped[id(spec)] for spec in block.layer_specs])
 
 
-def with_hdp_attention(spec: ModuleSpec) -> ModuleSpec:
-    """A copy of Megatron's GPT layer spec `spec` with `HDPCoreAttention` as its `core_attention`, with
+def with_hdp_attention(spec: ModuleSpec, *, transformer_engine: bool) -> ModuleSpec:
+    """A copy of Megatron's GPT layer spec `spec` with `HDPCoreAttention` as its `core_attention`
+    (`HDPCoreAttentionForTE` in a `transformer_engine` spec: TEDotProductAttention's checkpoint keys), with
     `HDPMLASelfAttention` (`megatron/mla.py`) for a multi-latent `MLASelfAttention` (the same submodules
     and parameter names: only the class of the module changes), and the per-document MoE router."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -215,7 +241,8 @@ def with_hdp_attention(spec: ModuleSpec) -> ModuleSpec:
             raise ValueError(
                 f"HDP runs Megatron's MLASelfAttention, not {attention.module.__name__}; drop --mla-down-proj-fusion"
             )
-    attention.submodules = dataclasses.replace(attention.submodules, core_attention=HDPCoreAttention)
+    leaf = HDPCoreAttentionForTE if transformer_engine else HDPCoreAttention  # the checkpoint keys it replaces
+    attention.submodules = dataclasses.replace(attention.submodules, core_attention=leaf)
     return with_document_aux_loss_router(spec)
 
 

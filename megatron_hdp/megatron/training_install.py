@@ -2,8 +2,9 @@
 
 Call it once, after `parse_and_validate_args` and before the model config is built from `args`
 (`examples/pretrain_gpt_hdp.py` and the patched `pretrain_gpt.py` do). Without `--hdp` it only checks
-the flags. With `--hdp` it changes eight names, each in `megatron.training.training`'s namespace, each
-a thin wrapper around Megatron's own function (the whole monkeypatch surface, in call order):
+the flags. With `--hdp` it changes nine names: `args.spec`, seven in `megatron.training.training`'s namespace
+and one in `megatron.training.checkpointing`'s, each a thin wrapper around Megatron's own function (the
+whole monkeypatch surface, in call order):
 
 1. `args.spec`: the GPT layer spec is Megatron's with `HDPCoreAttention` as its `core_attention` leaf.
 2. `setup_model_and_optimizer`: after Megatron builds (and DDP-wraps) the model, `prepare_model_for_hdp`
@@ -27,6 +28,8 @@ a thin wrapper around Megatron's own function (the whole monkeypatch surface, in
    steps refit the cost model the loaders plan with (`HDPRuntime.learn`).
 6. `consume_seqlen_stats_in_iteration`: the plan's real tokens and sum of s^2 for Megatron's FLOPs.
 7. `save_checkpoint`: with --hdp-online-refit, the learned cost model is written next to each checkpoint.
+8. `checkpointing._load_base_checkpoint` (`resume_check`): a resume may change the pool's size, not TP,
+   PP, EP or the documents' lengths (`data/resume.py`).
 
 With PP > 1 it also sets `args.variable_seq_lengths` before the model config is built from `args`
 (`_pipeline_shapes_per_microbatch`): the tensors between stages take each micro-batch's length.
@@ -36,7 +39,7 @@ refit) is one `HDPRuntime`, built by install() and closed over by each wrapper; 
 `megatron.training.training` is the only process-wide state (`installed()` reads the runtime from it).
 
 Anything else Megatron does (optimizer, DDP gradient reduction over the data-parallel group = the HDP
-domain, checkpoints, LR schedule) is unchanged.
+domain, checkpoints, LR schedule) is unchanged; an HDP model's checkpoint has plain Megatron's keys.
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ from megatron_hdp.comm.telemetry import (
 )
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.data.loader import HDPDataLoader, HDPStep
+from megatron_hdp.data.resume import truncation_change
 from megatron_hdp.megatron.args import token_multiple, validate_hdp_args
+from megatron_hdp.megatron.resume_check import wrap_load_base_checkpoint
 from megatron_hdp.megatron.training_compat import check_megatron_version, require_megatron_training
 from megatron_hdp.offload import ActivationOffloader, OffloadConfig, OffloadStats
 from megatron_hdp.plan.cost_model import CostModel
@@ -88,6 +93,8 @@ class HDPRuntime:
     """OffloadStats of the last training step on this rank."""
     plans: dict[int, StepPlan] = field(default_factory=dict)
     """Plans of measured steps the refit has not seen yet, by iteration."""
+    checkpoint_args: Any = None
+    """The saved arguments of the checkpoint --load read (None: none), for the loader's resume check."""
 
     def current_cost_model(self) -> CostModel:
         """The cost model to plan the next step with (what the loaders call)."""
@@ -274,6 +281,9 @@ def _build_data_loader(original: Callable, runtime: HDPRuntime) -> Callable:
         loader = build_hdp_data_loader(dataset, consumed_samples, cost_model=runtime.current_cost_model,
                                        max_length=get_args().seq_length)
         if loader is not None:
+            problem = truncation_change(loader, runtime.checkpoint_args)
+            if problem:
+                raise ValueError(problem)
             runtime.loaders.append(loader)
         return loader
 
@@ -541,5 +551,6 @@ def install(args: Optional[Namespace] = None) -> Optional[HDPConfig]:
         wrapped._hdp_original = original  # type: ignore[attr-defined]
         setattr(training, name, wrapped)
     training.get_forward_backward_func._hdp_runtime = runtime  # type: ignore[attr-defined]
+    wrap_load_base_checkpoint(runtime)
     logger.info("HDP installed into megatron.training: %s", config)
     return config
