@@ -211,7 +211,8 @@ def run_pretrain(
 
     env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # TP > 1 needs it
     return run_gloo(pretrain_rank, world_size, argv, reference_plans, 0, None if script is None else str(script),
-                    tuple(python_path), record_weights, timeout_s=timeout_s, env=env)
+                    tuple(python_path), record_weights, timeout_s=timeout_s, env=env,
+                    fresh_interpreter=bool(python_path))  # a checkout's megatron, not the preloaded wheel's
 
 
 def logged_losses(run: list[dict]) -> list[float]:

@@ -35,18 +35,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-PRELOADED_MODULES = ("torch", "torch.distributed", "megatron.core", "megatron_hdp.megatron.step")
+PRELOADED_MODULES = ["torch", "torch.distributed"]
 """What the fork server imports once, so that each child starts from them instead of importing them
-again: ~10 s of CPU per child on a 2-core host (torch ~4 s, megatron-core ~5 s), most of a short
-multi-rank test's time. A module that is not installed is skipped (the planner runs without Megatron)."""
+again (torch alone is ~4 s of CPU per child on a 2-core host). `preload_in_children` adds more."""
 
 
-def _context(env: dict[str, str] | None) -> Any:
-    """The multiprocessing context the children start from. Without `env`: children fork from one
-    server that has imported `PRELOADED_MODULES` (nothing else: no CUDA, no process group, no state of
-    the caller), so each starts as a spawned child would after those imports. With `env` (variables that
-    must be set before torch is imported): a fresh interpreter per child."""
-    if env:
+def preload_in_children(*modules: str) -> None:
+    """Have the fork server import `modules` too (a module that is not installed is skipped). A layer
+    above this one names its heavy imports here (the tests and the CLI name megatron-core and the
+    integration, ~5 s of CPU per child): it takes effect if called before this process's first launch,
+    which starts the server."""
+    PRELOADED_MODULES.extend(module for module in modules if module not in PRELOADED_MODULES)
+
+
+def _context(fresh_interpreter: bool) -> Any:
+    """The multiprocessing context the children start from. By default children fork from one server
+    that has imported `PRELOADED_MODULES` (nothing else: no CUDA, no process group, no state of the
+    caller), so each starts as a spawned child would after those imports. `fresh_interpreter`: a new
+    interpreter per child, for children that must import something else under those modules' names (a
+    Megatron-LM checkout's `megatron`) or set a variable that torch reads when it is imported."""
+    if fresh_interpreter:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOADED_MODULES))
@@ -85,16 +93,19 @@ def run_gloo(
     timeout_s: float = 120.0,
     num_threads: int = 1,
     env: dict[str, str] | None = None,
+    fresh_interpreter: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return values by rank.
 
     `fn` and its arguments must be picklable (module-level function). `env` is applied in each child
-    before torch is imported there. The first rank to fail (raise, or die without a result) fails the run.
+    before `fn` runs (torch and Megatron are imported by then unless `fresh_interpreter`: see
+    `_context`). The first rank to fail (raise, or die without a result) fails the run.
     """
     values: dict[int, Any] = {}
     with contextlib.closing(gloo_reports(fn, world_size, *args, timeout_s=timeout_s, num_threads=num_threads,
-                                         env=env, **kwargs)) as reports:  # closed: the children stop now
+                                         env=env, fresh_interpreter=fresh_interpreter,
+                                         **kwargs)) as reports:  # closed: the children stop now
         for report in reports:
             if report.error is not None:
                 raise RankFailed(f"rank {report.rank} failed:\n{report.error}")
@@ -126,17 +137,18 @@ def gloo_reports(
     num_threads: int = 1,
     env: dict[str, str] | None = None,
     group_timeout_s: Optional[float] = None,
+    fresh_interpreter: bool = False,
     **kwargs: Any,
 ) -> Iterator[RankReport]:
     """Start `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks and yield each rank's
     `RankReport` as it comes (a value, a traceback, or a death without a result). Ends when every rank
     has reported or after `timeout_s`; either way every child is stopped (killed after a grace period)
     when the iteration ends or is abandoned. `group_timeout_s` bounds each collective's wait in the
-    children (default `timeout_s`).
+    children (default `timeout_s`); `env` and `fresh_interpreter` as for `run_gloo`.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = _context(env)
+    ctx = _context(fresh_interpreter)
     results = ctx.Queue()
     port = free_port()
     group_timeout_s = timeout_s if group_timeout_s is None else group_timeout_s
