@@ -192,6 +192,7 @@ def _base_cost_model(args: Namespace, config: HDPConfig) -> CostModel:
         num_experts=args.num_experts or 0,
         moe_router_topk=args.moe_router_topk,
         gated_mlp=args.swiglu,
+        mtp_num_layers=args.mtp_num_layers or 0,
     )
     return analytic_cost_model(
         shape, "h100", tp_size=args.tensor_model_parallel_size,

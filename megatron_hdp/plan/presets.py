@@ -8,6 +8,16 @@ A100-class GPUs. Analytic FLOPs per token per layer (forward; training = 3x):
 
 plus the LM head 2 * h * vocab per token, spread over the layers. Activations (bf16, flash attention, no
 recompute, sequence parallel over TP) keep ~ 2 * (6h + 2kv + 4ffn * top_k) bytes per token per layer.
+
+Multi-token prediction of depth D (`mtp_num_layers`, DeepSeek-V3's MTP as Megatron builds it) adds D
+transformer layers like the decoder's last (attention and MLP or MoE), each with its projection of the
+concatenated [embedding; hidden state] (2h -> h) and three norms, and D more LM heads (one per depth on
+the same weights): per token 2 * (2h^2 + 3h) + 2 * h * vocab per depth on top of a layer's linear FLOPs,
+the same per-layer counts Megatron's `num_floating_point_operations` uses. Each MTP layer keeps a layer's
+activations plus its projection's input (2h per token). The cost model stays per decoder layer, so the
+MTP work is spread over the L decoder layers like the LM head: exact for a whole step without pipeline
+parallelism; with PP Megatron puts the MTP block on the last stage, which the per-stage share
+under-counts unless the layout moves decoder layers off that stage.
 """
 
 from __future__ import annotations
@@ -30,6 +40,13 @@ class ModelShape:
     num_experts: int = 0
     moe_router_topk: int = 1
     gated_mlp: bool = True
+    mtp_num_layers: int = 0
+    """Multi-token prediction depth D (Megatron's --mtp-num-layers; 0: none): D extra transformer layers,
+    projections and LM-head passes per token (module docstring)."""
+
+    def __post_init__(self) -> None:
+        if self.mtp_num_layers < 0:
+            raise ValueError(f"mtp_num_layers must be >= 0, got {self.mtp_num_layers}")
 
     @property
     def kv_channels(self) -> int:
@@ -46,7 +63,8 @@ class ModelShape:
         h, kv, ffn = self.hidden_size, self.kv_channels, self.ffn_hidden_size
         mlp = (3 if self.gated_mlp else 2) * h * ffn * max(1, self.num_experts)
         layer = h * (h + 2 * kv) + h * h + mlp + 2 * h
-        return self.num_layers * layer + 2 * self.vocab_size * h
+        mtp_layer = layer + 2 * h * h + 3 * h  # its projection and norms; embedding and head are shared
+        return self.num_layers * layer + self.mtp_num_layers * mtp_layer + 2 * self.vocab_size * h
 
 
 @dataclass(frozen=True)
@@ -127,15 +145,18 @@ def analytic_cost_model(
         raise ValueError(f"tp_size must be positive, got {tp_size}")
     h, kv, ffn, experts = shape.hidden_size, shape.kv_channels, shape.ffn_hidden_size, shape.active_experts
     n_mlp = 3 if shape.gated_mlp else 2
-    linear_flops = 2 * (h * (h + 2 * kv) + h * h + n_mlp * h * ffn * experts)
-    linear_flops += 2 * h * shape.vocab_size / shape.num_layers
-    attention_flops = 2 * h  # per token^2 of a whole causal document
+    layers, depth = shape.num_layers, shape.mtp_num_layers
+    per_layer = (layers + depth) / layers  # MTP's transformer layers, spread over the decoder's (docstring)
+    linear_flops = 2 * (h * (h + 2 * kv) + h * h + n_mlp * h * ffn * experts) * per_layer
+    linear_flops += (depth * 2 * (2 * h * h + 3 * h) + (1 + depth) * 2 * h * shape.vocab_size) / layers
+    attention_flops = 2 * h * per_layer  # per token^2 of a whole causal document
     if recompute_granularity not in RECOMPUTE_GRANULARITIES:
         raise ValueError(f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got {recompute_granularity!r}")
     training = 3.0  # forward + backward
     attention_training = training + (recompute_granularity != "none")
     linear_training = training + (recompute_granularity == "full")
     kept = h if recompute_granularity == "full" else 6 * h + 2 * kv + 4 * ffn * experts
+    kept = kept * per_layer + depth * 2 * h / layers  # each MTP layer also keeps its projection's input
     return CostModel(
         a1=attention_training * attention_flops / tp_size / (hw.peak_flops * hw.attention_efficiency),
         b1=linear_training * linear_flops / tp_size / (hw.peak_flops * hw.efficiency),
