@@ -36,6 +36,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hdp.attention.core_attention import HDPBatchMeta, hdp_core_attention
 from megatron_hdp.megatron.moe_aux_loss import install_document_hook, with_document_aux_loss_router
+from megatron_hdp.data.mtp_shift import MTPRolls
+from megatron_hdp.megatron.mtp import install_roll
 from megatron_hdp.megatron.options import check_config
 
 logger = logging.getLogger(__name__)
@@ -45,9 +47,11 @@ BACKENDS = ("local", "transformer_engine")
 
 @dataclass
 class HDPPackedSeqParams(PackedSeqParams):
-    """Megatron's THD parameters plus the HDP metadata of the micro-batch (rings, positions)."""
+    """Megatron's THD parameters plus the HDP metadata of the micro-batch (rings, positions) and, for a
+    model with multi-token prediction, what each of its rolls gives (`megatron/mtp.py`)."""
 
     hdp: Optional[HDPBatchMeta] = None
+    mtp_rolls: Optional[MTPRolls] = None
 
 
 def rope_angles(rotary: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
@@ -187,8 +191,21 @@ def model_windows(model: torch.nn.Module) -> tuple[Optional[int], ...]:
     return tuple(sorted(windows, key=lambda w: -1 if w is None else w)) or (None,)
 
 
+def _check_mtp_attention(model: torch.nn.Module) -> None:
+    """ValueError unless every MTP layer of `model` attends with HDP's core attention (Megatron-LM's model
+    builders build the MTP block from the stock layer specs: `megatron/mtp.py`)."""
+    mtp = getattr(model, "mtp", None)
+    for layer in getattr(mtp, "layers", ()):
+        if not hdp_core_attention_modules(layer):
+            raise ValueError(
+                "an MTP layer of the model has Megatron's own core attention, which cannot run HDP's packed "
+                "documents and rings: build the MTP block with megatron_hdp.megatron.mtp.mtp_block_spec_of"
+            )
+
+
 def prepare_model_for_hdp(model: torch.nn.Module) -> torch.nn.Module:
-    """Move RoPE of a GPTModel built with the HDP spec into its HDP core attention (per-token positions).
+    """Move RoPE of a GPTModel built with the HDP spec into its HDP core attention (per-token positions),
+    its MTP layers' included; with multi-token prediction, install HDP's MTP roll (`megatron/mtp.py`).
 
     Call once after building each model chunk (before wrapping it in DDP). ValueError when the model has
     no HDP core attention or uses a position embedding HDP cannot shard (yarn, mrope, partial no-rope).
@@ -211,6 +228,9 @@ def prepare_model_for_hdp(model: torch.nn.Module) -> torch.nn.Module:
             "set it to 1 (the HDP domain is Megatron's data-parallel group)"
         )
     install_document_hook(model)
+    if getattr(model.config, "mtp_num_layers", None):
+        _check_mtp_attention(model)
+        install_roll()  # the MTP block's rolls come from the loader (megatron/mtp.py)
     rotary = getattr(model, "rotary_pos_emb", None) if kind == "rope" else None
     for core in cores:
         core.set_rotary(rotary)

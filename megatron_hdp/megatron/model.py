@@ -18,6 +18,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hdp.megatron.layer_spec import get_gpt_layer_with_hdp_spec, prepare_model_for_hdp
+from megatron_hdp.megatron.mtp import mtp_block_spec_of
 
 
 def transformer_config(**fields: Any) -> TransformerConfig:
@@ -52,13 +53,16 @@ def build_gpt(
     """GPTModel for this rank's pipeline stage (model chunk `vp_stage` of it with virtual pipeline
     stages): with the HDP core attention (`hdp=True`) or Megatron's stock local spec (the reference).
     RoPE either way; untied embedding and output weights. `transformer_layer_spec` replaces the spec (a
-    layer or block spec, e.g. with other norms)."""
+    layer or block spec, e.g. with other norms). With `config.mtp_num_layers` the model has Megatron's
+    multi-token prediction block, its layers built like the decoder's (`mtp.mtp_block_spec_of`: with HDP
+    core attention under `hdp=True`)."""
     spec_kwargs = dict(num_experts=config.num_moe_experts, normalization=config.normalization)
     spec = get_gpt_layer_with_hdp_spec(**spec_kwargs) if hdp else get_gpt_layer_local_spec(**spec_kwargs)
     spec = transformer_layer_spec or spec
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
+        mtp_block_spec=mtp_block_spec_of(config, spec, vp_stage=vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
