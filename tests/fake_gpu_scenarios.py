@@ -37,12 +37,14 @@ def _read_tokens(seq: int, start: int, end: int) -> np.ndarray:
 
 
 
-def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: bool = False):
+def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: bool = False, mtp_depth: int = 0):
     """Two HDP steps (collate -> forward -> backward -> finalize -> optimizer -> stats) of a tiny bf16
     GPTModel with the HDP spec, torch varlen attention and offloading, as HDP rank `me` of 2 (PP=1: a
     ring between both ranks plus whole documents; rank 0 runs two micro-batches, rank 1 one) or as PP
     stage `me` of 2 (PP=2). `fp8_recipe` turns on Megatron's FP8 (TE's collectives stood in for by
-    `fake_te_fp8`). Returns the harness's `HostAndDevice` mode with the second step's copies."""
+    `fake_te_fp8`); `mtp_depth` Megatron's multi-token prediction (its layers on the same rings, its
+    rolls answered from the micro-batch). Returns the harness's `HostAndDevice` mode with the second
+    step's copies."""
     import torch
     import fake_gpu
 
@@ -62,7 +64,7 @@ def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: 
         _peer_stage_sends_shape((PP_TOKENS, 1, 64))
     config = tiny_llama_config(num_layers=4)
     config.bf16, config.params_dtype, config.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
-    config.use_cpu_initialization = False
+    config.use_cpu_initialization, config.mtp_num_layers = False, mtp_depth or None
     if fp8_recipe:
         import fake_te_fp8
 
@@ -105,11 +107,17 @@ def _assert_no_blocking_transfer_copies(mode) -> None:
     assert not blocking, (f"{len(blocking)} blocking host-to-device copies between a micro-batch's transfer and "
                           f"its backward: {[(c['where'], c['bytes']) for c in blocking[:4]]}")
 
-def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
+def hdp_step(pp_size: str = "1", rank: str = "0", mtp_depth: str = "0") -> None:
     """`_run_hdp_steps` as global rank `rank` of 2, then the step's host-to-device copies checked."""
     import fake_gpu
 
-    mode = _run_hdp_steps(int(pp_size), int(rank))
+    mode = _run_hdp_steps(int(pp_size), int(rank), mtp_depth=int(mtp_depth))
+    if int(mtp_depth):
+        from megatron.core.transformer import multi_token_prediction
+
+        rolls = multi_token_prediction.roll_tensor
+        assert hasattr(rolls, "_hdp_original"), "the MTP block rolled with Megatron's own roll_tensor"
+        print(f"multi-token prediction of depth {mtp_depth}: rolls answered from the micro-batches")
     _assert_no_pageable_copies_in_layers(mode)
     batch_copies = [c for c in mode.h2d if "collate.py" in c["where"]]
     assert batch_copies and all(c["pinned"] and c["non_blocking"] for c in batch_copies), batch_copies

@@ -3,7 +3,8 @@ pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron
 
 - `TINY`: a tiny GPT's Megatron flags (CPU, gloo, per-token loss, no fusions) without data flags.
 - `pretrain_rank(rank, world_size, argv, reference_plans=None)`: one rank of a run (for `run_gloo`);
-  returns the losses, HDP statistics and consumed-sample counts Megatron logged per step. With
+  returns the losses, HDP statistics, consumed-sample counts and MTP losses Megatron logged per step, and
+  the class of each MTP layer's core attention. With
   `reference_plans=(plans_dir, data_prefix)` the run trains plain Megatron on `PlannedPiecesDataset`.
 - `run_pretrain(argv, world_size=4, script=None, python_path=(), reference_plans=None)`: a whole run on
   gloo ranks (`pretrain_rank` on each); `python_path` goes first on each rank's `sys.path` (a Megatron-LM
@@ -126,8 +127,11 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
     if reference_plans is not None:
         pretrain_gpt_hdp.datasets_provider = functools.partial(_planned_pieces_provider, *reference_plans)
 
-    losses, stats, consumed = [], [], []
+    losses, stats, consumed, mtp, mtp_attention = [], [], [], [], []
     original = training.training_log
+    _mtp_without_transformer_engine()
+    _record_mtp_log(mtp)
+    _record_mtp_attention(training, mtp_attention)
 
     def recording_training_log(loss_dict, *args, **kwargs):
         if "lm loss" in loss_dict:
@@ -143,7 +147,54 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
         from megatron_hdp.harness.run_pretrain import run_script
 
         run_script(script, argv)
-    return {"losses": losses, "stats": stats, "consumed": consumed}
+    return {"losses": losses, "stats": stats, "consumed": consumed, "mtp": mtp, "mtp_attention": mtp_attention}
+
+
+def _record_mtp_attention(training, names: list) -> None:
+    """Append to `names` the class of every MTP layer's core attention of the model Megatron builds."""
+    from megatron.core.utils import unwrap_model
+
+    original = training.setup_model_and_optimizer
+
+    def setup_model_and_optimizer(*args, **kwargs):
+        model, optimizer, scheduler = original(*args, **kwargs)
+        for chunk in model:
+            for layer in getattr(getattr(unwrap_model(chunk), "mtp", None), "layers", ()):
+                names.append(type(layer.mtp_model_layer.self_attention.core_attention).__name__)
+        return model, optimizer, scheduler
+
+    training.setup_model_and_optimizer = setup_model_and_optimizer
+
+
+def _mtp_without_transformer_engine() -> None:
+    """Megatron-LM main's MTP layer asks `is_inference_column_parallel_linear(eh_proj)`, an isinstance over
+    TE's inference linear classes, which are Mocks when Transformer Engine is not installed: a TypeError
+    that stops plain Megatron as well as --hdp from building an MTP block on this CPU machine. Without TE
+    no module can be such a linear, so the answer is False (the tag core_v0.19.0 has no such check)."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    try:
+        from megatron.core.tensor_parallel.inference_layers import HAVE_TE
+    except ImportError:
+        return
+    if not HAVE_TE and hasattr(mtp, "is_inference_column_parallel_linear"):
+        mtp.is_inference_column_parallel_linear = lambda module: False
+
+
+def _record_mtp_log(records: list) -> None:
+    """Append to `records`, per training step, the `mtp_k loss` values Megatron logs (empty without MTP)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    original = MTPLossLoggingHelper.track_mtp_metrics
+
+    def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
+        logged: dict = {}
+        original(loss_scale, iteration, writer, wandb_writer, logged)
+        records.append({name: float(value) for name, value in logged.items()})
+        for name, value in logged.items():
+            total_loss_dict[name] = total_loss_dict.get(name, 0) + value
+
+    MTPLossLoggingHelper.track_mtp_metrics = staticmethod(track_mtp_metrics)
 
 
 def run_pretrain(

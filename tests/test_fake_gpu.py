@@ -17,6 +17,8 @@ and it patches torch.cuda for the life of the process). What they catch, before 
 * the `install()` path (`install_step`): micro-batches handed to Megatron's schedule from pageable
   memory, ring plans (cu_seqlens, row indices) first copied to the GPU inside a layer whenever the
   documents change, and the telemetry gather putting a CPU tensor into an NCCL all-gather;
+* multi-token prediction (`hdp_step` at PP=1): the MTP layer's attention on the ring, its rolls answered
+  from the micro-batch's own (pinned, non-blocking) tensors, Megatron's MTP loss and log on the device;
 * sliding windows (`window_ring`, 4 played ranks, P2P matched across them by `fake_gpu.p2p_problems`):
   flex's window mask copying each ring piece's shifts from the host inside the first windowed layer.
 """
@@ -80,14 +82,16 @@ def test_harness_enforces_nccl_and_device_rules(guard_library):
     assert "scenario harness_rules: ok" in _run(guard_library, "harness_rules")
 
 
-@pytest.mark.parametrize("pp_size,rank", [("1", "0"), ("1", "1"), ("2", "0"), ("2", "1")])
-def test_hdp_step_on_fake_gpu(guard_library, pp_size, rank):
+@pytest.mark.parametrize("pp_size,rank,mtp_depth", [("1", "0", "1"), ("1", "1", "1"), ("2", "0", "0"), ("2", "1", "0")])
+def test_hdp_step_on_fake_gpu(guard_library, pp_size, rank, mtp_depth):
     """Two HDP steps as global rank `rank` of 2 of a bf16 GPTModel with the HDP spec, torch varlen
     attention, activation offloading, Megatron DDP and optimizer: PP=1 (HDP rank of 2, a ring over both
-    ranks and whole documents) and PP=2 (one pipeline stage). No blocking host-to-device copy between a
+    ranks and whole documents, and a multi-token prediction layer attending on the same ring, its rolls
+    from the micro-batch) and PP=2 (one pipeline stage). No blocking host-to-device copy between a
     micro-batch's own transfer and its backward (issue 21 item 7: cu_seqlens, ring row indices)."""
-    output = _run(guard_library, "hdp_step", pp_size, rank)
+    output = _run(guard_library, "hdp_step", pp_size, rank, mtp_depth)
     assert "of micro-batch tensors (pinned, non-blocking)" in output
+    assert ("rolls answered from the micro-batches" in output) == (mtp_depth != "0")
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])

@@ -17,8 +17,8 @@ import torch
 
 from megatron_hdp.attention.core_attention import HDPBatchMeta
 from megatron_hdp.data.collate import PackedMicroBatch
-from megatron_hdp.megatron.layer_spec import HDPPackedSeqParams, model_windows
 from megatron_hdp.data.mtp_shift import MTPRolls
+from megatron_hdp.megatron.layer_spec import HDPPackedSeqParams, model_windows
 from megatron_hdp.offload.offloader import ActivationOffloader
 
 

@@ -35,8 +35,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hdp.attention.core_attention import HDPBatchMeta, hdp_core_attention
-from megatron_hdp.megatron.moe_aux_loss import install_document_hook, with_document_aux_loss_router
 from megatron_hdp.data.mtp_shift import MTPRolls
+from megatron_hdp.megatron.moe_aux_loss import install_document_hook, with_document_aux_loss_router
 from megatron_hdp.megatron.mtp import install_roll
 from megatron_hdp.megatron.options import check_config
 

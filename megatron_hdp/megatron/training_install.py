@@ -2,9 +2,9 @@
 
 Call it once, after `parse_and_validate_args` and before the model config is built from `args`
 (`examples/pretrain_gpt_hdp.py` and the patched `pretrain_gpt.py` do). Without `--hdp` it only checks
-the flags. With `--hdp` it changes eight names, seven in `megatron.training.training`'s namespace and one in
-`megatron.training.models.gpt`'s, each a thin wrapper around Megatron's own function (the whole
-monkeypatch surface, in call order):
+the flags. With `--hdp` it changes nine names: `args.spec`, seven in `megatron.training.training`'s
+namespace and one in `megatron.training.models.gpt`'s, each a thin wrapper around Megatron's own function
+(the whole monkeypatch surface, in call order):
 
 1. `args.spec`: the GPT layer spec is Megatron's with `HDPCoreAttention` as its `core_attention` leaf.
 2. `setup_model_and_optimizer`: after Megatron builds (and DDP-wraps) the model, `prepare_model_for_hdp`
