@@ -148,7 +148,10 @@ def test_cuda_sinks_local_and_ring(dtype, backend, kind, ring_size, window):
         pytest.skip(str(problem))
     got = [out, *torch.autograd.grad(out, leaves, dout)]
     for name, g, w in zip(("out", "dq", "dk", "dv", "dsink"), got, want):
-        tol = _tol(dtype)
+        # half precision: atol 3e-2. On an H200 (torch 2.11) flex at bf16 once reached 0.024 on a dq/dk element
+        # of 0.06 that the next run of the same inputs met within 0.02 (its compiled backward is not
+        # deterministic), and the sink rounds each row's output once more (out' in the input dtype)
+        tol = _tol(dtype) if dtype == torch.float32 else dict(rtol=2e-2, atol=3e-2)
         if name == "dsink":
             tol = dict(tol, atol=tol["atol"] * max(1.0, float(w.abs().max())))
         torch.testing.assert_close(g.double(), w, **tol, msg=lambda m: f"{backend} {kind} window {window} {name}: {m}")
