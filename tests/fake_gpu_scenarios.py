@@ -199,7 +199,9 @@ another order, whole documents, and ranks with 1 or 2 micro-batches."""
 
 
 def window_ring(rank: str, log_path: str) -> None:
-    """Two HDP steps of a bf16 GPTModel with a causal sliding window on its first layer (Megatron's
+    """Two HDP steps of a bf16 GPTModel with gpt-oss's attention: a learnable sink on every layer
+    (`softmax_type="learnable"`: Megatron's `softmax_offset` parameter, applied after each ring's merge, its
+    gradient reduced by DDP) and a causal sliding window on its first layer (Megatron's
     `window_size=(WINDOW, 0)`, `window_attn_skip_freq=2`: layer 2 is full causal, so both the direct
     windowed ring and the neighbour relay run in every step), attention backend "auto" (whole documents
     and aligned ring pieces on torch varlen, ring pieces at offsets on flex), as HDP rank `rank` of
@@ -225,11 +227,13 @@ def window_ring(rank: str, log_path: str) -> None:
 
     state = initialize_hdp()
     config = dataclasses.replace(
-        tiny_llama_config(num_layers=2), window_size=(WINDOW, 0), window_attn_skip_freq=2,
+        tiny_llama_config(num_layers=2), window_size=(WINDOW, 0), window_attn_skip_freq=2, softmax_type="learnable",
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, use_cpu_initialization=False,
     )
     with torch.device("cuda"):
         model = build_gpt(config, vocab_size=VOCAB, max_sequence_length=64)
+    sinks = [p for name, p in model.named_parameters() if name.endswith("core_attention.softmax_offset")]
+    assert len(sinks) == 2 and all(p.device.type == "cuda" for p in sinks), "a sink parameter per layer, on the GPU"
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0), [ddp])
     trainer = HDPTrainer(model=ddp, optimizer=optimizer, state=state, backend="auto")

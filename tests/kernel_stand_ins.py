@@ -61,20 +61,25 @@ def segment_attention(q, k, v, segments: Segments, causal: bool, scale: float, w
 
 
 def check_backend_in_ring(backend: str, label: str) -> None:
-    """`backend` alone (ring of 1) and in a ring of 3, causal and not, GQA, against the float64 reference."""
+    """`backend` alone (ring of 1) and in a ring of 3, causal and not, GQA, with no sink, the off-by-one
+    sink and a learnable one (Megatron's softmax_type), against the float64 reference."""
     seqlens = [1, 5, 12, 23]
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(sum(seqlens), h, 8, generator=gen) for h in (4, 2, 2, 4))
-    for causal in (True, False):
-        want = reference_with_grads(q, k, v, dout, seqlens, causal=causal, scale=0.3)
+    sinks = {"vanilla": None, "off-by-one": torch.zeros(4), "learnable": torch.randn(4, generator=gen)}
+    for causal, kind in [(True, kind) for kind in sinks] + [(False, "vanilla")]:  # sinks with the causal mask
+        sink = sinks[kind]
+        want = reference_with_grads(q, k, v, dout, seqlens, causal=causal, scale=0.3, sink=sink)
         for ring_size in (1, 3):
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            leaves += [] if sink is None else [sink.clone().requires_grad_()]
             out = simulated_ring_attention(
-                *leaves, seqlens=seqlens, ring_size=ring_size, causal=causal, softmax_scale=0.3, backend=backend
+                *leaves[:3], seqlens=seqlens, ring_size=ring_size, causal=causal, softmax_scale=0.3, backend=backend,
+                sink=leaves[3] if sink is not None else None,
             )
             got = [out, *torch.autograd.grad(out, leaves, dout)]
-            for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-                where = f"{label} causal={causal} ring={ring_size} {name}"
+            for name, g, w in zip(("out", "dq", "dk", "dv", "dsink"), got, want):
+                where = f"{label} causal={causal} {kind} ring={ring_size} {name}"
                 torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=lambda m: f"{where}: {m}")
 
 

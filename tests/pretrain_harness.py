@@ -19,6 +19,8 @@ pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron
   computes each document as its own sequence: HDP's loss, by an independent path.
 - `expected_pieces(raw_lengths, seq_length)`: (document, offset, length) of every piece of every
   document, by the documented cutting rule, written out independently of the package.
+- `megatron_lm_checkout()` / `patched_pretrain_gpt(root, where)`: the Megatron-LM checkout MEGATRON_LM_DIR
+  names (None when unset; skip when it cannot train) and its pretrain_gpt.py with our patch applied.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
@@ -44,6 +48,32 @@ TINY = (
     "--use-cpu-initialization --distributed-backend gloo --calculate-per-token-loss "
     "--log-interval 1 --eval-iters 0 --eval-interval 1000"
 ).split()
+
+
+def megatron_lm_checkout() -> Optional[Path]:
+    """The Megatron-LM checkout MEGATRON_LM_DIR names, ready to train with (its `megatron` package and its
+    dataset helpers built); None when the variable is unset; pytest.skip, with the reason, when it names
+    no such checkout."""
+    import pytest
+
+    where = os.environ.get("MEGATRON_LM_DIR")
+    if not where:
+        return None
+    root = Path(where)
+    if not (root / "pretrain_gpt.py").is_file():
+        pytest.skip(f"{root} is not a Megatron-LM checkout (training needs its megatron package)")
+    if not list((root / "megatron/core/datasets").glob("helpers_cpp*.so")):
+        pytest.skip(f"build the dataset helpers first: make -C {root}/megatron/core/datasets LIBEXT=$(python -c "
+                    "\"import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))\")")
+    return root
+
+
+def patched_pretrain_gpt(root: Path, where: Path) -> Path:
+    """`root`'s pretrain_gpt.py copied into the directory `where` with patches/pretrain_gpt.patch applied."""
+    shutil.copy(root / "pretrain_gpt.py", where / "pretrain_gpt.py")
+    applied = subprocess.run(["bash", str(ROOT / "patches" / "apply.sh"), str(where)], capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stderr
+    return where / "pretrain_gpt.py"
 
 
 def expected_pieces(raw_lengths: list[int], seq_length: int) -> list[tuple[int, int, int]]:

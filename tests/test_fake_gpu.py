@@ -20,7 +20,8 @@ and it patches torch.cuda for the life of the process). What they catch, before 
 * multi-token prediction (`hdp_step` at PP=1): the MTP layer's attention on the ring, its rolls answered
   from the micro-batch's own (pinned, non-blocking) tensors, Megatron's MTP loss and log on the device;
 * sliding windows (`window_ring`, 4 played ranks, P2P matched across them by `fake_gpu.p2p_problems`):
-  flex's window mask copying each ring piece's shifts from the host inside the first windowed layer.
+  flex's window mask copying each ring piece's shifts from the host inside the first windowed layer;
+  the same scenario carries learnable attention sinks (gpt-oss's attention) on every ring and kernel.
 """
 
 import os
@@ -159,7 +160,9 @@ def test_ranks_with_different_microbatch_counts_post_the_same_collectives(guard_
 
 
 def test_windowed_rings_post_matching_p2p_on_fake_gpu(guard_library, tmp_path):
-    """A causal sliding window (Megatron's `window_size=(12, 0)` on layer 1, layer 2 full) under HDP, two
+    """gpt-oss's attention: a learnable sink on both layers (`softmax_type="learnable"`, applied after each
+    ring's merge, its parameter's gradient reduced with the others) and a causal sliding window (Megatron's
+    `window_size=(12, 0)` on layer 1, layer 2 full) under HDP, two
     steps as each of 4 played ranks (`fake_gpu_scenarios.window_ring`): a ring over all 4 ranks whose
     window reaches two of the three other positions' K/V (direct sends, `RingPlan.direct`), a ring over 3
     in another order, whole documents. Inside each rank: no CPU tensor in NCCL, no host sync or blocking

@@ -9,11 +9,24 @@ and every step's loss equals an independent reference: plain single-process Mega
 model, seed and initial weights) trained on each saved piece as its own padded sample
 (tests/pretrain_harness.PlannedPiecesDataset), the same documents per step. Both runs use
 --eod-mask-loss: HDP's mask comes from its document source, the reference's from Megatron's rule.
+
+With sinks (`test_pretrain_with_sinks_matches_plain_megatron`): gpt-oss's attention, `--softmax-type
+off-by-one | learnable` with a sliding window on alternate layers, trained the same two ways; with
+MEGATRON_LM_DIR set, by that checkout's patched pretrain_gpt.py and its own `megatron` package.
 """
 
 import numpy as np
 import pytest
-from pretrain_harness import TINY, expected_pieces, pretrain_rank, read_saved_plans
+from pretrain_harness import (
+    TINY,
+    assert_same_losses,
+    expected_pieces,
+    megatron_lm_checkout,
+    patched_pretrain_gpt,
+    pretrain_rank,
+    read_saved_plans,
+    run_pretrain,
+)
 
 from megatron_hdp.comm.launch import run_gloo
 
@@ -83,3 +96,24 @@ def test_pretrain_plans_documents_and_matches_each_document_as_its_own_sequence(
         assert all(s["hdp/offload-GB"] == s["hdp/prefetch-GB"] > 0 for s in run["stats"])
         # Megatron's consumed_train_samples (what it checkpoints and resumes from) counts HDP's documents
         assert run["consumed"] == [DOCS_PER_STEP * (i + 1) for i in range(STEPS)]
+
+
+@pytest.mark.timeout(900)  # two pretrain runs (4 ranks with --hdp, 1 plain); shared hosts stretch them
+@pytest.mark.parametrize("kind", ["learnable", "off-by-one"])
+def test_pretrain_with_sinks_matches_plain_megatron(data_prefix, tmp_path, kind):
+    """`--softmax-type KIND --window-size (8,0) --window-attn-skip-freq 2` under --hdp (capacity 24: the long
+    pieces run on rings): every step's loss equals plain Megatron (its own attention with the sink, one
+    process, the same seed, so the learnable sink is drawn by the same init_method draw) on the planned
+    pieces. Our entry point on the installed megatron-core, or MEGATRON_LM_DIR's patched pretrain_gpt.py."""
+    root = megatron_lm_checkout()
+    checkout = {} if root is None else dict(python_path=(str(root),))
+    script = None if root is None else patched_pretrain_gpt(root, tmp_path)
+    plans_dir = str(tmp_path / "plans")
+    argv = COMMON + ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache"),
+                     "--softmax-type", kind, "--window-size", "(8,0)", "--window-attn-skip-freq", "2"]
+    argv[argv.index("--train-iters") + 1] = "3"
+    hdp = run_pretrain(argv + ["--hdp", "--hdp-capacity", "24", "--no-hdp-offload", "--hdp-save-plans", plans_dir],
+                       script=script, **checkout)
+    reference = run_pretrain(argv, world_size=1, reference_plans=(plans_dir, data_prefix), **checkout)
+    losses = assert_same_losses(hdp, reference)
+    assert len(losses) == 3 and any(len(s["ring"]) > 1 for p in read_saved_plans(plans_dir) for s in p["sequences"])

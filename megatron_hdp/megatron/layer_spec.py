@@ -16,6 +16,11 @@ exactness tests compare against a stock GPTModel with Megatron's standard RoPE.
 Transformer Engine: with `backend="transformer_engine"` the layer is Megatron's TE spec (fused
 QKV+norm linears) and the local kernel is the one `megatron_hdp.attention` picks at run time ("auto";
 TE's fused attention when installed). That path cannot run on this CPU-only machine.
+
+Sinks (`softmax_type` off-by-one / learnable): the leaf holds Megatron's `softmax_offset` as the core
+attention it replaces does (`DotProductAttention` on the local spec, TE's `DotProductAttention` on the
+TE spec: `HDPTECoreAttention`), so checkpoints keep Megatron's keys and sharding, and hands it to the
+kernels and rings (`megatron_hdp.attention.sink`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -92,6 +97,10 @@ class HDPCoreAttention(MegatronModule):
     query [T, Hq, D] and key/value [T, Hkv, D] (TP-local heads) and an `HDPPackedSeqParams`.
     """
 
+    sink_like: ClassVar[str] = "local"
+    """Whose `softmax_offset` this leaf makes: Megatron's local `DotProductAttention`'s (params_dtype,
+    `init_method`) or, in `HDPTECoreAttention`, TE's `DotProductAttention`'s (float32 zeros)."""
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -119,6 +128,39 @@ class HDPCoreAttention(MegatronModule):
                 "backward is not deterministic; drop --deterministic-mode or --window-size"
             )
         self._rotary: tuple = ()  # the model's RotaryEmbedding, set by prepare_model_for_hdp (not a submodule)
+        self._make_softmax_offset(pg_collection)
+
+    def _make_softmax_offset(self, pg_collection: Any) -> None:
+        """`softmax_offset` [heads per TP rank] as the replaced core attention makes it, at the same point of
+        the model's construction (so the RNG draws of the parameters after it stay Megatron's): off-by-one
+        a zero tensor that is no parameter (no checkpoint key), learnable a parameter."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        self.softmax_offset, kind = None, self.config.softmax_type
+        if kind in (None, "vanilla"):
+            return
+        self.tp_group = (pg_collection or ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])).tp
+        heads, device = self.config.num_attention_heads // self.tp_group.size(), torch.cuda.current_device()
+        dtype = torch.float32 if self.sink_like == "transformer_engine" else self.config.params_dtype
+        if kind == "off-by-one":
+            self.softmax_offset = torch.zeros(heads, device=device, dtype=dtype)
+        elif self.sink_like == "transformer_engine":
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, device=device, dtype=dtype))
+        else:
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads, device=device, dtype=dtype))
+            if self.config.perform_initialization:
+                self.softmax_offset = self.config.init_method(self.softmax_offset)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Megatron's own (`DotProductAttention.sharded_state_dict`): the learnable `softmax_offset` split
+        over TP by heads, nothing else."""
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        if self.softmax_offset is None:
+            return {}
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return DotProductAttention.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def set_rotary(self, rotary: Optional[torch.nn.Module]) -> None:
         """Use `rotary` (a Megatron RotaryEmbedding) for per-token RoPE; None: no RoPE."""
@@ -154,8 +196,15 @@ class HDPCoreAttention(MegatronModule):
             key = self._rope(key, meta)
         return hdp_core_attention(
             query, key, value, meta=meta, softmax_scale=self.softmax_scale,
-            deterministic=self.config.deterministic_mode, window=self.window,
+            deterministic=self.config.deterministic_mode, window=self.window, sink=self.softmax_offset,
         )
+
+
+class HDPTECoreAttention(HDPCoreAttention):
+    """`HDPCoreAttention` of the TE layer spec: its learnable sink is made as TE's `DotProductAttention`
+    makes its own (float32 zeros, not Megatron's `init_method`)."""
+
+    sink_like = "transformer_engine"
 
 
 def get_gpt_layer_with_hdp_spec(*, backend: str = "local", **spec_kwargs: Any) -> ModuleSpec:
@@ -176,7 +225,8 @@ def get_gpt_layer_with_hdp_spec(*, backend: str = "local", **spec_kwargs: Any) -
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
     spec = copy.deepcopy(spec)
     attention = spec.submodules.self_attention
-    attention.submodules = dataclasses.replace(attention.submodules, core_attention=HDPCoreAttention)
+    leaf = HDPCoreAttention if backend == "local" else HDPTECoreAttention
+    attention.submodules = dataclasses.replace(attention.submodules, core_attention=leaf)
     return with_document_aux_loss_router(spec)
 
 

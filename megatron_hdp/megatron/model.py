@@ -101,6 +101,7 @@ def wrap_chunks_for_training(
     distributed_optimizer: bool = False,
     overlap_param_gather: bool = False,
     bf16: bool = False,
+    optimizer: str = "adam",
 ) -> tuple[list[DistributedDataParallel], Any]:
     """Megatron DDP (gradients reduced once per step over the data-parallel group = HDP domain, summed:
     the per-token loss scales them) around each model chunk, and Megatron's Adam optimizer over all of
@@ -111,7 +112,7 @@ def wrap_chunks_for_training(
     over the HDP domain (reduce-scatter, then an all-gather of the updated parameters:
     --use-distributed-optimizer); `overlap_param_gather` defers that all-gather to forward pre-hooks of
     the next step (--overlap-param-gather). `bf16`: the chunks hold bf16 parameters, the optimizer fp32
-    main copies of them (--bf16)."""
+    main copies of them (--bf16). `optimizer`: Megatron's "adam" or "sgd" (--optimizer)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
@@ -125,7 +126,7 @@ def wrap_chunks_for_training(
     ]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16,
+            optimizer=optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16,
             use_distributed_optimizer=distributed_optimizer,
         ),
         ddps,

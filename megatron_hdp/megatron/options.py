@@ -41,13 +41,6 @@ REFUSALS: tuple[Refusal, ...] = (
         0.0,
     ),
     Refusal(
-        "softmax_type",
-        lambda t: t not in (None, "vanilla"),
-        "off-by-one and learnable-sink softmax add a term to every row's normaliser that HDP's kernels and "
-        "the ring's log-sum-exp merge do not carry",
-        "vanilla",
-    ),
-    Refusal(
         "mtp_hsm",
         bool,
         "MTP hidden-state mixing rolls the MTP layers' hidden states one position per depth; under HDP the "

@@ -196,7 +196,8 @@ def _base_cost_model(args: Namespace, config: HDPConfig) -> CostModel:
         vocab_size=args.padded_vocab_size or args.vocab_size or 32000,
         num_experts=args.num_experts or 0,
         moe_router_topk=args.moe_router_topk,
-        gated_mlp=args.swiglu,
+        gated_mlp=args.swiglu or getattr(args, "quick_geglu", False),
+        head_dim=args.kv_channels or 0,
         mtp_num_layers=args.mtp_num_layers or 0,
     )
     return analytic_cost_model(
