@@ -2,8 +2,9 @@
 stand-in `flash_attn` modules whose `_flash_attn_varlen_forward` / `_flash_attn_varlen_backward` have the
 exact parameter lists and return values of flash-attn v2.6.3, v2.7.4 and v2.8.3 (read from
 Dao-AILab/flash-attention's flash_attn/flash_attn_interface.py at those tags), computing attention in
-plain torch. Checked: keyword names per release, the forward's result layout, and the block gradients
-inside the ring against the float64 reference. What only a GPU can check is tests/test_attention_gpu.py.
+plain torch, and refuse a V head dim other than q's as FlashAttention-2 does. Checked: keyword names
+per release, the forward's result layout, and the block gradients inside the ring against the float64
+reference (multi-latent attention's narrower V through the backend's zero padding too). What only a GPU can check is tests/test_attention_gpu.py.
 """
 
 import importlib.machinery
@@ -55,6 +56,8 @@ def fake_flash_attn(version: str) -> dict[str, types.ModuleType]:
         window = kw.get("window_size", (-1, -1)) if num_results == 8 else (
             kw.get("window_size_left", -1), kw.get("window_size_right", -1))  # the defaults, where there are
         assert kw["dropout_p"] == 0.0 and kw.get("softcap", 0.0) == 0.0
+        # flash-attn 2.x's mha_varlen_fwd / _bwd: CHECK_SHAPE(v, total_k, num_heads_k, head_size)
+        assert kw["v"].shape[-1] == kw["q"].shape[-1], "v must have q's head size in FlashAttention-2"
         return segments, tuple(window)
 
     def fwd(**kw):

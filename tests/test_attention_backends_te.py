@@ -164,7 +164,7 @@ def fake_te(version: str, layout: str, gpu: dict, calls: collections.Counter) ->
         assert kw["is_training"]
         nvte_check(kw, True)
         q, k, v = kw["q"], kw["k"], kw["v"]
-        out, heads, spans = torch.empty_like(q), q.shape[1], _segments_of(kw)
+        out, heads, spans = q.new_empty(*q.shape[:2], v.shape[2]), q.shape[1], _segments_of(kw)
         stats = torch.full(_stats_shape(layout, kw, q.shape[0], heads), torch.nan)
         for b, (q0, q1, k0, k1) in enumerate(spans):
             s = _scores(q, k, kw, q0, q1, k0, k1)
@@ -323,6 +323,10 @@ def test_selector_arguments_match_each_te_release(monkeypatch):
         named = dict(zip(names, args))
         assert (named["num_attn_heads"], named["num_gqa_groups"], named["head_dim_qk"]) == (8, 2, 128)
         assert (named["max_seqlen_q"], named["window_size_left"], named["window_size_right"]) == (4096, -1, 0)
+        assert named["head_dim_v"] == 128
+    mla = KernelShape(CPU, torch.bfloat16, 8, 2, 192, 4096, head_dim_v=128)  # multi-latent attention's dims
+    named = dict(zip(selector_parameters(18), te_fused._selector_args(mla, "padding_causal", 18)))
+    assert (named["head_dim_qk"], named["head_dim_v"]) == (192, 128)
 
 
 # (sm, cuDNN, q heads, kv heads, head dim, whether TE has a kernel), by fused_attn.cpp's THD rules.

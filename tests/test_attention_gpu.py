@@ -2,7 +2,8 @@
 
 Each available CUDA backend runs the local varlen path and the in-process ring (whose block backward
 takes the merged out/lse, the part a kernel's own autograd never exercises), causal and not, and its
-forward's lse is checked directly (for te_fused that is the conversion of cuDNN's softmax statistics).
+forward's lse is checked directly (for te_fused that is the conversion of cuDNN's softmax statistics), and
+multi-latent attention's head dims (192 / 128) run through each.
 Where Transformer Engine 2.x is installed, te_fused must be among the available backends, so a wrong
 version or capability check cannot quietly leave it untested. Attention sinks (Megatron's off-by-one and
 learnable softmax) on every CUDA kernel: neither `varlen_attn` (torch 2.10-2.13) nor flex attention takes a
@@ -39,11 +40,11 @@ def _inputs(dtype):
     return [torch.randn(total, h, 64, generator=gen, device="cuda", dtype=dtype) for h in (8, 2, 2, 8)]
 
 
-def _skip_without_kernel(backend, q, k):
+def _skip_without_kernel(backend, q, k, v=None):
     """Skip where the named backend has no kernel for this shape (TE's selector: e.g. THD below sm90)."""
     segments = Segments(tuple(SEQLENS), tuple(SEQLENS), q.device)
     try:
-        get_backend(backend, device=q.device, dtype=q.dtype).kernel_for(q, k, segments)
+        get_backend(backend, device=q.device, dtype=q.dtype).kernel_for(q, k, segments, v=v)
     except ValueError as problem:
         pytest.skip(str(problem))
 
@@ -155,3 +156,31 @@ def test_cuda_sinks_local_and_ring(dtype, backend, kind, ring_size, window):
         if name == "dsink":
             tol = dict(tol, atol=tol["atol"] * max(1.0, float(w.abs().max())))
         torch.testing.assert_close(g.double(), w, **tol, msg=lambda m: f"{backend} {kind} window {window} {name}: {m}")
+
+
+@pytest.mark.parametrize("dtype,backend", _cases() + [(torch.bfloat16, "auto")])
+@pytest.mark.parametrize("ring_size", [1, 3])
+def test_cuda_multi_latent_head_dims(dtype, backend, ring_size):
+    """Multi-latent attention's head dims (q and k 192 wide, v 128; as many kv heads as q heads): every
+    CUDA backend, natively (te_fused, flex) or on V zero-padded (torch_varlen, flash_attn), whole documents
+    and in a ring, against the float64 reference; out and dV keep V's width."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    total = sum(SEQLENS)
+    q, k, v, dout = (
+        torch.randn(total, 4, d, generator=gen, device="cuda", dtype=dtype) for d in (192, 192, 128, 128)
+    )
+    if backend != "auto":
+        _skip_without_kernel(backend, q, k, v)  # TE's selector decides for 192 / 128 (sm90, cuDNN >= 9.5)
+    scale = 192**-0.5
+    want = reference_with_grads(q, k, v, dout, SEQLENS, causal=True, scale=scale)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    if ring_size == 1:
+        out = local_varlen_attention(*leaves, seqlens=SEQLENS, softmax_scale=scale, backend=backend)
+    else:
+        out = simulated_ring_attention(*leaves, seqlens=SEQLENS, ring_size=ring_size, softmax_scale=scale,
+                                       backend=backend)
+    got = [out, *torch.autograd.grad(out, leaves, dout)]
+    assert out.shape == (total, 4, 128) and got[3].shape == v.shape
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double(), w, **_tol(dtype), msg=lambda m: f"{backend} 192/128 {name}: {m}")

@@ -16,17 +16,18 @@ from megatron_hdp.attention import (
     ring_attention,
     simulated_ring_attention,
 )
-from megatron_hdp.attention.backends import Segments, grads_by_recompute
+from megatron_hdp.attention.backends import BlockWindow, Segments, grads_by_recompute
 from megatron_hdp.attention.merge import merge_attention
 
 CPU = torch.device("cpu")
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _qkv(seqlens, hq, hkv, dim=8, dtype=torch.float32, seed=0):
+def _qkv(seqlens, hq, hkv, dim=8, dtype=torch.float32, seed=0, value_dim=None):
+    """q, k, v, dout; v and dout `value_dim` wide (default: `dim`), as multi-latent attention's are."""
     gen = torch.Generator().manual_seed(seed)
-    total = sum(seqlens)
-    return [torch.randn(total, h, dim, generator=gen, dtype=dtype) for h in (hq, hkv, hkv, hq)]  # q k v dout
+    total, dv = sum(seqlens), value_dim or dim
+    return [torch.randn(total, h, d, generator=gen, dtype=dtype) for h, d in ((hq, dim), (hkv, dim), (hkv, dv), (hq, dv))]
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -47,6 +48,48 @@ def test_cpu_flash_backend_matches_math(causal, hq, hkv):
     grads = backend.backward(dout, q, k, v, out, lse, segments=segments, causal=causal, scale=0.3)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("window", [None, BlockWindow(2, (0, 3, 1))])
+def test_cpu_flash_backend_takes_a_narrower_value_head_dim(window):
+    """Multi-latent attention's head dims (q and k wider than v, here 12 / 8): the op refuses them, the
+    backend pads V with zeros and cuts the output and dV back; out, lse and every gradient equal the math,
+    dV keeps V's width. With a window at offsets too (the ring's pieces: the op's mask per segment)."""
+    causal = True
+    lengths_q, lengths_k = (3, 1, 7), (3, 4, 7) if window is not None else (3, 1, 7)
+    segments = Segments(lengths_q, lengths_k, CPU)
+    q = torch.randn(sum(lengths_q), 4, 12, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(sum(lengths_k), 2, 12, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(sum(lengths_k), 2, 8, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(sum(lengths_q), 4, 8, dtype=torch.float64)
+    if window is None:
+        ref_out, ref_lse = segment_attention(q, k, v, segments, causal, 0.3)
+    else:
+        ref_out, ref_lse = _windowed_segment_attention(q, k, v, segments, window, 0.3)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
+    backend = get_backend("cpu_flash", device=CPU, dtype=torch.float64)
+    out, lse = backend.forward(q, k, v, segments=segments, causal=causal, scale=0.3, window=window)
+    assert out.shape == (q.shape[0], 4, 8) and out.is_contiguous()
+    torch.testing.assert_close(out, ref_out.detach())
+    torch.testing.assert_close(lse, ref_lse.detach())
+    grads = backend.backward(dout, q, k, v, out, lse, segments=segments, causal=causal, scale=0.3, window=window)
+    assert grads[2].shape == v.shape
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+
+
+def _windowed_segment_attention(q, k, v, segments, window, scale):
+    """(out, lse) of packed segments under `window`'s rule at its offsets, in plain torch."""
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for s, (q0, q1, k0, k1) in enumerate(zip(segments.cu_q, segments.cu_q[1:], segments.cu_k, segments.cu_k[1:])):
+        kk, vv = (x[k0:k1].repeat_interleave(group, 1) for x in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1], kk) * scale
+        diff = torch.arange(q1 - q0)[:, None] + window.shifts[s] - torch.arange(k1 - k0)[None, :]
+        scores = scores.masked_fill((diff < 0) | (diff > window.left), float("-inf"))
+        lses.append(scores.logsumexp(-1))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
+    return torch.cat(outs), torch.cat(lses, 1)
 
 
 def test_cpu_flash_backend_keeps_low_precision_dtypes():
@@ -143,17 +186,23 @@ def test_local_varlen_attention_and_ring_of_one(causal):
 
 def test_bad_local_calls_raise():
     q, k, v, _ = _qkv([4, 4], 4, 2)
+    with pytest.raises(ValueError, match=r"k and v must have the same tokens and heads, got shapes \(8, 2, 8\) and \(8, 1, 4\)"):
+        local_varlen_attention(q, k, torch.randn(8, 1, 4), seqlens=[4, 4])
+    with pytest.raises(ValueError, match="q and k must have the same head_dim, got 8 and 6"):
+        local_varlen_attention(q, torch.randn(8, 2, 6), v, seqlens=[4, 4])
     with pytest.raises(ValueError, match="q has 8 tokens but seqlens give this rank 9"):
         local_varlen_attention(q, k, v, seqlens=[4, 5])
     with pytest.raises(ValueError, match=r"kv heads \(3\) must divide query heads \(4\)"):
         local_varlen_attention(q, torch.randn(8, 3, 8), torch.randn(8, 3, 8), seqlens=[4, 4])
 
 
-def _check_simulated_ring(seqlens, ring_size, hq, hkv, causal, seed):
-    q, k, v, dout = _qkv(seqlens, hq, hkv, seed=seed)
-    want = reference_with_grads(q, k, v, dout, seqlens, causal=causal, scale=0.3)
+def _check_simulated_ring(seqlens, ring_size, hq, hkv, causal, seed, value_dim=None, window=None):
+    q, k, v, dout = _qkv(seqlens, hq, hkv, seed=seed, value_dim=value_dim)
+    want = reference_with_grads(q, k, v, dout, seqlens, causal=causal, scale=0.3, window=window)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = simulated_ring_attention(*leaves, seqlens=seqlens, ring_size=ring_size, causal=causal, softmax_scale=0.3)
+    out = simulated_ring_attention(
+        *leaves, seqlens=seqlens, ring_size=ring_size, causal=causal, softmax_scale=0.3, window=window
+    )
     got = [out, *torch.autograd.grad(out, leaves, dout)]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(g.double(), w, **TOL, msg=lambda m: f"{name}: {m}")
@@ -163,6 +212,17 @@ def _check_simulated_ring(seqlens, ring_size, hq, hkv, causal, seed):
 def test_simulated_ring_edge_lengths(ring_size):
     k = ring_size
     _check_simulated_ring([1, 2 * k - 1, 2 * k, 2 * k + 1, 3], ring_size, 4, 2, True, seed=k)
+
+
+@pytest.mark.parametrize("ring_size", [1, 2, 3, 5])
+def test_simulated_ring_with_a_narrower_value_head_dim(ring_size):
+    """Multi-latent attention's head dims (q and k 8 wide, v 4) on every position of rings of 1-5, causal,
+    non-causal and windowed (the direct plan), GQA: out [T, Hq, 4] and every gradient equal the float64
+    reference (the ring moves K and V unpadded in one message: `comm.payload`)."""
+    k = ring_size
+    seqlens = [1, 2 * k - 1, 2 * k + 1, 19]
+    for causal, window, seed in ((True, None, 1), (False, None, 2), (True, 3, 3)):
+        _check_simulated_ring(seqlens, ring_size, 4, 2, causal, seed=seed + 10 * k, value_dim=4, window=window)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

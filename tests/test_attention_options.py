@@ -96,8 +96,8 @@ def test_hdp_core_attention_passes_the_configs_deterministic_mode(monkeypatch):
 REFUSED_FLAGS = [
     ([], "--attention-dropout 0.1: attention dropout is Megatron's default"),
     (["--attention-dropout", "0.05"], "use --attention-dropout 0.0"),
-    (["--mtp-num-layers", "1", "--position-embedding-type", "rope"], "--mtp-num-layers 1: multi-token prediction"),
     (["--window-size", "(128,4)"], "--window-size (128, 4): HDP honours causal sliding windows (left, 0)"),
+    (["--multi-latent-attention", "--mla-down-proj-fusion"], "--mla-down-proj-fusion: the fused q/kv down projection"),
 ]
 
 
@@ -117,8 +117,8 @@ def test_without_hdp_megatrons_defaults_pass():
 
 
 BAD_AND_GOOD = {
-    "attention_dropout": (0.1, 0.0), "mtp_num_layers": (1, None),
-    "window_size": ((128, 4), (128, 0)),
+    "attention_dropout": (0.1, 0.0), "mtp_hsm": (True, False),
+    "window_size": ((128, 4), (128, 0)), "experimental_attention_variant": ("dsa", None),
 }
 
 

@@ -13,13 +13,16 @@ model, seed and initial weights) trained on each saved piece as its own padded s
 With sinks (`test_pretrain_with_sinks_matches_plain_megatron`): gpt-oss's attention, `--softmax-type
 off-by-one | learnable` with a sliding window on alternate layers, trained the same two ways; with
 MEGATRON_LM_DIR set, by that checkout's patched pretrain_gpt.py and its own `megatron` package.
+With multi-latent attention the same documents give the same losses on 1 rank (whole) as on 4 (rings).
 """
 
 import numpy as np
 import pytest
 from pretrain_harness import (
+    MLA,
     TINY,
     assert_same_losses,
+    assert_whole_and_rings_agree,
     expected_pieces,
     megatron_lm_checkout,
     patched_pretrain_gpt,
@@ -117,3 +120,13 @@ def test_pretrain_with_sinks_matches_plain_megatron(data_prefix, tmp_path, kind)
     reference = run_pretrain(argv, world_size=1, reference_plans=(plans_dir, data_prefix), **checkout)
     losses = assert_same_losses(hdp, reference)
     assert len(losses) == 3 and any(len(s["ring"]) > 1 for p in read_saved_plans(plans_dir) for s in p["sequences"])
+
+
+def test_pretrain_with_multi_latent_attention_matches_whole_documents_on_rings(data_prefix, tmp_path):
+    """`--hdp --multi-latent-attention` (a query latent, latent norms, YaRN): 4 ranks running the longer
+    pieces on rings give the losses of 1 rank running every document whole, step by step."""
+    data = ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache")]
+    argv = TINY + MLA + ["--seq-length", str(SEQ_LENGTH), "--global-batch-size", str(DOCS_PER_STEP),
+                         "--train-iters", "3"] + data
+    losses = assert_whole_and_rings_agree(argv, seq_length=SEQ_LENGTH)
+    assert len(losses) == 3 and losses[-1] < losses[0]

@@ -1,5 +1,7 @@
 """Ring attention on 2, 3, 4 and 8 gloo ranks against the single-process float64 reference.
 
+Cases with `value_dim` give V a narrower head dim than q and k (multi-latent attention).
+
 Each launch runs many cases back to back (spawning ranks is the expensive part). A case is a list of
 rings, each with its documents; every rank runs the rings it belongs to in list order (the runtime's
 global order), then one backward over all of them, so ranks in several rings and overlapping rings of
@@ -19,10 +21,12 @@ from megatron_hdp.comm.launch import run_gloo
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _case(rings, *, heads=(4, 2), causal=True, seed=0, head_dim=8, window=None, sink=None):
-    """`sink`: None, "off-by-one" or "learnable" (Megatron's softmax_type), one sink for all rings of the case."""
+def _case(rings, *, heads=(4, 2), causal=True, seed=0, head_dim=8, window=None, value_dim=None, sink=None):
+    """`value_dim`: V's (and the output's) head dim, narrower than q's and k's in multi-latent attention.
+    `sink`: None, "off-by-one" or "learnable" (Megatron's softmax_type), one sink for all rings of the case."""
     rings = [(tuple(r), tuple(s)) for r, s in rings]
-    return dict(rings=rings, heads=heads, causal=causal, seed=seed, dim=head_dim, window=window, sink=sink)
+    return dict(rings=rings, heads=heads, causal=causal, seed=seed, dim=head_dim, window=window, dv=value_dim,
+                sink=sink)
 
 
 def _sink(case):
@@ -38,8 +42,9 @@ def _ring_tensors(case, ring_id):
     """The packed q, k, v and output gradient of one ring's documents (identical on every rank)."""
     gen = torch.Generator().manual_seed(case["seed"] * 1000 + ring_id)
     total = sum(case["rings"][ring_id][1])
-    hq, hkv = case["heads"]
-    return [torch.randn(total, h, case["dim"], generator=gen) for h in (hq, hkv, hkv, hq)]
+    (hq, hkv), dim = case["heads"], case["dim"]
+    dims = (dim, dim, case["dv"] or dim, case["dv"] or dim)
+    return [torch.randn(total, h, d, generator=gen) for h, d in zip((hq, hkv, hkv, hq), dims)]
 
 
 def _numpy(*tensors):
@@ -125,6 +130,9 @@ def test_two_ranks():
         _case([([0, 1], _edge(2) + [23]), ([1], [9, 4])], heads=(4, 1), seed=7, window=2),
         _case([([1, 0], [3, 40, 5])], seed=8, window=0),
         _case([([0, 1], [17, 2, 26]), ([0], [12])], heads=(4, 2), seed=9, window=9),
+        # multi-latent attention's narrower V (q and k 8 wide, v 4), relayed and windowed (direct)
+        _case([([1, 0], _edge(2)), ([0], [6])], seed=20, value_dim=4),
+        _case([([0, 1], [3, 31])], heads=(4, 1), seed=21, window=5, value_dim=4),
         # sinks (Megatron's softmax_type), on rings and whole documents, with and without a window
         _case([([1, 0], _edge(2) + [19]), ([0], [6, 2])], heads=(4, 1), seed=16, sink="learnable"),
         _case([([0, 1], [21, 3]), ([1], [8])], seed=17, window=4, sink="off-by-one"),
@@ -139,19 +147,22 @@ def test_three_ranks_and_traffic():
         _case([([1], [4])], seed=4),
         _case([([0, 1, 2], _edge(3) + [37]), ([2, 1], [15])], heads=(4, 1), seed=10, window=3),
         _case([([2, 0, 1], [29, 6, 2]), ([0, 2], [8, 3])], seed=11, window=13),
+        _case([([0, 1, 2], _edge(3) + [17])], seed=22, value_dim=4),
         _case([([0, 1, 2], _edge(3) + [25]), ([2, 1], [11]), ([0], [4])], seed=18, sink="learnable"),
-        _case([([2, 0, 1], [31, 4]), ([1, 2], [9])], heads=(4, 1), seed=19, window=5, sink="learnable"),
+        _case([([2, 0, 1], [31, 4]), ([1, 2], [9])], heads=(4, 1), seed=19, window=5, sink="learnable", value_dim=4),
     ]
     by_rank = _check(cases, 3)
-    # Case 0, a ring over all three ranks, fp32, Hkv=2, D=8: forward (k-1) K+V buffers, backward (k-1)
-    # K+V buffers plus k dK+dV buffers; position p sends the buffers of positions p, p-1, ... in turn.
+    # Cases 0 and 5, a ring over all three ranks, fp32, Hkv=2, D=8 (and Dv = 8, 4): forward (k-1) K+V
+    # buffers, backward (k-1) K+V buffers plus k dK+dV buffers; position p sends the buffers of positions
+    # p, p-1, ... in turn. A token's K+V is Hkv x (D + Dv) values: a narrower V travels unpadded.
     seqlens = _edge(3) + [17]
     tokens = [len(zigzag_token_indices(seqlens, 3, p)) for p in range(3)]
-    per_token = 2 * 2 * 8 * 4
-    for p in range(3):
-        kv_hops = sum(tokens[(p - s) % 3] for s in range(2))
-        dkv_hops = sum(tokens[(p - s) % 3] for s in range(3))
-        assert by_rank[p][0][1][0] == (2 * kv_hops + dkv_hops) * per_token
+    for case, value_dim in ((0, 8), (5, 4)):
+        per_token = 2 * (8 + value_dim) * 4
+        for p in range(3):
+            kv_hops = sum(tokens[(p - s) % 3] for s in range(2))
+            dkv_hops = sum(tokens[(p - s) % 3] for s in range(3))
+            assert by_rank[p][case][1][0] == (2 * kv_hops + dkv_hops) * per_token
     assert by_rank[0][2][1] == (0, 0)  # a ring of one moves nothing, and idle ranks nothing
     assert by_rank[1][2][1] == (0, 0)
 
@@ -163,6 +174,7 @@ def test_four_ranks_overlapping_rings():
         _case([([0, 2], [7]), ([2, 3], [8]), ([3, 1], [6]), ([1, 0], [5])], heads=(2, 2), causal=False, seed=6),
         _case([([0, 1, 2, 3], _edge(4) + [45]), ([3, 1, 0], [19, 2])], heads=(4, 1), seed=12, window=4),
         _case([([3, 1, 0, 2], [33, 9]), ([2, 0], [14])], seed=13, window=11),
+        _case([([2, 3, 1, 0], _edge(4)), ([1, 0], [9])], heads=(4, 1), seed=23, value_dim=4),
         _case([([3, 1, 0, 2], _edge(4) + [27]), ([1, 2], [10]), ([0], [3])], seed=20, window=6, sink="learnable"),
         _case([([0, 1, 2, 3], [38, 5]), ([2, 0, 3], [12])], heads=(2, 2), seed=21, sink="off-by-one"),
     ]

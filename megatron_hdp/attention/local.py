@@ -18,7 +18,8 @@ from megatron_hdp.attention.sink import add_sink, check_sink, sink_grad
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_tokens: int) -> None:
-    """ValueError unless q [T, Hq, D], k and v [T, Hkv, D] with T = `num_tokens` and Hkv dividing Hq."""
+    """ValueError unless q [T, Hq, D], k [T, Hkv, D] and v [T, Hkv, Dv] with T = `num_tokens` and Hkv
+    dividing Hq. Dv may differ from D (multi-latent attention: q and k 192 wide, v 128)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
@@ -26,8 +27,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_tokens: 
             raise ValueError(
                 f"{name} has {x.shape[0]} tokens but seqlens give this rank {num_tokens} tokens"
             )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            f"k and v must have the same tokens and heads, got shapes {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
     if q.shape[1] % k.shape[1]:
@@ -107,9 +110,9 @@ def local_varlen_attention(
     window: int | None = None,
     sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention within each packed document of `seqlens` (THD: q [T, Hq, D], k/v [T, Hkv, D]).
+    """Attention within each packed document of `seqlens` (THD: q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]).
 
-    Differentiable in q, k, v; returns [T, Hq, D]. `backend` names a kernel of
+    Differentiable in q, k, v; returns [T, Hq, Dv]. `backend` names a kernel of
     `megatron_hdp.attention.backends` ("auto": the fastest available for the device and dtype).
     `segments`, when given, are `local_segments(seqlens, device)` made once per micro-batch, so that
     the layers of a model share its cu_seqlens tensors (no host-to-device copy per layer).

@@ -20,14 +20,16 @@ is in `megatron_hdp.comm.ring_program`. Every argument is checked before the fir
 rank of the call, so a bad call raises everywhere instead of hanging a peer — as long as all ranks make
 the same call, which the identical step plan guarantees.
 
-Traffic per call and rank (counted in `megatron_hdp.comm.traffic`): forward (k-1) K+V buffers in the
-input dtype; backward (k-1) K+V buffers plus k dK+dV buffers in the accumulation dtype (fp32 for
-half-precision inputs). Accumulation of out, dq, dk, dv is in fp32 (fp64 for fp64 inputs); results
-come back in the input dtype. The dK/dV partials travel in fp32 on purpose: sent in bf16 they are rounded
-at every one of the k hops, so their error against float64 grows with k while fp32 transport stays at
-one rank's (`benchmarks/ring_grad_precision.py`; its dated numbers are in
-benchmarks/results/ring_grad_precision.json); bf16 would save about a quarter of the bytes (3k-2 K/V units
-per member instead of 4k-2).
+Traffic per call and rank (counted in `megatron_hdp.comm.traffic`): a K+V buffer is K and V of the
+rows held, one flat message (`comm.payload`), Hkv x (D + Dv) values per token (multi-latent attention's
+V is narrower than K and travels unpadded); forward (k-1) K+V buffers in the input dtype; backward
+(k-1) K+V buffers plus k dK+dV buffers in the accumulation dtype (fp32 for half-precision inputs).
+Accumulation of out, dq, dk, dv is in fp32 (fp64 for fp64 inputs); results come back in the input
+dtype. The dK/dV partials travel in fp32 on purpose: sent in bf16 they are rounded at every one of the
+k hops, so their error against float64 grows with k while fp32 transport stays at one rank's
+(`benchmarks/ring_grad_precision.py`; its dated numbers are in
+benchmarks/results/ring_grad_precision.json); bf16 would save about a quarter of the bytes (3k-2 K/V
+units per member instead of 4k-2).
 
 Sliding windows (`window`): the plan is direct (`RingPlan.direct`, see `ring_plan`): at step s the K/V of
 position p-s comes straight from it and its dK/dV partials go straight back, only for the steps some
@@ -54,6 +56,7 @@ from megatron_hdp.attention.merge import merge_attention
 from megatron_hdp.attention.ring_plan import RingPlan, ring_plan
 from megatron_hdp.attention.sink import add_sink, check_sink, sink_grad
 from megatron_hdp.comm.p2p import Ring, current_ring
+from megatron_hdp.comm.payload import Payload
 from megatron_hdp.comm.ring_program import WAIT, Post, RingProgram, run_in_process, run_on_ring
 
 
@@ -61,42 +64,45 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _post_kv(plan: RingPlan, step: int, *, held: torch.Tensor, own: torch.Tensor) -> RingProgram[torch.Tensor]:
+def _post_kv(
+    plan: RingPlan, step: int, *, held: torch.Tensor, own: torch.Tensor, payload: Payload
+) -> RingProgram[torch.Tensor]:
     """Post the K/V exchange of `step` (before computing step - 1); returns the buffer it arrives in.
     Relayed: pass the K/V held now to the next position. Direct: send this position's own K/V to the
     position `step` ahead if that one needs it, receive from the one `step` behind if this one does
     (an empty tensor: nothing is posted for that side)."""
     if not plan.direct:
-        recv = held.new_empty((2, plan.num_tokens[plan.source(step)], *held.shape[2:]))
+        recv = payload.empty(held, plan.num_tokens[plan.source(step)])
         yield Post(send=held, recv=recv)
         return recv
-    rows = plan.num_tokens[plan.source(step)] if plan.blocks[step] else 0
-    recv = own.new_empty((2, rows, *own.shape[2:]))
-    yield Post(send=own if plan.sends[step] else own[:, :0], recv=recv, hops=step)
+    recv = payload.empty(own, plan.num_tokens[plan.source(step)] if plan.blocks[step] else 0)
+    yield Post(send=own if plan.sends[step] else own[:0], recv=recv, hops=step)
     return recv
 
 
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: RingPlan, backend: AttentionBackend, scale: float
 ) -> RingProgram[tuple[torch.Tensor, torch.Tensor]]:
-    """One position's forward: returns (out [T, Hq, D] in q's dtype, lse [Hq, T])."""
-    kv = own = torch.stack((k, v))
+    """One position's forward: returns (out [T, Hq, Dv] in q's dtype, lse [Hq, T])."""
+    payload = Payload.of(k, v)
+    kv = own = payload.pack(k, v)
     acc = _accumulation_dtype(q.dtype)
-    out = q.new_zeros(q.shape, dtype=acc)  # rows see their own document's diagonal in some call
+    out = q.new_zeros((*q.shape[:2], v.shape[2]), dtype=acc)  # every row sees its own diagonal in some call
     lse = q.new_full((q.shape[1], q.shape[0]), -torch.inf, dtype=acc)
     q_cache: dict[tuple, torch.Tensor] = {}
     for step, calls in enumerate(plan.blocks):
         last = step + 1 == plan.ring_size
         if not last:
-            next_kv = yield from _post_kv(plan, step + 1, held=kv, own=own)
+            next_kv = yield from _post_kv(plan, step + 1, held=kv, own=own, payload=payload)
+        held_k, held_v = payload.split(kv)
         for block in calls:
             if block.q_rows.key not in q_cache:  # (setdefault would gather the rows on every step)
                 q_cache[block.q_rows.key] = block.q_rows.take(q)
             q_block = q_cache[block.q_rows.key]
             block_out, block_lse = backend.forward(
                 q_block,
-                block.kv_rows.take(kv[0]),
-                block.kv_rows.take(kv[1]),
+                block.kv_rows.take(held_k),
+                block.kv_rows.take(held_v),
                 segments=block.segments,
                 causal=block.causal,
                 scale=scale,
@@ -114,7 +120,8 @@ def _forward(
 
 
 def _return_partials(
-    plan: RingPlan, step: int, dkv: torch.Tensor, dkv_own: torch.Tensor | None, transport: torch.dtype, last: bool
+    plan: RingPlan, step: int, dkv: torch.Tensor, dkv_own: torch.Tensor | None, transport: torch.dtype, last: bool,
+    payload: Payload,
 ) -> RingProgram[torch.Tensor]:
     """Direct plans, end of `step`: wait for the step's K/V exchange (posted first), send the dK/dV partials
     of the K/V held (position source(step)'s) straight back to it, receive this position's from the one
@@ -124,8 +131,8 @@ def _return_partials(
             yield WAIT
         return dkv
     rows = plan.num_tokens[plan.position] if plan.sends[step] else 0
-    dkv_in = dkv.new_empty((2, rows, *dkv.shape[2:]), dtype=transport)
-    send = dkv.to(transport) if plan.blocks[step] else dkv.new_empty((2, 0, *dkv.shape[2:]), dtype=transport)
+    dkv_in = payload.empty(dkv, rows, dtype=transport)
+    send = dkv.to(transport) if plan.blocks[step] else payload.empty(dkv, 0, dtype=transport)
     yield Post(send=send, recv=dkv_in, hops=-step)
     if not last:
         yield WAIT  # the K/V of the next step
@@ -150,7 +157,8 @@ def _backward(
 
     The dK/dV partials travel in `grad_dtype` (default: the accumulation dtype, see the module doc) and
     are summed in the accumulation dtype on arrival."""
-    kv = own = torch.stack((k, v))
+    payload = Payload.of(k, v)
+    kv = own = payload.pack(k, v)
     acc = _accumulation_dtype(q.dtype)
     transport = grad_dtype or acc
     dq = q.new_zeros(q.shape, dtype=acc)
@@ -159,9 +167,11 @@ def _backward(
     for step, calls in enumerate(plan.blocks):
         last = step + 1 == plan.ring_size
         if not last:
-            next_kv = yield from _post_kv(plan, step + 1, held=kv, own=own)
+            next_kv = yield from _post_kv(plan, step + 1, held=kv, own=own, payload=payload)
         # dK/dV partials of the KV held now, owned by position source(step): relayed, they travel with it
+        held_k, held_v = payload.split(kv)
         dkv = kv.new_zeros(kv.shape, dtype=acc)
+        held_dk, held_dv = payload.split(dkv)
         for block in calls:
             rows = block.q_rows
             if rows.key not in q_cache:
@@ -170,8 +180,8 @@ def _backward(
             dq_b, dk_b, dv_b = backend.backward(
                 dout_b,
                 q_b,
-                block.kv_rows.take(kv[0]),
-                block.kv_rows.take(kv[1]),
+                block.kv_rows.take(held_k),
+                block.kv_rows.take(held_v),
                 out_b,
                 lse_b,
                 segments=block.segments,
@@ -180,10 +190,10 @@ def _backward(
                 window=block.window,
             )
             rows.add(dq, dq_b)
-            block.kv_rows.add(dkv[0], dk_b)
-            block.kv_rows.add(dkv[1], dv_b)
+            block.kv_rows.add(held_dk, dk_b)
+            block.kv_rows.add(held_dv, dv_b)
         if plan.direct:  # the partials go straight back to their owner, position source(step)
-            dkv_own = yield from _return_partials(plan, step, dkv, dkv_own, transport, last)
+            dkv_own = yield from _return_partials(plan, step, dkv, dkv_own, transport, last, payload)
             if not last:
                 kv = next_kv
             continue
@@ -193,12 +203,13 @@ def _backward(
         if not last:
             yield WAIT
             kv = next_kv
-        dkv_in = dkv.new_empty((2, plan.num_tokens[plan.source(step + 1)], *dkv.shape[2:]), dtype=transport)
+        dkv_in = payload.empty(dkv, plan.num_tokens[plan.source(step + 1)], dtype=transport)
         yield Post(send=dkv.to(transport), recv=dkv_in)
-    if plan.direct:
-        return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
-    yield WAIT  # after k hops the partials are back with their owner: the local dK, dV
-    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+    if not plan.direct:
+        yield WAIT  # after k hops the partials are back with their owner: the local dK, dV
+        dkv_own = dkv_in
+    dk, dv = payload.split(dkv_own)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -260,11 +271,11 @@ def ring_attention(
     """Attention within each document of `seqlens`, the documents split over the ranks of `ring`.
 
     Called by every rank of `ring` (global ranks of `group`, default the world, in ring order) with its
-    zigzag shards: q [T_local, Hq, D], k and v [T_local, Hkv, D], the rows
-    `zigzag_token_indices(seqlens, len(ring), position)` of the packed documents. Returns
-    out [T_local, Hq, D], differentiable in q, k, v, equal to full (causal) attention over each
-    document. Any document length >= 1 works. ValueError before any message for a rank outside the
-    ring, token counts that do not match `seqlens`, or kv heads not dividing query heads.
+    zigzag shards: q [T_local, Hq, D], k [T_local, Hkv, D] and v [T_local, Hkv, Dv] (Dv may differ from
+    D: multi-latent attention), the rows `zigzag_token_indices(seqlens, len(ring), position)` of the
+    packed documents. Returns out [T_local, Hq, Dv], differentiable in q, k, v, equal to full (causal)
+    attention over each document. Any document length >= 1 works. ValueError before any message for a
+    rank outside the ring, token counts that do not match `seqlens`, or kv heads not dividing query heads.
     `deterministic` asks every block's kernel for a deterministic backward (the ring adds the block
     gradients in a fixed order, so the whole backward is deterministic then). `window`: sliding-window
     attention (query i sees keys i - window .. i of its document; `ring_plan` skips pieces outside it).
@@ -342,8 +353,8 @@ def simulated_ring_attention(
 ) -> torch.Tensor:
     """The ring algorithm of `ring_attention` for k = `ring_size` virtual ranks in this process.
 
-    Takes and returns whole packed documents (q [T, Hq, D], k/v [T, Hkv, D]): each virtual position gets
-    its zigzag shards, the k ring programs run in lockstep with the messages copied in memory, and the
+    Takes and returns whole packed documents (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]): each virtual
+    position gets its zigzag shards, the k ring programs run in lockstep with the messages copied in memory, and the
     outputs are put back in packed order. Differentiable. For tests and for timing the ring's
     decomposition of the work on one device. `grad_dtype` overrides the dtype the dK/dV partials travel
     in (`benchmarks/ring_grad_precision.py` measures what sending them in the activation dtype costs).

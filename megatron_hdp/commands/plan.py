@@ -1,7 +1,7 @@
 """`megatron-hdp plan`: plan one global batch with every policy and compare them side by side.
 
     megatron-hdp plan --dist byted --tokens 32M --ranks 1024 --capacity 16384 [--pp 1] [--vpp 1] [--policy balance]
-        [--model llama-7b] [--hardware h100] [--tp 1] [--json plan.json] [--plot plans.png]
+        [--model llama-7b] [--hardware h100] [--tp 1] [--ep 1] [--etp TP] [--json plan.json] [--plot plans.png]
     megatron-hdp plan --lengths lengths.txt --ranks 64 --capacity 8192
     megatron-hdp plan --from runs/plans/iter_0000001.json --plot step1.png     # what training ran
     megatron-hdp plan --from runs/plans --plot steps.png                          # a directory of them
@@ -17,6 +17,8 @@ ring-attention bytes (TB per step), the sequences that offload and the planner's
 included). A policy whose plan is estimated to exceed --max-shards or --max-plan-seconds is skipped with
 its reason. The plan of --policy is written as the StepPlan JSON of DESIGN.md (--json) and all plans are
 drawn (--plot).
+`--ep` (and `--etp`) plan and time with Megatron's expert-parallel groups: their HDP ranks run every
+micro-batch together (the MoE all-to-all), so `balance` plans each group as a unit (`plan.expert_units`).
 `--from` reads plans saved by training (`--hdp-save-plans`), summarises and draws them
 (`commands/saved_plans.py`).
 """
@@ -31,8 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_hdp.commands.arguments import (existing_file, existing_path, fraction, names_from, one_of,
-                                             parse_count, policy_names, positive_float, positive_int)
+from megatron_hdp.commands.arguments import (add_expert_arguments, existing_file, existing_path, expert_unit, fraction,
+                                             names_from, one_of, parse_count, policy_names, positive_float,
+                                             positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",
                         help="hardware preset of the analytic cost model")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (divides the cost model)")
+    add_expert_arguments(parser)
     parser.add_argument("--ranks-per-node", type=positive_int, default=None,
                         help="HDP ranks per node (default: the cost model's, else 8 GPUs per node / --tp): rings are "
                         "placed inside a node when they fit, and a ring that crosses nodes runs at the network's speed")
@@ -177,6 +181,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if missing:
         raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required with "
                          f"{'--lengths' if args.lengths else '--dist'}")
+    expert_unit(args, num_ranks=args.ranks)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -206,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         cost_model = analytic_cost_model(args.model, args.hardware, tp_size=args.tp)
     ranks_per_node = args.ranks_per_node or cost_model.ranks_per_node or max(1, 8 // args.tp)
-    cost_model = dataclasses.replace(cost_model, ranks_per_node=ranks_per_node)
+    cost_model = dataclasses.replace(cost_model, ranks_per_node=ranks_per_node,
+                                     expert_parallel_size=expert_unit(args, num_ranks=args.ranks))
     lengths, batch_note = _batch(args)
     bound = step_time_lower_bound(lengths, num_ranks=args.ranks, capacity=args.capacity, cost_model=cost_model,
                                   pp_size=args.pp, max_offload_ratio=config.max_offload_ratio)

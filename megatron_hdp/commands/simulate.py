@@ -24,8 +24,8 @@ import logging
 import sys
 from pathlib import Path
 
-from megatron_hdp.commands.arguments import (existing_file, names_from, one_of, parse_count, policy_names,
-                                             positive_float, positive_int)
+from megatron_hdp.commands.arguments import (add_expert_arguments, existing_file, names_from, one_of, parse_count,
+                                             policy_names, positive_float, positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vpp", type=positive_int, default=1,
                         help="model chunks (virtual pipeline stages) per pipeline stage: Megatron's interleaved "
                              "schedule when > 1 (--num-virtual-stages-per-pipeline-rank)")
+    add_expert_arguments(parser)
     parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",
                         help="hardware preset (plan/presets.py HARDWARE)")
     parser.add_argument("--context", type=parse_count, default="2M", help="context length: the longest sequence (e.g. 256K, 2M)")
@@ -85,6 +86,23 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--vpp {args.vpp} needs pipeline parallelism: set --pp > 1 or --vpp 1")
     if layers % (args.pp * args.vpp):
         raise ValueError(f"--pp {args.pp} x --vpp {args.vpp} does not divide --model {args.model}'s {layers} layers")
+    expert_grid = (args.etp or args.tp) * args.ep * args.pp
+    if args.gpus % expert_grid:
+        raise ValueError(f"--gpus {args.gpus} is not a multiple of --etp {args.etp or args.tp} x --ep {args.ep} x --pp "
+                         f"{args.pp} (Megatron's expert grid; then the HDP pool holds whole expert-parallel groups)")
+
+
+def capacity_note(spec) -> str:
+    """How C follows from GPU memory (`ClusterSpec.memory_budget`), one line."""
+    budget = spec.memory_budget()
+    experts = spec.shape.expert_parameters()
+    sharded = (f"; experts over expert TP {spec.expert_tp_size} x EP {spec.ep_size}, their Adam states over "
+               f"{spec.num_gpus // (spec.expert_tp_size * spec.ep_size * spec.pp_size)} expert-data-parallel ranks"
+               if experts else "")
+    return (f"C from memory: {budget['states_gb']:.1f} GB of model states per GPU (dense weights over TP x PP, Adam "
+            f"states over the pool{sharded}) leave {budget['free_gb']:.1f} GB for activations of "
+            f"{budget['token_mb']:.2f} MB a token: {budget['fits']:,} tokens fit, rounded down to a power of two, "
+            f"C = {budget['capacity']:,} (--capacity sets it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         hardware=args.hardware,
         allreduce_bandwidth=args.allreduce_bandwidth, ring_bandwidth=args.ring_bandwidth,
         cost_model_path=args.cost_model,
-        capacity=args.capacity,
+        capacity=args.capacity, ep_size=args.ep, etp_size=args.etp,
     )
     context, budget = args.context, args.global_batch_tokens
     try:
@@ -109,9 +127,11 @@ def run(args: argparse.Namespace) -> int:
     options = dict(distribution=args.dist, global_batch_tokens=budget, policies=policies, steps=args.steps,
                    seed=args.seed, offload=not args.no_offload)
     comparison = compare_policies(spec, context=context, **options)
-    print(f"{args.model} on {args.gpus} GPUs (TP={args.tp}, PP={args.pp}, VPP={args.vpp}, HDP pool {spec.num_ranks} ranks, "
-          f"C={spec.rank_capacity}), context {format_tokens(context)}, {args.dist}, "
+    print(f"{args.model} on {args.gpus} GPUs (TP={args.tp}, PP={args.pp}, VPP={args.vpp}, EP={args.ep}, HDP pool "
+          f"{spec.num_ranks} ranks, C={spec.rank_capacity}), context {format_tokens(context)}, {args.dist}, "
           f"{comparison.global_batch_tokens:,} tokens per global batch, {args.steps} steps")
+    if args.capacity is None:
+        print(capacity_note(spec))
     print(format_table(comparison))
     result = comparison.to_dict()
     if args.plot:

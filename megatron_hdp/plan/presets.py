@@ -78,6 +78,13 @@ class ModelShape:
         mtp_layer = layer + 2 * h * h + 3 * h  # its projection and norms; embedding and head are shared
         return self.num_layers * layer + self.mtp_num_layers * mtp_layer + 2 * self.vocab_size * h
 
+    def expert_parameters(self) -> int:
+        """Of `num_parameters`, the experts' (every expert's MLP in every layer; 0 for a dense model): what
+        expert parallelism shards over EP x expert-TP ranks instead of TP."""
+        if not self.num_experts:
+            return 0
+        return self.num_layers * (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size * self.num_experts
+
 
 @dataclass(frozen=True)
 class HardwareProfile:

@@ -10,6 +10,9 @@ as fast as FA2 there; with cuDNN >= 9.6 TE also buckets THD shapes so that varia
 do not build a new cuDNN graph per micro-batch), then flash-attn's own varlen kernels
 (FlashAttention-2), then the same FlashAttention-2 built into PyTorch, then compiled flex attention, the
 only one of them for fp32; on CPU there is one. On Ampere FA2 may be the faster one.
+V's head dim may differ from Q's and K's (multi-latent attention): te_fused (where TE's selector has a
+kernel for the pair of head dims) and flex take it natively, flash_attn, torch_varlen and cpu_flash run
+it on V zero-padded to Q's head dim (exact, `base.pad_head_dim`).
 `benchmarks/ring_bench.py` measures every available backend on a GPU (per-backend TFLOP/s table),
 which is how to revisit the order. The TE backend is written against TE 2.x's low-level API and has not
 yet run on a GPU in this repository's CI (see `te_fused`).
@@ -99,21 +102,28 @@ class ShapeDispatch(AttentionBackend):
         return bool(available_backends(device, dtype))
 
     def kernel_for(
-        self, q: torch.Tensor, k: torch.Tensor, segments: Segments, window: BlockWindow | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        segments: Segments,
+        window: BlockWindow | None = None,
+        *,
+        v: torch.Tensor | None = None,
     ) -> AttentionBackend:
-        """The backend that runs calls of this shape. ValueError when none of the candidates has a kernel."""
-        shape = KernelShape.of(q, k, segments, deterministic=self.deterministic, window=window)
+        """The backend that runs calls of this shape (`v`: the call's V, when its head dim may differ from
+        K's). ValueError when none of the candidates has a kernel."""
+        shape = KernelShape.of(q, k, segments, v=v, deterministic=self.deterministic, window=window)
         return _kernel_for(self.name, self.candidates, shape)
 
     def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None):
-        kernel = self.kernel_for(q, k, segments, window)
+        kernel = self.kernel_for(q, k, segments, window, v=v)
         return kernel.forward(q, k, v, segments=segments, causal=causal, scale=scale, window=window)
 
     def backward(
         self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float,
         window: BlockWindow | None = None,
     ):
-        kernel = self.kernel_for(q, k, segments, window)
+        kernel = self.kernel_for(q, k, segments, window, v=v)
         return kernel.backward(dout, q, k, v, out, lse, segments=segments, causal=causal, scale=scale, window=window)
 
 

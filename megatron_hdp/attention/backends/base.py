@@ -9,8 +9,12 @@ also why every kernel serves attention sinks (Megatron's off-by-one / learnable 
 applied to the finished rows and the backward is fed their (out', lse') (`megatron_hdp.attention.sink`),
 so no backend stands aside for a sink.
 
-Shapes: q [Tq, Hq, D], k and v [Tk, Hkv, D] with Hkv dividing Hq (query head h uses kv head
-h // (Hq / Hkv)); out [Tq, Hq, D] in q's dtype; lse [Hq, Tq], float32 (float64 for float64 inputs).
+Shapes: q [Tq, Hq, D], k [Tk, Hkv, D] and v [Tk, Hkv, Dv] with Hkv dividing Hq (query head h uses kv
+head h // (Hq / Hkv)); out [Tq, Hq, Dv] in q's dtype; lse [Hq, Tq], float32 (float64 for float64
+inputs). V's head dim may differ from Q's and K's (multi-latent attention: 192 / 128). A kernel that
+takes only equal head dims runs such calls exactly on V zero-padded to D (`pad_head_dim`, `narrow_head_dim`):
+the padded columns of out are zero and dropped, they add nothing to dP = dO V^T nor to rowsum(dO * O), and
+the padded columns of dV are discarded. Each backend's docstring says which it does.
 Segment i pairs q rows cu_q[i]:cu_q[i+1] with kv rows cu_k[i]:cu_k[i+1]; every segment is non-empty.
 A causal segment has as many q as kv rows and uses the plain lower-triangular mask.
 A windowed call (`window`, a `BlockWindow`: Megatron's sliding-window attention) replaces that mask by
@@ -189,6 +193,7 @@ class KernelShape:
     heads_q: int
     heads_kv: int
     head_dim: int
+    """Q's and K's head dim."""
     max_seqlen: int
     deterministic: bool = False
     """Whether the backward must be deterministic (Megatron's `deterministic_mode`): kernels without a
@@ -197,6 +202,13 @@ class KernelShape:
     """`window_form` of the call: kernels that cannot express an "offset" window have no kernel for it."""
     window_left: int = -1
     """The window's `left` (-1: no window); TE's kernel selector is asked with it."""
+    head_dim_v: int | None = None
+    """V's head dim (None: `head_dim`); multi-latent attention's is narrower than Q's and K's."""
+
+    @property
+    def value_dim(self) -> int:
+        """V's head dim."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @classmethod
     def of(
@@ -205,13 +217,16 @@ class KernelShape:
         k: torch.Tensor,
         segments: Segments,
         *,
+        v: torch.Tensor | None = None,
         deterministic: bool = False,
         window: BlockWindow | None = None,
     ) -> KernelShape:
-        """The shape signature of one kernel call."""
+        """The shape signature of one kernel call (`v`: its value tensor; None: V shaped like K)."""
         length = _length_bucket(max(segments.max_q, segments.max_k))
         form, left = window_form(window, segments), -1 if window is None else window.left
-        return cls(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], length, deterministic, form, left)
+        value_dim = None if v is None or v.shape[2] == q.shape[2] else v.shape[2]
+        heads_and_dim = (q.shape[1], k.shape[1], q.shape[2])
+        return cls(q.device, q.dtype, *heads_and_dim, length, deterministic, form, left, value_dim)
 
 
 class AttentionBackend(abc.ABC):
@@ -248,7 +263,7 @@ class AttentionBackend(abc.ABC):
         scale: float,
         window: BlockWindow | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of each q segment over its kv segment: (out [Tq, Hq, D], lse [Hq, Tq]). With a
+        """Attention of each q segment over its kv segment: (out [Tq, Hq, Dv], lse [Hq, Tq]). With a
         `window` the window rule (module doc) is the mask and `causal` must be True."""
 
     @abc.abstractmethod
@@ -284,6 +299,18 @@ def half_precision_cuda_problem(
     if torch.cuda.get_device_capability(device)[0] < 8:
         return f"{kernel} needs compute capability 8.0 or newer"
     return None
+
+
+def pad_head_dim(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """`x` [..., d] zero-padded to [..., head_dim] (`x` itself when d == head_dim): V, and out / dout of
+    a backward, for a kernel that takes V only at Q's and K's head dim (module doc: exact)."""
+    return x if x.shape[-1] == head_dim else torch.nn.functional.pad(x, (0, head_dim - x.shape[-1]))
+
+
+def narrow_head_dim(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The first `head_dim` columns of `x` [..., d], contiguous (`x` itself when d == head_dim): a padded
+    kernel's out and dV cut back to V's head dim."""
+    return x if x.shape[-1] == head_dim else x[..., :head_dim].contiguous()
 
 
 def grads_by_recompute(

@@ -4,14 +4,22 @@ The op works on [B, H, S, D] and returns the log-sum-exp, handles GQA natively a
 inputs, so a THD segment is passed as a free view (rows -> [1, H, S, D]). Varlen is a loop over segments:
 one call per document, no mask and no padding, so no work is spent on masked-out blocks. The op cannot
 take an empty sequence (it crashes), which the segment contract already excludes. A sliding window
-(`BlockWindow`, any offsets) is the op's boolean `attn_mask` per segment.
+(`BlockWindow`, any offsets) is the op's boolean `attn_mask` per segment. The op refuses a V head dim
+other than Q's and K's ("Q/K/V should have the same head size"), so multi-latent attention's narrower V
+is zero-padded to Q's head dim here and the output and dV cut back (exact: `base.pad_head_dim`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_hdp.attention.backends.base import AttentionBackend, BlockWindow, Segments
+from megatron_hdp.attention.backends.base import (
+    AttentionBackend,
+    BlockWindow,
+    Segments,
+    narrow_head_dim,
+    pad_head_dim,
+)
 
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -59,6 +67,7 @@ class CpuFlashBackend(AttentionBackend):
         return device.type == "cpu" and dtype in _DTYPES
 
     def forward(self, q, k, v, *, segments: Segments, causal: bool, scale: float, window: BlockWindow | None = None):
+        value_dim, v = v.shape[2], pad_head_dim(v, q.shape[2])
         outs, lses = [], []
         for s, (q0, q1, k0, k1) in enumerate(_bounds(segments)):
             causal_s, mask = _mask(s, q1 - q0, k1 - k0, causal, window, q)
@@ -67,12 +76,14 @@ class CpuFlashBackend(AttentionBackend):
             )
             outs.append(_thd(out))
             lses.append(lse.squeeze(0))
-        return _cat(outs, 0), _cat(lses, 1)
+        return narrow_head_dim(_cat(outs, 0), value_dim), _cat(lses, 1)
 
     def backward(
         self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float,
         window: BlockWindow | None = None,
     ):
+        value_dim = v.shape[2]
+        dout, v, out = (pad_head_dim(x, q.shape[2]) for x in (dout, v, out))
         dqs, dks, dvs = [], [], []
         for s, (q0, q1, k0, k1) in enumerate(_bounds(segments)):
             causal_s, mask = _mask(s, q1 - q0, k1 - k0, causal, window, q)
@@ -91,4 +102,4 @@ class CpuFlashBackend(AttentionBackend):
             dqs.append(_thd(dq))
             dks.append(_thd(dk))
             dvs.append(_thd(dv))
-        return _cat(dqs, 0), _cat(dks, 0), _cat(dvs, 0)
+        return _cat(dqs, 0), _cat(dks, 0), narrow_head_dim(_cat(dvs, 0), value_dim)

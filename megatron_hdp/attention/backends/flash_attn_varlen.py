@@ -14,6 +14,10 @@ S_dmask, rng_state). Older releases lack `softcap` (2.6 added it) and are refuse
 package installs only `flash_attn.cute` (a namespace package `flash_attn` without the FA2 interface),
 so the check is the `flash-attn` distribution's version plus a real `flash_attn` package, not
 `find_spec("flash_attn")` alone. FlashAttention-2 needs compute capability 8.0 or newer.
+
+Head dims: FlashAttention-2 takes V only at Q's and K's head dim (`mha_varlen_fwd` checks v's shape
+against q's head size in every 2.x), so multi-latent attention's narrower V is zero-padded to Q's head
+dim here and the output and dV cut back (exact: `base.pad_head_dim`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from megatron_hdp.attention.backends.base import (
     KernelShape,
     Segments,
     half_precision_cuda_problem,
+    narrow_head_dim,
     offset_window_problem,
+    pad_head_dim,
     window_pair,
 )
 
@@ -131,7 +137,7 @@ class FlashAttnVarlenBackend(AttentionBackend):
         results = api.fwd(
             q=q,
             k=k,
-            v=v,
+            v=pad_head_dim(v, q.shape[2]),
             cu_seqlens_q=segments.cu_seqlens_q,
             cu_seqlens_k=segments.cu_seqlens_k,
             max_seqlen_q=segments.max_q,
@@ -145,13 +151,16 @@ class FlashAttnVarlenBackend(AttentionBackend):
             block_table=None,
             **api.window_kwargs(window),
         )
-        return api.out_and_lse(results)
+        out, lse = api.out_and_lse(results)
+        return narrow_head_dim(out, v.shape[2]), lse
 
     def backward(
         self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float,
         window: BlockWindow | None = None,
     ):
         api = _flash_api()
+        value_dim = v.shape[2]
+        dout, v, out = (pad_head_dim(x, q.shape[2]) for x in (dout, v, out))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         api.bwd(
             dout=dout,
@@ -175,4 +184,4 @@ class FlashAttnVarlenBackend(AttentionBackend):
             deterministic=self.deterministic,
             **api.window_kwargs(window),
         )
-        return dq, dk, dv
+        return dq, dk, narrow_head_dim(dv, value_dim)

@@ -3,7 +3,9 @@
 Packed segments become one [1, H, T, D] call with a block mask from per-row segment ids (and the causal
 order inside a segment), so fully masked tiles are skipped. The forward returns the lse through
 `AuxRequest(lse=True)`; flex's backward cannot take an external out/lse, so the block gradients come
-from `grads_by_recompute` (one extra forward). Not run on a GPU in this repository's CI (flex has no
+from `grads_by_recompute` (one extra forward). V's head dim may differ from Q's and K's (multi-latent
+attention): flex takes it natively (inductor's kernel has separate QK and V head dims, each rounded up to
+a power of two inside the kernel). Not run on a GPU in this repository's CI (flex has no
 CPU backward); `tests/test_attention_kernels.py` checks on CPU what does not need one.
 
 Varying lengths. HDP packs a different number of tokens T into every micro-batch. flex runs compiled

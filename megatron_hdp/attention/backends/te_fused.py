@@ -6,7 +6,10 @@ like TE's own ring attention (`AttnFuncWithCPAndKVP2P` in
 the low-level `fused_attn_fwd` / `fused_attn_bwd` of `transformer_engine.pytorch.cpp_extensions.fused_attn`
 with the cuDNN sub-backend "F16_arbitrary_seqlen": layout "thd_thd_thd" (separate packed q, k, v),
 cu_seqlens without padding (the padded offsets are the cu_seqlens themselves, as TE's
-DotProductAttention passes for THD), GQA by head counts, no dropout, no bias.
+DotProductAttention passes for THD), GQA by head counts, no dropout, no bias. V may have another head
+dim than Q and K (multi-latent attention, 192 / 128): cuDNN takes it natively with separate q, k, v
+layouts (TE's own selector disables fused attention for unequal head dims only in packed layouts,
+`get_attention_backend`), and the selector below is asked with both head dims.
 
 Masks. Ragged (THD) input needs a padding mask type in cuDNN, so a causal block is "padding_causal"
 and a full block (the off-diagonal ring steps, q and kv lengths differ) is "padding". The ring asks
@@ -128,7 +131,7 @@ def _selector_args(shape: KernelShape, mask: str, minor: int) -> list:
     args.append(fused_attn.AttnMaskType[mask])
     if minor >= 8:
         args.append(fused_attn.SoftmaxType["vanilla"])
-    args += [0.0, shape.heads_q, shape.heads_kv, shape.max_seqlen, shape.max_seqlen, shape.head_dim, shape.head_dim]
+    args += [0.0, shape.heads_q, shape.heads_kv, shape.max_seqlen, shape.max_seqlen, shape.head_dim, shape.value_dim]
     causal = mask == "padding_causal"
     args += (shape.window_left, 0) if causal and shape.window else window_pair(causal, None)
     args += [False] * ((minor >= 9) + (minor >= 10))  # return_max_logit, cuda_graph
@@ -150,9 +153,10 @@ def te_shape_problem(shape: KernelShape) -> str | None:
             backend = tex.get_fused_attn_backend(*_selector_args(shape, mask, minor))
             if backend != FusedAttnBackend["F16_arbitrary_seqlen"]:
                 capability = ".".join(map(str, torch.cuda.get_device_capability(shape.device)))
+                dims = f"{shape.head_dim}" + (f" (v {shape.value_dim})" if shape.head_dim_v is not None else "")
                 return (
                     f"TE 2.{minor}'s selector finds no fused kernel for THD, mask {mask}, {shape.heads_q} q / "
-                    f"{shape.heads_kv} kv heads, head dim {shape.head_dim}, segments up to {shape.max_seqlen} "
+                    f"{shape.heads_kv} kv heads, head dim {dims}, segments up to {shape.max_seqlen} "
                     f"on compute capability {capability} with cuDNN {tex.get_cudnn_version()}"
                 )
     return None

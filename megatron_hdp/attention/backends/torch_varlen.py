@@ -3,7 +3,11 @@
 Forward through the public `varlen_attn(..., return_aux=AuxRequest(lse=True))`. Its autograd backward
 cannot take an external out/lse, so the backward calls the op that `varlen_attn` registers for its own
 backward, `torch.ops.torch_attn._varlen_attn_backward` (same arguments as the forward plus out, lse and
-the unused dropout RNG state). Not run in this repository's CI (no GPU there).
+the unused dropout RNG state). FlashAttention-2 takes V only at Q's and K's head dim (aten's
+`mha_varlen_fwd` checks v's shape against q's head size, torch 2.11 and 2.13 alike), so multi-latent
+attention's narrower V is zero-padded to Q's head dim here and the output and dV cut back (exact:
+`base.pad_head_dim`; costs the padded columns' share of the P V product). Not run in this repository's
+CI (no GPU there).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from megatron_hdp.attention.backends.base import (
     BlockWindow,
     KernelShape,
     Segments,
+    narrow_head_dim,
     offset_window_problem,
+    pad_head_dim,
     window_pair,
 )
 
@@ -61,7 +67,7 @@ class TorchVarlenBackend(AttentionBackend):
         out, lse = varlen_attn(
             q,
             k,
-            v,
+            pad_head_dim(v, q.shape[2]),
             segments.cu_seqlens_q,
             segments.cu_seqlens_k,
             segments.max_q,
@@ -72,19 +78,20 @@ class TorchVarlenBackend(AttentionBackend):
             **({"enable_gqa": q.shape[1] != k.shape[1]} if _takes_enable_gqa() else {}),
         )
         assert lse.shape == (q.shape[1], q.shape[0]), f"varlen_attn lse has shape {tuple(lse.shape)}"
-        return out, lse
+        return narrow_head_dim(out, v.shape[2]), lse
 
     def backward(
         self, dout, q, k, v, out, lse, *, segments: Segments, causal: bool, scale: float,
         window: BlockWindow | None = None,
     ):
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is unused
+        head_dim = q.shape[2]
         dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
-            dout.contiguous(),
+            pad_head_dim(dout, head_dim).contiguous(),
             q.contiguous(),
             k.contiguous(),
-            v.contiguous(),
-            out.contiguous(),
+            pad_head_dim(v, head_dim).contiguous(),
+            pad_head_dim(out, head_dim).contiguous(),
             lse.contiguous(),
             segments.cu_seqlens_q,
             segments.cu_seqlens_k,
@@ -95,4 +102,4 @@ class TorchVarlenBackend(AttentionBackend):
             scale,
             list(window_pair(causal, window)),
         )
-        return dq, dk, dv
+        return dq, dk, narrow_head_dim(dv, v.shape[2])
