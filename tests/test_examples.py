@@ -25,8 +25,9 @@ DEEPSEEK_V3 = dict(
     moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048, moe_layer_freq=[0] * 3 + [1] * 58,
     moe_router_num_groups=8, moe_router_group_topk=4, moe_router_score_function="sigmoid",
     moe_router_topk_scaling_factor=2.5, vocab_size=129280, layernorm_epsilon=1e-6, mtp_num_layers=1,
+    mtp_loss_scaling_factor=0.1,
 )
-"""DeepSeek-V3's published shape (its config.json, as Megatron-LM's flags name it)."""
+"""DeepSeek-V3's published shape (its config.json, as Megatron-LM's flags name it; the MTP loss weight from its report)."""
 # model file -> (preset, or the model's flag values, tensor, pipeline, expert parallel size, longest
 # document): what each claims.
 CLAIMS = {

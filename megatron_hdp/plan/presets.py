@@ -1,6 +1,7 @@
 """Model shapes and hardware profiles, and the analytic cost model they imply.
 
-The ByteScale paper's models (LLaMA-7B/13B/30B/70B, Mixtral-8x7B/8x22B) plus Llama-3-8B and gpt-oss-20b,
+The ByteScale paper's models (LLaMA-7B/13B/30B/70B, Mixtral-8x7B/8x22B) plus Llama-3-8B, gpt-oss-20b and
+DeepSeek-V3 (with its multi-token prediction; plain attention for its MLA, see MODELS),
 and H100/H200/A100-class GPUs. Analytic FLOPs per token per layer (forward; training = 3x), with q the
 width of all query heads (h unless the head dim is set apart from h / heads, as gpt-oss's 64 x 64 on h = 2880):
 
@@ -122,6 +123,16 @@ MODELS: dict[str, ModelShape] = {
     # of ffn 2880 with top-4, vocab 201088; attention sinks and a 128-token window on alternate layers change
     # neither FLOPs per token (a window only caps the attention term of half the layers) nor activations
     "gpt-oss-20b": ModelShape(24, 2880, 64, 8, 2880, 201088, num_experts=32, moe_router_topk=4, head_dim=64),
+    # DeepSeek-V3-class (its config.json: 61 layers, hidden 7168, 128 heads, 256 routed experts of ffn 2048
+    # with top-8 plus one shared expert, vocab 129280, one MTP module). Top-9: the shared expert runs for
+    # every token like a routed one, and the first 3 dense layers' ffn 18432 = 9 x 2048, so every layer's
+    # MLP FLOPs are DeepSeek-V3's. Attention is plain multi-head with 128 channels (v_head_dim) until the
+    # cost model has multi-latent attention: its projections count 470M multiply-adds per token per layer
+    # against MLA's 187M (the linear term ~48% high), its attention 128 channels per head against MLA's
+    # mean of 192 (QK) and 128 (PV) (~20% low), its ring K/V 2 x 128 x 128 values per token against MLA's
+    # 128 x (192 + 128) (K and V up-projected before the ring)
+    "deepseek-v3": ModelShape(61, 7168, 128, 128, 2048, 129280, num_experts=256, moe_router_topk=9,
+                              head_dim=128, mtp_num_layers=1),
 }
 
 HARDWARE: dict[str, HardwareProfile] = {
