@@ -19,8 +19,9 @@ pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron
   computes each document as its own sequence: HDP's loss, by an independent path.
 - `expected_pieces(raw_lengths, seq_length)`: (document, offset, length) of every piece of every
   document, by the documented cutting rule, written out independently of the package.
-- `megatron_lm_checkout()` / `patched_pretrain_gpt(root, where)`: the Megatron-LM checkout MEGATRON_LM_DIR
-  names (None when unset; skip when it cannot train) and its pretrain_gpt.py with our patch applied.
+- `megatron_lm_checkout()` / `patched_pretrain_gpt(root, where)` / `checkout_entry(where)`: the Megatron-LM
+  checkout MEGATRON_LM_DIR names (None when unset; skip when it cannot train), its pretrain_gpt.py with our
+  patch applied, and both as `run_pretrain`'s script and python path.
 - `MLA`, `assert_whole_and_rings_agree(argv, seq_length)`: multi-latent attention flags, and the check
   that --hdp trains with the same losses on 1 rank (documents whole) and on 4 (documents on rings).
 """
@@ -76,6 +77,14 @@ def patched_pretrain_gpt(root: Path, where: Path) -> Path:
     applied = subprocess.run(["bash", str(ROOT / "patches" / "apply.sh"), str(where)], capture_output=True, text=True)
     assert applied.returncode == 0, applied.stderr
     return where / "pretrain_gpt.py"
+
+
+def checkout_entry(where: Path) -> tuple[Optional[Path], tuple[str, ...]]:
+    """(MEGATRON_LM_DIR's patched pretrain_gpt.py, copied into `where`: the HDP run's script; the checkout's
+    path: both runs' `megatron`) for `run_pretrain`, or (None, ()) without MEGATRON_LM_DIR: our entry point on
+    the installed megatron-core."""
+    root = megatron_lm_checkout()
+    return (None, ()) if root is None else (patched_pretrain_gpt(root, where), (str(root),))
 
 
 MLA = (

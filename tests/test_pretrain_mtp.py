@@ -3,7 +3,8 @@ Megatron on the planned pieces.
 
 Same documents and reference as tests/test_pretrain.py (plain single-process Megatron, each saved piece its
 own padded sample, --eod-mask-loss: HDP's MTP weights read the documents' loss masks), with Megatron's own
-MTP block: depth 1 on a pool of 4 ranks (pieces over 24 tokens on rings), depth 2 with PP = 2 on a pool of 2
+MTP block: depth 1 on a pool of 4 ranks (pieces over 24 tokens on rings) with the off-by-one attention sink
+and a sliding window on alternate layers (MTP and sinks together), depth 2 with PP = 2 on a pool of 2
 pipelines (the MTP block on the last stage; the reference has the same PP layout, since Megatron seeds each
 stage's initialization by its stage). Two steps: the second step's loss is taken after an update that
 the MTP gradients moved, and the MTP loss scale is 0.5, so that wrong MTP gradients would put it beyond
@@ -17,49 +18,40 @@ runs go through the checkout's own pretrain_gpt.py with our patch and both runs 
 builder too.
 """
 
-import os
-
 import pytest
-from pretrain_harness import assert_same_losses, read_saved_plans, run_pretrain
-from test_pretrain import COMMON, data_prefix  # noqa: F401  (the documents, as a fixture)
+from pretrain_harness import assert_same_losses, checkout_entry, read_saved_plans, run_pretrain
+from test_pretrain import COMMON, SINKS, data_prefix  # noqa: F401  (the documents, as a fixture)
 
 pytestmark = pytest.mark.timeout(1800)
 
 STEPS = 2
 MTP_SCALE = ["--mtp-loss-scaling-factor", "0.5"]
 CASES = {
-    "mtp1-hdp4": (1, [], 24),
+    "mtp1-hdp4-sinks": (1, SINKS["off-by-one"], 24),
     "mtp2-pp2xhdp2": (2, ["--pipeline-model-parallel-size", "2"], 40),
 }
-
-
-def _checkout_script(tmp_path) -> tuple:
-    """(patched pretrain_gpt.py of MEGATRON_LM_DIR, its python path) or (None, ()) without a checkout."""
-    if not os.environ.get("MEGATRON_LM_DIR"):
-        return None, ()
-    from test_patch import _patched_checkout
-
-    (tmp_path / "checkout").mkdir()
-    root, script, _ = _patched_checkout(tmp_path / "checkout")
-    return script, (str(root),)
+"""name -> (MTP depth, other flags, HDP capacity). Depth 1 runs with gpt-oss's attention (the off-by-one sink,
+a window on alternate layers): MTP and sinks together, its MTP layer's attention windowed and sunk as
+Megatron's."""
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_pretrain_with_mtp_matches_plain_megatron_on_the_planned_documents(data_prefix, tmp_path, name):  # noqa: F811
-    depth, layout, capacity = CASES[name]
-    script, python_path = _checkout_script(tmp_path)
+    depth, flags, capacity = CASES[name]
+    script, python_path = checkout_entry(tmp_path)
     plans_dir = str(tmp_path / "plans")
     argv = [*COMMON, "--train-iters", str(STEPS), "--data-path", data_prefix,
-            "--data-cache-path", str(tmp_path / "cache"), "--mtp-num-layers", str(depth), *MTP_SCALE, *layout]
+            "--data-cache-path", str(tmp_path / "cache"), "--mtp-num-layers", str(depth), *MTP_SCALE, *flags]
     hdp_flags = ["--hdp", "--hdp-capacity", str(capacity), "--no-hdp-offload", "--hdp-save-plans", plans_dir]
     hdp = run_pretrain(argv + hdp_flags, script=script, python_path=python_path)
-    reference = run_pretrain(argv, world_size=4 if layout else 1, python_path=python_path,
+    pp = "--pipeline-model-parallel-size" in flags
+    reference = run_pretrain(argv, world_size=4 if pp else 1, python_path=python_path,
                              reference_plans=(plans_dir, data_prefix))
     losses = assert_same_losses(hdp, reference)
     assert len(losses) == STEPS
     # install() gave Megatron-LM's model builder our MTP spec: every MTP layer attends with HDP's attention
     assert [names for rank in hdp if (names := rank["mtp_attention"])] == [["HDPCoreAttention"] * depth] * (
-        4 if not layout else 2)
+        2 if pp else 4)
     assert {n for rank in reference for n in rank["mtp_attention"]} == {"DotProductAttention"}
     assert any(len(s["ring"]) > 1 for plan in read_saved_plans(plans_dir) for s in plan["sequences"])
     # Megatron's own MTP log, every depth, every step, on the ranks that hold the MTP block
