@@ -25,7 +25,7 @@ import dataclasses
 
 import pytest
 from test_megatron_exactness import (
-    BATCHES, MOE_CLIP_GRAD, MOE_LOSSES, NUM_EXPERTS, VPP_GROUP, _check, _check_idle, _init, _plan, _vpp_plans,
+    ADAM_EPS, BATCHES, MOE_CLIP_GRAD, MOE_LOSSES, NUM_EXPERTS, VPP_GROUP, _check, _check_idle, _init, _plan, _vpp_plans,
 )
 
 from megatron_hdp.comm.launch import run_gloo
@@ -69,7 +69,7 @@ def _reference(rank, world_size, names=tuple(VARIANTS)):
         model = build_gpt(_config(variant), vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=False)
         assert len(model.mtp.layers) == (1 if variant.get("mtp_use_repeated_layer") else variant["depth"])
         init = full_weights(model)
-        ddp, opt = wrap_for_training(model, **_unclipped(variant))
+        ddp, opt = wrap_for_training(model, adam_eps=ADAM_EPS, **_unclipped(variant))
         out[name] = {"init": init, "steps": reference_steps(ddp, opt, BATCHES)}
         destroy_hdp()
     return out
@@ -92,7 +92,7 @@ def _hdp_variant(variant: dict, init: dict, seed: int) -> list[dict]:
                    for layer in chunk.mtp.layers)
     for chunk in chunks:
         load_full_weights(chunk, init)
-    ddps, opt = wrap_chunks_for_training(chunks, overlap_grad_reduce=overlap, bucket_size=4000 if overlap else None,
+    ddps, opt = wrap_chunks_for_training(chunks, adam_eps=ADAM_EPS, overlap_grad_reduce=overlap, bucket_size=4000 if overlap else None,
                                          **_unclipped(variant))
     trainer = HDPTrainer(model=ddps, optimizer=opt, state=state)
     plans = _vpp_plans() if variant.get("vpp") else None
