@@ -110,8 +110,12 @@ class MTPRolls:
             "mask). This Megatron rolls something HDP was not written for (megatron_hdp/megatron/mtp.py)"
         )
 
-    def roll(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the next link of `tensor`'s chain, its sum: for the loss mask the micro-batch's loss tokens)."""
+    def roll(self, tensor: torch.Tensor, *, shifts: int = -1, dims: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the next link of `tensor`'s chain, its sum: for the loss mask the micro-batch's loss tokens): the
+        answer to Megatron's `roll_tensor(tensor, shifts, dims)`, which must be one position left."""
+        if shifts != -1 or dims not in (-1, tensor.dim() - 1):
+            raise ValueError(f"HDP's MTP rolls shift one position along the last dimension, got shifts={shifts}, "
+                             f"dims={dims}")
         name, depth = self._link(tensor)
         chain = self.chains[name]
         if depth + 1 >= len(chain):

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.megatron import quantization
+from megatron_hdp import quantization
 from megatron_hdp.megatron.dynamic_cp_policy import scheduler_checkout
 from megatron_hdp.megatron.options import flag_name as _flag
 from megatron_hdp.megatron.options import flag_problems
-from megatron_hdp.megatron.quantization import token_multiple  # noqa: F401  (the padding of this run's flags)
+from megatron_hdp.quantization import token_multiple  # noqa: F401  (the padding of this run's flags)
 from megatron_hdp.megatron.training_compat import require_megatron_training
 
 require_megatron_training()

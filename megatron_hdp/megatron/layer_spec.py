@@ -9,7 +9,7 @@ RoPE. Megatron applies RoPE before `core_attention`, with positions restarting a
 boundary — wrong for a zigzag shard, whose tokens sit at positions [a, b) and [c, d) of their document.
 So `HDPCoreAttention` applies RoPE itself, per token, from the positions the collation computed, with
 the frequencies of the model's own `RotaryEmbedding` (evaluated at those positions, once per
-micro-batch: `rope_angles`) and Megatron's own `apply_rotary_pos_emb`; `prepare_model_for_hdp`
+micro-batch: `attention/rope.py`) and Megatron's own `apply_rotary_pos_emb`; `prepare_model_for_hdp`
 hands each leaf that rotary module and switches the GPTModel's own RoPE off (one attribute). The
 exactness tests compare against a stock GPTModel with Megatron's standard RoPE.
 
@@ -21,10 +21,8 @@ Transformer Engine: with `backend="transformer_engine"` the layer is Megatron's 
 QKV+norm linears) and the local kernel is the one `megatron_hdp.attention` picks at run time ("auto";
 TE's fused attention when installed). That path cannot run on this CPU-only machine.
 
-Sinks (`softmax_type` off-by-one / learnable): the leaf holds Megatron's `softmax_offset` as the core
-attention it replaces does (`DotProductAttention` on the local spec, TE's `DotProductAttention` on the
-TE spec: `HDPTECoreAttention`), so checkpoints keep Megatron's keys and sharding, and hands it to the
-kernels and rings (`megatron_hdp.attention.sink`).
+Sinks (`softmax_type`): the leaf holds Megatron's `softmax_offset` as the core attention it replaces does
+(`HDPCoreAttention._make_softmax_offset`) and hands it to the kernels and rings (`attention/sink.py`).
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hdp.attention.core_attention import HDPBatchMeta, hdp_core_attention
+from megatron_hdp.attention.rope import rope_angles
 from megatron_hdp.data.mtp_shift import MTPRolls
 from megatron_hdp.megatron.moe_aux_loss import install_document_hook, with_document_aux_loss_router
 from megatron_hdp.megatron.mtp import install_roll
@@ -61,24 +60,6 @@ class HDPPackedSeqParams(PackedSeqParams):
 
     hdp: Optional[HDPBatchMeta] = None
     mtp_rolls: Optional[MTPRolls] = None
-
-
-def rope_angles(rotary: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
-    """[T, 1, 1, dim] RoPE angles of each token at its own document position: Megatron's
-    `RotaryEmbedding.get_emb` (same frequencies, interpolation and layout) evaluated at `position_ids`
-    rather than tabulated for 0..max position. So no table of max-position rows per micro-batch (its
-    `lru_cache` would keep up to 32 of them on the GPU) and no host sync to find the max position."""
-    if rotary.inv_freq.device != position_ids.device:
-        rotary.inv_freq = rotary.inv_freq.to(position_ids.device)  # once, as Megatron's get_emb does
-    seq = position_ids.to(rotary.inv_freq.dtype)
-    if rotary.seq_len_interpolation_factor is not None:
-        seq = seq * (1 / rotary.seq_len_interpolation_factor)
-    freqs = torch.outer(seq, rotary.inv_freq)
-    if rotary.rotary_interleaved:
-        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
-    else:
-        emb = torch.cat((freqs, freqs), dim=-1)
-    return emb[:, None, None, :]
 
 
 def batch_meta(packed_seq_params: Optional[PackedSeqParams], module: str) -> HDPBatchMeta:
@@ -113,8 +94,7 @@ class HDPCoreAttention(MegatronModule):
     """
 
     sink_like: ClassVar[str] = "local"
-    """Whose `softmax_offset` this leaf makes: Megatron's local `DotProductAttention`'s (params_dtype,
-    `init_method`) or, in `HDPTECoreAttention`, TE's `DotProductAttention`'s (float32 zeros)."""
+    """Whose `softmax_offset` this leaf makes: Megatron's local `DotProductAttention`'s or TE's."""
 
     def __init__(
         self,
@@ -167,8 +147,7 @@ class HDPCoreAttention(MegatronModule):
                 self.softmax_offset = self.config.init_method(self.softmax_offset)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """Megatron's own (`DotProductAttention.sharded_state_dict`): the learnable `softmax_offset` split
-        over TP by heads, nothing else."""
+        """Megatron's own (`DotProductAttention.sharded_state_dict`): the learnable sink split over TP by heads."""
         from megatron.core.transformer.dot_product_attention import DotProductAttention
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
@@ -286,18 +265,6 @@ def model_windows(model: torch.nn.Module) -> tuple[Optional[int], ...]:
     return tuple(sorted(windows, key=lambda w: -1 if w is None else w)) or (None,)
 
 
-def _check_mtp_attention(model: torch.nn.Module) -> None:
-    """ValueError unless every MTP layer of `model` attends with HDP's core attention (Megatron-LM's model
-    builders build the MTP block from the stock layer specs: `megatron/mtp.py`)."""
-    mtp = getattr(model, "mtp", None)
-    for layer in getattr(mtp, "layers", ()):
-        if not hdp_core_attention_modules(layer):
-            raise ValueError(
-                "an MTP layer of the model has Megatron's own core attention, which cannot run HDP's packed "
-                "documents and rings: build the MTP block with megatron_hdp.megatron.mtp.mtp_block_spec_of"
-            )
-
-
 def prepare_model_for_hdp(model: torch.nn.Module) -> torch.nn.Module:
     """Move RoPE of a GPTModel built with the HDP spec into its HDP core attention (per-token positions),
     its MTP layers' included; with multi-token prediction, install HDP's MTP roll (`megatron/mtp.py`).
@@ -323,7 +290,10 @@ def prepare_model_for_hdp(model: torch.nn.Module) -> torch.nn.Module:
         )
     install_document_hook(model)
     if getattr(model.config, "mtp_num_layers", None):
-        _check_mtp_attention(model)
+        mtp_layers = getattr(getattr(model, "mtp", None), "layers", ())  # the MTP block: last stage only
+        if not all(hdp_core_attention_modules(layer) for layer in mtp_layers):  # Megatron-LM's model builders
+            raise ValueError("an MTP layer of the model has Megatron's own core attention, which cannot run HDP's "
+                             "packed documents and rings: build the MTP block with mtp.mtp_block_spec_of")
         install_roll()  # the MTP block's rolls come from the loader (megatron/mtp.py)
     rotary = getattr(model, "rotary_pos_emb", None) if kind == "rope" else None
     for core in cores:

@@ -34,7 +34,7 @@ from megatron_hdp.data.prepare import chunk_iterators, prepare_step
 from megatron_hdp.megatron.forward_step import make_forward_step
 from megatron_hdp.megatron.initialize import planner_cost_model
 from megatron_hdp.offload.offloader import ActivationOffloader, pop_offload_stats
-from megatron_hdp.megatron import quantization
+from megatron_hdp import quantization
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.step_plan import StepPlan
 
