@@ -115,13 +115,9 @@ def wrap_chunks_for_training(
     (`disable_bucketing`). `distributed_optimizer` shards the optimizer state and the reduced gradients
     over the HDP domain (reduce-scatter, then an all-gather of the updated parameters:
     --use-distributed-optimizer); `overlap_param_gather` defers that all-gather to forward pre-hooks of
-<<<<<<< HEAD
-    the next step (--overlap-param-gather). `bf16`: the chunks hold bf16 parameters, the optimizer fp32
-    main copies of them (--bf16). `optimizer`: Megatron's "adam" or "sgd" (--optimizer)."""
-=======
     the next step (--overlap-param-gather). `adam_eps`: Adam's epsilon (--adam-eps). `bf16`: the chunks
-    hold bf16 parameters, the optimizer fp32 main copies of them (--bf16)."""
->>>>>>> main
+    hold bf16 parameters, the optimizer fp32 main copies of them (--bf16). `optimizer`: Megatron's "adam" or
+    "sgd" (--optimizer)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
@@ -135,12 +131,8 @@ def wrap_chunks_for_training(
     ]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-<<<<<<< HEAD
-            optimizer=optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16,
-=======
-            optimizer="adam", lr=lr, adam_eps=adam_eps, weight_decay=weight_decay, clip_grad=clip_grad,
+            optimizer=optimizer, lr=lr, adam_eps=adam_eps, weight_decay=weight_decay, clip_grad=clip_grad,
             bf16=bf16,
->>>>>>> main
             use_distributed_optimizer=distributed_optimizer,
         ),
         ddps,
