@@ -26,20 +26,22 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "__init__": frozenset(),
     "config": frozenset(),
     "run_logs": frozenset(),
+    "quantization": frozenset(),
     "plan": frozenset({"config"}),
     "sim": frozenset({"config", "plan"}),
     "comm": frozenset({"config", "plan"}),
     "attention": frozenset({"config", "plan", "comm"}),
     "offload": frozenset({"config", "plan", "comm"}),
     "data": frozenset({"config", "plan", "comm", "attention"}),
-    "megatron": frozenset({"config", "plan", "comm", "attention", "offload", "data"}),
-    "harness": frozenset({"config", "plan", "sim", "comm", "attention", "offload", "data", "megatron"}),
-    "commands": frozenset({"config", "run_logs", "plan", "sim", "comm", "attention", "offload", "data", "megatron",
-                           "harness"}),
+    "megatron": frozenset({"config", "quantization", "plan", "comm", "attention", "offload", "data"}),
+    "harness": frozenset({"config", "quantization", "plan", "sim", "comm", "attention", "offload", "data", "megatron"}),
+    "commands": frozenset({"config", "run_logs", "quantization", "plan", "sim", "comm", "attention", "offload", "data",
+                           "megatron", "harness"}),
 }
 """Layer (a subpackage, or a top-level module) -> the layers below it, the only ones it may import.
 From DESIGN.md: plan/ and sim/ are pure; comm/, attention/, offload/, data/ use torch, not Megatron;
-megatron/ is the integration (the only layer that imports Megatron), harness/ drives it for evidence,
+quantization.py holds TE's padding rules (no import); megatron/ is the integration (the only layer that
+imports Megatron), harness/ drives it for evidence,
 commands/ are the CLI."""
 
 SAME_LAYER = {"cli": "commands"}
