@@ -1,4 +1,8 @@
-"""Single-process reference for the attention tests: full per-document attention in float64."""
+"""Single-process reference for the attention tests: full per-document attention in float64.
+
+With a sink (Megatron's off-by-one / learnable softmax) the softmax is materialised over the scores plus
+one extra column holding the head's sink logit, whose probability is then dropped (it has no value):
+the definition, written without the package's log-sum-exp algebra."""
 
 from __future__ import annotations
 
@@ -17,11 +21,13 @@ def reference_attention(
     causal: bool,
     scale: float,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention within each packed document, computed densely in float64 (differentiable).
 
     q [T, Hq, D], k and v [T, Hkv, D]; query head h uses kv head h // (Hq / Hkv). `window`: sliding
     window, key j visible to query i only when i - j <= window (Megatron's window_size (window, 0)).
+    `sink` [Hq]: each head's sink logit, an extra softmax column of every row (differentiable).
     """
     group = q.shape[1] // k.shape[1]
     q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
@@ -35,7 +41,12 @@ def reference_attention(
         if window is not None:
             distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
             scores = scores.masked_fill((distance > window).to(q.device), -math.inf)
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[rows]))
+        if sink is not None:
+            column = sink.double()[:, None, None].expand(-1, length, 1)
+            probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v[rows]))
         start += length
     return torch.cat(outs)
 
@@ -50,9 +61,14 @@ def reference_with_grads(
     causal: bool,
     scale: float,
     window: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, dq, dk, dv) of `reference_attention` for the output gradient `dout`, all float64."""
+    sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """(out, dq, dk, dv) of `reference_attention` for the output gradient `dout`, all float64; with a
+    `sink`, (out, dq, dk, dv, dsink)."""
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    out = reference_attention(*leaves, seqlens, causal=causal, scale=scale, window=window)
-    dq, dk, dv = torch.autograd.grad(out, leaves, dout.double())
-    return out.detach(), dq, dk, dv
+    if sink is not None:
+        leaves.append(sink.detach().double().requires_grad_())
+    out = reference_attention(*leaves[:3], seqlens, causal=causal, scale=scale, window=window,
+                              sink=leaves[3] if sink is not None else None)
+    grads = torch.autograd.grad(out, leaves, dout.double())
+    return (out.detach(), *grads)

@@ -37,13 +37,16 @@ def _read_tokens(seq: int, start: int, end: int) -> np.ndarray:
 
 
 
-def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: bool = False, mla: bool = False):
+def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: bool = False, mtp_depth: int = 0,
+                   attention: str = ""):
     """Two HDP steps (collate -> forward -> backward -> finalize -> optimizer -> stats) of a tiny bf16
     GPTModel with the HDP spec, torch varlen attention and offloading, as HDP rank `me` of 2 (PP=1: a
     ring between both ranks plus whole documents; rank 0 runs two micro-batches, rank 1 one) or as PP
     stage `me` of 2 (PP=2). `fp8_recipe` turns on Megatron's FP8 (TE's collectives stood in for by
-    `fake_te_fp8`); `mla`: DeepSeek-style multi-latent attention with YaRN (`tiny_mla_fields`). Returns
-    the harness's `HostAndDevice` mode with the second step's copies."""
+    `fake_te_fp8`); `mtp_depth` Megatron's multi-token prediction (its layers on the same rings, its
+    rolls answered from the micro-batch); `attention` "mla": DeepSeek-style multi-latent attention with
+    YaRN (`tiny_mla_fields`), "sinks": gpt-oss's learnable attention sinks. Returns the harness's
+    `HostAndDevice` mode with the second step's copies."""
     import torch
     import fake_gpu
 
@@ -61,9 +64,10 @@ def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: 
     state = initialize_hdp(pipeline_model_parallel_size=pp)
     if pp > 1:
         _peer_stage_sends_shape((PP_TOKENS, 1, 64))
-    config = tiny_llama_config(num_layers=4, **(tiny_mla_fields() if mla else {}))
+    variant = {"": {}, "mla": tiny_mla_fields(), "sinks": dict(softmax_type="learnable")}[attention]
+    config = tiny_llama_config(num_layers=4, **variant)
     config.bf16, config.params_dtype, config.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
-    config.use_cpu_initialization = False
+    config.use_cpu_initialization, config.mtp_num_layers = False, mtp_depth or None
     if fp8_recipe:
         import fake_te_fp8
 
@@ -106,12 +110,18 @@ def _assert_no_blocking_transfer_copies(mode) -> None:
     assert not blocking, (f"{len(blocking)} blocking host-to-device copies between a micro-batch's transfer and "
                           f"its backward: {[(c['where'], c['bytes']) for c in blocking[:4]]}")
 
-def hdp_step(pp_size: str = "1", rank: str = "0", mla: str = "") -> None:
-    """`_run_hdp_steps` as global rank `rank` of 2 (with multi-latent attention when `mla` is "mla"), then the
-    step's host-to-device copies checked."""
+def hdp_step(pp_size: str = "1", rank: str = "0", mtp_depth: str = "0", attention: str = "") -> None:
+    """`_run_hdp_steps` as global rank `rank` of 2 (with `attention` "mla" or "sinks"), then the step's
+    host-to-device copies checked."""
     import fake_gpu
 
-    mode = _run_hdp_steps(int(pp_size), int(rank), mla=mla == "mla")
+    mode = _run_hdp_steps(int(pp_size), int(rank), mtp_depth=int(mtp_depth), attention=attention)
+    if int(mtp_depth):
+        from megatron.core.transformer import multi_token_prediction
+
+        rolls = multi_token_prediction.roll_tensor
+        assert hasattr(rolls, "_hdp_original"), "the MTP block rolled with Megatron's own roll_tensor"
+        print(f"multi-token prediction of depth {mtp_depth}: rolls answered from the micro-batches")
     _assert_no_pageable_copies_in_layers(mode)
     batch_copies = [c for c in mode.h2d if "collate.py" in c["where"]]
     assert batch_copies and all(c["pinned"] and c["non_blocking"] for c in batch_copies), batch_copies
@@ -193,7 +203,9 @@ another order, whole documents, and ranks with 1 or 2 micro-batches."""
 
 
 def window_ring(rank: str, log_path: str) -> None:
-    """Two HDP steps of a bf16 GPTModel with a causal sliding window on its first layer (Megatron's
+    """Two HDP steps of a bf16 GPTModel with gpt-oss's attention: a learnable sink on every layer
+    (`softmax_type="learnable"`: Megatron's `softmax_offset` parameter, applied after each ring's merge, its
+    gradient reduced by DDP) and a causal sliding window on its first layer (Megatron's
     `window_size=(WINDOW, 0)`, `window_attn_skip_freq=2`: layer 2 is full causal, so both the direct
     windowed ring and the neighbour relay run in every step), attention backend "auto" (whole documents
     and aligned ring pieces on torch varlen, ring pieces at offsets on flex), as HDP rank `rank` of
@@ -219,11 +231,13 @@ def window_ring(rank: str, log_path: str) -> None:
 
     state = initialize_hdp()
     config = dataclasses.replace(
-        tiny_llama_config(num_layers=2), window_size=(WINDOW, 0), window_attn_skip_freq=2,
+        tiny_llama_config(num_layers=2), window_size=(WINDOW, 0), window_attn_skip_freq=2, softmax_type="learnable",
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, use_cpu_initialization=False,
     )
     with torch.device("cuda"):
         model = build_gpt(config, vocab_size=VOCAB, max_sequence_length=64)
+    sinks = [p for name, p in model.named_parameters() if name.endswith("core_attention.softmax_offset")]
+    assert len(sinks) == 2 and all(p.device.type == "cuda" for p in sinks), "a sink parameter per layer, on the GPU"
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0), [ddp])
     trainer = HDPTrainer(model=ddp, optimizer=optimizer, state=state, backend="auto")

@@ -61,22 +61,28 @@ def segment_attention(q, k, v, segments: Segments, causal: bool, scale: float, w
 
 
 def check_backend_in_ring(backend: str, label: str) -> None:
-    """`backend` alone (ring of 1) and in a ring of 3, causal and not, GQA, against the float64 reference;
-    causal in a ring of 3 also with V narrower than q and k (multi-latent attention's head dims, 8 / 4)."""
+    """`backend` alone (ring of 1) and in a ring of 3, causal and not, GQA, with no sink, the off-by-one
+    sink and a learnable one (Megatron's softmax_type), against the float64 reference; causal in a ring of 3
+    also with V narrower than q and k (multi-latent attention's head dims, 8 / 4), with a learnable sink."""
     seqlens = [1, 5, 12, 23]
-    for causal, value_dim, ring_sizes in ((True, 8, (1, 3)), (False, 8, (1, 3)), (True, 4, (3,))):
+    cases = [(True, kind, 8, (1, 3)) for kind in ("vanilla", "off-by-one", "learnable")]  # sinks: causal mask
+    cases += [(False, "vanilla", 8, (1, 3)), (True, "learnable", 4, (3,))]
+    for causal, kind, value_dim, ring_sizes in cases:
         gen = torch.Generator().manual_seed(value_dim)
         dims = (8, 8, value_dim, value_dim)
         q, k, v, dout = (torch.randn(sum(seqlens), h, d, generator=gen) for h, d in zip((4, 2, 2, 4), dims))
-        want = reference_with_grads(q, k, v, dout, seqlens, causal=causal, scale=0.3)
+        sink = {"vanilla": None, "off-by-one": torch.zeros(4), "learnable": torch.randn(4, generator=gen)}[kind]
+        want = reference_with_grads(q, k, v, dout, seqlens, causal=causal, scale=0.3, sink=sink)
         for ring_size in ring_sizes:
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            leaves += [] if sink is None else [sink.clone().requires_grad_()]
             out = simulated_ring_attention(
-                *leaves, seqlens=seqlens, ring_size=ring_size, causal=causal, softmax_scale=0.3, backend=backend
+                *leaves[:3], seqlens=seqlens, ring_size=ring_size, causal=causal, softmax_scale=0.3, backend=backend,
+                sink=leaves[3] if sink is not None else None,
             )
             got = [out, *torch.autograd.grad(out, leaves, dout)]
-            for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-                where = f"{label} causal={causal} ring={ring_size} dv={value_dim} {name}"
+            for name, g, w in zip(("out", "dq", "dk", "dv", "dsink"), got, want):
+                where = f"{label} causal={causal} {kind} ring={ring_size} dv={value_dim} {name}"
                 torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=lambda m: f"{where}: {m}")
 
 

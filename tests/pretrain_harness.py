@@ -3,10 +3,11 @@ pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron
 
 - `TINY`: a tiny GPT's Megatron flags (CPU, gloo, per-token loss, no fusions) without data flags.
 - `pretrain_rank(rank, world_size, argv, reference_plans=None)`: one rank of a run (for `run_gloo`);
-  returns per step the losses, HDP statistics and consumed-sample counts Megatron logged, the iteration
-  numbers, and under --hdp the step's sample ids and plan digest. With `record_weights` also this rank's
-  parameters (every model chunk's) after each step, and before its first one (what the run started from:
-  initialised or loaded). A run that ends by --exit-interval (Megatron's sys.exit(0)) returns normally.
+  returns per step the losses, HDP statistics, consumed-sample counts and MTP losses Megatron logged, the
+  iteration numbers, under --hdp the step's sample ids and plan digest, and the class of each MTP layer's
+  core attention. With `record_weights` also this rank's parameters (every model chunk's) after each step,
+  and before its first one (what the run started from: initialised or loaded). A run that ends by
+  --exit-interval (Megatron's sys.exit(0)) returns normally.
   With `reference_plans=(plans_dir, data_prefix)` the run trains plain Megatron on `PlannedPiecesDataset`.
 - `run_pretrain(argv, world_size=4, script=None, python_path=(), reference_plans=None)`: a whole run on
   gloo ranks (`pretrain_rank` on each); `python_path` goes first on each rank's `sys.path` (a Megatron-LM
@@ -22,6 +23,9 @@ pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron
   computes each document as its own sequence: HDP's loss, by an independent path.
 - `expected_pieces(raw_lengths, seq_length)`: (document, offset, length) of every piece of every
   document, by the documented cutting rule, written out independently of the package.
+- `megatron_lm_checkout()` / `patched_pretrain_gpt(root, where)` / `checkout_entry(where)`: the Megatron-LM
+  checkout MEGATRON_LM_DIR names (None when unset; skip when it cannot train), its pretrain_gpt.py with our
+  patch applied, and both as `run_pretrain`'s script and python path.
 - `MLA`, `assert_whole_and_rings_agree(argv, seq_length)`: multi-latent attention flags, and the check
   that --hdp trains with the same losses on 1 rank (documents whole) and on 4 (documents on rings).
 """
@@ -31,6 +35,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
@@ -49,6 +55,40 @@ TINY = (
     "--use-cpu-initialization --distributed-backend gloo --calculate-per-token-loss "
     "--log-interval 1 --eval-iters 0 --eval-interval 1000"
 ).split()
+
+
+def megatron_lm_checkout() -> Optional[Path]:
+    """The Megatron-LM checkout MEGATRON_LM_DIR names, ready to train with (its `megatron` package and its
+    dataset helpers built); None when the variable is unset; pytest.skip, with the reason, when it names
+    no such checkout."""
+    import pytest
+
+    where = os.environ.get("MEGATRON_LM_DIR")
+    if not where:
+        return None
+    root = Path(where)
+    if not (root / "pretrain_gpt.py").is_file():
+        pytest.skip(f"{root} is not a Megatron-LM checkout (training needs its megatron package)")
+    if not list((root / "megatron/core/datasets").glob("helpers_cpp*.so")):
+        pytest.skip(f"build the dataset helpers first: make -C {root}/megatron/core/datasets LIBEXT=$(python -c "
+                    "\"import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))\")")
+    return root
+
+
+def patched_pretrain_gpt(root: Path, where: Path) -> Path:
+    """`root`'s pretrain_gpt.py copied into the directory `where` with patches/pretrain_gpt.patch applied."""
+    shutil.copy(root / "pretrain_gpt.py", where / "pretrain_gpt.py")
+    applied = subprocess.run(["bash", str(ROOT / "patches" / "apply.sh"), str(where)], capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stderr
+    return where / "pretrain_gpt.py"
+
+
+def checkout_entry(where: Path) -> tuple[Optional[Path], tuple[str, ...]]:
+    """(MEGATRON_LM_DIR's patched pretrain_gpt.py, copied into `where`: the HDP run's script; the checkout's
+    path: both runs' `megatron`) for `run_pretrain`, or (None, ()) without MEGATRON_LM_DIR: our entry point on
+    the installed megatron-core."""
+    root = megatron_lm_checkout()
+    return (None, ()) if root is None else (patched_pretrain_gpt(root, where), (str(root),))
 
 
 MLA = (
@@ -152,7 +192,11 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
                                                                provider=pretrain_gpt_hdp.datasets_provider)
 
     losses, stats, consumed, iterations, ids, digests, weights = [], [], [], [], [], [], {}
+    mtp, mtp_attention = [], []
     original = training.training_log
+    _mtp_without_transformer_engine()
+    _record_mtp_log(mtp)
+    _record_mtp_attention(training, mtp_attention)
 
     def recording_training_log(loss_dict, *args, **kwargs):
         if "lm loss" in loss_dict:
@@ -193,7 +237,54 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
         if stop.code not in (0, None):
             raise
     return {"losses": losses, "stats": stats, "consumed": consumed, "iterations": iterations, "ids": ids,
-            "digests": digests, "weights": weights}
+            "digests": digests, "weights": weights, "mtp": mtp, "mtp_attention": mtp_attention}
+
+
+def _record_mtp_attention(training, names: list) -> None:
+    """Append to `names` the class of every MTP layer's core attention of the model Megatron builds."""
+    from megatron.core.utils import unwrap_model
+
+    original = training.setup_model_and_optimizer
+
+    def setup_model_and_optimizer(*args, **kwargs):
+        model, optimizer, scheduler = original(*args, **kwargs)
+        for chunk in model:
+            for layer in getattr(getattr(unwrap_model(chunk), "mtp", None), "layers", ()):
+                names.append(type(layer.mtp_model_layer.self_attention.core_attention).__name__)
+        return model, optimizer, scheduler
+
+    training.setup_model_and_optimizer = setup_model_and_optimizer
+
+
+def _mtp_without_transformer_engine() -> None:
+    """Megatron-LM main's MTP layer asks `is_inference_column_parallel_linear(eh_proj)`, an isinstance over
+    TE's inference linear classes, which are Mocks when Transformer Engine is not installed: a TypeError
+    that stops plain Megatron as well as --hdp from building an MTP block on this CPU machine. Without TE
+    no module can be such a linear, so the answer is False (the tag core_v0.19.0 has no such check)."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    try:
+        from megatron.core.tensor_parallel.inference_layers import HAVE_TE
+    except ImportError:
+        return
+    if not HAVE_TE and hasattr(mtp, "is_inference_column_parallel_linear"):
+        mtp.is_inference_column_parallel_linear = lambda module: False
+
+
+def _record_mtp_log(records: list) -> None:
+    """Append to `records`, per training step, the `mtp_k loss` values Megatron logs (empty without MTP)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    original = MTPLossLoggingHelper.track_mtp_metrics
+
+    def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
+        logged: dict = {}
+        original(loss_scale, iteration, writer, wandb_writer, logged)
+        records.append({name: float(value) for name, value in logged.items()})
+        for name, value in logged.items():
+            total_loss_dict[name] = total_loss_dict.get(name, 0) + value
+
+    MTPLossLoggingHelper.track_mtp_metrics = staticmethod(track_mtp_metrics)
 
 
 def run_pretrain(

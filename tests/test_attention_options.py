@@ -1,6 +1,7 @@
-"""Megatron's attention options under HDP: deterministic_mode reaches every kernel call; the options HDP
-cannot give their meaning (attention dropout, softmax sinks, MTP, ...) stop the run in one line, on the
-Megatron-LM command line and on the Core API alike (issue 21, item 6)."""
+"""Megatron's attention options under HDP: deterministic_mode reaches every kernel call; sinks
+(`softmax_type`) are Megatron's own `softmax_offset` and reach the kernels; the options HDP cannot give
+their meaning (attention dropout, MTP, ...) stop the run in one line, on the Megatron-LM command line and
+on the Core API alike (issue 21, item 6)."""
 
 import inspect
 import sys
@@ -95,9 +96,6 @@ def test_hdp_core_attention_passes_the_configs_deterministic_mode(monkeypatch):
 REFUSED_FLAGS = [
     ([], "--attention-dropout 0.1: attention dropout is Megatron's default"),
     (["--attention-dropout", "0.05"], "use --attention-dropout 0.0"),
-    (["--softmax-type", "off-by-one"], "--softmax-type off-by-one:"),
-    (["--softmax-type", "learnable"], "use --softmax-type vanilla"),
-    (["--mtp-num-layers", "1", "--position-embedding-type", "rope"], "--mtp-num-layers 1: multi-token prediction"),
     (["--window-size", "(128,4)"], "--window-size (128, 4): HDP honours causal sliding windows (left, 0)"),
     (["--multi-latent-attention", "--mla-down-proj-fusion"], "--mla-down-proj-fusion: the fused q/kv down projection"),
 ]
@@ -119,7 +117,7 @@ def test_without_hdp_megatrons_defaults_pass():
 
 
 BAD_AND_GOOD = {
-    "attention_dropout": (0.1, 0.0), "softmax_type": ("learnable", "vanilla"), "mtp_num_layers": (1, None),
+    "attention_dropout": (0.1, 0.0), "mtp_hsm": (True, False),
     "window_size": ((128, 4), (128, 0)), "experimental_attention_variant": ("dsa", None),
 }
 
@@ -178,3 +176,51 @@ def test_sliding_window_reaches_the_kernels_on_the_layers_megatron_picks(monkeyp
             )
         megatron = [is_layer_window_attention(window, skip, n) and window[0] >= 0 for n in range(1, 5)]
         assert seen == [5 if picked else None for picked in megatron], (window, skip)
+
+
+class _TensorParallel:
+    """A stand-in TP group of `size` ranks for building one attention module (only its size is read)."""
+
+    def __init__(self, size):
+        self.tp = self
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+@pytest.mark.parametrize("kind", ["off-by-one", "learnable"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sinks_are_megatrons_softmax_offset_and_reach_the_kernels(monkeypatch, kind, tp):
+    """`--softmax-type off-by-one | learnable` runs under --hdp. The HDP core attention holds the sink as the
+    core attention it replaces does: against Megatron's own `DotProductAttention` built from the same config
+    and seed, the same `softmax_offset` (heads per TP rank, dtype, values drawn by `init_method`), a parameter
+    only when learnable (so the same state-dict keys); the TE spec's leaf makes it as TE does (float32 zeros).
+    Every call hands it to the kernels."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    base = [a for a in TINY if a not in ("--attention-dropout", "0.0")] + ["--attention-dropout", "0.0"]
+    args, _ = parse_and_check(base + HDP + ["--softmax-type", kind], world_size=2)
+    assert args.softmax_type == kind
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: CPU)  # what the CPU shims do: Megatron's device
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, attention_dropout=0.0,
+                               softmax_type=kind, params_dtype=torch.bfloat16)
+    built = {}
+    for name, cls in (("megatron", DotProductAttention), ("hdp", layer_spec.HDPCoreAttention),
+                      ("hdp-te", layer_spec.HDPCoreAttentionForTE)):
+        torch.manual_seed(3)
+        built[name] = cls(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                          pg_collection=_TensorParallel(tp))
+    megatron, hdp, te = built["megatron"], built["hdp"], built["hdp-te"]
+    assert hdp.softmax_offset.shape == (4 // tp,) and hdp.softmax_offset.dtype == torch.bfloat16
+    assert torch.equal(hdp.softmax_offset, megatron.softmax_offset)
+    assert list(hdp.state_dict()) == list(megatron.state_dict()) == (["softmax_offset"] if kind == "learnable" else [])
+    assert isinstance(hdp.softmax_offset, torch.nn.Parameter) == (kind == "learnable")
+    assert te.softmax_offset.dtype == torch.float32 and not te.softmax_offset.any()
+    if kind == "learnable":
+        assert hdp.softmax_offset.std() > 0  # drawn by init_method, not left at zero
+    seen = []
+    monkeypatch.setattr(layer_spec, "hdp_core_attention", lambda *a, **kw: seen.append(kw["sink"]))
+    x = torch.zeros(3, 4 // tp, 4)
+    hdp(x, x, x, packed_seq_params=layer_spec.HDPPackedSeqParams(qkv_format="thd", hdp=object()))
+    assert seen == [hdp.softmax_offset]

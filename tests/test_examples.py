@@ -24,9 +24,10 @@ DEEPSEEK_V3 = dict(
     rope_type="yarn", rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0, num_experts=256, moe_router_topk=8,
     moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048, moe_layer_freq=[0] * 3 + [1] * 58,
     moe_router_num_groups=8, moe_router_group_topk=4, moe_router_score_function="sigmoid",
-    moe_router_topk_scaling_factor=2.5, vocab_size=129280, layernorm_epsilon=1e-6,
+    moe_router_topk_scaling_factor=2.5, vocab_size=129280, layernorm_epsilon=1e-6, mtp_num_layers=1,
+    mtp_loss_scaling_factor=0.1,
 )
-"""DeepSeek-V3's published shape (its config.json, as Megatron-LM's flags name it)."""
+"""DeepSeek-V3's published shape (its config.json, as Megatron-LM's flags name it; the MTP loss weight from its report)."""
 # model file -> (preset, or the model's flag values, tensor, pipeline, expert parallel size, longest
 # document): what each claims.
 CLAIMS = {
@@ -35,6 +36,12 @@ CLAIMS = {
     "llama_70b_512k.sh": ("llama-70b", 8, 4, 1, 512 * 1024),
     "mixtral_8x7b_1m.sh": ("mixtral-8x7b", 4, 1, 8, 1024 * 1024),
     "mixtral_8x22b_2m.sh": ("mixtral-8x22b", 8, 4, 8, 2048 * 1024),
+    "gpt_oss_20b_128k.sh": ("gpt-oss-20b", 2, 1, 8, 128 * 1024),
+}
+# model file -> flags beyond the shape that make the model what its name says (gpt-oss: sinks, windows, GLU)
+FEATURES = {
+    "gpt_oss_20b_128k.sh": dict(softmax_type="learnable", window_size=(128, 0), window_attn_skip_freq=2,
+                                quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0),
 }
 
 
@@ -83,7 +90,9 @@ def test_model_flags_parse_and_validate(model):
             shape.num_layers, shape.hidden_size, shape.ffn_hidden_size,
         )
         assert (args.num_attention_heads, args.num_query_groups) == (shape.num_attention_heads, shape.num_query_groups)
+        assert args.kv_channels == shape.channels_per_head
         assert (args.num_experts or 0, args.moe_router_topk) == (shape.num_experts, shape.moe_router_topk if shape.num_experts else args.moe_router_topk)
+    assert {field: getattr(args, field) for field in FEATURES.get(model.name, {})} == FEATURES.get(model.name, {})
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
     assert args.expert_model_parallel_size == ep and args.context_parallel_size == 1
     assert args.seq_length == longest
@@ -91,3 +100,11 @@ def test_model_flags_parse_and_validate(model):
     # the comment's promise: the HDP pool (data-parallel ranks) can hold the longest document
     assert args.data_parallel_size * config.hdp_capacity >= longest
     assert config.hdp_capacity % tp == 0
+
+
+def test_gpt_oss_preset_is_the_published_model():
+    """openai/gpt-oss-20b's model card: 20.91B parameters in all; head dim 64 apart from hidden / heads
+    (2880 / 64 = 45), so queries are 4096 wide and K/V 512."""
+    shape = model_shape("gpt-oss-20b")
+    assert (shape.q_channels, shape.kv_channels) == (4096, 512)
+    assert shape.num_parameters() == pytest.approx(20.91e9, rel=1e-3)

@@ -17,9 +17,13 @@ and it patches torch.cuda for the life of the process). What they catch, before 
 * the `install()` path (`install_step`): micro-batches handed to Megatron's schedule from pageable
   memory, ring plans (cu_seqlens, row indices) first copied to the GPU inside a layer whenever the
   documents change, and the telemetry gather putting a CPU tensor into an NCCL all-gather;
+* multi-token prediction (`hdp_step` at PP=1): the MTP layer's attention on the ring, its rolls answered
+  from the micro-batch's own (pinned, non-blocking) tensors, Megatron's MTP loss and log on the device;
 * sliding windows (`window_ring`, 4 played ranks, P2P matched across them by `fake_gpu.p2p_problems`):
   flex's window mask copying each ring piece's shifts from the host inside the first windowed layer;
-* multi-latent attention (`hdp_step ... mla`): an MLA step with a ring on CUDA tensors.
+  the same scenario carries learnable attention sinks (gpt-oss's attention) on every ring and kernel;
+* multi-token prediction with learnable sinks together (`hdp_step 1 RANK 1 sinks`), and with multi-latent
+  attention (`hdp_step 1 0 1 mla`): DeepSeek-V3's MLA and MTP, a ring on CUDA tensors.
 """
 
 import os
@@ -81,23 +85,30 @@ def test_harness_enforces_nccl_and_device_rules(guard_library):
     assert "scenario harness_rules: ok" in _run(guard_library, "harness_rules")
 
 
-@pytest.mark.parametrize("pp_size,rank", [("1", "0"), ("1", "1"), ("2", "0"), ("2", "1")])
-def test_hdp_step_on_fake_gpu(guard_library, pp_size, rank):
+@pytest.mark.parametrize(
+    "pp_size,rank,mtp_depth,attention", [("1", "0", "1", "sinks"), ("1", "1", "1", "sinks"), ("2", "0", "0", ""), ("2", "1", "0", "")]
+)
+def test_hdp_step_on_fake_gpu(guard_library, pp_size, rank, mtp_depth, attention):
     """Two HDP steps as global rank `rank` of 2 of a bf16 GPTModel with the HDP spec, torch varlen
     attention, activation offloading, Megatron DDP and optimizer: PP=1 (HDP rank of 2, a ring over both
-    ranks and whole documents) and PP=2 (one pipeline stage). No blocking host-to-device copy between a
-    micro-batch's own transfer and its backward (issue 21 item 7: cu_seqlens, ring row indices)."""
-    output = _run(guard_library, "hdp_step", pp_size, rank)
+    ranks and whole documents, with gpt-oss's learnable attention sinks and a multi-token prediction layer
+    attending on the same ring, its rolls from the micro-batch: MTP and sinks together) and PP=2 (one
+    pipeline stage). No blocking host-to-device copy between a micro-batch's own transfer and its backward
+    (issue 21 item 7: cu_seqlens, ring row indices)."""
+    output = _run(guard_library, "hdp_step", pp_size, rank, mtp_depth, attention)
     assert "of micro-batch tensors (pinned, non-blocking)" in output
+    assert ("rolls answered from the micro-batches" in output) == (mtp_depth != "0")
 
 
 def test_multi_latent_attention_step_on_fake_gpu(guard_library):
-    """`test_hdp_step_on_fake_gpu`'s PP=1 rank 0 (a ring and whole documents) with DeepSeek-style
-    multi-latent attention and YaRN: HDP's MLA module (RoPE angles of the micro-batch's positions, made in
-    its first layer), V narrower than q and k through torch varlen (padded) and the K/V ring, on CUDA
-    tensors under NCCL's rules, no host sync or blocking copy inside a layer or a micro-batch."""
-    output = _run(guard_library, "hdp_step", "1", "0", "mla")
+    """`test_hdp_step_on_fake_gpu`'s PP=1 rank 0 (a ring and whole documents) with DeepSeek-V3's attention
+    and MTP: multi-latent attention with YaRN (HDP's MLA module, RoPE angles of the micro-batch's
+    positions, made in its first layer; V narrower than q and k through torch varlen, padded, and the K/V
+    ring) and a multi-token prediction layer of MLA, on CUDA tensors under NCCL's rules, no host sync or
+    blocking copy inside a layer or a micro-batch."""
+    output = _run(guard_library, "hdp_step", "1", "0", "1", "mla")
     assert "of micro-batch tensors (pinned, non-blocking)" in output
+    assert "rolls answered from the micro-batches" in output
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
@@ -165,7 +176,9 @@ def test_ranks_with_different_microbatch_counts_post_the_same_collectives(guard_
 
 
 def test_windowed_rings_post_matching_p2p_on_fake_gpu(guard_library, tmp_path):
-    """A causal sliding window (Megatron's `window_size=(12, 0)` on layer 1, layer 2 full) under HDP, two
+    """gpt-oss's attention: a learnable sink on both layers (`softmax_type="learnable"`, applied after each
+    ring's merge, its parameter's gradient reduced with the others) and a causal sliding window (Megatron's
+    `window_size=(12, 0)` on layer 1, layer 2 full) under HDP, two
     steps as each of 4 played ranks (`fake_gpu_scenarios.window_ring`): a ring over all 4 ranks whose
     window reaches two of the three other positions' K/V (direct sends, `RingPlan.direct`), a ring over 3
     in another order, whole documents. Inside each rank: no CPU tensor in NCCL, no host sync or blocking

@@ -116,7 +116,9 @@ def _case_config(config, case):
     if recompute == "mla_up_proj":
         return dataclasses.replace(config, recompute_granularity="selective", recompute_modules=["mla_up_proj"])
     if case.get("window"):
-        return dataclasses.replace(config, window_size=case["window"], window_attn_skip_freq=case.get("skip"))
+        config = dataclasses.replace(config, window_size=case["window"], window_attn_skip_freq=case.get("skip"))
+    if case.get("sink"):
+        config = dataclasses.replace(config, softmax_type=case["sink"])
     return config
 
 
@@ -177,7 +179,7 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
     ddps, opt = wrap_chunks_for_training(
         chunks, adam_eps=ADAM_EPS, overlap_grad_reduce=overlap, bucket_size=4000 if overlap else None,
         distributed_optimizer=dist_opt, overlap_param_gather=dist_opt and overlap,
-        **(dict(clip_grad=MOE_CLIP_GRAD) if is_moe or case.get("vpp") else {}),
+        **(dict(clip_grad=MOE_CLIP_GRAD) if is_moe or case.get("vpp") else {}), **_optimizer(case),
     )
     assert not overlap or pp > 1 or len(ddps[0].bucket_groups) > 1  # Megatron gives later PP stages one bucket
     offloaders = None
@@ -313,34 +315,122 @@ def _megatron_window_mask_on_cpu():
     )
 
 
-def _window_reference(rank, world_size):
-    """The dense reference of `_reference` with `WINDOW`: Megatron's DotProductAttention masks the window."""
+SINKS = {kind: dict(WINDOW, sink=kind, optimizer="sgd") for kind in ("learnable", "off-by-one")}
+"""gpt-oss's attention on the tiny model: a sink (Megatron's `softmax_type`) on every layer, the sliding
+window of `WINDOW` on alternate layers. Trained with SGD: Adam's first update, lr * g / (|g| + 1e-8), turns
+the fp32 rounding (~3e-9) of a gradient element near 1e-8 into a weight change of ~1e-5 (the off-by-one
+reference has such an element in layer 2's linear_proj), which moves step 2's gradients beyond the
+tolerance whatever the plan; SGD's update is linear in the gradient."""
+VARIANTS = {"window": WINDOW, **SINKS}
+SINK_PARAM = "decoder.layers.{}.self_attention.core_attention.softmax_offset"
+SINK_CHECKPOINT_KEY = "decoder.layers.self_attention.core_attention.softmax_offset"
+"""The sink's key in Megatron's distributed checkpoint (the layers stacked along a first axis)."""
+
+
+def _optimizer(case):
+    """The case's optimizer for `wrap_chunks_for_training` (default: Megatron's Adam)."""
+    return {"optimizer": case["optimizer"]} if case.get("optimizer") else {}
+
+
+def _variant_references(rank, world_size):
+    """The dense reference of `_reference` for each of `VARIANTS`, in one launch: Megatron's
+    DotProductAttention masks the window and adds the sink's column (its `SoftmaxOne`)."""
     from megatron_hdp.harness.exactness import VOCAB_SIZE, full_weights, reference_steps
     from megatron_hdp.megatron.initialize import destroy_hdp
     from megatron_hdp.harness.model import tiny_llama_config
     from megatron_hdp.megatron.model import build_gpt, wrap_for_training
 
     _megatron_window_mask_on_cpu()
-    _init()
-    config = _case_config(tiny_llama_config(), WINDOW)
-    model = build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=False)
-    init = full_weights(model)
-    ddp, opt = wrap_for_training(model, adam_eps=ADAM_EPS)
-    out = {"init": init, "steps": reference_steps(ddp, opt, BATCHES)}
-    destroy_hdp()
+    out = {}
+    for name, case in VARIANTS.items():
+        _init()
+        config = _case_config(tiny_llama_config(), case)
+        model = build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=False)
+        init = full_weights(model)
+        ddp, opt = wrap_for_training(model, adam_eps=ADAM_EPS, **_optimizer(case))
+        out[name] = {"init": init, "steps": reference_steps(ddp, opt, BATCHES)}
+        destroy_hdp()
     return out
 
 
-def test_sliding_window_matches_single_process_reference(reference):
+@pytest.fixture(scope="module")
+def variant_reference():
+    return run_gloo(_variant_references, 1, timeout_s=300)[0]
+
+
+def test_sliding_window_matches_single_process_reference(reference, variant_reference):
     """`window_size=(6, 0)` with `window_attn_skip_freq=2` under HDP (rings of 2..4 ranks, idle rank):
     loss and gradients equal Megatron's own windowed attention on one process, and the loss differs from
     the run without the window (the option is not ignored)."""
-    want = run_gloo(_window_reference, 1, timeout_s=240)[0]
+    want = variant_reference["window"]
     assert all((w == reference["dense"]["init"][name]).all() for name, w in want["init"].items())  # same model
     for step, (windowed, full) in enumerate(zip(want["steps"], reference["dense"]["steps"])):
         assert windowed["loss"] != pytest.approx(full["loss"], rel=1e-4), f"step {step}: the window changed nothing"
     results = run_gloo(_hdp, 4, 1, 1, 1, want["init"], 777, True, WINDOW, timeout_s=240)
     _check(want, results)
+
+
+def _sink_runs(rank, world_size, runs):
+    """`_hdp` for each of `runs` (its arguments) in one launch, Megatron's parallel state rebuilt for each;
+    then, at TP 2, the checkpoint entries of an HDP and a plain GPT with the learnable sink (`_entries`)."""
+    from megatron_hdp.harness.exactness import VOCAB_SIZE
+    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.megatron.initialize import destroy_hdp
+    from megatron_hdp.megatron.model import build_gpt
+
+    results = []
+    for run in runs:
+        results.append(_hdp(rank, world_size, *run))
+        destroy_hdp()
+    _init(tp=2)
+    config = _case_config(tiny_llama_config(), SINKS["learnable"])
+    entries = [_entries(build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=hdp)) for hdp in (True, False)]
+    destroy_hdp()
+    return results, entries
+
+
+def _entries(model):
+    """What a distributed checkpoint of `model` holds: key -> (global shape, this rank's offset, how many
+    pieces along each axis, dtype) of every sharded tensor, the kind of any other entry (extra state)."""
+    return {
+        entry.key: (entry.global_shape, entry.global_offset, entry.axis_fragmentations, str(entry.dtype))
+        if hasattr(entry, "axis_fragmentations") else type(entry).__name__
+        for entry in model.sharded_state_dict().values()
+    }
+
+
+def test_sinks_match_single_process_reference(variant_reference):
+    """gpt-oss's attention (`SINKS`: off-by-one or learnable sink on every layer, the window on alternate
+    layers) under HDP: HDP = 4 with rings of 2..4 ranks and whole documents (and an idle rank in step 2), and
+    the learnable sink at TP 2 x HDP 2 (each TP rank its heads' slice): loss and every gradient, the sink
+    parameter's included, equal Megatron's own attention with the sink on one process; the sinks change
+    the loss (not ignored); an HDP model's checkpoint holds the sink under Megatron's key, shape and TP
+    sharding, and no other key than a plain model's."""
+    window = variant_reference["window"]["steps"]
+    for kind in SINKS:
+        for step, (sunk, plain) in enumerate(zip(variant_reference[kind]["steps"], window)):
+            # (a tiny freshly initialised model: the sink moves the loss by ~1e-5, its gradients by far more)
+            assert sunk["loss"] != pytest.approx(plain["loss"], rel=1e-6), f"{kind} step {step}: the sink changed nothing"
+    learnable, off_by_one = variant_reference["learnable"], variant_reference["off-by-one"]
+    assert SINK_PARAM.format(0) in learnable["init"] and SINK_PARAM.format(0) not in off_by_one["init"]
+    runs = [(1, 1, 1, learnable["init"], 901, True, SINKS["learnable"]),
+            (1, 1, 1, off_by_one["init"], 902, True, SINKS["off-by-one"]),
+            (2, 1, 1, learnable["init"], 903, False, SINKS["learnable"])]
+    launched = run_gloo(_sink_runs, 4, runs, timeout_s=300)
+    for r, (_, _, _, _, _, overlap, case) in enumerate(runs):
+        results = [rank_results[r] for rank_results, _ in launched]
+        _check(variant_reference[case["sink"]], results)
+        if overlap:
+            _check_idle(results)
+        if case["sink"] == "learnable":  # the sink's gradient was compared, on every rank
+            assert all(SINK_PARAM.format(1) in rank_steps[0]["grads"] for rank_steps in results)
+    offsets = set()
+    for hdp, plain in (entries for _, entries in launched):
+        assert hdp == plain
+        shape, offset, pieces, _ = hdp[SINK_CHECKPOINT_KEY]
+        assert shape == (2, 4) and pieces == (2, 2)  # [layers, heads]: each TP rank holds 2 of the 4 heads
+        offsets.add(offset[1])
+    assert offsets == {0, 2}
 
 
 CASES = {

@@ -22,7 +22,7 @@ import types
 
 import pytest
 import torch
-from test_megatron_exactness import BATCHES, MOE_CLIP_GRAD, MOE_LOSSES, NUM_EXPERTS, _check, _hdp, _init
+from test_megatron_exactness import ADAM_EPS, BATCHES, MOE_CLIP_GRAD, MOE_LOSSES, NUM_EXPERTS, _check, _hdp, _init
 
 from megatron_hdp.comm.launch import run_gloo
 
@@ -70,7 +70,7 @@ def _reference(rank, world_size):
                               transformer_layer_spec=hdp_layer_spec(local))
         keys = (_state_dict_keys(model), _state_dict_keys(hdp_model))
         init = full_weights(model)
-        ddp, opt = wrap_for_training(model, **(dict(clip_grad=MOE_CLIP_GRAD) if "moe" in name else {}))
+        ddp, opt = wrap_for_training(model, adam_eps=ADAM_EPS, **(dict(clip_grad=MOE_CLIP_GRAD) if "moe" in name else {}))
         out[name] = {"init": init, "steps": reference_steps(ddp, opt, BATCHES), "keys": keys}
         destroy_hdp()
     return out
@@ -122,7 +122,7 @@ def _tp_reference(rank, world_size, init, fields):
     model = build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=False,
                       transformer_layer_spec=reference_mla_block(config))
     load_full_weights(model, init)
-    ddp, opt = wrap_for_training(model)
+    ddp, opt = wrap_for_training(model, adam_eps=ADAM_EPS)
     return reference_steps(ddp, opt, BATCHES, token_multiple=world_size)
 
 

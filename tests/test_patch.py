@@ -69,18 +69,15 @@ def test_patch_applies_to_the_checkout(tmp_path):
 
 def _patched_checkout(tmp_path: Path) -> tuple[Path, Path, str]:
     """(checkout, patched pretrain_gpt.py, indexed dataset prefix); skips without a built checkout."""
-    root = _megatron_lm_dir()
-    if not (root / "pretrain_gpt.py").is_file():
-        pytest.skip(f"{root} is not a Megatron-LM checkout (training needs its megatron package)")
-    if not list((root / "megatron/core/datasets").glob("helpers_cpp*.so")):
-        pytest.skip(f"build the dataset helpers first: make -C {root}/megatron/core/datasets LIBEXT=$(python -c "
-                    "\"import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))\")")
+    from pretrain_harness import megatron_lm_checkout, patched_pretrain_gpt
+
     from megatron_hdp.harness.build_dataset import build_demo_dataset
 
-    shutil.copy(root / "pretrain_gpt.py", tmp_path / "pretrain_gpt.py")
-    assert _apply(tmp_path).returncode == 0
+    _megatron_lm_dir()
+    root = megatron_lm_checkout()
+    script = patched_pretrain_gpt(root, tmp_path)
     prefix = build_demo_dataset(tmp_path / "data", num_docs=128, vocab_size=256, max_length=256)
-    return root, tmp_path / "pretrain_gpt.py", prefix
+    return root, script, prefix
 
 
 def test_patched_pretrain_gpt_trains_with_and_without_hdp(tmp_path):

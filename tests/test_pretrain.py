@@ -9,12 +9,26 @@ and every step's loss equals an independent reference: plain single-process Mega
 model, seed and initial weights) trained on each saved piece as its own padded sample
 (tests/pretrain_harness.PlannedPiecesDataset), the same documents per step. Both runs use
 --eod-mask-loss: HDP's mask comes from its document source, the reference's from Megatron's rule.
+
+With sinks (`test_pretrain_with_sinks_matches_plain_megatron`): gpt-oss's attention, `--softmax-type
+learnable` with a sliding window on alternate layers (`SINKS`), trained the same two ways; with
+MEGATRON_LM_DIR set, by that checkout's patched pretrain_gpt.py and its own `megatron` package.
 With multi-latent attention the same documents give the same losses on 1 rank (whole) as on 4 (rings).
 """
 
 import numpy as np
 import pytest
-from pretrain_harness import MLA, TINY, assert_whole_and_rings_agree, expected_pieces, pretrain_rank, read_saved_plans
+from pretrain_harness import (
+    MLA,
+    TINY,
+    assert_same_losses,
+    assert_whole_and_rings_agree,
+    expected_pieces,
+    checkout_entry,
+    pretrain_rank,
+    read_saved_plans,
+    run_pretrain,
+)
 
 from megatron_hdp.comm.launch import run_gloo
 
@@ -29,6 +43,9 @@ RAW_LENGTHS = [*np.random.default_rng(7).integers(3, 65, 24).tolist(), 200, 129,
 COMMON = TINY + ["--seq-length", str(SEQ_LENGTH), "--global-batch-size", str(DOCS_PER_STEP),
                  "--train-iters", str(STEPS), "--eod-mask-loss"]
 EOD = 255  # NullTokenizer's EOD: --vocab-size - 1; the counting documents hold it inside some documents
+SINKS = {kind: ["--softmax-type", kind, "--window-size", "(8,0)", "--window-attn-skip-freq", "2"]
+         for kind in ("learnable", "off-by-one")}
+"""gpt-oss's attention on the tiny model: a sink of each kind, the sliding window on alternate layers."""
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +101,24 @@ def test_pretrain_plans_documents_and_matches_each_document_as_its_own_sequence(
         assert all(s["hdp/offload-GB"] == s["hdp/prefetch-GB"] > 0 for s in run["stats"])
         # Megatron's consumed_train_samples (what it checkpoints and resumes from) counts HDP's documents
         assert run["consumed"] == [DOCS_PER_STEP * (i + 1) for i in range(STEPS)]
+
+
+@pytest.mark.timeout(900)  # two pretrain runs (4 ranks with --hdp, 1 plain); shared hosts stretch them
+def test_pretrain_with_sinks_matches_plain_megatron(data_prefix, tmp_path):
+    """`--softmax-type learnable --window-size (8,0) --window-attn-skip-freq 2` (gpt-oss's attention) under
+    --hdp (capacity 24: the long pieces run on rings): every step's loss equals plain Megatron (its own
+    attention with the sink, one process, the same seed, so the sink is drawn by the same init_method draw)
+    on the planned pieces. Our entry point on the installed megatron-core, or MEGATRON_LM_DIR's patched
+    pretrain_gpt.py. The off-by-one sink trains with MTP in `tests/test_pretrain_mtp.py`."""
+    script, python_path = checkout_entry(tmp_path)
+    plans_dir = str(tmp_path / "plans")
+    argv = COMMON + ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache"), *SINKS["learnable"]]
+    argv[argv.index("--train-iters") + 1] = "3"
+    hdp = run_pretrain(argv + ["--hdp", "--hdp-capacity", "24", "--no-hdp-offload", "--hdp-save-plans", plans_dir],
+                       script=script, python_path=python_path)
+    reference = run_pretrain(argv, world_size=1, reference_plans=(plans_dir, data_prefix), python_path=python_path)
+    losses = assert_same_losses(hdp, reference)
+    assert len(losses) == 3 and any(len(s["ring"]) > 1 for p in read_saved_plans(plans_dir) for s in p["sequences"])
 
 
 def test_pretrain_with_multi_latent_attention_matches_whole_documents_on_rings(data_prefix, tmp_path):

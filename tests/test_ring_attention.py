@@ -5,7 +5,8 @@ Cases with `value_dim` give V a narrower head dim than q and k (multi-latent att
 Each launch runs many cases back to back (spawning ranks is the expensive part). A case is a list of
 rings, each with its documents; every rank runs the rings it belongs to in list order (the runtime's
 global order), then one backward over all of them, so ranks in several rings and overlapping rings of
-different ranks are exercised together.
+different ranks are exercised together. Cases with a sink (Megatron's off-by-one and learnable softmax)
+share one sink over their rings; the sink's gradient, summed over the ranks' rows, equals the reference's.
 """
 
 import torch
@@ -20,10 +21,21 @@ from megatron_hdp.comm.launch import run_gloo
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _case(rings, *, heads=(4, 2), causal=True, seed=0, head_dim=8, window=None, value_dim=None):
-    """`value_dim`: V's (and the output's) head dim, narrower than q's and k's in multi-latent attention."""
+def _case(rings, *, heads=(4, 2), causal=True, seed=0, head_dim=8, window=None, value_dim=None, sink=None):
+    """`value_dim`: V's (and the output's) head dim, narrower than q's and k's in multi-latent attention.
+    `sink`: None, "off-by-one" or "learnable" (Megatron's softmax_type), one sink for all rings of the case."""
     rings = [(tuple(r), tuple(s)) for r, s in rings]
-    return dict(rings=rings, heads=heads, causal=causal, seed=seed, dim=head_dim, window=window, dv=value_dim)
+    return dict(rings=rings, heads=heads, causal=causal, seed=seed, dim=head_dim, window=window, dv=value_dim,
+                sink=sink)
+
+
+def _sink(case):
+    """The case's sink logits [Hq]: zeros (off-by-one), drawn (learnable), or None."""
+    if case["sink"] is None:
+        return None
+    if case["sink"] == "off-by-one":
+        return torch.zeros(case["heads"][0])
+    return torch.randn(case["heads"][0], generator=torch.Generator().manual_seed(case["seed"]))
 
 
 def _ring_tensors(case, ring_id):
@@ -42,10 +54,14 @@ def _numpy(*tensors):
 
 
 def _run_cases(rank, world_size, cases):
-    """Per case: {ring_id: (out, dq, dk, dv)} of this rank's rows, and the bytes it sent/received."""
+    """Per case: {ring_id: (out, dq, dk, dv)} of this rank's rows, the bytes it sent/received, and the
+    gradient of the case's sink from this rank's rows (None without a sink or rows)."""
     results = []
     for case in cases:
         leaves, outs, douts, ids = [], [], [], []
+        sink = _sink(case)
+        if sink is not None:
+            sink.requires_grad_()
         with count_traffic() as traffic:
             for ring_id, (ranks, seqlens) in enumerate(case["rings"]):
                 if rank not in ranks:
@@ -54,7 +70,8 @@ def _run_cases(rank, world_size, cases):
                 rows = zigzag_token_indices(seqlens, len(ranks), ranks.index(rank))
                 mine = [x[rows].requires_grad_() for x in (q, k, v)]
                 out = ring_attention(
-                    *mine, seqlens=seqlens, ring=ranks, causal=case["causal"], softmax_scale=0.3, window=case["window"]
+                    *mine, seqlens=seqlens, ring=ranks, causal=case["causal"], softmax_scale=0.3, window=case["window"],
+                    sink=sink,
                 )
                 outs.append(out)
                 leaves.append(mine)
@@ -66,6 +83,7 @@ def _run_cases(rank, world_size, cases):
             (
                 {i: _numpy(o, *(x.grad for x in leaf)) for i, o, leaf in zip(ids, outs, leaves)},
                 (traffic.bytes_sent, traffic.bytes_received),
+                None if sink is None or sink.grad is None else sink.grad.numpy(),
             )
         )
     return results
@@ -74,11 +92,14 @@ def _run_cases(rank, world_size, cases):
 def _check(cases, world_size):
     by_rank = run_gloo(_run_cases, world_size, cases, timeout_s=240)
     for c, case in enumerate(cases):
+        dsink = 0.0  # the reference's sink gradient, summed over the rings of the case
         for ring_id, (ranks, seqlens) in enumerate(case["rings"]):
             q, k, v, dout = _ring_tensors(case, ring_id)
             want = reference_with_grads(
-                q, k, v, dout, seqlens, causal=case["causal"], scale=0.3, window=case["window"]
+                q, k, v, dout, seqlens, causal=case["causal"], scale=0.3, window=case["window"], sink=_sink(case)
             )
+            if case["sink"] is not None:
+                dsink = dsink + want[4]
             for position, rank in enumerate(ranks):
                 rows = zigzag_token_indices(seqlens, len(ranks), position)
                 got = by_rank[rank][c][0][ring_id]
@@ -87,6 +108,9 @@ def _check(cases, world_size):
                     torch.testing.assert_close(
                         torch.from_numpy(g).double(), w[rows], **TOL, msg=lambda m: f"{where}: {m}"
                     )
+        if case["sink"] is not None:  # each rank's rows' share; Megatron's DDP would sum them over the ranks
+            got = sum(torch.from_numpy(r[c][2]).double() for r in by_rank if r[c][2] is not None)
+            torch.testing.assert_close(got, dsink, **TOL, msg=lambda m: f"case {case} sink gradient: {m}")
         sent = sum(r[c][1][0] for r in by_rank)
         received = sum(r[c][1][1] for r in by_rank)
         assert sent == received
@@ -109,6 +133,9 @@ def test_two_ranks():
         # multi-latent attention's narrower V (q and k 8 wide, v 4), relayed and windowed (direct)
         _case([([1, 0], _edge(2)), ([0], [6])], seed=20, value_dim=4),
         _case([([0, 1], [3, 31])], heads=(4, 1), seed=21, window=5, value_dim=4),
+        # sinks (Megatron's softmax_type), on rings and whole documents, with and without a window
+        _case([([1, 0], _edge(2) + [19]), ([0], [6, 2])], heads=(4, 1), seed=16, sink="learnable"),
+        _case([([0, 1], [21, 3]), ([1], [8])], seed=17, window=4, sink="off-by-one"),
     ]
     _check(cases, 2)
 
@@ -121,6 +148,8 @@ def test_three_ranks_and_traffic():
         _case([([0, 1, 2], _edge(3) + [37]), ([2, 1], [15])], heads=(4, 1), seed=10, window=3),
         _case([([2, 0, 1], [29, 6, 2]), ([0, 2], [8, 3])], seed=11, window=13),
         _case([([0, 1, 2], _edge(3) + [17])], seed=22, value_dim=4),
+        _case([([0, 1, 2], _edge(3) + [25]), ([2, 1], [11]), ([0], [4])], seed=18, sink="learnable"),
+        _case([([2, 0, 1], [31, 4]), ([1, 2], [9])], heads=(4, 1), seed=19, window=5, sink="learnable", value_dim=4),
     ]
     by_rank = _check(cases, 3)
     # Cases 0 and 5, a ring over all three ranks, fp32, Hkv=2, D=8 (and Dv = 8, 4): forward (k-1) K+V
@@ -146,6 +175,8 @@ def test_four_ranks_overlapping_rings():
         _case([([0, 1, 2, 3], _edge(4) + [45]), ([3, 1, 0], [19, 2])], heads=(4, 1), seed=12, window=4),
         _case([([3, 1, 0, 2], [33, 9]), ([2, 0], [14])], seed=13, window=11),
         _case([([2, 3, 1, 0], _edge(4)), ([1, 0], [9])], heads=(4, 1), seed=23, value_dim=4),
+        _case([([3, 1, 0, 2], _edge(4) + [27]), ([1, 2], [10]), ([0], [3])], seed=20, window=6, sink="learnable"),
+        _case([([0, 1, 2, 3], [38, 5]), ([2, 0, 3], [12])], heads=(2, 2), seed=21, sink="off-by-one"),
     ]
     _check(cases, 4)
 

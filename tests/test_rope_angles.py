@@ -5,7 +5,7 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from megatron_hdp.megatron.layer_spec import rope_angles
+from megatron_hdp.attention.rope import rope_angles
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

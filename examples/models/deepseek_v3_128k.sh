@@ -1,7 +1,6 @@
 # DeepSeek-V3 (671B, multi-latent attention, 256 routed experts + 1 shared, top-8), documents up to 128K
 # tokens (its long-context phase: YaRN at 40x its 4K context), 512 nodes x 8 H100-80GB (4096 GPUs):
-# TP 8, PP 8, EP 64 -> HDP pool of 64 ranks. Without multi-token prediction for now: --mtp-num-layers is
-# refused under --hdp until HDP's MTP lands (docs/megatron_options.md), so DeepSeek-V3's MTP module is left out.
+# TP 8, PP 8, EP 64 -> HDP pool of 64 ranks.
 #
 # Shape: DeepSeek-V3's config.json. MLA: a 1536-wide query latent, a 512-wide K/V latent with the 64-wide
 # shared RoPE key, q/k head dim 128 + 64, v head dim 128 (HDP's kernels and K/V rings take V narrower than
@@ -14,10 +13,14 @@
 # balance loss is Megatron's seq_aux_loss over a packed micro-batch, which depends on the plan and is
 # refused under HDP; HDP's aux_loss is computed per document, i.e. per sequence, which is what
 # DeepSeek-V3's loss means (with its small coefficient, 1e-4).
+# Multi-token prediction: DeepSeek-V3's one MTP module (--mtp-num-layers 1: a MoE layer like the last one,
+# its 2h -> h projection, the shared embedding and output layer) with its loss weight of the last 4.8T
+# pre-training tokens, 0.1 (--mtp-loss-scaling-factor). Under --hdp the loader reads the token after each
+# ring shard, so the shifted inputs need no message; a document's last position carries no MTP loss.
 #
 # Parallelism: TP 8 inside a node (16 of the 128 heads per rank; sequence parallelism), PP 8 over 61
 # layers (7 on the first stage, which also holds the embedding, 8 on the six middle ones, 6 on the last,
-# which holds the 129K-vocabulary output layer), EP 64 with expert tensor parallelism 1 (each expert
+# which holds the 129K-vocabulary output layer and the MTP module: Megatron puts it on the last stage), EP 64 with expert tensor parallelism 1 (each expert
 # whole on one GPU): 256 experts / 64 = 4 per GPU and stage.
 #
 # Capacity: ~3 MB of activations per token per TP8 rank over all 61 layers (1F1B: the first stage holds
@@ -44,6 +47,7 @@ MODEL_ARGS=(
     --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32
     --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-4
     --moe-token-dispatcher-type alltoall --moe-grouped-gemm
+    --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1
     # the longest document piece (= context): documents are sequences, longer ones cut into pieces this long
     --seq-length 131072 --max-position-embeddings 163840
     --tokenizer-type NullTokenizer --vocab-size 129280 --bf16

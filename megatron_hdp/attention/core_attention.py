@@ -98,6 +98,7 @@ def hdp_core_attention(
     softmax_scale: float | None = None,
     deterministic: bool = False,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed HDP micro-batch: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
@@ -105,6 +106,8 @@ def hdp_core_attention(
     in the packed (= global) order. Differentiable in q, k, v. `deterministic`: every kernel call runs a
     deterministic backward (Megatron's `deterministic_mode`). `window`: sliding-window attention, query i
     sees keys i - window .. i of its document (Megatron's `window_size = (window, 0)`); None: all earlier keys.
+    `sink` [Hq]: the query heads' sink logits (Megatron's `softmax_offset`: zeros for the off-by-one softmax,
+    the parameter for the learnable one), on every group's rows; None: the plain softmax.
     """
     check_group_order(meta.groups, num_tokens=q.shape[0])
     outputs = []
@@ -122,12 +125,13 @@ def hdp_core_attention(
                 backend=meta.backend,
                 deterministic=deterministic,
                 window=window,
+                sink=sink,
             )
         else:
             out = local_varlen_attention(
                 q[lo:hi], k[lo:hi], v[lo:hi], seqlens=group.seqlens, causal=True,
                 softmax_scale=softmax_scale, backend=meta.backend, segments=segments, deterministic=deterministic,
-                window=window,
+                window=window, sink=sink,
             )
         outputs.append(out)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -14,6 +14,7 @@ import torch
 from megatron_hdp.attention.backends import AttentionBackend, BlockWindow, Segments, get_backend
 from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.layout import check_seqlens
+from megatron_hdp.attention.sink import add_sink, check_sink, sink_grad
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_tokens: int) -> None:
@@ -77,19 +78,22 @@ def local_segments(seqlens: Sequence[int], device: torch.device, tables: HostTab
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, backend: AttentionBackend, segments: Segments, causal: bool, scale: float, window=None):
+    def forward(ctx, q, k, v, sink, backend: AttentionBackend, segments: Segments, causal: bool, scale: float, window=None):
         out, lse = backend.forward(q, k, v, segments=segments, causal=causal, scale=scale, window=window)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sink is not None:
+            out, lse = add_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.backend, ctx.segments, ctx.causal, ctx.scale, ctx.window = backend, segments, causal, scale, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         dq, dk, dv = ctx.backend.backward(
             dout, q, k, v, out, lse, segments=ctx.segments, causal=ctx.causal, scale=ctx.scale, window=ctx.window
         )
-        return dq, dk, dv, None, None, None, None, None
+        dsink = sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsink, None, None, None, None, None
 
 
 def local_varlen_attention(
@@ -104,6 +108,7 @@ def local_varlen_attention(
     segments: Segments | None = None,
     deterministic: bool = False,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention within each packed document of `seqlens` (THD: q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv]).
 
@@ -113,14 +118,17 @@ def local_varlen_attention(
     the layers of a model share its cu_seqlens tensors (no host-to-device copy per layer).
     `deterministic` asks the kernel for a deterministic backward (Megatron's `deterministic_mode`).
     `window` (sliding-window attention, Megatron's `window_size = (window, 0)`): query i sees the keys
-    i - window .. i of its document; None: all earlier keys.
+    i - window .. i of its document; None: all earlier keys. `sink` [Hq]: each query head's sink logit s_h,
+    exp(s_h) added to every row's normaliser (Megatron's off-by-one softmax: zeros; learnable: its
+    `softmax_offset`), differentiable; None: the plain softmax (`megatron_hdp.attention.sink`).
     """
     lengths = check_seqlens(seqlens)
     left = check_window(window, causal=causal)
     check_qkv(q, k, v, num_tokens=sum(lengths))
+    check_sink(sink, q)
     kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     if segments is None:
         segments = local_segments(lengths, q.device)
     assert segments.seqlens_q == lengths and segments.device.type == q.device.type, (segments, lengths, q.device)
     scale = default_scale(softmax_scale, q.shape[2])
-    return _LocalAttention.apply(q, k, v, kernel, segments, causal, scale, document_window(left, segments))
+    return _LocalAttention.apply(q, k, v, sink, kernel, segments, causal, scale, document_window(left, segments))

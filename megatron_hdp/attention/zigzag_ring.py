@@ -34,6 +34,11 @@ units per member instead of 4k-2).
 Sliding windows (`window`): the plan is direct (`RingPlan.direct`, see `ring_plan`): at step s the K/V of
 position p-s comes straight from it and its dK/dV partials go straight back, only for the steps some
 token of p can see; traffic per rank is then (2 K/V + 1 partial) buffers per needed step.
+
+Sinks (`sink`: Megatron's off-by-one and learnable softmax) are applied to this rank's rows after the
+merge (`megatron_hdp.attention.sink`, the same helper as whole documents): the ring programs do not
+change, the backward program is fed the rows' (out', lse'), and the sink's gradient is one reduction
+over the rank's rows. No extra message.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from megatron_hdp.attention.layout import check_seqlens, zigzag_token_indices
 from megatron_hdp.attention.local import _LocalAttention, check_qkv, check_window, default_scale, document_window
 from megatron_hdp.attention.merge import merge_attention
 from megatron_hdp.attention.ring_plan import RingPlan, ring_plan
+from megatron_hdp.attention.sink import add_sink, check_sink, sink_grad
 from megatron_hdp.comm.p2p import Ring, current_ring
 from megatron_hdp.comm.payload import Payload
 from megatron_hdp.comm.ring_program import WAIT, Post, RingProgram, run_in_process, run_on_ring
@@ -208,18 +214,21 @@ def _backward(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan, ring: Ring, backend: AttentionBackend, scale: float):
+    def forward(ctx, q, k, v, sink, plan: RingPlan, ring: Ring, backend: AttentionBackend, scale: float):
         out, lse = run_on_ring(_forward(q, k, v, plan=plan, backend=backend, scale=scale), ring)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sink is not None:  # after the merge: the block backward then runs with the rows' lse'
+            out, lse = add_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.plan, ctx.ring, ctx.backend, ctx.scale = plan, ring, backend, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         program = _backward(dout, q, k, v, out, lse, plan=ctx.plan, backend=ctx.backend, scale=ctx.scale)
         dq, dk, dv = run_on_ring(program, ctx.ring)
-        return dq, dk, dv, None, None, None, None
+        dsink = sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsink, None, None, None, None
 
 
 def prepare_ring_plan(
@@ -257,6 +266,7 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     deterministic: bool = False,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention within each document of `seqlens`, the documents split over the ranks of `ring`.
 
@@ -269,6 +279,8 @@ def ring_attention(
     `deterministic` asks every block's kernel for a deterministic backward (the ring adds the block
     gradients in a fixed order, so the whole backward is deterministic then). `window`: sliding-window
     attention (query i sees keys i - window .. i of its document; `ring_plan` skips pieces outside it).
+    `sink` [Hq]: the query heads' sink logits (`megatron_hdp.attention.sink`), applied to this rank's rows
+    after the ring's LSE merge; each rank returns the gradient of its own rows' share.
     """
     lengths = check_seqlens(seqlens)
     left = check_window(window, causal=causal)
@@ -279,31 +291,35 @@ def ring_attention(
         plan = ring_plan(lengths, members.size, members.position, bool(causal), q.device, left)
         num_tokens = plan.num_tokens[members.position]
     check_qkv(q, k, v, num_tokens=num_tokens)
+    check_sink(sink, q)
     kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     scale = default_scale(softmax_scale, q.shape[2])
     if not plan_needed:
         segments = Segments(lengths, lengths, q.device)
-        return _LocalAttention.apply(q, k, v, kernel, segments, bool(causal), scale, document_window(left, segments))
-    return _RingAttention.apply(q, k, v, plan, members, kernel, scale)
+        window = document_window(left, segments)
+        return _LocalAttention.apply(q, k, v, sink, kernel, segments, bool(causal), scale, window)
+    return _RingAttention.apply(q, k, v, sink, plan, members, kernel, scale)
 
 
 class _SimulatedRing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plans: tuple[RingPlan, ...], backend: AttentionBackend, scale: float, grad_dtype, *shards):
+    def forward(ctx, plans: tuple[RingPlan, ...], backend: AttentionBackend, scale: float, grad_dtype, sink, *shards):
         size = len(plans)
         qs, ks, vs = shards[:size], shards[size : 2 * size], shards[2 * size :]
         results = run_in_process(
             [_forward(qs[p], ks[p], vs[p], plan=plans[p], backend=backend, scale=scale) for p in range(size)]
         )
+        if sink is not None:  # each position's rows, after the merge, as `ring_attention` does
+            results = [add_sink(out, lse, sink) for out, lse in results]
         outs = tuple(out for out, _ in results)
-        ctx.save_for_backward(*shards, *outs, *(lse for _, lse in results))
+        ctx.save_for_backward(sink, *shards, *outs, *(lse for _, lse in results))
         ctx.plans, ctx.backend, ctx.scale, ctx.grad_dtype = plans, backend, scale, grad_dtype
         return outs
 
     @staticmethod
     def backward(ctx, *douts):
         size = len(ctx.plans)
-        saved = ctx.saved_tensors
+        sink, *saved = ctx.saved_tensors
         qs, ks, vs = saved[:size], saved[size : 2 * size], saved[2 * size : 3 * size]
         outs, lses = saved[3 * size : 4 * size], saved[4 * size :]
         programs = [
@@ -314,7 +330,10 @@ class _SimulatedRing(torch.autograd.Function):
             for p in range(size)
         ]
         grads = run_in_process(programs)
-        return (None, None, None, None, *(g[0] for g in grads), *(g[1] for g in grads), *(g[2] for g in grads))
+        dsink = None
+        if ctx.needs_input_grad[4]:  # every position's rows' share, as the ranks' DDP would sum them
+            dsink = sum(sink_grad(douts[p], outs[p], lses[p], sink) for p in range(size))
+        return (None, None, None, None, dsink, *(g[0] for g in grads), *(g[1] for g in grads), *(g[2] for g in grads))
 
 
 def simulated_ring_attention(
@@ -330,6 +349,7 @@ def simulated_ring_attention(
     grad_dtype: torch.dtype | None = None,
     deterministic: bool = False,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ring algorithm of `ring_attention` for k = `ring_size` virtual ranks in this process.
 
@@ -338,17 +358,19 @@ def simulated_ring_attention(
     outputs are put back in packed order. Differentiable. For tests and for timing the ring's
     decomposition of the work on one device. `grad_dtype` overrides the dtype the dK/dV partials travel
     in (`benchmarks/ring_grad_precision.py` measures what sending them in the activation dtype costs).
+    `sink`: as `ring_attention`'s, applied to each position's rows after its merge.
     """
     lengths = check_seqlens(seqlens)
     left = check_window(window, causal=causal)
     if ring_size < 1:
         raise ValueError(f"ring_size must be >= 1, got {ring_size}")
     check_qkv(q, k, v, num_tokens=sum(lengths))
+    check_sink(sink, q)
     kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     scale = default_scale(softmax_scale, q.shape[2])
     plans = tuple(ring_plan(lengths, ring_size, p, bool(causal), q.device, left) for p in range(ring_size))
     rows = [zigzag_token_indices(lengths, ring_size, p).to(q.device) for p in range(ring_size)]
     shards = [x.index_select(0, r) for x in (q, k, v) for r in rows]
-    outs = _SimulatedRing.apply(plans, kernel, scale, grad_dtype, *shards)
+    outs = _SimulatedRing.apply(plans, kernel, scale, grad_dtype, sink, *shards)
     order = torch.cat(rows)
     return torch.cat(outs).index_select(0, torch.argsort(order))

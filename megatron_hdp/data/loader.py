@@ -162,6 +162,7 @@ class HDPDataLoader:
         pp_size: int = 1,
         vpp_size: int = 1,
         pad_to_multiple: int = 1,
+        mtp_depth: int = 0,
         prefetch: int = 1,
         workers: int = 0,
         group: Any = None,
@@ -197,6 +198,8 @@ class HDPDataLoader:
         self.vpp_size = vpp_size
         """Virtual pipeline stages per PP rank the plans are made for (Megatron's interleaved schedule)."""
         self.pad_to_multiple = pad_to_multiple
+        self.mtp_depth = mtp_depth
+        """Multi-token prediction depth D of the model: each chunk also reads the D tokens after it."""
         self.group = group
         self.check_plans = check_plans
         self.consumed_samples = int(consumed_samples)
@@ -262,7 +265,7 @@ class HDPDataLoader:
         mask = reader.loss_mask if reader.has_loss_mask else None
         return [
             collate_microbatch(plan, mb, reader.tokens, pad_to_multiple=self.pad_to_multiple, read_loss_mask=mask,
-                               rank=rank)
+                               rank=rank, mtp_depth=self.mtp_depth)
             for mb in plan.microbatches(rank)
         ]
 

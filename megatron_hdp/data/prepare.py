@@ -113,10 +113,12 @@ def pad_microbatches(
     state: HDPState,
     pad_to_multiple: int = 1,
     group_size: Optional[int] = None,
+    mtp_depth: int = 0,
 ) -> list[PackedMicroBatch]:
     """`batches` (this rank's collated micro-batches of `plan`) followed by the empty micro-batches that
     make up the count `num_microbatches_to_run` asks for: an idle rank runs one, an EP group's ranks run
-    the same count, with virtual pipeline stages the ring rule's count.
+    the same count, with virtual pipeline stages the ring rule's count (with `mtp_depth` D, padding
+    carries D depths of multi-token prediction inputs, all 0).
 
     A padding micro-batch is a real forward and backward through the whole model, with a loss mask of
     zeros: its loss is exactly 0 and adds nothing to the token-level sum, yet every parameter gets a
@@ -126,7 +128,9 @@ def pad_microbatches(
     """
     num_padding = num_microbatches_to_run(plan, state=state, group_size=group_size) - len(batches)
     assert num_padding >= 0, f"{len(batches)} micro-batches for a rank the plan gives fewer"
-    return batches + [empty_microbatch(rank=state.hdp_rank, num_tokens=pad_to_multiple) for _ in range(num_padding)]
+    padding = [empty_microbatch(rank=state.hdp_rank, num_tokens=pad_to_multiple, mtp_depth=mtp_depth)
+               for _ in range(num_padding)]
+    return batches + padding
 
 
 def pinned_for(batches: list[PackedMicroBatch], device: torch.device) -> list[PackedMicroBatch]:
@@ -145,23 +149,29 @@ def prepare_step(
     microbatches: Optional[Sequence[PackedMicroBatch]] = None,
     read_tokens: Optional[TokenReader] = None,
     read_loss_mask: Optional[MaskReader] = None,
+    mtp_depth: int = 0,
 ) -> list[PackedMicroBatch]:
     """This rank's micro-batches of `plan`, ready for the schedule (module docstring): plan checked on
     every rank, collated (`microbatches` when the loader collated them, else from `read_tokens` and
     `read_loss_mask`), padded to the count the step runs, pinned when `device` is a GPU. `pad_to_multiple`:
     the token multiple of every micro-batch (sequence parallelism, FP8); `group_size`: Megatron's
-    microbatch_group_size_per_vp_stage."""
+    microbatch_group_size_per_vp_stage; `mtp_depth`: the model's multi-token prediction depth D, which
+    micro-batches the loader collated must carry (ValueError, on every rank alike, when they do not)."""
     check_plan(plan, state=state, group_size=group_size)
     if microbatches is None:
         if read_tokens is None:
             raise ValueError("prepare_step needs the collated micro-batches or a read_tokens to collate them")
         microbatches = [
             collate_microbatch(plan, mb, read_tokens, pad_to_multiple=pad_to_multiple, read_loss_mask=read_loss_mask,
-                               rank=state.hdp_rank)
+                               rank=state.hdp_rank, mtp_depth=mtp_depth)
             for mb in plan.microbatches(state.hdp_rank)
         ]
+    depths = {batch.mtp_depth for batch in microbatches} - {mtp_depth}
+    if depths:
+        raise ValueError(f"the model predicts {mtp_depth} extra tokens (mtp_num_layers) but the data loader collated "
+                         f"micro-batches for {sorted(depths)}: build the loader with mtp_depth={mtp_depth}")
     batches = pad_microbatches(plan, list(microbatches), state=state, pad_to_multiple=pad_to_multiple,
-                               group_size=group_size)
+                               group_size=group_size, mtp_depth=mtp_depth)
     return pinned_for(batches, device)
 
 

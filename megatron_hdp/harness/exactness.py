@@ -33,6 +33,12 @@ def token_reader(seed: int, lengths: Sequence[int]):
     return lambda seq, start, end: docs[seq][start:end]
 
 
+HEAD_SHARDED = ("core_attention.softmax_offset",)
+"""Per-head parameters Megatron splits over TP without marking them `tensor_model_parallel`: the attention
+sink (`softmax_type="learnable"`), of which each TP rank holds its heads' slice (dim 0), as the
+`{'softmax_offset': 0}` of Megatron's `sharded_state_dict` says."""
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """How a local parameter sits in the full (reference) parameter of the same global name."""
@@ -69,11 +75,12 @@ def shard_infos(model: torch.nn.Module) -> dict[str, ShardInfo]:
     for name, param in inner.named_parameters():
         tp = bool(getattr(param, "tensor_model_parallel", False))
         tp_rank, tp_size = tensor_parallel_coordinate(expert=not getattr(param, "allreduce", True))
+        partition_dim = param.partition_dim if tp else 0 if name.endswith(HEAD_SHARDED) else -1
         infos[name] = ShardInfo(
             name=global_name(name, layer_offset=layer_offset, expert_offset=expert_offset),
             tp_rank=tp_rank,
             tp_size=tp_size,
-            partition_dim=param.partition_dim if tp and tp_size > 1 else -1,
+            partition_dim=partition_dim if tp_size > 1 else -1,
             gated=name.endswith("linear_fc1.weight") and inner.config.gated_linear_unit,
         )
     return infos

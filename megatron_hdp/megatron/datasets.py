@@ -300,6 +300,7 @@ def build_hdp_data_loader(
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         vpp_size=parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
         pad_to_multiple=token_multiple(args),
+        mtp_depth=args.mtp_num_layers or 0,
         workers=getattr(args, "num_workers", 0),
         group=parallel_state.get_data_parallel_group(),
         check_plans=False,

@@ -17,6 +17,7 @@ import torch
 
 from megatron_hdp.attention.core_attention import HDPBatchMeta
 from megatron_hdp.data.collate import PackedMicroBatch
+from megatron_hdp.data.mtp_shift import MTPRolls
 from megatron_hdp.megatron.layer_spec import HDPPackedSeqParams, model_windows
 from megatron_hdp.offload.offloader import ActivationOffloader
 
@@ -75,10 +76,12 @@ def make_forward_step(*, hdp_global_ranks: tuple[int, ...], backend: str = "auto
     """A Megatron `forward_step_func(data_iterator, model)` reading `PackedMicroBatch`es.
 
     Each micro-batch arrives on the host and is moved once to the device of the model's parameters
-    (non-blocking: asynchronous when the step pinned it) before the forward. With virtual pipeline
-    stages the schedule passes each model chunk its own iterator over the same micro-batches (chunk c
-    takes micro-batch m at its own place in the interleaved order), so every HDP datum of the micro-batch
-    — rings, positions, documents, loss mask, offload ratio — reaches every chunk with it.
+    (non-blocking: asynchronous when the step pinned it) before the forward. A micro-batch collated for
+    multi-token prediction also gives the model its loss mask (Megatron's MTP loss reads it) and the
+    rolls of its inputs (`megatron/mtp.py`). With virtual pipeline stages the schedule passes each model
+    chunk its own iterator over the same micro-batches (chunk c takes micro-batch m at its own place in
+    the interleaved order), so every HDP datum of the micro-batch — rings, positions, documents, loss
+    mask, MTP rolls, offload ratio — reaches every chunk with it.
 
     `offloaders`, when given, holds one offloader per model chunk: each micro-batch's forward through
     chunk c runs inside `offloaders[c].microbatch(ratio=<the micro-batch's offload_ratio>)`.
@@ -98,6 +101,9 @@ def make_forward_step(*, hdp_global_ranks: tuple[int, ...], backend: str = "auto
             labels=batch.labels[None],
             packed_seq_params=params,
         )
+        if batch.mtp_depth:  # multi-token prediction: the model rolls its inputs through params.mtp_rolls
+            params.mtp_rolls = MTPRolls.of_batch(batch)
+            inputs.update(params.mtp_rolls.inputs)
         if not offloaders:
             output = model(**inputs)
         else:

@@ -162,5 +162,11 @@ def expert_parallel_coordinate() -> tuple[int, int]:
 
 
 def destroy_hdp() -> None:
-    """Tear down Megatron's parallel_state (tests and demos that initialize more than once)."""
+    """Tear down Megatron's parallel_state and its process-wide loss trackers, which are sized by the first
+    model that fills them (tests and demos that initialize more than once, with other models)."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
     ps.destroy_model_parallel()
+    MTPLossLoggingHelper.tracker.clear()
+    destroy_moe_metrics_tracker()

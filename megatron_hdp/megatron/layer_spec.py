@@ -9,7 +9,7 @@ RoPE. Megatron applies RoPE before `core_attention`, with positions restarting a
 boundary — wrong for a zigzag shard, whose tokens sit at positions [a, b) and [c, d) of their document.
 So `HDPCoreAttention` applies RoPE itself, per token, from the positions the collation computed, with
 the frequencies of the model's own `RotaryEmbedding` (evaluated at those positions, once per
-micro-batch: `rope_angles`) and Megatron's own `apply_rotary_pos_emb`; `prepare_model_for_hdp`
+micro-batch: `attention/rope.py`) and Megatron's own `apply_rotary_pos_emb`; `prepare_model_for_hdp`
 hands each leaf that rotary module and switches the GPTModel's own RoPE off (one attribute). The
 exactness tests compare against a stock GPTModel with Megatron's standard RoPE.
 
@@ -20,6 +20,9 @@ takes its place in the spec and rotates at the collated positions, and `HDPCoreA
 Transformer Engine: with `backend="transformer_engine"` the layer is Megatron's TE spec (fused
 QKV+norm linears) and the local kernel is the one `megatron_hdp.attention` picks at run time ("auto";
 TE's fused attention when installed). That path cannot run on this CPU-only machine.
+
+Sinks (`softmax_type`): the leaf holds Megatron's `softmax_offset` as the core attention it replaces does
+(`HDPCoreAttention._make_softmax_offset`) and hands it to the kernels and rings (`attention/sink.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -39,7 +42,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hdp.attention.core_attention import HDPBatchMeta, hdp_core_attention
+from megatron_hdp.attention.rope import rope_angles
+from megatron_hdp.data.mtp_shift import MTPRolls
 from megatron_hdp.megatron.moe_aux_loss import install_document_hook, with_document_aux_loss_router
+from megatron_hdp.megatron.mtp import install_roll
 from megatron_hdp.megatron.options import check_config
 
 logger = logging.getLogger(__name__)
@@ -49,27 +55,11 @@ BACKENDS = ("local", "transformer_engine")
 
 @dataclass
 class HDPPackedSeqParams(PackedSeqParams):
-    """Megatron's THD parameters plus the HDP metadata of the micro-batch (rings, positions)."""
+    """Megatron's THD parameters plus the HDP metadata of the micro-batch (rings, positions) and, for a
+    model with multi-token prediction, what each of its rolls gives (`megatron/mtp.py`)."""
 
     hdp: Optional[HDPBatchMeta] = None
-
-
-def rope_angles(rotary: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
-    """[T, 1, 1, dim] RoPE angles of each token at its own document position: Megatron's
-    `RotaryEmbedding.get_emb` (same frequencies, interpolation and layout) evaluated at `position_ids`
-    rather than tabulated for 0..max position. So no table of max-position rows per micro-batch (its
-    `lru_cache` would keep up to 32 of them on the GPU) and no host sync to find the max position."""
-    if rotary.inv_freq.device != position_ids.device:
-        rotary.inv_freq = rotary.inv_freq.to(position_ids.device)  # once, as Megatron's get_emb does
-    seq = position_ids.to(rotary.inv_freq.dtype)
-    if rotary.seq_len_interpolation_factor is not None:
-        seq = seq * (1 / rotary.seq_len_interpolation_factor)
-    freqs = torch.outer(seq, rotary.inv_freq)
-    if rotary.rotary_interleaved:
-        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
-    else:
-        emb = torch.cat((freqs, freqs), dim=-1)
-    return emb[:, None, None, :]
+    mtp_rolls: Optional[MTPRolls] = None
 
 
 def batch_meta(packed_seq_params: Optional[PackedSeqParams], module: str) -> HDPBatchMeta:
@@ -103,6 +93,9 @@ class HDPCoreAttention(MegatronModule):
     query [T, Hq, D] and key/value [T, Hkv, D] (TP-local heads) and an `HDPPackedSeqParams`.
     """
 
+    sink_like: ClassVar[str] = "local"
+    """Whose `softmax_offset` this leaf makes: Megatron's local `DotProductAttention`'s or TE's."""
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -130,6 +123,38 @@ class HDPCoreAttention(MegatronModule):
                 "backward is not deterministic; drop --deterministic-mode or --window-size"
             )
         self._rotary: tuple = ()  # the model's RotaryEmbedding, set by prepare_model_for_hdp (not a submodule)
+        self._make_softmax_offset(pg_collection)
+
+    def _make_softmax_offset(self, pg_collection: Any) -> None:
+        """`softmax_offset` [heads per TP rank] as the replaced core attention makes it, at the same point of
+        the model's construction (so the RNG draws of the parameters after it stay Megatron's): off-by-one
+        a zero tensor that is no parameter (no checkpoint key), learnable a parameter."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        self.softmax_offset, kind = None, self.config.softmax_type
+        if kind in (None, "vanilla"):
+            return
+        self.tp_group = (pg_collection or ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])).tp
+        heads, device = self.config.num_attention_heads // self.tp_group.size(), torch.cuda.current_device()
+        dtype = torch.float32 if self.sink_like == "transformer_engine" else self.config.params_dtype
+        if kind == "off-by-one":
+            self.softmax_offset = torch.zeros(heads, device=device, dtype=dtype)
+        elif self.sink_like == "transformer_engine":
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, device=device, dtype=dtype))
+        else:
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads, device=device, dtype=dtype))
+            if self.config.perform_initialization:
+                self.softmax_offset = self.config.init_method(self.softmax_offset)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Megatron's own (`DotProductAttention.sharded_state_dict`): the learnable sink split over TP by heads."""
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        if self.softmax_offset is None:
+            return {}
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return DotProductAttention.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def set_rotary(self, rotary: Optional[torch.nn.Module]) -> None:
         """Use `rotary` (a Megatron RotaryEmbedding) for per-token RoPE; None: no RoPE."""
@@ -159,17 +184,20 @@ class HDPCoreAttention(MegatronModule):
             key = self._rope(key, meta)
         return hdp_core_attention(
             query, key, value, meta=meta, softmax_scale=self.softmax_scale,
-            deterministic=self.config.deterministic_mode, window=self.window,
+            deterministic=self.config.deterministic_mode, window=self.window, sink=self.softmax_offset,
         )
 
 
 class HDPCoreAttentionForTE(HDPCoreAttention):
     """`HDPCoreAttention` in the place of Megatron's `TEDotProductAttention`, with its checkpoint keys: an
-    empty `_extra_state` in the state dict (TE 2.x module/base.py `get_extra_state`, without FP8) and
-    nothing in the sharded one (Megatron's `sharded_state_dict` saves only a softmax offset, which HDP
-    refuses), so TE checkpoints move both ways in either format. A non-empty attention extra state (an FP8
+    empty `_extra_state` in the state dict (TE 2.x module/base.py `get_extra_state`, without FP8) and, in
+    the sharded one, only the learnable sink (`softmax_offset`, as `HDPCoreAttention` shards it), so TE
+    checkpoints move both ways in either format. Its learnable sink is made as TE's `DotProductAttention`
+    makes its own (float32 zeros, not Megatron's `init_method`). A non-empty attention extra state (an FP8
     run's, `torch` format) is refused rather than dropped from the next checkpoint without a word.
     """
+
+    sink_like = "transformer_engine"
 
     def get_extra_state(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
@@ -183,9 +211,6 @@ class HDPCoreAttentionForTE(HDPCoreAttention):
             "checkpoint with plain Megatron (--ckpt-convert-format torch_dist, which leaves it out), or load it "
             "without --hdp"
         )
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
-        return {}
 
 
 def get_gpt_layer_with_hdp_spec(*, backend: str = "local", **spec_kwargs: Any) -> ModuleSpec:
@@ -258,7 +283,8 @@ def model_windows(model: torch.nn.Module) -> tuple[Optional[int], ...]:
 
 
 def prepare_model_for_hdp(model: torch.nn.Module) -> torch.nn.Module:
-    """Move RoPE of a GPTModel built with the HDP spec into its HDP core attention (per-token positions).
+    """Move RoPE of a GPTModel built with the HDP spec into its HDP core attention (per-token positions),
+    its MTP layers' included; with multi-token prediction, install HDP's MTP roll (`megatron/mtp.py`).
 
     Call once after building each model chunk (before wrapping it in DDP). ValueError when the model has
     no HDP core attention or uses a position embedding HDP cannot shard (yarn, mrope, partial no-rope).
@@ -280,6 +306,12 @@ def prepare_model_for_hdp(model: torch.nn.Module) -> torch.nn.Module:
             "set it to 1 (the HDP domain is Megatron's data-parallel group)"
         )
     install_document_hook(model)
+    if getattr(model.config, "mtp_num_layers", None):
+        mtp_layers = getattr(getattr(model, "mtp", None), "layers", ())  # the MTP block: last stage only
+        if not all(hdp_core_attention_modules(layer) for layer in mtp_layers):  # Megatron-LM's model builders
+            raise ValueError("an MTP layer of the model has Megatron's own core attention, which cannot run HDP's "
+                             "packed documents and rings: build the MTP block with mtp.mtp_block_spec_of")
+        install_roll()  # the MTP block's rolls come from the loader (megatron/mtp.py)
     rotary = getattr(model, "rotary_pos_emb", None) if kind == "rope" else None
     for core in cores:
         core.set_rotary(rotary)

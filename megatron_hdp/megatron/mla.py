@@ -52,7 +52,8 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.utils import get_pg_size
 
 from megatron_hdp.attention.core_attention import HDPBatchMeta
-from megatron_hdp.megatron.layer_spec import batch_meta, rope_angles
+from megatron_hdp.attention.rope import rope_angles
+from megatron_hdp.megatron.layer_spec import batch_meta
 
 
 class LatentInputs(NamedTuple):

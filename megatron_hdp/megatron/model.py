@@ -18,6 +18,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_hdp.megatron.layer_spec import get_gpt_layer_with_hdp_spec, prepare_model_for_hdp
+from megatron_hdp.megatron.mtp import mtp_block_spec_of
 
 
 def transformer_config(**fields: Any) -> TransformerConfig:
@@ -54,7 +55,9 @@ def build_gpt(
     """GPTModel for this rank's pipeline stage (model chunk `vp_stage` of it with virtual pipeline
     stages): with the HDP core attention (`hdp=True`) or Megatron's stock local spec (the reference).
     RoPE either way; untied embedding and output weights. `transformer_layer_spec` replaces the spec (a
-    layer or block spec, e.g. with other norms)."""
+    layer or block spec, e.g. with other norms). With `config.mtp_num_layers` the model has Megatron's
+    multi-token prediction block, its layers built like the decoder's (`mtp.mtp_block_spec_of`: with HDP
+    core attention under `hdp=True`)."""
     spec_kwargs = dict(num_experts=config.num_moe_experts, normalization=config.normalization,
                        qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention)
     spec = get_gpt_layer_with_hdp_spec(**spec_kwargs) if hdp else get_gpt_layer_local_spec(**spec_kwargs)
@@ -62,6 +65,7 @@ def build_gpt(
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
+        mtp_block_spec=mtp_block_spec_of(config, spec, vp_stage=vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
@@ -101,6 +105,7 @@ def wrap_chunks_for_training(
     distributed_optimizer: bool = False,
     overlap_param_gather: bool = False,
     bf16: bool = False,
+    optimizer: str = "adam",
 ) -> tuple[list[DistributedDataParallel], Any]:
     """Megatron DDP (gradients reduced once per step over the data-parallel group = HDP domain, summed:
     the per-token loss scales them) around each model chunk, and Megatron's Adam optimizer over all of
@@ -111,7 +116,8 @@ def wrap_chunks_for_training(
     over the HDP domain (reduce-scatter, then an all-gather of the updated parameters:
     --use-distributed-optimizer); `overlap_param_gather` defers that all-gather to forward pre-hooks of
     the next step (--overlap-param-gather). `adam_eps`: Adam's epsilon (--adam-eps). `bf16`: the chunks
-    hold bf16 parameters, the optimizer fp32 main copies of them (--bf16)."""
+    hold bf16 parameters, the optimizer fp32 main copies of them (--bf16). `optimizer`: Megatron's "adam" or
+    "sgd" (--optimizer)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
@@ -125,7 +131,7 @@ def wrap_chunks_for_training(
     ]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=lr, adam_eps=adam_eps, weight_decay=weight_decay, clip_grad=clip_grad,
+            optimizer=optimizer, lr=lr, adam_eps=adam_eps, weight_decay=weight_decay, clip_grad=clip_grad,
             bf16=bf16,
             use_distributed_optimizer=distributed_optimizer,
         ),

@@ -215,12 +215,15 @@ class DocumentAuxLossRouter(TopKRouter):
         weighted = ((prob_sums * counts.to(prob_sums.device)).sum(1) / lengths).sum() * (
             num_experts * coeff / self.topk
         )
+        mtp_layers = self.config.mtp_num_layers or 0
+        if self.is_mtp_layer and self.config.mtp_use_repeated_layer:
+            weighted = weighted / mtp_layers  # one MTP layer run at every depth: Megatron's 1 / depths
         num_local_tokens = sum(b - a for a, b in rows)
-        get_moe_metrics_tracker().record(
+        get_moe_metrics_tracker().record(  # Megatron's slots: MTP layers after the decoder's
             "load_balancing_loss",
             weighted.detach() / (coeff * max(num_local_tokens, 1)),
-            self.layer_number,
-            self.config.num_layers,
+            self.layer_number + (self.config.num_layers if self.is_mtp_layer else 0),
+            self.config.num_layers + mtp_layers,
             reduce_group=self.tp_cp_group,
         )
         # with calculate_per_token_loss, finalize_model_grads divides every gradient by the global batch's

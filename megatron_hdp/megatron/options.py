@@ -42,17 +42,11 @@ REFUSALS: tuple[Refusal, ...] = (
         0.0,
     ),
     Refusal(
-        "softmax_type",
-        lambda t: t not in (None, "vanilla"),
-        "off-by-one and learnable-sink softmax add a term to every row's normaliser that HDP's kernels and "
-        "the ring's log-sum-exp merge do not carry",
-        "vanilla",
-    ),
-    Refusal(
-        "mtp_num_layers",
-        lambda n: bool(n),
-        "multi-token prediction shifts tokens and labels by one position inside the micro-batch (roll), "
-        "which crosses HDP's packed documents and zigzag ring shards",
+        "mtp_hsm",
+        bool,
+        "MTP hidden-state mixing rolls the MTP layers' hidden states one position per depth; under HDP the "
+        "next position of a zigzag shard's last token is on another ring member, and HDP answers MTP's rolls "
+        "of tokens, positions, labels and loss mask from its loader, not rolls of activations",
         None,
     ),
     Refusal(

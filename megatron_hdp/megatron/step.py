@@ -231,7 +231,8 @@ class HDPTrainer:
         self._stamps = [time.process_time()]
         batches = prepare_step(plan, state=self.state, device=self.device, pad_to_multiple=self.pad_to_multiple,
                                group_size=step_group_size(plan, self.config),
-                               read_tokens=read_tokens, read_loss_mask=read_loss_mask)
+                               read_tokens=read_tokens, read_loss_mask=read_loss_mask,
+                               mtp_depth=self.config.mtp_num_layers or 0)
         forward_step = make_forward_step(hdp_global_ranks=self.state.hdp_global_ranks, backend=self.backend,
                                          offloaders=self.offloaders)
         for chunk in self.chunks:

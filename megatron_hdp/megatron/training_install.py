@@ -2,9 +2,9 @@
 
 Call it once, after `parse_and_validate_args` and before the model config is built from `args`
 (`examples/pretrain_gpt_hdp.py` and the patched `pretrain_gpt.py` do). Without `--hdp` it only checks
-the flags. With `--hdp` it changes nine names: `args.spec`, seven in `megatron.training.training`'s namespace
-and one in `megatron.training.checkpointing`'s, each a thin wrapper around Megatron's own function (the
-whole monkeypatch surface, in call order):
+the flags. With `--hdp` it changes ten names: `args.spec`, seven in `megatron.training.training`'s
+namespace, one in `megatron.training.checkpointing`'s and one in `megatron.training.models.gpt`'s, each a
+thin wrapper around Megatron's own function (the whole monkeypatch surface, in call order):
 
 1. `args.spec`: the GPT layer spec is Megatron's with `HDPCoreAttention` as its `core_attention` leaf.
 2. `setup_model_and_optimizer`: after Megatron builds (and DDP-wraps) the model, `prepare_model_for_hdp`
@@ -25,11 +25,15 @@ whole monkeypatch surface, in call order):
 5. `training_log`: HDP statistics (balance, rings, ring-attention bytes, micro-batch counts, loader
    wait, offloaded bytes) and the measured telemetry of `comm/telemetry.py` in Megatron's log line and its
    TensorBoard / W&B writers, every `--hdp-log-interval` steps; with --hdp-online-refit the measured
-   steps refit the cost model the loaders plan with (`HDPRuntime.learn`).
+   steps refit the cost model the loaders plan with (`HDPRuntime.learn`); with MTP, Megatron's MTP loss
+   log averages over the micro-batches the plan ran (`mtp.average_mtp_log_over_planned_microbatches`).
 6. `consume_seqlen_stats_in_iteration`: the plan's real tokens and sum of s^2 for Megatron's FLOPs.
 7. `save_checkpoint`: with --hdp-online-refit, the learned cost model is written next to each checkpoint.
 8. `checkpointing._load_base_checkpoint` (`resume_check`): a resume may change the pool's size, not TP,
    PP, EP or the documents' lengths (`data/resume.py`).
+9. `megatron.training.models.gpt.mtp_block_spec` (with --mtp-num-layers): the MTP block is built from the
+   HDP layer spec (Megatron builds it from its stock specs whatever --spec says), so its layers attend
+   with HDP's core attention; their rolls come from the loader (`megatron/mtp.py`).
 
 With PP > 1 it also sets `args.variable_seq_lengths` before the model config is built from `args`
 (`_pipeline_shapes_per_microbatch`): the tensors between stages take each micro-batch's length.
@@ -200,7 +204,9 @@ def _base_cost_model(args: Namespace, config: HDPConfig) -> CostModel:
         vocab_size=args.padded_vocab_size or args.vocab_size or 32000,
         num_experts=args.num_experts or 0,
         moe_router_topk=args.moe_router_topk,
-        gated_mlp=args.swiglu,
+        gated_mlp=args.swiglu or getattr(args, "quick_geglu", False),
+        head_dim=args.kv_channels or 0,
+        mtp_num_layers=args.mtp_num_layers or 0,
     )
     return analytic_cost_model(
         shape, "h100", tp_size=args.tensor_model_parallel_size,
@@ -345,7 +351,7 @@ def _forward_backward(schedule: Callable, runtime: HDPRuntime) -> Callable:
         microbatches = prepare_step(  # ValueError on every rank alike for a plan this domain cannot run
             step.plan, state=state, device=next(chunks[0].parameters()).device,
             pad_to_multiple=token_multiple(get_args()), group_size=step_group_size(step.plan, config),
-            microbatches=step.microbatches,
+            microbatches=step.microbatches, mtp_depth=config.mtp_num_layers or 0,
         )
         offloaders = runtime.offloaders if training else []
         runtime.last_step = step
@@ -418,6 +424,10 @@ def _training_log(original: Callable, runtime: HDPRuntime) -> Callable:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
         from megatron.training.utils import print_rank_last
 
+        from megatron_hdp.megatron.mtp import average_mtp_log_over_planned_microbatches
+
+        if runtime.last_step is not None:  # before Megatron's MTP log line reads the tracker
+            average_mtp_log_over_planned_microbatches(runtime.last_step.plan)
         result = original(*args, **kwargs)
         iteration = get_args().curr_iteration + 1
         stats = runtime.statistics()
@@ -490,6 +500,12 @@ def _consume_seqlen_stats(original: Callable, runtime: HDPRuntime) -> Callable:
     return consume_seqlen_stats_in_iteration
 
 
+def _mtp_block_spec(original: Callable, runtime: HDPRuntime) -> Callable:
+    from megatron_hdp.megatron.mtp import with_mtp_layer_spec
+
+    return with_mtp_layer_spec(original, hdp_layer_spec)
+
+
 _PATCHES = {
     "setup_model_and_optimizer": _setup_model_and_optimizer,
     "build_train_valid_test_datasets": _build_datasets,
@@ -499,6 +515,19 @@ _PATCHES = {
     "consume_seqlen_stats_in_iteration": _consume_seqlen_stats,
     "save_checkpoint": _save_checkpoint,
 }
+"""Wrappers of names in `megatron.training.training`."""
+_MODEL_PATCHES = {"mtp_block_spec": _mtp_block_spec}
+"""Wrappers of names in `megatron.training.models.gpt` (the config-container model builder)."""
+
+
+def _wrap(module: Any, name: str, wrap: Callable, runtime: HDPRuntime) -> Callable:
+    """Replace `module.name` by `wrap(Megatron's own function, runtime)` (never a wrapper around a wrapper)."""
+    current = getattr(module, name)
+    original = getattr(current, "_hdp_original", current)
+    wrapped = wrap(original, runtime)
+    wrapped._hdp_original = original  # type: ignore[attr-defined]
+    setattr(module, name, wrapped)
+    return wrapped
 
 
 def install(args: Optional[Namespace] = None) -> Optional[HDPConfig]:
@@ -544,12 +573,12 @@ def install(args: Optional[Namespace] = None) -> Optional[HDPConfig]:
         offload = OffloadConfig(min_tensor_bytes=config.hdp_offload_min_tensor_bytes)
     runtime = HDPRuntime(config=config, cost_model=cost_model, telemetry=StepTelemetry(), offload_config=offload,
                          refit=refit)
+    from megatron.training.models import gpt
+
     for name, wrap in _PATCHES.items():
-        current = getattr(training, name)
-        original = getattr(current, "_hdp_original", current)
-        wrapped = wrap(original, runtime)
-        wrapped._hdp_original = original  # type: ignore[attr-defined]
-        setattr(training, name, wrapped)
+        _wrap(training, name, wrap, runtime)
+    for name, wrap in _MODEL_PATCHES.items():
+        _wrap(gpt, name, wrap, runtime)
     training.get_forward_backward_func._hdp_runtime = runtime  # type: ignore[attr-defined]
     wrap_load_base_checkpoint(runtime)
     logger.info("HDP installed into megatron.training: %s", config)

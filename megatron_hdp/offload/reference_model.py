@@ -38,11 +38,11 @@ class ReferenceLayer(nn.Module):
         h = shape.hidden_size
         self.num_heads = shape.num_attention_heads
         self.num_kv_heads = shape.num_query_groups
-        self.head_dim = h // self.num_heads
+        self.head_dim = shape.channels_per_head
         kw = {"device": device, "dtype": dtype}
         self.attn_norm = nn.RMSNorm(h, **kw)
-        self.qkv = nn.Linear(h, h + 2 * shape.kv_channels, bias=False, **kw)
-        self.proj = nn.Linear(h, h, bias=False, **kw)
+        self.qkv = nn.Linear(h, shape.q_channels + 2 * shape.kv_channels, bias=False, **kw)
+        self.proj = nn.Linear(shape.q_channels, h, bias=False, **kw)
         self.mlp_norm = nn.RMSNorm(h, **kw)
         self.gate_up = nn.Linear(h, 2 * shape.ffn_hidden_size, bias=False, **kw)
         self.down = nn.Linear(shape.ffn_hidden_size, h, bias=False, **kw)
@@ -50,14 +50,14 @@ class ReferenceLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         d, kv = self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv(self.attn_norm(x)).split([h, kv, kv], dim=-1)
+        q, k, v = self.qkv(self.attn_norm(x)).split([self.num_heads * d, kv, kv], dim=-1)
         q = _rotate(q.view(b, s, -1, d).transpose(1, 2), cos, sin)
         k = _rotate(k.view(b, s, -1, d).transpose(1, 2), cos, sin)
         v = v.view(b, s, -1, d).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
         )
-        x = x + self.proj(out.transpose(1, 2).reshape(b, s, h))
+        x = x + self.proj(out.transpose(1, 2).reshape(b, s, self.num_heads * d))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 

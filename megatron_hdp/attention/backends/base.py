@@ -4,7 +4,10 @@ A backend computes attention over packed variable-length segments (THD) and retu
 log-sum-exp, and computes the gradients of a block given the *final* output and log-sum-exp of the rows.
 That second point is what lets ring attention use any kernel: the flash backward recomputes the block's
 probabilities as exp(S - lse) and uses rowsum(dO * O); with the merged (global) out and lse it yields the
-block's share of the exact gradients, so a ring sums block gradients without any correction.
+block's share of the exact gradients, so a ring sums block gradients without any correction. It is
+also why every kernel serves attention sinks (Megatron's off-by-one / learnable softmax): the sink is
+applied to the finished rows and the backward is fed their (out', lse') (`megatron_hdp.attention.sink`),
+so no backend stands aside for a sink.
 
 Shapes: q [Tq, Hq, D], k [Tk, Hkv, D] and v [Tk, Hkv, Dv] with Hkv dividing Hq (query head h uses kv
 head h // (Hq / Hkv)); out [Tq, Hq, Dv] in q's dtype; lse [Hq, Tq], float32 (float64 for float64

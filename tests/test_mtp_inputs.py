@@ -1,0 +1,133 @@
+"""Multi-token prediction's inputs under HDP, every rank in one process (data/mtp_shift.py, megatron/mtp.py).
+
+Reference: Megatron's own `roll_tensor` applied d times to each whole document (input ids, labels, position
+ids, loss mask: what Megatron's MTP computes for a one-document micro-batch), its loss weight at depth d
+Megatron's `original / rolled` token counts, then cut into the zigzag shards of the plan. Every rank's
+collated depth-1..D rows must equal it, for documents whole and on rings of 2..4 ranks (chunks shorter than
+D, documents shorter than 2k and than D), with a random loss mask.
+"""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_hdp.attention.layout import zigzag_token_indices
+from megatron_hdp.data.collate import collate_microbatch, empty_microbatch
+from megatron_hdp.data.mtp_shift import MTPRolls
+from megatron_hdp.megatron.mtp import hdp_roll_tensor, install_roll
+from megatron_hdp.plan.hand_plan import plan_from_rings
+
+DEPTH = 2
+LENGTHS = [9, 1, 17, 3, 26, 2, 12]
+RINGS = [(0,), (1,), (1, 2), (3, 0, 2), (0, 1, 2, 3), (2, 3), (3,)]
+SLOTS = [0, 0, 1, 0, 1, 0, 1]
+
+
+def _raw(seq, start, end):
+    return np.random.default_rng(seq).integers(1, 500, size=LENGTHS[seq] + 1)[start:end]
+
+
+def _mask(seq, start, end):
+    return (np.random.default_rng(100 + seq).random(LENGTHS[seq]) < 0.7).astype(np.float32)[start:end]
+
+
+def _megatron_rolls(seq):
+    """[DEPTH, L] tokens, labels, positions and weighted loss mask of document `seq` by Megatron's roll."""
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    n = LENGTHS[seq]
+    raw = torch.from_numpy(_raw(seq, 0, n + 1))
+    current = [raw[:-1][None], raw[1:][None], torch.arange(n)[None], torch.from_numpy(_mask(seq, 0, n))[None]]
+    original = current[3].sum()
+    rows = []
+    for _ in range(DEPTH):
+        current = [roll_tensor(t, shifts=-1, dims=-1)[0] for t in current]
+        weight = original / current[3].sum().clamp(min=1)  # process_mtp_loss's per-token rescaling
+        rows.append(current[:3] + [current[3] * weight])
+    return [torch.cat([row[i] for row in rows]) for i in range(4)]
+
+
+def test_every_ranks_mtp_rows_equal_megatrons_roll_of_each_document():
+    plan = plan_from_rings(LENGTHS, RINGS, SLOTS, num_ranks=4, capacity=64)
+    reference = {seq: _megatron_rolls(seq) for seq in range(len(LENGTHS))}
+    covered = {seq: 0 for seq in range(len(LENGTHS))}
+    for rank in range(4):
+        for mb in plan.microbatches(rank):
+            packed = collate_microbatch(plan, mb, _raw, pad_to_multiple=8, read_loss_mask=_mask, rank=rank,
+                                        mtp_depth=DEPTH)
+            got = (packed.mtp_tokens, packed.mtp_labels, packed.mtp_position_ids, packed.mtp_loss_mask)
+            assert packed.mtp_depth == DEPTH and all(t.shape == (DEPTH, packed.num_tokens) for t in got)
+            for group in packed.groups:
+                lo, hi = group.tokens
+                if not group.seq_ids:  # padding: no input, no target, no loss
+                    assert all(not t[:, lo:hi].any() for t in got)
+                    continue
+                position = group.ring.index(rank)
+                offset = lo
+                for seq in group.seq_ids:
+                    rows = zigzag_token_indices([LENGTHS[seq]], len(group.ring), position)
+                    for want, have in zip(reference[seq], got):
+                        torch.testing.assert_close(have[:, offset:offset + len(rows)], want[:, rows].to(have.dtype),
+                                                   rtol=1e-6, atol=0)
+                    offset += len(rows)
+                    covered[seq] += len(rows)
+                assert offset == hi
+    assert covered == dict(enumerate(LENGTHS))
+    padding = empty_microbatch(rank=0, num_tokens=3, mtp_depth=DEPTH)
+    assert padding.mtp_tokens.shape == (DEPTH, 3) and not padding.mtp_loss_mask.any()
+
+
+def _rolls():
+    plan = plan_from_rings(LENGTHS, RINGS, SLOTS, num_ranks=4, capacity=64)
+    packed = collate_microbatch(plan, plan.microbatches(0)[1], _raw, rank=0, mtp_depth=DEPTH)
+    return packed, MTPRolls.of_batch(packed)
+
+
+def test_hdp_roll_answers_each_of_megatrons_rolls_from_the_loader():
+    from megatron.core.transformer.multi_token_prediction import roll_tensor as megatrons
+
+    packed, rolls = _rolls()
+    roll = hdp_roll_tensor(megatrons)
+    params = types.SimpleNamespace(mtp_rolls=rolls)
+    inputs = rolls.inputs
+    ids = inputs["input_ids"]
+    for depth in range(DEPTH):  # MultiTokenPredictionLayer._get_embeddings: each layer rolls what it got
+        ids, _ = roll(ids, shifts=-1, dims=-1, cp_group=None, packed_seq_params=params)
+        assert torch.equal(ids[0], packed.mtp_tokens[depth])
+    labels, mask = inputs["labels"].clone(), inputs["loss_mask"]  # process_mtp_loss copies the labels first
+    for depth in range(DEPTH):
+        labels, _ = roll(labels, -1, -1, None, params)
+        mask, count = roll(mask, -1, -1, None, params)
+        assert torch.equal(labels[0], packed.mtp_labels[depth]) and torch.equal(mask[0], packed.mtp_loss_mask[depth])
+        assert count == packed.loss_mask.sum()  # the count process_mtp_loss took: original / rolled = 1
+    _, total = roll(inputs["position_ids"], -1, -1, None, params, return_sum=False)  # megatron-core 0.20
+    assert total is None
+    with pytest.raises(ValueError, match="cannot roll this tensor"):
+        roll(inputs["labels"].clone(), -1, -1, None, params)  # a second copy: not Megatron's pattern
+    with pytest.raises(ValueError, match="cannot roll this tensor"):
+        roll(torch.zeros(1, packed.num_tokens), -1, -1, None, params)
+    with pytest.raises(ValueError, match="rolls it 3 times"):
+        roll(ids, -1, -1, None, params)
+    with pytest.raises(ValueError, match="without MTP rolls"):
+        roll(ids, -1, -1, None, types.SimpleNamespace(mtp_rolls=None))
+    plain = torch.arange(6)[None]  # not an HDP micro-batch: Megatron's own roll
+    assert torch.equal(roll(plain, -1, -1, None, None)[0], megatrons(plain, -1, -1, None, None)[0])
+
+
+def test_install_roll_is_idempotent_and_checks_megatrons_signature(monkeypatch):
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    monkeypatch.setattr(mtp, "roll_tensor", mtp.roll_tensor)
+    install_roll()
+    installed = mtp.roll_tensor
+    install_roll()
+    assert mtp.roll_tensor is installed and installed._hdp_original is not installed
+
+    def list_roll(tensors, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):  # Megatron-LM dev's
+        return tensors
+
+    monkeypatch.setattr(mtp, "roll_tensor", list_roll)
+    with pytest.raises(ValueError, match="HDP's MTP was written for"):
+        install_roll()
