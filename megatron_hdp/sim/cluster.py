@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.cost_model import RING_KIND_SETTINGS, CostModel
 from megatron_hdp.plan.interleaved import uncapped_warmup
 from megatron_hdp.plan.presets import HardwareProfile, ModelShape, analytic_cost_model, hardware_profile, model_shape
 
@@ -56,6 +56,12 @@ class ClusterSpec:
     (Megatron orders TP fastest, then DP), which talk over `intra_node_bandwidth`."""
     intra_node_bandwidth: Optional[float] = None
     """Bytes/s of a ring link inside a node; the hardware's NVLink when unset."""
+    ep_size: int = 1
+    """Expert-parallel size: the routed experts are sharded over groups of `ep_size` consecutive HDP ranks
+    (with TP as their expert-tensor parallelism), whose MoE all-to-all couples their micro-batches
+    (`CostModel.expert_parallel_size`)."""
+    ring_kind: Optional[str] = None
+    """Which ring split documents run (`CostModel.ring_kind`: auto, kv, latent); None: the cost model's."""
 
     def __post_init__(self) -> None:
         self.shape  # unknown model -> ValueError naming the known ones
@@ -74,6 +80,12 @@ class ClusterSpec:
         if self.shape.num_layers % (self.pp_size * self.vpp_size):
             raise ValueError(f"pp_size {self.pp_size} x vpp_size {self.vpp_size} does not divide {self.model}'s "
                              f"{self.shape.num_layers} layers")
+        if self.ep_size <= 0 or self.num_ranks % self.ep_size:
+            raise ValueError(f"ep_size {self.ep_size} must be positive and divide the {self.num_ranks} HDP ranks")
+        if self.ep_size > 1 and not self.shape.num_experts:
+            raise ValueError(f"ep_size {self.ep_size} needs experts; {self.model} has none")
+        if self.ring_kind is not None and self.ring_kind not in RING_KIND_SETTINGS:
+            raise ValueError(f"ring_kind must be one of {RING_KIND_SETTINGS}, got {self.ring_kind!r}")
         if self.gpus_per_node <= 0:
             raise ValueError(f"gpus_per_node must be positive, got {self.gpus_per_node}")
         for name in ("allreduce_bandwidth", "ring_bandwidth", "intra_node_bandwidth"):
@@ -98,9 +110,17 @@ class ClusterSpec:
         return self.num_gpus // (self.tp_size * self.pp_size)
 
     @property
+    def parameters_per_gpu(self) -> float:
+        """Parameters one GPU holds: all but the routed experts split over TP x PP, those over TP x EP x PP."""
+        experts = self.shape.num_expert_parameters()
+        return ((self.shape.num_parameters() - experts) / self.tp_size + experts / (self.tp_size * self.ep_size)
+                ) / self.pp_size
+
+    @property
     def grad_bytes(self) -> float:
-        """bf16 gradient bytes one (stage, TP rank) all-reduces over the HDP pool."""
-        return 2.0 * self.shape.num_parameters() / (self.tp_size * self.pp_size)
+        """bf16 gradient bytes one (stage, TP rank) all-reduces over the HDP pool (the experts' over their
+        data-parallel group: a ring all-reduce takes about the same time for any group size)."""
+        return 2.0 * self.parameters_per_gpu
 
     @property
     def grad_allreduce_bandwidth(self) -> float:
@@ -116,6 +136,10 @@ class ClusterSpec:
             cost = analytic_cost_model(self.shape, self.hardware_profile, tp_size=self.tp_size)
         if self.ring_bandwidth:
             cost = dataclasses.replace(cost, ring_bandwidth=self.ring_bandwidth)
+        if self.ring_kind is not None:
+            cost = dataclasses.replace(cost, ring_kind=self.ring_kind)
+        if self.ep_size > 1:
+            cost = dataclasses.replace(cost, expert_parallel_size=self.ep_size)
         return dataclasses.replace(cost, ranks_per_node=self.ranks_per_node,
                                    intra_node_bandwidth=self.intra_node_bandwidth or cost.intra_node_bandwidth
                                    or self.hardware_profile.intra_node_bandwidth)
@@ -128,16 +152,16 @@ class ClusterSpec:
     def memory_capacity(self) -> int:
         """Largest power-of-two C whose activations fit beside the model states.
 
-        Model states per GPU: bf16 weights and grads (4 bytes/param) plus fp32 Adam states and master
-        weights (12 bytes/param) sharded over the HDP pool (distributed optimizer). Activations: a micro-batch
+        Model states per GPU (`parameters_per_gpu`: the routed experts also split over EP): bf16 weights and
+        grads (4 bytes/param) plus fp32 Adam states and master weights (12 bytes/param) sharded over the HDP
+        pool (distributed optimizer). Activations: a micro-batch
         of C tokens keeps Act(C) per layer; in 1F1B the first stage holds pp micro-batches of num_layers/pp
         layers, i.e. num_layers layers' worth, so PP does not change C. The interleaved schedule (vpp_size
         v > 1) holds its warm-up's forwards plus one, 2 (pp - 1) + (v - 1) G + 1 chunks of num_layers /
         (pp v) layers (G = pp): num_layers x (1 + (pp - 1) / (pp v)) layers' worth, as Korthikanti et al.
         2022 (Sec. 4.2.3) count it, so C may halve (`activation_layers_factor`).
         """
-        params = self.shape.num_parameters() / (self.tp_size * self.pp_size)
-        states = params * (4.0 + 12.0 / self.num_ranks)
+        states = self.parameters_per_gpu * (4.0 + 12.0 / self.num_ranks)
         free = self.hardware_profile.memory_bytes * (1 - MEMORY_RESERVE) - states
         cost = self.cost_model()
         layers = cost.num_layers * self.activation_layers_factor
