@@ -1,6 +1,6 @@
 """DeepSeek-V3 under HDP on the simulator: static CP (K/V ring), balance with K/V rings, balance with latent rings.
 
-    python benchmarks/mla_simulate.py                         # 2,048 H100s, TP 8, EP 32, 128K..1M, byted
+    python benchmarks/mla_simulate.py                         # 2,048 H100s, TP 8, EP 32, 128K..1M, byted + github
     python benchmarks/mla_simulate.py --gpus 4096 --contexts 1M --steps 1
 
 Multi-latent attention lets every split document run a K/V ring (K and V circulate, what TE's CP does)
@@ -79,6 +79,7 @@ def run_context(spec: ClusterSpec, *, context: int, distribution: str, steps: in
            for kind in by_kind for policy in ("static", "balance")}
     cell = {
         "context": context,
+        "distribution": distribution,
         "tokens_per_second": tps,
         "latent_over_kv_balance": tps["balance-latent"] / tps["balance-kv"],
         "work_floor": kv.floor_tokens_per_second,
@@ -95,14 +96,14 @@ def run_context(spec: ClusterSpec, *, context: int, distribution: str, steps: in
 
 
 def table(cells: list[dict]) -> str:
-    header = ("| context | static K/V | balance K/V | balance latent | latent / K/V | static latent | work floor "
+    header = ("| mix | context | static K/V | balance K/V | balance latent | latent / K/V | static latent | work floor "
               "| crit. floor K/V | crit. floor latent | K/V plan: calls traffic-bound | exposed | latent plan's rings as K/V: "
               "traffic-bound | exposed |")
     lines = [header, "|---" * (header.count("|") - 1) + "|"]
     for c in cells:
         t, traffic, other = c["tokens_per_second"], c["kv_traffic"], c["kv_traffic_of_latent_rings"]
         lines.append(
-            f"| {format_tokens(c['context'])} | {t['static-kv']:,.0f} | {t['balance-kv']:,.0f} | "
+            f"| {c['distribution']} | {format_tokens(c['context'])} | {t['static-kv']:,.0f} | {t['balance-kv']:,.0f} | "
             f"{t['balance-latent']:,.0f} | {c['latent_over_kv_balance']:.2f}x | {t['static-latent']:,.0f} | "
             f"{c['work_floor']:,.0f} | {c['critical_path_floor']['kv']:,.0f} | {c['critical_path_floor']['latent']:,.0f} | "
             f"{traffic['traffic_bound_calls']}/{traffic['ring_calls']} | {traffic['exposed_share']:.0%} | "
@@ -118,20 +119,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ep", type=int, default=32)
     parser.add_argument("--hardware", default="h100")
     parser.add_argument("--contexts", default="128K,256K,512K,1M", help="comma-separated context lengths")
-    parser.add_argument("--dist", default="byted")
+    parser.add_argument("--dists", default="byted,github", help="comma-separated length mixes")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     spec = ClusterSpec(args.model, num_gpus=args.gpus, tp_size=args.tp, ep_size=args.ep, hardware=args.hardware)
+    grid = [(dist, parse_count(c)) for dist in args.dists.split(",") for c in args.contexts.split(",")]
     cells = []
-    for context in tqdm([parse_count(c) for c in args.contexts.split(",")], desc="contexts", unit="context"):
-        cells.append(run_context(spec, context=context, distribution=args.dist, steps=args.steps, seed=args.seed))
+    for dist, context in tqdm(grid, desc="cells", unit="cell"):
+        cells.append(run_context(spec, context=context, distribution=dist, steps=args.steps, seed=args.seed))
     result = {
         "command": "python benchmarks/mla_simulate.py " + " ".join(argv),
         "date": datetime.date.today().isoformat(),
         "setup": {"model": args.model, "gpus": args.gpus, "tp": args.tp, "ep": args.ep, "hardware": args.hardware,
-                  "num_ranks": spec.num_ranks, "capacity": spec.rank_capacity, "distribution": args.dist,
+                  "num_ranks": spec.num_ranks, "capacity": spec.rank_capacity, "distributions": args.dists.split(","),
                   "steps": args.steps, "seed": args.seed},
         "target_latent_over_kv_balance": TARGET,
         "cells": cells,

@@ -92,3 +92,72 @@ def test_a_ring_of_one_needs_no_process_group():
                                 **DIMS)
     for g, w in zip((out, *torch.autograd.grad(out, leaves, dout)), want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+# --- the core attention's router: whole documents, a latent ring and a K/V ring in one micro-batch (gloo) ---
+DOCS = (5, 6, 9, 4, 7)  # seq 0 whole on rank 0, seq 1 whole on rank 1, seqs 2-3 a latent ring (0, 1), seq 4 a K/V ring (1, 0)
+STARTS = [sum(DOCS[:i]) for i in range(len(DOCS))]
+
+
+def _packed_rows(rank):
+    """The micro-batch's groups and its rows of the documents packed doc after doc."""
+    from megatron_hdp.attention.layout import AttentionGroup
+    from megatron_hdp.attention import zigzag_token_indices
+
+    whole = torch.arange(STARTS[rank], STARTS[rank] + DOCS[rank])
+    latent = zigzag_token_indices(DOCS[2:4], 2, rank) + STARTS[2]
+    kv = zigzag_token_indices(DOCS[4:], 2, (1, 0).index(rank)) + STARTS[4]
+    bounds = [0, len(whole), len(whole) + len(latent), len(whole) + len(latent) + len(kv)]
+    groups = (AttentionGroup((rank,), (rank,), (DOCS[rank],), tuple(bounds[0:2])),
+              AttentionGroup((0, 1), (2, 3), DOCS[2:4], tuple(bounds[1:3]), ring_kind="latent"),
+              AttentionGroup((1, 0), (4,), DOCS[4:], tuple(bounds[2:4])))
+    return groups, torch.cat([whole, latent, kv])
+
+
+def _router_rank(rank, world_size):
+    from megatron_hdp.attention.core_attention import HDPBatchMeta, LatentInputs, hdp_core_attention
+
+    groups, rows = _packed_rows(rank)
+    q, latent, k_rope, weight, dout = _inputs(DOCS, dtype=torch.float32, seed=7)
+    leaves = [x[rows].requires_grad_() for x in (q, latent, k_rope)] + [weight.requires_grad_()]
+    q, latent, k_rope, weight = leaves
+    kv = (latent @ weight.t()).view(len(rows), HEADS, -1)  # the layer's own up-projection (whole and K/V groups)
+    key = torch.cat([kv[..., :QK_DIM], k_rope.expand(-1, HEADS, -1)], -1)
+    unread = torch.zeros(len(rows), 1, 1).index_fill_(0, torch.arange(*groups[1].tokens), torch.nan)
+    key, kv = key + unread, kv + unread  # a latent group's K/V rows are never read: NaN there must not show
+    meta = HDPBatchMeta(groups=groups, hdp_global_ranks=(0, 1), position_ids=torch.zeros(len(rows), dtype=torch.long))
+    out = hdp_core_attention(q, key, kv[..., QK_DIM:], meta=meta, softmax_scale=0.3,
+                             latent=LatentInputs(latent, k_rope, weight, **DIMS))
+    out.backward(dout[rows])
+    return [x.detach().numpy() for x in (out, *(leaf.grad for leaf in leaves))]
+
+
+def test_core_attention_routes_latent_ring_groups_to_the_latent_ring():
+    """On 2 gloo ranks, a micro-batch of a whole document, a latent ring group and a K/V ring group
+    (`AttentionGroup.ring_kind`, the plan's): out and the gradients of q, latent, k_rope and the
+    up-projection weight (summed over the ranks) equal Megatron's MLA math in float64."""
+    from megatron_hdp.comm.launch import run_gloo
+
+    by_rank = run_gloo(_router_rank, 2, timeout_s=240)
+    inputs = _inputs(DOCS, dtype=torch.float32, seed=7)
+    want = reference_latent_with_grads(*inputs, DOCS, causal=True, scale=0.3, **DIMS)
+    for rank, got in enumerate(by_rank):
+        rows = _packed_rows(rank)[1]
+        for name, g, w in zip(("out", "dq", "dlatent", "dk_rope"), got, want):
+            torch.testing.assert_close(torch.from_numpy(g).double(), w[rows], rtol=2e-5, atol=2e-5,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+    weight_grad = sum(torch.from_numpy(got[4]).double() for got in by_rank)
+    torch.testing.assert_close(weight_grad, want[4], rtol=2e-5, atol=2e-5)
+
+
+def test_core_attention_refuses_a_latent_group_without_latent_inputs():
+    from megatron_hdp.attention.core_attention import HDPBatchMeta, hdp_core_attention
+    from megatron_hdp.attention.layout import AttentionGroup
+
+    groups = (AttentionGroup((0, 1), (0,), (8,), (0, 4), ring_kind="latent"),)
+    meta = object.__new__(HDPBatchMeta)  # no ring plans: the refusal comes before any ring work
+    object.__setattr__(meta, "groups", groups)
+    object.__setattr__(meta, "segments", (None,))
+    q = torch.zeros(4, HEADS, QK_DIM + ROPE_DIM)
+    with pytest.raises(ValueError, match="runs latent rings in this micro-batch but no latent inputs"):
+        hdp_core_attention(q, q, q[..., :V_DIM], meta=meta)

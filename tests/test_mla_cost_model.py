@@ -147,3 +147,21 @@ def test_plans_record_the_ring_kind_and_check_it():
         dataclasses.replace(whole, sequences=(dataclasses.replace(whole.sequences[0], ring_kind="latent"),)).validate()
     with pytest.raises(ValueError, match="ring_kind 'mla' is not one of"):
         dataclasses.replace(two, sequences=tuple(dataclasses.replace(s, ring_kind="mla") for s in two.sequences)).validate()
+
+
+def test_absorbed_form_crossover_of_docs_cost_model():
+    """docs/cost_model.md: Megatron's absorbed MLA attends over the latent in MQA form (K 576, V 512 wide),
+    3.4x the attention FLOPs per token pair; its extra attention per received token (t/2 causal queries
+    each, training = 3x forward) exceeds the latent ring's 4 up-projections once a member holds > 910
+    tokens, at any TP."""
+    shape = model_shape("deepseek-v3")
+    heads, rank, rope = shape.num_attention_heads, shape.kv_lora_rank, shape.qk_pos_emb_head_dim
+    absorbed_pair = heads * (rank + rope + rank)
+    assert absorbed_pair / shape.attention_pair_flops == pytest.approx(3.4, abs=0.01)
+    extra_per_pair = 3 * (absorbed_pair - shape.attention_pair_flops)
+    crossover = 4 * shape.up_projection_flops / (extra_per_pair / 2)
+    assert 905 < crossover < 915
+    # the K/V ring's traffic hides under attention once a member holds ~18K (k = 2) to ~24K tokens
+    for k, tokens in ((2, 17_800), (64, 23_600)):
+        traffic = (4 * k - 2) * DEEPSEEK.kv_bytes_per_token / LINK
+        assert traffic / (DEEPSEEK.a1 * k * tokens) == pytest.approx(1.0, abs=0.01)
