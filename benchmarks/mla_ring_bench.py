@@ -45,6 +45,7 @@ from megatron_hdp.comm.launch import run_gloo
 from megatron_hdp.plan.presets import ModelShape, analytic_cost_model
 from output import write_result
 from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
+from ring_bench import timed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ("gloo", "simulated")
@@ -93,12 +94,16 @@ def up_project(latent: torch.Tensor, k_rope: torch.Tensor, weight: torch.Tensor,
     return key, kv[..., shape["qk_head_dim"]:]
 
 
+def layer_model(shape: dict) -> ModelShape:
+    """A one-layer model of this attention shape (for the cost model's bytes and up-projection time)."""
+    return ModelShape(1, 1, shape["heads"], shape["heads"], 1, 1, kv_lora_rank=shape["kv_lora_rank"],
+                      qk_head_dim=shape["qk_head_dim"], qk_pos_emb_head_dim=shape["rope_dim"],
+                      v_head_dim=shape["v_head_dim"])
+
+
 def cost_model_bytes(shape: dict, *, tokens_per_rank: float, ring_size: int, dtype_bytes: int) -> dict:
     """Bytes one rank sends per layer (fwd + bwd) on each ring, by the cost model of this layer shape."""
-    model = ModelShape(1, 1, shape["heads"], shape["heads"], 1, 1, kv_lora_rank=shape["kv_lora_rank"],
-                       qk_head_dim=shape["qk_head_dim"], qk_pos_emb_head_dim=shape["rope_dim"],
-                       v_head_dim=shape["v_head_dim"])
-    cost = analytic_cost_model(model, dtype_bytes=dtype_bytes)
+    cost = analytic_cost_model(layer_model(shape), dtype_bytes=dtype_bytes)
     return {kind: cost.ring_bytes(num_tokens=tokens_per_rank, ring_size=ring_size, kind=kind) for kind in ("kv", "latent")}
 
 
@@ -159,22 +164,6 @@ def gloo_section(args, started: float) -> dict:
 
 
 # --- simulated section -----------------------------------------------------------------------------
-def timed(fn, *, device: torch.device, repeats: int) -> float:
-    """Median seconds of `fn()` over `repeats` calls after one warm-up (CUDA: wall between syncs; CPU:
-    this process's CPU time)."""
-    clock = time.perf_counter if device.type == "cuda" else time.process_time
-    times = []
-    for _ in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = clock()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(clock() - start)
-    return statistics.median(times[1:])
-
-
 def simulated_cases(length: int, ring_sizes: list[int], shape: dict, *, dtype, device, repeats: int):
     """One document of `length` tokens: one rank's up-projection + local attention, then per k the K/V
     ring and the latent ring on k virtual ranks (rows yielded as they are measured)."""
@@ -227,9 +216,7 @@ def simulated_section(args, started: float) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    cost = analytic_cost_model(ModelShape(1, 1, shape["heads"], shape["heads"], 1, 1, kv_lora_rank=shape["kv_lora_rank"],
-                                          qk_head_dim=shape["qk_head_dim"], qk_pos_emb_head_dim=shape["rope_dim"],
-                                          v_head_dim=shape["v_head_dim"]))
+    cost = analytic_cost_model(layer_model(shape))
     return {"device": name, "shape": {**shape, "dtype": str(dtype).removeprefix("torch.")}, "rows": rows,
             "skipped_lengths": skipped, "h100_model_up_projection_ns_per_token": 1e9 * cost.up_projection_time}
 
