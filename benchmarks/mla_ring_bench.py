@@ -22,7 +22,8 @@ Sections:
   up-projection per token beside the cost model's `up_projection_time`.
 Every case is timed after one warm-up (`--repeats` timed iterations, median); a document length that
 fails (out of memory) is recorded with its error and the run goes on; `--time-budget` seconds stop
-starting new ring sizes (gloo) or lengths (simulated), and the JSON lists those skipped. Results go to benchmarks/results/mla_ring_bench.json (per device).
+starting new ring sizes (gloo) or lengths (simulated), and the JSON lists those skipped. Results go to
+benchmarks/results/mla_ring_bench.json (mla_ring_bench_cuda.json for the simulated section on CUDA).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def layer_inputs(num_tokens: int, shape: dict, *, dtype, device) -> tuple[torch.
     gen = torch.Generator(device="cpu").manual_seed(0)
     heads, qk, rope, v, rank = (shape[k] for k in ("heads", "qk_head_dim", "rope_dim", "v_head_dim", "kv_lora_rank"))
     tensors = (torch.randn(num_tokens, heads, qk + rope, generator=gen), torch.randn(num_tokens, rank, generator=gen),
-               torch.randn(num_tokens, 1, rope, generator=gen), torch.randn(heads * (qk + v), rank, generator=gen) / rank**0.5)
+               torch.randn(num_tokens, 1, rope, generator=gen),
+               torch.randn(heads * (qk + v), rank, generator=gen) / rank**0.5)
     return tuple(x.to(device=device, dtype=dtype) for x in tensors)
 
 
@@ -104,7 +106,8 @@ def layer_model(shape: dict) -> ModelShape:
 def cost_model_bytes(shape: dict, *, tokens_per_rank: float, ring_size: int, dtype_bytes: int) -> dict:
     """Bytes one rank sends per layer (fwd + bwd) on each ring, by the cost model of this layer shape."""
     cost = analytic_cost_model(layer_model(shape), dtype_bytes=dtype_bytes)
-    return {kind: cost.ring_bytes(num_tokens=tokens_per_rank, ring_size=ring_size, kind=kind) for kind in ("kv", "latent")}
+    return {kind: cost.ring_bytes(num_tokens=tokens_per_rank, ring_size=ring_size, kind=kind)
+            for kind in ("kv", "latent")}
 
 
 # --- gloo section ----------------------------------------------------------------------------------
@@ -160,7 +163,8 @@ def gloo_section(args, started: float) -> dict:
         row["latent_over_kv_bytes"] = row["latent_MB_sent_per_rank"] / row["kv_MB_sent_per_rank"] if k > 1 else None
         row["latent_over_kv_step_cpu"] = row["latent_step_cpu_s"] / row["kv_step_cpu_s"]
         rows.append(row)
-    return {"shape": {**shape, "seqlens": args.seqlens, "dtype": "float32"}, "rows": rows, "skipped_ring_sizes": skipped}
+    return {"shape": {**shape, "seqlens": args.seqlens, "dtype": "float32"}, "rows": rows,
+            "skipped_ring_sizes": skipped}
 
 
 # --- simulated section -----------------------------------------------------------------------------
@@ -179,20 +183,22 @@ def simulated_cases(length: int, ring_sizes: list[int], shape: dict, *, dtype, d
             x.grad = None
         return times
 
-    local = fwd_and_step(lambda: local_varlen_attention(q, *up_project(latent, k_rope, weight, shape), seqlens=[length]))
+    local = fwd_and_step(lambda: local_varlen_attention(q, *up_project(latent, k_rope, weight, shape),
+                                                        seqlens=[length]))
     with torch.no_grad():
         up_projection = timed(lambda: latent @ weight.t(), device=device, repeats=repeats) / length
     element = torch.empty((), dtype=dtype).element_size()
     for k in ring_sizes:
         kv = fwd_and_step(lambda: simulated_ring_attention(q, *up_project(latent, k_rope, weight, shape),
                                                            seqlens=[length], ring_size=k))
-        lat = fwd_and_step(lambda: simulated_latent_ring_attention(q, latent, k_rope, up_weight=weight, seqlens=[length],
-                                                                   ring_size=k, **dims))
+        lat = fwd_and_step(lambda: simulated_latent_ring_attention(q, latent, k_rope, up_weight=weight,
+                                                                   seqlens=[length], ring_size=k, **dims))
         model = cost_model_bytes(shape, tokens_per_rank=length / k, ring_size=k, dtype_bytes=element)
         yield {"L": length, "k": k, "local_fwd_s": local[0], "local_step_s": local[1], "kv_fwd_s": kv[0],
                "kv_step_s": kv[1], "latent_fwd_s": lat[0], "latent_step_s": lat[1],
                "latent_over_kv_step": lat[1] / kv[1], "kv_over_local_step": kv[1] / local[1],
-               "kv_model_MB_per_rank_layer": model["kv"] / 2**20, "latent_model_MB_per_rank_layer": model["latent"] / 2**20,
+               "kv_model_MB_per_rank_layer": model["kv"] / 2**20,
+               "latent_model_MB_per_rank_layer": model["latent"] / 2**20,
                "up_projection_ns_per_token": 1e9 * up_projection}
 
 
@@ -239,8 +245,8 @@ def print_table(title: str, rows: list[dict], *, header: bool = True) -> None:
     if not rows:
         return
     columns = list(rows[0])
-    cells = [[format_spread(r.get(c), "{:.4g}") if isinstance(r.get(c), (float, dict)) else str(r.get(c)) for c in columns]
-             for r in rows]
+    cells = [[format_spread(r.get(c), "{:.4g}") if isinstance(r.get(c), (float, dict)) else str(r.get(c))
+              for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     if header:
         print("  " + "  ".join(c.rjust(w) for c, w in zip(columns, widths)))

@@ -97,15 +97,16 @@ def run_context(spec: ClusterSpec, *, context: int, distribution: str, steps: in
 
 def table(cells: list[dict]) -> str:
     header = ("| mix | context | static K/V | balance K/V | balance latent | latent / K/V | static latent | work floor "
-              "| crit. floor K/V | crit. floor latent | K/V plan: calls traffic-bound | exposed | latent plan's rings as K/V: "
-              "traffic-bound | exposed |")
+              "| crit. floor K/V | crit. floor latent | K/V plan: calls traffic-bound | exposed "
+              "| latent plan's rings as K/V: traffic-bound | exposed |")
     lines = [header, "|---" * (header.count("|") - 1) + "|"]
     for c in cells:
         t, traffic, other = c["tokens_per_second"], c["kv_traffic"], c["kv_traffic_of_latent_rings"]
         lines.append(
             f"| {c['distribution']} | {format_tokens(c['context'])} | {t['static-kv']:,.0f} | {t['balance-kv']:,.0f} | "
             f"{t['balance-latent']:,.0f} | {c['latent_over_kv_balance']:.2f}x | {t['static-latent']:,.0f} | "
-            f"{c['work_floor']:,.0f} | {c['critical_path_floor']['kv']:,.0f} | {c['critical_path_floor']['latent']:,.0f} | "
+            f"{c['work_floor']:,.0f} | {c['critical_path_floor']['kv']:,.0f} | "
+            f"{c['critical_path_floor']['latent']:,.0f} | "
             f"{traffic['traffic_bound_calls']}/{traffic['ring_calls']} | {traffic['exposed_share']:.0%} | "
             f"{other['traffic_bound_calls']}/{other['ring_calls']} | {other['exposed_share']:.0%} |")
     return "\n".join(lines)

@@ -354,7 +354,8 @@ class StepPlan:
                     if len(seq.ring) > 1 and first.ring_kind != seq.ring_kind:
                         raise ValueError(
                             f"sequences {first.id} and {seq.id} share ring {seq.ring} in micro-batch {index} but "
-                            f"their ring kinds differ ({first.ring_kind!r}, {seq.ring_kind!r}): one ring call has one kind"
+                            f"their ring kinds differ ({first.ring_kind!r}, {seq.ring_kind!r}): one ring call has one "
+                            "kind"
                         )
 
     def _check_each(self) -> None:

@@ -277,9 +277,9 @@ def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shard
         out[:, column] += np.bincount(mb_of_pass, weights=per_pass * layers, minlength=num_mbs)
     ring_bytes = np.zeros(len(shards.tokens))
     for kind, chosen in (("kv", ~shards.latent), ("latent", shards.latent)):
-        ring_bytes[chosen] = _per_ring_size(shards.tokens[chosen], shards.ring_size[chosen],
-                                            lambda t, k: cost.ring_bytes(num_tokens=t, ring_size=k, pp_size=plan.pp_size,
-                                                                         kind=kind))
+        ring_bytes[chosen] = _per_ring_size(
+            shards.tokens[chosen], shards.ring_size[chosen],
+            lambda t, k: cost.ring_bytes(num_tokens=t, ring_size=k, pp_size=plan.pp_size, kind=kind))
     out[:, 3] = np.bincount(shards.microbatch, weights=ring_bytes, minlength=num_mbs)
     return out
 
