@@ -2,6 +2,7 @@
 
     python benchmarks/ablation_bench.py                              # llama-7b, 1,024 GPUs, 2M, byted and github
     python benchmarks/ablation_bench.py --ring-bandwidths 50e9,12.5e9 --steps 2
+    python benchmarks/ablation_bench.py --model mixtral-8x7b --ep 8 --out mixtral_ep8.json
 
 ByteScale (arXiv 2502.21231) adds its techniques one at a time on LLaMA-7B, 1,024 GPUs, 2M context and
 reports the speedup over the static mesh after each (as issue 23 quotes them: dynamic communication
@@ -16,6 +17,9 @@ policy planned on the same sampled batches and timed by the same simulator (`sim
 - (+ remote data loader: not modelled; the simulator charges no data loading to any policy.)
 
 One row more, `balance` without offload, separates what offload adds once placement is compute-aware.
+`--model` and `--ep` run the ablation on another model on the same 1,024 GPUs (a MoE one with its experts
+over EP ranks, whose HDP ranks the MoE all-to-all couples in every micro-batch: `ClusterSpec.ep_size`); the
+published column is LLaMA-7B's.
 Writes benchmarks/results/ablation_bench.json (command, date, every number) and prints the table.
 """
 
@@ -28,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_hdp.plan.presets import model_shape
 from megatron_hdp.sim.cluster import ClusterSpec
 from megatron_hdp.sim.compare import compare_policies
 from output import finish, print_new_rows
@@ -50,9 +55,10 @@ PUBLISHED = {"static": 1.0, "+ dynamic communication": 1.59, "+ selective offloa
 paper's figure could not be read from this workplace, so which mix they belong to is not recorded)."""
 
 
-def run_mix(mix: str, *, ring_bandwidth: float | None, steps: int, seed: int) -> dict:
+def run_mix(mix: str, *, ring_bandwidth: float | None, steps: int, seed: int, model: str = "llama-7b",
+            ep_size: int = 1) -> dict:
     """Every ablation step on `steps` batches of `mix`, same batches for all (same seed)."""
-    spec = ClusterSpec("llama-7b", num_gpus=1024, tp_size=8, ring_bandwidth=ring_bandwidth)
+    spec = ClusterSpec(model, num_gpus=1024, tp_size=8, ring_bandwidth=ring_bandwidth, ep_size=ep_size)
     results: dict[str, dict] = {}
     for offload in (True, False):
         policies = sorted({"static"} | {policy for _, policy, allowed in STEPS if allowed == offload})
@@ -97,20 +103,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list of bytes/s of a ring link ('default': the H100 preset's 50e9)")
     parser.add_argument("--steps", type=int, default=2, help="sampled global batches per mix")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="llama-7b", help="model preset (plan/presets.py MODELS)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (a MoE --model)")
     parser.add_argument("--out", default=str(HERE / "results" / "ablation_bench.json"))
     args = parser.parse_args(argv)
+    if args.ep > 1 and not model_shape(args.model).num_experts:
+        parser.error(f"--ep {args.ep} needs a MoE --model; {args.model} has no experts")
     started = time.perf_counter()
     bandwidths = [None if b == "default" else float(b) for b in args.ring_bandwidths.split(",")]
     runs = []
     for bandwidth in bandwidths:
         for mix in args.mixes.split(","):
-            runs.append(run_mix(mix, ring_bandwidth=bandwidth, steps=args.steps, seed=args.seed))
+            runs.append(run_mix(mix, ring_bandwidth=bandwidth, steps=args.steps, seed=args.seed, model=args.model,
+                                ep_size=args.ep))
             print_new_rows(table, runs[-1:])
     result = {
         "benchmark": "ablation_bench",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": "python benchmarks/ablation_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "setup": {"model": "llama-7b", "gpus": 1024, "tp": 8, "pp": 1, "context": CONTEXT, "steps": args.steps,
+        "setup": {"model": args.model, "gpus": 1024, "tp": 8, "pp": 1, "ep": args.ep, "context": CONTEXT, "steps": args.steps,
                   "seed": args.seed, "python": platform.python_version()},
         "published": PUBLISHED,
         "runs": runs,

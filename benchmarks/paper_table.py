@@ -3,6 +3,7 @@
     python benchmarks/paper_table.py                      # every model, 256K..2M, GitHub- and Byted-like
     python benchmarks/paper_table.py --models llama-7b --steps 1
     python benchmarks/paper_table.py --render             # rewrite the README tables from the saved JSON
+    python benchmarks/paper_table.py --models mixtral-8x7b --ep 8   # MoE rows at EP 8, added beside EP 1's
 
 Models x context (256K, 512K, 1M, 2M) x length mix (ByteScale's GitHub and Byted statistics, see
 `megatron_hdp/plan/lengths.py`): tokens/s of static DP x CP (Megatron's mesh), and the speedup over it
@@ -10,6 +11,13 @@ of Megatron-Core's Hybrid-CP scheduler (`megatron-hybrid-cp`, called for real), 
 and our `balance` planner, all planned on the same sampled batches and timed by the same simulator
 (`megatron_hdp/sim`). Writes benchmarks/results/paper_table.json (with the command and the date) and the
 markdown tables between the paper_table markers of benchmarks/README.md.
+
+`--ep N` runs the MoE models as Megatron runs them with --expert-model-parallel-size N: experts and their
+optimizer states sharded over EP (`ClusterSpec.memory_budget`), the HDP ranks of an EP group coupled in
+every micro-batch (the MoE all-to-all) and planned together by `balance` (`plan.expert_units`). Its cells
+join the saved ones (rows "model, EP N" beside the EP-1 rows); EP changes no work, so the compute floor
+is the batch's compute as before (only the gradient reduction, experts' over their expert-data-parallel
+ranks, is smaller).
 """
 
 from __future__ import annotations
@@ -54,9 +62,11 @@ class Setup:
     num_gpus: int
     tp_size: int = 8
     pp_size: int = 1
+    ep_size: int = 1
 
     def spec(self) -> ClusterSpec:
-        return ClusterSpec(self.model, num_gpus=self.num_gpus, tp_size=self.tp_size, pp_size=self.pp_size)
+        return ClusterSpec(self.model, num_gpus=self.num_gpus, tp_size=self.tp_size, pp_size=self.pp_size,
+                           ep_size=self.ep_size)
 
 
 SETUPS = (
@@ -80,6 +90,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="also vary ring bandwidth and C for llama-7b at 2M")
     parser.add_argument("--render", action="store_true",
                         help=f"simulate nothing: rebuild the README tables from {RESULTS.name}")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size of the MoE models (--models must name MoE models only); the cells "
+                             f"join those of {RESULTS.name}")
     parser.add_argument("--policies", default=None,
                         help="comma-separated subset of the columns to re-run; their numbers replace those of the "
                              f"same cells in {RESULTS.name} (speedups over its static, unless static is re-run too)")
@@ -98,6 +111,24 @@ def run_cells(setups: list[Setup], *, steps: int, seed: int, policies: tuple[str
         cell["wall_seconds"] = time.perf_counter() - started
         cells.append(cell)
     return cells
+
+
+def cell_key(cell: dict) -> tuple:
+    """(model, EP, mix, context): what one cell of the table is."""
+    setup = cell["setup"]
+    return setup["model"], setup.get("ep_size", 1), setup["distribution"], setup["context"]
+
+
+def row_order(cell: dict) -> tuple:
+    """Cells in table order: the setups' order, EP 1 before larger EP, then context."""
+    model, ep, _, context = cell_key(cell)
+    return [s.model for s in SETUPS].index(model), ep, context
+
+
+def add_cells(saved: list[dict], fresh: list[dict]) -> list[dict]:
+    """`saved` with the `fresh` cells added, a fresh cell replacing a saved one of the same `cell_key`."""
+    fresh_keys = {cell_key(cell) for cell in fresh}
+    return sorted([c for c in saved if cell_key(c) not in fresh_keys] + fresh, key=row_order)
 
 
 def _speedup(cell: dict, policy: str) -> str:
@@ -150,13 +181,14 @@ def markdown(cells: list[dict]) -> str:
                 "| model | GPUs (TP x PP x HDP) | C | context | static tokens/s | megatron-hybrid-cp | naive | balance "
                 "| compute floor | balance / hybrid-cp | floor / hybrid-cp | idle static / hybrid-cp / balance |",
                 "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for cell in (c for c in cells if c["setup"]["distribution"] == dist):
+        for cell in sorted((c for c in cells if c["setup"]["distribution"] == dist), key=row_order):
             setup, stats = cell["setup"], cell["policies"]
+            model = setup["model"] + (f", EP {setup['ep_size']}" if setup.get("ep_size", 1) > 1 else "")
             ratios = over_hybrid_cp(cell)
             ratio, ceiling = ("n/a", "n/a") if ratios is None else (f"{ratios[0]:.2f}", f"{ratios[1]:.2f}")
             static = stats["static"]["tokens_per_second"]
             rows.append(
-                f"| {setup['model']} | {setup['num_gpus']} ({setup['tp_size']}x{setup['pp_size']}x{setup['num_ranks']}) "
+                f"| {model} | {setup['num_gpus']} ({setup['tp_size']}x{setup['pp_size']}x{setup['num_ranks']}) "
                 f"| {format_tokens(setup['capacity'])} | {format_tokens(setup['context'])} "
                 f"| {'n/a' if math.isnan(static) else f'{static:,.0f}'} | {_speedup(cell, 'megatron-hybrid-cp')} "
                 f"| {_speedup(cell, 'naive')} | {_speedup(cell, 'balance')} | {_floor(cell)} | {ratio} | {ceiling} "
@@ -210,18 +242,15 @@ def tables(cells: list[dict], sensitivity: list[dict]) -> str:
 def merge_cells(saved: list[dict], fresh: list[dict]) -> list[dict]:
     """`saved` cells with the policies of the `fresh` cells of the same (model, mix, context) replaced, each
     speedup taken over the merged cell's static (the same sampled batches: same seed and steps)."""
-    def key(cell: dict) -> tuple:
-        return cell["setup"]["model"], cell["setup"]["distribution"], cell["setup"]["context"]
-
-    by_key = {key(cell): cell for cell in fresh}
+    by_key = {cell_key(cell): cell for cell in fresh}
     merged = []
     for cell in saved:
-        new = by_key.get(key(cell))
+        new = by_key.get(cell_key(cell))
         if new is None:
             merged.append(cell)
             continue
         if new["setup"]["steps"] != cell["setup"]["steps"]:
-            raise ValueError(f"cell {key(cell)}: {new['setup']['steps']} steps re-run against {cell['setup']['steps']} saved")
+            raise ValueError(f"cell {cell_key(cell)}: {new['setup']['steps']} steps re-run against {cell['setup']['steps']} saved")
         policies = {**cell["policies"], **new["policies"]}
         static = policies["static"]["tokens_per_second"]
         for stats in policies.values():
@@ -249,15 +278,22 @@ def main(argv: list[str]) -> int:
     unknown = sorted(set(wanted) - {s.model for s in setups})
     if unknown:
         raise ValueError(f"no paper-table setup for {unknown}; known: {[s.model for s in SETUPS]}")
+    if args.ep > 1:
+        dense = [s.model for s in setups if not s.spec().shape.num_experts]
+        if dense:
+            raise ValueError(f"--ep {args.ep} needs MoE models; {dense} have no experts (choose --models)")
+        setups = [replace(s, ep_size=args.ep) for s in setups]
     if args.render:
         saved = json.loads(RESULTS.read_text())
         write_readme(tables(saved["cells"], saved["sensitivity"]), saved["command"], saved["date"][:10])
         return 0
     command = "python benchmarks/paper_table.py " + " ".join(argv)
-    if args.policies:
-        policies = tuple(p for p in POLICIES if p in args.policies.split(","))
+    policies = tuple(p for p in POLICIES if p in args.policies.split(",")) if args.policies else POLICIES
+    if args.policies or args.ep > 1:
         saved = json.loads(RESULTS.read_text())
-        cells = merge_cells(saved["cells"], run_cells(setups, steps=args.steps, seed=args.seed, policies=policies))
+        fresh = run_cells(setups, steps=args.steps, seed=args.seed, policies=policies)
+        join = merge_cells if args.policies and args.ep == 1 else add_cells
+        cells = join(saved["cells"], fresh)
         sensitivity = saved["sensitivity"]
         command = f"{saved['command']}; then {command.strip()}"
     else:

@@ -2,7 +2,7 @@
 
     python benchmarks/plan_bench.py [--tokens 32M] [--ranks 1024,12288] [--capacity 16K] [--models llama-7b,llama3-8b]
         [--mixes byted,github,wikipedia,prolong,wlbllm] [--policies balance,naive,static,megatron-hybrid-cp]
-        [--ranks-per-node none] [--repeats 3] [--repeat 1] [--out benchmarks/results/plan_bench.json]
+        [--ranks-per-node none] [--ep 1] [--repeats 3] [--repeat 1] [--out benchmarks/results/plan_bench.json]
 
 For each mix one batch is sampled (seeded) and planned by every policy at every rank count, under the
 analytic cost model of each model: LLaMA-7B (the paper's; MHA, so a long document's ring traffic is
@@ -19,6 +19,8 @@ CPU time is given because this 2-core machine is shared: wall time varies with t
 the JSON).
 `--repeat N` runs all of it N times (the plans are the same every run; the times are not) and reports
 each time as median and range over the runs (`repeats.py`); the JSON keeps every run.
+`--ep 1,8` plans each batch also with expert parallelism (EP groups of 8 consecutive ranks, planned as
+units by `balance`: `plan.expert_units`), for its planner time beside the plan without EP.
 Targets (issue 2): balance <= 1.05 for `balance`; a 1,024-rank plan in <= 100 ms and a 12,288-rank plan
 in <= 1 s; `balance` faster than `megatron-hybrid-cp` on every mix.
 """
@@ -129,11 +131,12 @@ def measure(policy: str, lengths: list[int], *, num_ranks: int, config: HDPConfi
     }
 
 
-HEAD = f"{'model':<10}{'mix':<10}{'ranks':>6}{'rpn':>5} {'policy':<19}"
+HEAD = f"{'model':<13}{'mix':<10}{'ranks':>6}{'rpn':>5}{'ep':>4} {'policy':<19}"
 
 
 def _row_head(r: dict) -> str:
-    return f"{r['model']:<10}{r['mix']:<10}{r['ranks']:>6}{str(r.get('ranks_per_node') or '-'):>5} {r['policy']:<19}"
+    return (f"{r['model']:<13}{r['mix']:<10}{r['ranks']:>6}{str(r.get('ranks_per_node') or '-'):>5}"
+            f"{r.get('ep', 1):>4} {r['policy']:<19}")
 
 
 def table(records: list[dict]) -> str:
@@ -169,10 +172,11 @@ def plan_all(args: argparse.Namespace, cost_models: dict, batches: dict[str, lis
     records = []
     for model, mix in ((m, x) for m in cost_models for x in args.mixes.split(",")):
         lengths = batches[mix]
-        for num_ranks, ranks_per_node in ((int(r), n) for r in args.ranks.split(",") for n in topologies):
-            cost_model = dataclasses.replace(cost_models[model], ranks_per_node=ranks_per_node)
+        grid = ((int(r), n, int(e)) for r in args.ranks.split(",") for n in topologies for e in args.ep.split(","))
+        for num_ranks, ranks_per_node, ep in grid:
+            cost_model = dataclasses.replace(cost_models[model], ranks_per_node=ranks_per_node, expert_parallel_size=ep)
             for policy in args.policies.split(","):
-                record = {"model": model, "mix": mix, "ranks": num_ranks, "ranks_per_node": ranks_per_node,
+                record = {"model": model, "mix": mix, "ranks": num_ranks, "ranks_per_node": ranks_per_node, "ep": ep,
                           "policy": policy, "sequences": len(lengths), "tokens": int(sum(lengths)),
                           "longest": int(max(lengths))}
                 refusal = estimate_plan(policy, lengths, num_ranks=num_ranks, capacity=args.capacity).refusal(
@@ -202,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--ranks-per-node", default="none",
                         help="comma list of HDP ranks per node for the cost model; none: topology unknown")
+    parser.add_argument("--ep", default="1",
+                        help="comma list of expert-parallel sizes (HDP ranks an MoE all-to-all couples) to plan with")
     parser.add_argument("--repeats", type=int, default=3,
                         help="plans of `balance` per batch within a run, the fastest kept (--repeat: whole runs)")
     add_repeat_argument(parser)

@@ -4,6 +4,8 @@ simulator's prediction next to the measurement.
     python benchmarks/step_bench.py                    # 8 ranks, C = 256, byted mix: every policy
     python benchmarks/step_bench.py --mix github --seed 1 --predict-from benchmarks/results/step_bench.json \
         --output benchmarks/results/step_bench_github.json  # out-of-sample: the byted run's fit predicts github
+    python benchmarks/step_bench.py --experts 4 --ep 2 --policies balance,balance-ep-unaware,static \
+        --output benchmarks/results/step_bench_moe_ep2.json          # MoE at EP 2 (then --predict-from it)
 
 Policies: balance, static, naive (ours), megatron-hybrid-cp — Megatron's Hybrid-CP scheduler executed the
 way Megatron executes it (one forward/backward pass per sub-sample, <= C tokens per rank per pass, a
@@ -24,6 +26,13 @@ measured itself (its `in_run_fit`, whatever it planned with: out-of-sample; the 
 reported next to it). Each step's prediction is scaled by the host's speed at that step against its
 speed at the fit (a probe timed beside both, `cpu_training.measure_speed_probe`): the fit and the steps
 are timed at different moments of a shared host.
+
+With `--experts N --ep E` the model is a tiny Mixtral-style MoE (N experts a layer, top-2 routing, the
+experts of each layer over E ranks, whose all-to-all couples every micro-batch of an EP group), and the
+policy `balance-ep-unaware` is balance planned as if every rank ran alone (the runtime then pads its EP
+groups and they wait at every index), beside `balance` (EP groups planned as units) and static: speedups
+are also given over it. The fit then measures this MoE model on this EP mesh, its predictions couple the
+EP groups as the runtime does (`megatron_hdp.sim.replay` replays the measured phases the same way).
 
 The prediction is judged on what the simulator claims, ratios: per step, the predicted speedup of each
 policy over static and over Megatron's Hybrid-CP against the measured one (`speedup_errors`), the
@@ -46,7 +55,7 @@ import sys
 from pathlib import Path
 
 from megatron_hdp.comm.launch import run_gloo
-from megatron_hdp.harness.cpu_training import CpuRunSpec, train_policies
+from megatron_hdp.harness.cpu_training import EP_UNAWARE, CpuRunSpec, policy_cost_model, train_policies
 from megatron_hdp.plan.cost_model import CostModel
 
 import repeats
@@ -63,6 +72,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--policies", default="balance,static,naive,megatron-hybrid-cp,megatron-hybrid-cp-grouped")
     parser.add_argument("--mix", default="byted", help="length mix (plan/lengths.py), scaled down by 32")
+    parser.add_argument("--hidden-size", type=int, default=64, help="the tiny model's hidden size")
+    parser.add_argument("--ffn-hidden-size", type=int, default=128, help="its MLP (each expert's) hidden size")
+    parser.add_argument("--experts", type=int, default=0,
+                        help="MoE experts per layer (a tiny Mixtral-style model, top-2 routing); 0: dense")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size (with --experts): the ranks of an EP group run every micro-batch "
+                             f"together; add {EP_UNAWARE} to --policies for balance planned without EP")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timing-repeats", type=int, default=2,
                         help="runs of each step; each phase keeps its fewest CPU seconds (as the fit)")
@@ -93,6 +109,7 @@ def simulated_breakdown(spec: CpuRunSpec, mixes: list[str], cost_model: CostMode
     from megatron_hdp.sim.simulator import POLICY_RULES, PolicyRules, simulate_step
 
     config = HDPConfig(hdp=True, hdp_capacity=spec.capacity, hdp_offload=False)
+    cost_model = dataclasses.replace(cost_model, expert_parallel_size=spec.ep_size)  # as the runtime couples
     out: dict[str, dict[str, dict]] = {}
     for mix in mixes:
         batches = global_batches(dataclasses.replace(spec, mix=mix))[spec.warmup_steps:]
@@ -101,7 +118,8 @@ def simulated_breakdown(spec: CpuRunSpec, mixes: list[str], cost_model: CostMode
             rules = POLICY_RULES[HYBRID_CP] if policy == HYBRID_CP else PolicyRules()
             rows = []
             for lengths in batches:
-                plan = make_plan(lengths, num_ranks=ranks, config=config, cost_model=cost_model,
+                plan = make_plan(lengths, num_ranks=ranks, config=config,
+                                 cost_model=policy_cost_model(policy, cost_model, ep_size=spec.ep_size),
                                  policy=planner_policy(policy))
                 t = simulate_step(plan, cost_model, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth,
                                   rules=rules)
@@ -167,6 +185,11 @@ def prediction_errors(rows: list[dict], key: str) -> dict:
     return {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors), "steps": len(errors)}
 
 
+BASES = ("static", "megatron-hybrid-cp", EP_UNAWARE)
+"""The policies speedups are given over (those a run has): the static mesh, Megatron's Hybrid-CP as
+Megatron runs it, and with expert parallelism `balance` planned without it."""
+
+
 def speedup_errors(rows: list[dict], key: str, base: str) -> dict:
     """Per step and policy (other than `base`): the predicted speedup over `base` on the same batch
     (predicted `base` time / predicted policy time, `key` the prediction) against the measured one,
@@ -204,7 +227,7 @@ def judge_prediction(rows: list[dict], out_of_sample: bool) -> dict:
         out[name] = {"step_time": prediction_errors(rows, key),
                      "step_time_unscaled": prediction_errors(unscaled, key),
                      **{f"speedup_over_{base}": speedup_errors(rows, key, base)
-                        for base in ("static", "megatron-hybrid-cp")}}
+                        for base in BASES}}
     return out
 
 
@@ -213,7 +236,7 @@ def over_runs(runs: list[dict]) -> dict:
     summary = {policy: {k: repeats.spread([r["summary"][policy][k] for r in runs]) for k in runs[0]["summary"][policy]}
                for policy in runs[0]["summary"]}
     for policy in summary:  # the speedups, per run, of each policy over the two bases
-        for base in ("static", "megatron-hybrid-cp"):
+        for base in BASES:
             if base in runs[0]["summary"]:
                 summary[policy][f"speedup_over_{base}"] = repeats.spread(
                     [r["summary"][base]["step_time_s"] / r["summary"][policy]["step_time_s"] for r in runs])
@@ -251,12 +274,12 @@ def format_prediction(prediction: dict) -> str:
 
 
 def format_table(summary: dict[str, dict]) -> str:
-    """The results table, with the speedups of the dedicated-core step time over `static` and over
-    Megatron's Hybrid-CP as Megatron runs it."""
-    bases = {name: summary.get(name, {}).get("step_time_s") for name in ("static", "megatron-hybrid-cp")}
+    """The results table, with the speedups of the dedicated-core step time over `static`, over Megatron's
+    Hybrid-CP as Megatron runs it and over EP-unaware balance ("-" where the run has no such policy)."""
+    bases = {name: summary.get(name, {}).get("step_time_s") for name in BASES}
     header = (f"{'policy':<26} {'step s':>8} {'pred s':>8} {'pred err':>9} {'fit err':>8} {'wall s':>8} "
               f"{'busy s':>8} {'balance':>8} {'max mb':>7} {'rings':>6} {'attn MiB':>9} {'vs static':>10} "
-              f"{'vs hcp':>7}")
+              f"{'vs hcp':>7} {'vs ep-unaware':>14}")
     lines = [header, "-" * len(header)]
     for policy, s in summary.items():
         speedups = [f"{base / s['step_time_s']:.2f}x" if base else "-" for base in bases.values()]
@@ -264,7 +287,7 @@ def format_table(summary: dict[str, dict]) -> str:
             f"{policy:<26} {s['step_time_s']:>8.3f} {s['predicted_time_s']:>8.3f} {s['prediction_error']:>+9.1%} "
             f"{s['in_run_fit_prediction_error']:>+8.1%} {s['wall_time_s']:>8.3f} {s['max_busy_time_s']:>8.3f} "
             f"{s['balance']:>8.2f} {s['microbatches_max']:>7.0f} {s['rings_per_step']:>6.1f} "
-            f"{s['attention_mib_per_step']:>9.2f} {speedups[0]:>10} {speedups[1]:>7}"
+            f"{s['attention_mib_per_step']:>9.2f} {speedups[0]:>10} {speedups[1]:>7} {speedups[2]:>14}"
         )
     return "\n".join(lines)
 
@@ -275,6 +298,7 @@ def main(argv: list[str]) -> int:
     spec = CpuRunSpec(
         policies=tuple(policies), steps=args.steps, capacity=args.capacity, tokens_per_step=args.tokens_per_step,
         max_length=args.max_length, seed=args.seed, timing_repeats=args.timing_repeats, mix=args.mix,
+        num_experts=args.experts, ep_size=args.ep, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
     )
     cost_model = CostModel.from_json(args.cost_model).to_dict() if args.cost_model else None
     measured, fitted_on = None, None
@@ -330,7 +354,7 @@ def main(argv: list[str]) -> int:
         for policy, s in combined["summary"].items():
             parts = [format_spread("step s", s["step_time_s"], unit="s")]
             parts += [format_spread(f"vs {base}", s[f"speedup_over_{base}"], unit="x")
-                      for base in ("static", "megatron-hybrid-cp") if f"speedup_over_{base}" in s]
+                      for base in BASES if f"speedup_over_{base}" in s]
             print(f"  {policy:<26} " + ", ".join(parts))
         print(format_prediction(combined["prediction"]))
     record = {

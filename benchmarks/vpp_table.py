@@ -3,6 +3,7 @@
     python benchmarks/vpp_table.py                       # VPP 1, 2, 4, 5, 10; github and byted; 2 steps (~20 min)
     python benchmarks/vpp_table.py --vpp 1,5 --steps 1 --no-readme
     python benchmarks/vpp_table.py --render              # rewrite the README table from the saved JSON
+    python benchmarks/vpp_table.py --model mixtral-8x22b --ep 8 --vpp 1,2,7 --no-readme --out moe.json
 
 Each VPP runs `compare_policies` (the `megatron-hdp simulate` path: sampled batches, `make_plan`, the
 step simulator) with every pipeline stage split into that many model chunks (Megatron's interleaved
@@ -12,7 +13,9 @@ so every row plans the same batches; C follows each VPP's activation memory
 (the batch's compute over every GPU) and the critical-path floor (that, or the longest document's fastest
 crossing of the 4 stages when longer, `plan.bounds.fastest_crossing`), the second being the one a
 schedule could reach. Writes benchmarks/results/vpp_table.json (with the command and the date) and the
-table between the vpp_table markers of benchmarks/README.md.
+table between the vpp_table markers of benchmarks/README.md. `--model` and `--ep` run another model (a
+MoE one with its experts over EP ranks, whose HDP ranks the MoE all-to-all couples in every micro-batch:
+`ClusterSpec.ep_size`) on the same cluster.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from megatron_hdp.plan.presets import model_shape
 from megatron_hdp.sim.cluster import ClusterSpec
 from megatron_hdp.sim.compare import compare_policies
 
@@ -47,6 +51,8 @@ FLOOR_MARGIN = 0.15
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vpp", default="1,2,4,5,10", help="comma-separated virtual stages per pipeline stage")
+    parser.add_argument("--model", default=MODEL, help="model preset (plan/presets.py MODELS)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (a MoE --model)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
     parser.add_argument("--steps", type=int, default=2, help="sampled global batches per cell")
     parser.add_argument("--seed", type=int, default=0)
@@ -56,11 +62,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_cells(vpps: list[int], policies: list[str], *, steps: int, seed: int) -> list[dict]:
+def run_cells(vpps: list[int], policies: list[str], *, steps: int, seed: int, model: str = MODEL,
+              ep_size: int = 1) -> list[dict]:
     """Every (mix, VPP) cell: the compare_policies result as a dict."""
     cells = []
     for dist, vpp in tqdm([(d, v) for d in DISTRIBUTIONS for v in vpps], desc="vpp table", unit="cell"):
-        spec = ClusterSpec(MODEL, num_gpus=GPUS, tp_size=TP, pp_size=PP, vpp_size=vpp)
+        spec = ClusterSpec(model, num_gpus=GPUS, tp_size=TP, pp_size=PP, vpp_size=vpp, ep_size=ep_size)
         started = time.perf_counter()
         result = compare_policies(spec, context=CONTEXT, distribution=dist, global_batch_tokens=GLOBAL_BATCH,
                                   policies=policies, steps=steps, seed=seed, progress=False)
@@ -148,7 +155,10 @@ def main(argv: list[str]) -> int:
         vpps = [int(v) for v in args.vpp.split(",")]
         if 1 not in vpps:
             raise SystemExit("--vpp must include 1 (the speedups are also given over static at VPP 1)")
-        cells = run_cells(vpps, args.policies.split(","), steps=args.steps, seed=args.seed)
+        if args.ep > 1 and not model_shape(args.model).num_experts:
+            raise SystemExit(f"--ep {args.ep} needs a MoE --model; {args.model} has no experts")
+        cells = run_cells(vpps, args.policies.split(","), steps=args.steps, seed=args.seed, model=args.model,
+                          ep_size=args.ep)
         # the critical-path floor in tokens/s per mix (the key the earlier crossing_bound function filled)
         crossing = {dist: next(c for c in cells if c["setup"]["distribution"] == dist)[
             "critical_path_floor_tokens_per_second"] for dist in DISTRIBUTIONS}

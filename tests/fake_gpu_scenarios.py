@@ -37,12 +37,13 @@ def _read_tokens(seq: int, start: int, end: int) -> np.ndarray:
 
 
 
-def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: bool = False):
+def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: bool = False, mla: bool = False):
     """Two HDP steps (collate -> forward -> backward -> finalize -> optimizer -> stats) of a tiny bf16
     GPTModel with the HDP spec, torch varlen attention and offloading, as HDP rank `me` of 2 (PP=1: a
     ring between both ranks plus whole documents; rank 0 runs two micro-batches, rank 1 one) or as PP
     stage `me` of 2 (PP=2). `fp8_recipe` turns on Megatron's FP8 (TE's collectives stood in for by
-    `fake_te_fp8`). Returns the harness's `HostAndDevice` mode with the second step's copies."""
+    `fake_te_fp8`); `mla`: DeepSeek-style multi-latent attention with YaRN (`tiny_mla_fields`). Returns
+    the harness's `HostAndDevice` mode with the second step's copies."""
     import torch
     import fake_gpu
 
@@ -52,7 +53,7 @@ def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.harness.model import tiny_llama_config, tiny_mla_fields
     from megatron_hdp.megatron.model import build_gpt
     from megatron_hdp.megatron.step import HDPTrainer
     from megatron_hdp.offload import ActivationOffloader
@@ -60,7 +61,7 @@ def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: 
     state = initialize_hdp(pipeline_model_parallel_size=pp)
     if pp > 1:
         _peer_stage_sends_shape((PP_TOKENS, 1, 64))
-    config = tiny_llama_config(num_layers=4)
+    config = tiny_llama_config(num_layers=4, **(tiny_mla_fields() if mla else {}))
     config.bf16, config.params_dtype, config.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
     config.use_cpu_initialization = False
     if fp8_recipe:
@@ -105,11 +106,12 @@ def _assert_no_blocking_transfer_copies(mode) -> None:
     assert not blocking, (f"{len(blocking)} blocking host-to-device copies between a micro-batch's transfer and "
                           f"its backward: {[(c['where'], c['bytes']) for c in blocking[:4]]}")
 
-def hdp_step(pp_size: str = "1", rank: str = "0") -> None:
-    """`_run_hdp_steps` as global rank `rank` of 2, then the step's host-to-device copies checked."""
+def hdp_step(pp_size: str = "1", rank: str = "0", mla: str = "") -> None:
+    """`_run_hdp_steps` as global rank `rank` of 2 (with multi-latent attention when `mla` is "mla"), then the
+    step's host-to-device copies checked."""
     import fake_gpu
 
-    mode = _run_hdp_steps(int(pp_size), int(rank))
+    mode = _run_hdp_steps(int(pp_size), int(rank), mla=mla == "mla")
     _assert_no_pageable_copies_in_layers(mode)
     batch_copies = [c for c in mode.h2d if "collate.py" in c["where"]]
     assert batch_copies and all(c["pinned"] and c["non_blocking"] for c in batch_copies), batch_copies

@@ -6,6 +6,9 @@ with `megatron_hdp.plan.timing` (the waiting rule) or the planner's sharding (wh
   ranks linked through several rings at one index (a rank in rings (0, 1) and (2, 1) at index 0 makes
   ranks 0, 1 and 2 one group): the group starts when its last member is ready and releases every member
   when its slowest is done. A sweep over indices with its own breadth-first search for the groups.
+  With expert parallelism (EP groups of `ep_size` consecutive ranks, DESIGN.md's constraints) the
+  members of an EP group run every index together too (the MoE all-to-all), and every member runs the
+  group's largest micro-batch count, a rank without any one: `expert_padded`.
 - `member_tokens` / `fits_without_offload`: the zigzag layout's largest member share, from the contract's
   chunk bounds floor(j L / (2k)), and whether a batch surely fits the pool with no offload at all;
   `assert_refusal_is_justified`: a planner's refusal of well-formed lengths only where they cannot be
@@ -18,9 +21,13 @@ import re
 from typing import Sequence
 
 
-def _linked_ranks(plan, index: int) -> dict[int, set[int]]:
-    """rank -> ranks it shares a ring with at micro-batch `index` (from the plan's shards and rings)."""
+def _linked_ranks(plan, index: int, ep_size: int = 1) -> dict[int, set[int]]:
+    """rank -> ranks it shares a ring with at micro-batch `index` (from the plan's shards and rings), and
+    with `ep_size` > 1 the ranks of its EP group (consecutive blocks of ep_size ranks)."""
     neighbours: dict[int, set[int]] = {}
+    for rank in range(plan.num_ranks if ep_size > 1 else 0):
+        first = rank - rank % ep_size
+        neighbours.setdefault(rank, set()).update(range(first, first + ep_size))
     for schedule in plan.ranks:
         if index >= len(schedule.microbatches):
             continue
@@ -32,9 +39,9 @@ def _linked_ranks(plan, index: int) -> dict[int, set[int]]:
     return neighbours
 
 
-def _groups_at(plan, index: int, num_ranks: int) -> list[list[int]]:
-    """The ranks that run `index` together: connected components of the ring graph at that index."""
-    neighbours = _linked_ranks(plan, index)
+def _groups_at(plan, index: int, num_ranks: int, ep_size: int = 1) -> list[list[int]]:
+    """The ranks that run `index` together: connected components of the ring (and EP) graph at that index."""
+    neighbours = _linked_ranks(plan, index, ep_size)
     seen: set[int] = set()
     groups = []
     for rank in range(num_ranks):
@@ -53,15 +60,17 @@ def _groups_at(plan, index: int, num_ranks: int) -> list[list[int]]:
     return groups
 
 
-def reference_finish(plan, times: Sequence[Sequence[float]], *, barrier_per_index: bool = False) -> list[float]:
+def reference_finish(plan, times: Sequence[Sequence[float]], *, barrier_per_index: bool = False,
+                     ep_size: int = 1) -> list[float]:
     """Each rank's clock after its micro-batches, `times[r][i]` being rank r's micro-batch i (padding
-    included). With `barrier_per_index` every rank waits for all after each index (Megatron's hybrid-CP
-    group barrier). No jitter: measured-like times."""
+    included: `expert_padded`). With `barrier_per_index` every rank waits for all after each index
+    (Megatron's hybrid-CP group barrier); with `ep_size` > 1 the ranks of an EP group run each index
+    together. No jitter: measured-like times."""
     num_ranks = len(times)
     clock = [0.0] * num_ranks
     depth = max((len(t) for t in times), default=0)
     for index in range(depth):
-        for group in _groups_at(plan, index, num_ranks):
+        for group in _groups_at(plan, index, num_ranks, ep_size):
             running = [r for r in group if index < len(times[r])]
             if not running:
                 continue
@@ -72,6 +81,18 @@ def reference_finish(plan, times: Sequence[Sequence[float]], *, barrier_per_inde
         if barrier_per_index:
             clock = [max(clock)] * num_ranks
     return clock
+
+
+def expert_padded(times: Sequence[Sequence[float]], *, empty: float, ep_size: int = 1) -> list[list[float]]:
+    """`times` as the runtime runs them (pp 1): every rank of an EP group (`ep_size` consecutive ranks)
+    runs its group's largest count, the missing ones empty micro-batches of `empty` seconds, and a rank
+    without micro-batches runs one."""
+    out = []
+    for first in range(0, len(times), ep_size):
+        group = times[first:first + ep_size]
+        count = max(1, max(len(t) for t in group))
+        out += [list(t) + [empty] * (count - len(t)) for t in group]
+    return out
 
 
 def member_tokens(length: int, ring_size: int) -> int:

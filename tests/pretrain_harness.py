@@ -18,6 +18,8 @@ pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron
   computes each document as its own sequence: HDP's loss, by an independent path.
 - `expected_pieces(raw_lengths, seq_length)`: (document, offset, length) of every piece of every
   document, by the documented cutting rule, written out independently of the package.
+- `MLA`, `assert_whole_and_rings_agree(argv, seq_length)`: multi-latent attention flags, and the check
+  that --hdp trains with the same losses on 1 rank (documents whole) and on 4 (documents on rings).
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ TINY = (
     "--use-cpu-initialization --distributed-backend gloo --calculate-per-token-loss "
     "--log-interval 1 --eval-iters 0 --eval-interval 1000"
 ).split()
+
+
+MLA = (
+    "--multi-latent-attention --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 12 --qk-pos-emb-head-dim 8 "
+    "--v-head-dim 8 --qk-layernorm --rope-type yarn --rotary-scaling-factor 4 --mscale 1.0 --mscale-all-dim 0.5"
+).split()
+"""DeepSeek-V3-style multi-latent attention for `TINY`: a query latent, latent norms, YaRN RoPE (an mscale
+other than mscale_all_dim)."""
 
 
 def expected_pieces(raw_lengths: list[int], seq_length: int) -> list[tuple[int, int, int]]:
@@ -180,3 +190,15 @@ def assert_same_losses(run: list[dict], reference: list[dict], *, rel: float = 1
     assert len(losses) == len(expected)
     assert losses == pytest.approx(expected, rel=rel, abs=1e-6)
     return losses
+
+
+def assert_whole_and_rings_agree(argv: list[str], *, seq_length: int, **run_kwargs) -> list[float]:
+    """`argv` with --hdp on 1 rank with capacity `seq_length` (every document whole) and on 4 ranks with
+    capacity 24 (longer pieces on rings of up to 4 ranks): the same loss at every step, and rings ran.
+    `run_kwargs` go to `run_pretrain` (a script and its Megatron-LM checkout). Returns the losses."""
+    hdp = ["--hdp", "--no-hdp-offload"]
+    whole = run_pretrain(argv + hdp + ["--hdp-capacity", str(seq_length)], world_size=1, **run_kwargs)
+    rings = run_pretrain(argv + hdp + ["--hdp-capacity", "24"], world_size=4, **run_kwargs)
+    assert all(step["hdp/rings"] == 0 for step in whole[0]["stats"])
+    assert sum(step["hdp/rings"] for step in rings[0]["stats"]) > 0
+    return assert_same_losses(rings, whole)

@@ -91,6 +91,8 @@ BAD = [
     (["--external-cuda-graph"], "1", "--cuda-graph-impl transformer_engine"),
     (["--cuda-graph-impl", "local"], "1", "--cuda-graph-impl local"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"], "1", "drop --tp-comm-overlap"),
+    (["--num-experts", "6", "--expert-model-parallel-size", "3", "--moe-token-dispatcher-type", "alltoall"], "1",
+     "--expert-model-parallel-size 3 with --expert-tensor-parallel-size 1: an expert-parallel group spans 3 HDP"),
 ]
 
 
@@ -220,3 +222,30 @@ def test_dynamic_cp_policy_without_a_checkout_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="--hdp-policy megatron-dynamic-cp: .*set MEGATRON_LM_DIR"):
         parse_and_check(TINY + HDP + ["--hdp-policy", "megatron-dynamic-cp"], world_size=4,
                         env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+
+
+@pytest.mark.parametrize("parallel,unit", [
+    (["--expert-model-parallel-size", "4"], 4),
+    (["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 2),
+    (["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "4"], 2),
+    (["--tensor-model-parallel-size", "4", "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"], 1),
+])
+def test_the_planner_couples_the_hdp_ranks_of_an_expert_parallel_group(parallel, unit):
+    """install()'s cost model carries the HDP ranks one MoE all-to-all couples: EP with expert TP = TP,
+    lcm(TP, ETP x EP) / TP otherwise (Megatron's expert grid over the dense one), so the planner plans
+    them together; here checked against a layout counted by hand: global rank t + TP d is HDP rank d, and
+    an expert group is ETP x EP consecutive global ranks."""
+    from megatron_hdp.megatron.training_install import _cost_model
+
+    argv = TINY + HDP + ["--num-experts", "4", "--moe-token-dispatcher-type", "alltoall"] + parallel
+    args, config = parse_and_check(argv, world_size=8, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    tp, etp, ep = args.tensor_model_parallel_size, args.expert_tensor_parallel_size, args.expert_model_parallel_size
+    coupled = {0}  # global ranks running global rank 0's micro-batches with it: TP groups and expert groups
+    while True:
+        grown = {h for g in coupled for h in range(g - g % tp, g - g % tp + tp)}
+        grown |= {h for g in grown for h in range(g - g % (etp * ep), g - g % (etp * ep) + etp * ep)}
+        if grown == coupled:
+            break
+        coupled = grown
+    assert len({g // tp for g in coupled}) == unit
+    assert _cost_model(args, config).expert_parallel_size == unit

@@ -99,6 +99,7 @@ REFUSED_FLAGS = [
     (["--softmax-type", "learnable"], "use --softmax-type vanilla"),
     (["--mtp-num-layers", "1", "--position-embedding-type", "rope"], "--mtp-num-layers 1: multi-token prediction"),
     (["--window-size", "(128,4)"], "--window-size (128, 4): HDP honours causal sliding windows (left, 0)"),
+    (["--multi-latent-attention", "--mla-down-proj-fusion"], "--mla-down-proj-fusion: the fused q/kv down projection"),
 ]
 
 
@@ -119,7 +120,7 @@ def test_without_hdp_megatrons_defaults_pass():
 
 BAD_AND_GOOD = {
     "attention_dropout": (0.1, 0.0), "softmax_type": ("learnable", "vanilla"), "mtp_num_layers": (1, None),
-    "window_size": ((128, 4), (128, 0)),
+    "window_size": ((128, 4), (128, 0)), "experimental_attention_variant": ("dsa", None),
 }
 
 

@@ -18,8 +18,19 @@ from megatron_hdp.plan.presets import model_shape
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 MODELS = sorted((EXAMPLES / "models").glob("*.sh"))
-# model file -> (preset, tensor, pipeline, expert parallel size, longest document): what each claims.
+DEEPSEEK_V3 = dict(
+    num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128, multi_latent_attention=True,
+    q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True,
+    rope_type="yarn", rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0, num_experts=256, moe_router_topk=8,
+    moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048, moe_layer_freq=[0] * 3 + [1] * 58,
+    moe_router_num_groups=8, moe_router_group_topk=4, moe_router_score_function="sigmoid",
+    moe_router_topk_scaling_factor=2.5, vocab_size=129280, layernorm_epsilon=1e-6,
+)
+"""DeepSeek-V3's published shape (its config.json, as Megatron-LM's flags name it)."""
+# model file -> (preset, or the model's flag values, tensor, pipeline, expert parallel size, longest
+# document): what each claims.
 CLAIMS = {
+    "deepseek_v3_128k.sh": (DEEPSEEK_V3, 8, 8, 64, 128 * 1024),
     "llama3_8b_256k.sh": ("llama3-8b", 2, 1, 1, 256 * 1024),
     "llama_70b_512k.sh": ("llama-70b", 8, 4, 1, 512 * 1024),
     "mixtral_8x7b_1m.sh": ("mixtral-8x7b", 4, 1, 8, 1024 * 1024),
@@ -64,12 +75,15 @@ def test_model_flags_parse_and_validate(model):
     assert (environ, world, argv) == dry_run("sbatch_hdp.sh", model)  # both launchers run the same job
     args, config = parse_and_check(argv, world_size=world, env=environ)
     preset, tp, pp, ep, longest = CLAIMS[model.name]
-    shape = model_shape(preset)
-    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size) == (
-        shape.num_layers, shape.hidden_size, shape.ffn_hidden_size,
-    )
-    assert (args.num_attention_heads, args.num_query_groups) == (shape.num_attention_heads, shape.num_query_groups)
-    assert (args.num_experts or 0, args.moe_router_topk) == (shape.num_experts, shape.moe_router_topk if shape.num_experts else args.moe_router_topk)
+    if isinstance(preset, dict):
+        assert {field: getattr(args, field) for field in preset} == preset
+    else:
+        shape = model_shape(preset)
+        assert (args.num_layers, args.hidden_size, args.ffn_hidden_size) == (
+            shape.num_layers, shape.hidden_size, shape.ffn_hidden_size,
+        )
+        assert (args.num_attention_heads, args.num_query_groups) == (shape.num_attention_heads, shape.num_query_groups)
+        assert (args.num_experts or 0, args.moe_router_topk) == (shape.num_experts, shape.moe_router_topk if shape.num_experts else args.moe_router_topk)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
     assert args.expert_model_parallel_size == ep and args.context_parallel_size == 1
     assert args.seq_length == longest

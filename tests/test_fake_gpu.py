@@ -18,7 +18,8 @@ and it patches torch.cuda for the life of the process). What they catch, before 
   memory, ring plans (cu_seqlens, row indices) first copied to the GPU inside a layer whenever the
   documents change, and the telemetry gather putting a CPU tensor into an NCCL all-gather;
 * sliding windows (`window_ring`, 4 played ranks, P2P matched across them by `fake_gpu.p2p_problems`):
-  flex's window mask copying each ring piece's shifts from the host inside the first windowed layer.
+  flex's window mask copying each ring piece's shifts from the host inside the first windowed layer;
+* multi-latent attention (`hdp_step ... mla`): an MLA step with a ring on CUDA tensors.
 """
 
 import os
@@ -87,6 +88,15 @@ def test_hdp_step_on_fake_gpu(guard_library, pp_size, rank):
     ranks and whole documents) and PP=2 (one pipeline stage). No blocking host-to-device copy between a
     micro-batch's own transfer and its backward (issue 21 item 7: cu_seqlens, ring row indices)."""
     output = _run(guard_library, "hdp_step", pp_size, rank)
+    assert "of micro-batch tensors (pinned, non-blocking)" in output
+
+
+def test_multi_latent_attention_step_on_fake_gpu(guard_library):
+    """`test_hdp_step_on_fake_gpu`'s PP=1 rank 0 (a ring and whole documents) with DeepSeek-style
+    multi-latent attention and YaRN: HDP's MLA module (RoPE angles of the micro-batch's positions, made in
+    its first layer), V narrower than q and k through torch varlen (padded) and the K/V ring, on CUDA
+    tensors under NCCL's rules, no host sync or blocking copy inside a layer or a micro-batch."""
+    output = _run(guard_library, "hdp_step", "1", "0", "mla")
     assert "of micro-batch tensors (pinned, non-blocking)" in output
 
 

@@ -3,6 +3,8 @@
 One 4-rank launch: plans that differ across ranks (the data layer's digest check, which the trainer
 shares), a plan for another domain size (on every rank, then on one rank only: its peers name it), a
 sequence beyond what the pool can hold, and settings that cannot work together; then a valid step runs.
+Then Megatron is initialized again with expert TP other than TP: the HDP ranks an expert-parallel group
+couples are read off Megatron's own groups, and the planner gets them from the trainer.
 """
 
 import pytest
@@ -33,7 +35,8 @@ def _errors(rank, world_size):
             return f"{type(err).__name__}: {err}"
         return None
 
-    out = {"bad_sizes": message(lambda: initialize_hdp(tensor_model_parallel_size=3))}
+    out = {"bad_sizes": message(lambda: initialize_hdp(tensor_model_parallel_size=3)),
+           "bad_ep": message(lambda: initialize_hdp(expert_model_parallel_size=3))}
     state = initialize_hdp(seed=3)
     model = build_gpt(tiny_llama_config(), vocab_size=VOCAB_SIZE, max_sequence_length=64)
     ddp, opt = wrap_for_training(model)
@@ -55,6 +58,13 @@ def _errors(rank, world_size):
     out["no_hdp_spec"] = message(lambda: prepare_model_for_hdp(plain))
     stats = trainer.step(random_plan(lengths, num_ranks=4, seed=5), reader)  # still healthy afterwards
     out["loss_after"] = stats.loss
+    out["ep_cost_model"] = trainer.planning_cost_model(cost).expert_parallel_size
+    # TP 2, expert TP 1, EP 4: an expert group is global ranks 0-3, i.e. TP ranks 0-1 of HDP ranks 0 and 1
+    from megatron_hdp.megatron.initialize import destroy_hdp
+
+    destroy_hdp()
+    mixed = initialize_hdp(tensor_model_parallel_size=2, expert_tensor_parallel_size=1, expert_model_parallel_size=4)
+    out["mixed"] = (mixed.hdp_size, mixed.ep_size, mixed.ep_hdp_ranks)
     return out
 
 
@@ -69,6 +79,9 @@ def test_misuse_raises_value_error_on_every_rank_without_hanging():
     results = run_gloo(_errors, 4, timeout_s=240)
     for rank, out in enumerate(results):
         assert "not divisible by TP x PP" in out["bad_sizes"]
+        assert "not divisible by the 3 HDP ranks an expert-parallel group spans (EP=3" in out["bad_ep"]
+        assert out["ep_cost_model"] == 1
+        assert out["mixed"] == (2, 2, (0, 1))
         # the trainer's check is comm's check_plan_agreement: same error type, message naming the ranks
         assert out["mismatch"].startswith("PlanMismatchError: step plans differ across ranks")
         assert "ranks planned different global batches" in out["mismatch"] and "[0]" in out["mismatch"]

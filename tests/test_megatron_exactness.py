@@ -7,7 +7,10 @@ that overlap, uneven micro-batch counts) and must match loss and gradients after
 step after the optimizer update. Layouts: HDP=4; TP=2 x HDP=2 (no sequence parallelism: Megatron's
 torch norms reject it without TE/Apex); PP=2 x HDP=2 (1F1B); EP=2 across HDP=4 with MoE layers, their
 load-balancing loss and z-loss on (per document under HDP, as the reference's one-document micro-batches
-compute them; the idle rank's padding micro-batches must add nothing to them). All but
+compute them; the idle rank's padding micro-batches must add nothing to them). With EP the first step
+runs `balance`'s EP-aware plan (the trainer's `planning_cost_model`: every member of an EP group the
+same count, an empty micro-batch where a lane has nothing at an index) and must run unpadded; the second
+leaves one rank of an EP group with padding micro-batches only. All but
 TP=2 run Megatron DDP with overlap_grad_reduce (several buckets) and a second plan that leaves one HDP rank
 (with PP: a whole pipeline) idle: it runs padding micro-batches only, whose zero loss must still fire
 every parameter's gradient hook, or DDP never issues that bucket's reduction.
@@ -18,7 +21,8 @@ step 2's forward pre-hooks; each rank checks the gradient slice it owns, and the
 element); full and selective activation recomputation, each with and without activation offload of a
 planned ratio; sequence parallelism with TP = 2 (a test-only SP-capable RMSNorm, tests/exactness_cases.py),
 dense and MoE with the load-balancing loss and z-loss (each TP rank routes its slice of the rows); MoE
-with those losses under PP = 2 (1F1B: each stage's routers see the documents of the micro-batch it runs).
+with those losses under PP = 2 (1F1B: each stage's routers see the documents of the micro-batch it runs);
+EP = 4 over all four HDP ranks (one expert-parallel group), balance's plan then a padding-only rank.
 """
 
 import pytest
@@ -102,6 +106,8 @@ def _case_config(config, case):
         return dataclasses.replace(config, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if recompute == "selective":
         return dataclasses.replace(config, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    if recompute == "mla_up_proj":
+        return dataclasses.replace(config, recompute_granularity="selective", recompute_modules=["mla_up_proj"])
     if case.get("window"):
         return dataclasses.replace(config, window_size=case["window"], window_attn_skip_freq=case.get("skip"))
     return config
@@ -144,12 +150,18 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
     is_moe = ep > 1 or case.get("moe", False)
     moe = dict(num_moe_experts=NUM_EXPERTS, **MOE_LOSSES) if is_moe else {}
     config = tiny_llama_config(num_layers=VPP_LAYERS if case.get("vpp") else 2, sequence_parallel=case.get("sp", False),
-                               **moe)
+                               **moe, **case.get("fields", {}))
     config = _case_config(config, case)
     if case.get("sp"):
         from exactness_cases import build_sp_gpt
 
         chunks = [build_sp_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)]
+    elif case.get("block"):  # Megatron's decoder block spec (dense and MoE layers by moe_layer_freq)
+        from megatron_hdp.megatron.layer_spec import get_gpt_decoder_block_with_hdp_spec
+        from megatron_hdp.megatron.model import build_gpt
+
+        chunks = [build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128,
+                            transformer_layer_spec=get_gpt_decoder_block_with_hdp_spec(config))]
     else:
         chunks = build_gpt_chunks(config, vocab_size=VOCAB_SIZE, max_sequence_length=128)
     for chunk in chunks:
@@ -172,6 +184,8 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
     for step, (seed, lengths) in enumerate(BATCHES):
         if "plans" in case:
             plan = case["plans"][step]
+        elif ep > 1 and step == 0:  # EP-aware balance: the group's ranks run one count, nothing padded
+            plan = _balance_plan(lengths, trainer, capacity=case.get("capacity", 24))
         else:
             plan = _plan(lengths, num_ranks=state.hdp_size, seed=plan_seed + step, pp_size=pp,
                          idle=overlap and step == 1, offload=case.get("offload", 0.0))
@@ -182,8 +196,21 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
         for ddp in ddps:
             grads.update(local_grads(ddp, opt if dist_opt else None))
         steps.append({"loss": stats.loss, "grads": grads, "rings": stats.num_rings, "idle": idle,
-                      "offloaded": offloaded, "num_microbatches": stats.num_microbatches})
+                      "offloaded": offloaded, "num_microbatches": stats.num_microbatches,
+                      "planned": [len(r.microbatches) for r in plan.ranks]})
     return steps
+
+
+def _balance_plan(lengths, trainer, *, capacity):
+    """`balance`'s plan of `lengths` for the trainer's mesh (`HDPTrainer.planning_cost_model`: its EP groups
+    planned as units), C = `capacity` tokens so that the longer documents need rings."""
+    from megatron_hdp.config import HDPConfig
+    from megatron_hdp.plan.planner import make_plan
+    from megatron_hdp.plan.presets import analytic_cost_model
+
+    cost_model = trainer.planning_cost_model(analytic_cost_model("llama-7b"))
+    return make_plan(lengths, num_ranks=trainer.state.hdp_size, config=HDPConfig(hdp_capacity=capacity, hdp_offload=False),
+                     cost_model=cost_model, policy="balance")
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +253,19 @@ def _check_idle(results):
         assert sum(rank_steps[1]["idle"]) == 1
 
 
+def _check_expert_groups(results, ep):
+    """EP cases: the first step ran balance's plan exactly as planned (every member of an EP group the
+    group's count, no padding micro-batch), and in the second the idle HDP rank ran padding micro-batches
+    only, as many as its EP group's busiest member (it joins every all-to-all)."""
+    first, second = results[0][0], results[0][1]
+    assert first["num_microbatches"] == first["planned"], "balance's EP plan ran padded"
+    for group in range(0, len(first["planned"]), ep):
+        assert len(set(first["planned"][group:group + ep])) == 1
+    idle = second["idle"].index(True)
+    group = second["planned"][idle - idle % ep: idle - idle % ep + ep]
+    assert second["planned"][idle] == 0 and second["num_microbatches"][idle] == max(group) > 0
+
+
 @pytest.mark.parametrize(
     "tp,pp,ep,kind,overlap",
     [(1, 1, 1, "dense", True), (2, 1, 1, "dense", False), (1, 2, 1, "dense", True), (1, 1, 2, "moe", True)],
@@ -237,6 +277,8 @@ def test_hdp_step_matches_single_process_reference(reference, tp, pp, ep, kind, 
     _check(ref, results)
     if overlap:
         _check_idle(results)
+    if ep > 1:
+        _check_expert_groups(results, ep)
 
 
 WINDOW = dict(window=(6, 0), skip=2)
@@ -303,6 +345,7 @@ CASES = {
     "tp2xhdp2-sequence-parallel": dict(sp=True),
     "tp2xhdp2-sequence-parallel-moe-aux-loss": dict(sp=True, moe=True),
     "pp2xhdp2-moe-aux-loss": dict(pp=2, moe=True),
+    "ep4-moe-aux-loss-hdp4-balance-plan-overlap-idle": dict(ep=4, moe=True, overlap=True),
 }
 
 
@@ -310,13 +353,17 @@ CASES = {
 def test_more_layouts_match_single_process_reference(reference, name):
     case = CASES[name]
     tp = 2 if case.get("sp") else 1
-    overlap = case.get("distributed_optimizer", False)
+    overlap = case.get("distributed_optimizer", False) or case.get("overlap", False)
     ref = reference["moe" if case.get("moe") else "dense"]
-    results = run_gloo(_hdp, 4, tp, case.get("pp", 1), 1, ref["init"], 500 + len(name), overlap, case, timeout_s=240)
+    ep = case.get("ep", 1)
+    results = run_gloo(_hdp, 4, tp, case.get("pp", 1), ep, ref["init"], 500 + len(name), overlap, case, timeout_s=240)
     _check(ref, results)
     if case.get("distributed_optimizer"):
         _check_covered(reference["dense"], results)
+    if overlap:
         _check_idle(results)
+    if ep > 1:
+        _check_expert_groups(results, ep)
     if case.get("offload"):
         offloaded = [sum(rank_steps[step]["offloaded"] for rank_steps in results) for step in range(len(BATCHES))]
         if case.get("recompute") == "full":

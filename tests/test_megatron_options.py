@@ -3,7 +3,8 @@ docs/megatron_options.md: honoured (a test that exists) or refused (a message th
 
 The fields come from Megatron's source, not from a list kept here: the `config.<field>` and
 `self.config.<field>` reads (and `getattr(config, "<field>", ...)`) of `DotProductAttention`,
-`TEDotProductAttention`, the multi-token prediction module and the GPT model. The installed megatron-core
+`TEDotProductAttention`, multi-latent attention (`multi_latent_attention.py`), the multi-token prediction
+module and the GPT model. The installed megatron-core
 is always checked; a Megatron-LM checkout too when MEGATRON_LM_DIR points at one (e.g. its main branch).
 """
 
@@ -22,6 +23,7 @@ SOURCES = (  # (file under megatron/core, the class read, or None for the whole 
     ("extensions/transformer_engine.py", "TEDotProductAttention"),
     ("transformer/multi_token_prediction.py", None),
     ("models/gpt/gpt_model.py", None),
+    ("transformer/multi_latent_attention.py", None),
 )
 
 

@@ -134,6 +134,40 @@ def test_patched_pretrain_gpt_with_tp2_pp2_matches_plain_megatron(tmp_path):
     assert len({s["length"] for plan in read_saved_plans(plans_dir) for s in plan["sequences"]}) > 4
 
 
+def test_patched_pretrain_gpt_with_moe_at_ep2_matches_plain_megatron(tmp_path):
+    """A MoE model (4 experts, top-2, all-to-all dispatcher) with --expert-model-parallel-size 2 on 4 ranks:
+    install() gives the planner the EP groups (2 consecutive HDP ranks, checked against Megatron's groups
+    when the loader is built), `balance` plans them as units, and every step's loss equals plain Megatron
+    with the same layout on the planned pieces."""
+    from pretrain_harness import TINY, assert_same_losses, read_saved_plans, run_pretrain
+
+    root, script, prefix = _patched_checkout(tmp_path)
+    plans_dir = str(tmp_path / "plans")
+    argv = TINY + ["--seq-length", "64", "--global-batch-size", "8", "--train-iters", "3",
+                   "--data-path", prefix, "--data-cache-path", str(tmp_path / "cache"),
+                   "--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+                   "--expert-model-parallel-size", "2"]
+    hdp = run_pretrain(argv + ["--hdp", "--hdp-capacity", "40", "--no-hdp-offload", "--hdp-save-plans", plans_dir],
+                       script=script, python_path=(str(root),))
+    reference = run_pretrain(argv, python_path=(str(root),), reference_plans=(plans_dir, prefix))
+    losses = assert_same_losses(hdp, reference)
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    plans = read_saved_plans(plans_dir)
+    assert any(len(s["ring"]) > 1 for plan in plans for s in plan["sequences"])  # documents were split
+
+
+def test_patched_pretrain_gpt_with_multi_latent_attention_matches_whole_documents_on_rings(tmp_path):
+    """The patched script with `--hdp --multi-latent-attention`: the checkout's Megatron builds its MLA
+    config and spec, HDP swaps in its MLA module; 4 ranks with rings give 1 rank's losses, step by step."""
+    from pretrain_harness import MLA, TINY, assert_whole_and_rings_agree
+
+    root, script, prefix = _patched_checkout(tmp_path)
+    argv = TINY + MLA + ["--seq-length", "64", "--global-batch-size", "8", "--train-iters", "3",
+                         "--data-path", prefix, "--data-cache-path", str(tmp_path / "cache")]
+    losses = assert_whole_and_rings_agree(argv, seq_length=64, script=script, python_path=(str(root),))
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
 def test_apply_script_refuses_a_file_it_does_not_fit(tmp_path):
     (tmp_path / "pretrain_gpt.py").write_text("print('not megatron')\n")
     run = subprocess.run(["bash", str(PATCHES / "apply.sh"), str(tmp_path)], capture_output=True, text=True)

@@ -21,7 +21,7 @@ from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
 from megatron_hdp.sim.simulator import POLICY_RULES, PolicyRules, simulate_step
-from plan_reference import reference_finish
+from plan_reference import expert_padded, reference_finish
 
 CM = analytic_cost_model("llama-7b", tp_size=8)
 # a slow ring link, so that ring traffic is exposed for short documents and sharing an exchange matters
@@ -91,6 +91,32 @@ def test_step_time_follows_the_independent_waiting_rule(cost_model):
             timeline = simulate_step(plan, cost_model, rules=rules, grad_bytes=0)
             assert timeline.compute_end == pytest.approx(step, rel=1e-9), f"{policy} on {name}"
             assert plan.est_step_time == pytest.approx(step, rel=1e-9), f"{policy} on {name}"
+
+
+@pytest.mark.parametrize("ep_size", [2, 4])
+def test_expert_parallel_step_time_follows_the_independent_waiting_rule(ep_size):
+    """With expert parallelism every policy's predicted step (planner and simulator, to 1e-9) is the
+    waiting rule of `plan_reference` with EP groups of consecutive ranks running every index together,
+    each member running its group's largest count (`expert_padded`), and the planner's rank times are the
+    simulator's busy times, padding included. The EP-aware `balance` plans its groups as units: the same
+    count on every member, so on the two larger batches here the runtime pads none of its EP groups."""
+    cost_model = CostModel.from_dict({**SLOW_RING.to_dict(), "expert_parallel_size": ep_size})
+    for name, lengths, num_ranks, capacity, offload in _batches():
+        for policy in _policies():
+            config = HDPConfig(hdp_capacity=capacity, hdp_offload=offload)
+            plan = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model, policy=policy)
+            rules = POLICY_RULES.get(policy, PolicyRules())
+            times = expert_padded([[mb.est_time for mb in r.microbatches] for r in plan.ranks],
+                                  empty=cost_model.microbatch_time([]), ep_size=ep_size)
+            step = max(reference_finish(plan, times, barrier_per_index=rules.barrier_per_microbatch, ep_size=ep_size))
+            timeline = simulate_step(plan, cost_model, rules=rules, grad_bytes=0)
+            where = f"{policy} on {name}, EP {ep_size}"
+            assert timeline.compute_end == pytest.approx(step, rel=1e-9), where
+            assert plan.est_step_time == pytest.approx(step, rel=1e-9), where
+            np.testing.assert_allclose([r.est_time for r in plan.ranks], timeline.busy, rtol=1e-9, err_msg=where)
+            if policy == "balance" and name != "short docs on static rings":
+                counts = [len(r.microbatches) for r in plan.ranks]
+                assert [len(t) for t in times] == counts, where
 
 
 JITTERY = CostModel.from_dict({**SLOW_RING.to_dict(), "jitter": 0.07})

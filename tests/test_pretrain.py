@@ -9,11 +9,12 @@ and every step's loss equals an independent reference: plain single-process Mega
 model, seed and initial weights) trained on each saved piece as its own padded sample
 (tests/pretrain_harness.PlannedPiecesDataset), the same documents per step. Both runs use
 --eod-mask-loss: HDP's mask comes from its document source, the reference's from Megatron's rule.
+With multi-latent attention the same documents give the same losses on 1 rank (whole) as on 4 (rings).
 """
 
 import numpy as np
 import pytest
-from pretrain_harness import TINY, expected_pieces, pretrain_rank, read_saved_plans
+from pretrain_harness import MLA, TINY, assert_whole_and_rings_agree, expected_pieces, pretrain_rank, read_saved_plans
 
 from megatron_hdp.comm.launch import run_gloo
 
@@ -83,3 +84,13 @@ def test_pretrain_plans_documents_and_matches_each_document_as_its_own_sequence(
         assert all(s["hdp/offload-GB"] == s["hdp/prefetch-GB"] > 0 for s in run["stats"])
         # Megatron's consumed_train_samples (what it checkpoints and resumes from) counts HDP's documents
         assert run["consumed"] == [DOCS_PER_STEP * (i + 1) for i in range(STEPS)]
+
+
+def test_pretrain_with_multi_latent_attention_matches_whole_documents_on_rings(data_prefix, tmp_path):
+    """`--hdp --multi-latent-attention` (a query latent, latent norms, YaRN): 4 ranks running the longer
+    pieces on rings give the losses of 1 rank running every document whole, step by step."""
+    data = ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache")]
+    argv = TINY + MLA + ["--seq-length", str(SEQ_LENGTH), "--global-batch-size", str(DOCS_PER_STEP),
+                         "--train-iters", "3"] + data
+    losses = assert_whole_and_rings_agree(argv, seq_length=SEQ_LENGTH)
+    assert len(losses) == 3 and losses[-1] < losses[0]

@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -49,6 +51,26 @@ def test_memory_capacity_of_llama_7b_tp8():
     params = spec.shape.num_parameters() / 8
     tokens = (80e9 * 0.9 - params * (4 + 12 / 128)) / per_token
     assert 65536 <= tokens < 131072 and spec.memory_capacity() == 65536
+
+
+def test_memory_capacity_of_mixtral_8x7b_shards_experts_over_ep():
+    """Independent arithmetic for the Mixtral-8x7B launch example (TP 4, EP 8, 512 GPUs): the experts'
+    weights and grads live on TP x EP = 32 GPUs (their Adam states over the 16 expert-data-parallel
+    ranks), the rest on TP 4 (states over the 128 HDP ranks); ~28K tokens of 2.26 MB fit, the example's
+    24,576 among them, C = 16K (a power of two). Without EP every expert on every TP group leaves 10.7K."""
+    h, kv, ffn, layers = 4096, 1024, 14336, 32
+    experts = layers * 8 * 3 * h * ffn
+    dense = layers * (h * (h + 2 * kv) + h * h + 2 * h) + 2 * 32000 * h
+    per_token = layers * 2 * (6 * h + 2 * kv + 4 * ffn * 2) / 4
+    for ep, expert_dp, fits in ((8, 16, (24576, 32768)), (1, 128, (8192, 16384))):
+        spec = ClusterSpec("mixtral-8x7b", num_gpus=512, tp_size=4, ep_size=ep)
+        states = dense / 4 * (4 + 12 / 128) + experts / (4 * ep) * (4 + 12 / expert_dp)
+        tokens = (80e9 * 0.9 - states) / per_token
+        assert fits[0] <= tokens < fits[1]
+        assert spec.memory_budget()["fits"] == int(tokens)
+        assert spec.memory_capacity() == 2 ** int(np.log2(tokens))
+        assert spec.cost_model().expert_parallel_size == ep
+    assert ClusterSpec("mixtral-8x7b", num_gpus=512, tp_size=4, etp_size=1, ep_size=8).expert_unit == 2
 
 
 def test_static_throughput_grows_with_ranks_at_fixed_per_rank_load():

@@ -41,6 +41,22 @@ def test_limits_without_and_with_rings() -> None:
     assert got == pytest.approx(expected)
 
 
+def test_expert_parallel_groups_run_every_index_together() -> None:
+    """EP 2 on 4 ranks, whole documents only: ranks 0 and 1 (and 2 and 3) run each index together, the
+    group's shorter member its padding micro-batch beside the other's second; computed by hand."""
+    plan = plan_from_rings([4, 4, 4, 4, 4], [(0,), (0,), (1,), (2,), (3,)], [0, 1, 0, 0, 0], num_ranks=4, capacity=4)
+    before, after = [0.0, 0.5, 0.0, 0.0], [0.1, 0.1, 0.1, 0.3]
+    forward = [[1.0, 2.0], [1.5, 0.1], [3.0], [1.0]]  # rank 1 ran a padding micro-batch (0.1 s) at index 1
+    backward = [[1.0, 1.0], [1.0, 0.1], [1.0], [2.0]]
+    # group (0, 1): F0 0.5 + 1.5 = 2.0, B0 + 1.0 = 3.0, F1 + 2.0 = 5.0, B1 + 1.0 = 6.0; group (2, 3): 4.0 and 3.0
+    # (F0 ends 3.0, B0 5.0); the last rank ends at 6.0, plus the slowest all-reduce, 0.3
+    got = dedicated_step_time(plan, before=before, forward=forward, backward=backward, after=after, ep_size=2)
+    assert got == pytest.approx(6.3)
+    alone = max(b + sum(f) + sum(w) for b, f, w in zip(before, forward, backward))  # without EP: 5.0, rank 0
+    assert dedicated_step_time(plan, before=before, forward=forward, backward=backward, after=after) == pytest.approx(
+        alone + 0.3)
+
+
 def test_rejects_mismatched_measurements() -> None:
     plan = plan_from_rings([8], [(0, 1)], [0], num_ranks=2, capacity=8)
     with pytest.raises(ValueError, match="forward has 1 entries"):

@@ -14,9 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.hand_plan import plan_from_rings, random_plan
 from megatron_hdp.plan.assemble import assemble_plan
 from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.presets import analytic_cost_model
 from megatron_hdp.plan.timing import coupled_finish, plan_groups
 from megatron_hdp.sim.simulator import PolicyRules, simulate_step
@@ -134,6 +136,25 @@ def test_planner_and_simulator_agree_with_expert_parallelism_on_random_plans():
         where = f"seed {seed}, {num_ranks} ranks, lengths {lengths}"
         np.testing.assert_allclose(timeline.busy, [r.est_time for r in assembled.ranks], rtol=1e-9, err_msg=where)
         assert timeline.compute_end == pytest.approx(assembled.est_step_time, rel=1e-9), where
+
+
+@pytest.mark.parametrize("ep_size,pp_size,vpp_size", [(2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 2, 2)])
+def test_ep_aware_balance_plans_are_timed_alike_by_planner_and_simulator(ep_size, pp_size, vpp_size):
+    """`balance` planning EP groups as units (with PP and virtual stages too): its `est_step_time` is the
+    simulator's compute end and its rank times the simulator's busy times, to 1e-9."""
+    ep = CostModel.from_dict({**SLOW_RING.to_dict(), "expert_parallel_size": ep_size})
+    config = HDPConfig(hdp_capacity=4096)
+    rng = np.random.default_rng(ep_size * 10 + pp_size)
+    for seed in range(8):
+        num_ranks = ep_size * int(rng.integers(1, 4))
+        lengths = rng.integers(1, 20000, size=int(rng.integers(2, 30))).tolist()
+        plan = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=ep, policy="balance",
+                         pp_size=pp_size, vpp_size=vpp_size)
+        timeline = simulate_step(plan, ep, rules=PolicyRules())
+        where = f"seed {seed}, {num_ranks} ranks, lengths {lengths}"
+        assert timeline.compute_end == pytest.approx(plan.est_step_time, rel=1e-9), where
+        if pp_size == 1:
+            np.testing.assert_allclose(timeline.busy, [r.est_time for r in plan.ranks], rtol=1e-9, err_msg=where)
 
 
 def test_virtual_stages_with_rings_on_random_plans():

@@ -24,6 +24,8 @@ class HDPState:
     vpp_size: int
     """Model chunks per pipeline stage (virtual pipeline stages; 1: no interleaving)."""
     ep_size: int
+    """HDP ranks per expert-parallel group: the consecutive HDP ranks an MoE all-to-all couples (EP when
+    expert TP is TP; `plan.timing.expert_unit_size`)."""
     ep_hdp_ranks: tuple[int, ...]
     """HDP ranks of this rank's expert-parallel group (they exchange tokens in every MoE layer)."""
 

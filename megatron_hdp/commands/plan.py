@@ -1,7 +1,7 @@
 """`megatron-hdp plan`: plan one global batch with every policy and compare them side by side.
 
     megatron-hdp plan --dist byted --tokens 32M --ranks 1024 --capacity 16384 [--pp 1] [--vpp 1] [--policy balance]
-        [--model llama-7b] [--hardware h100] [--tp 1] [--json plan.json] [--plot plans.png]
+        [--model llama-7b] [--hardware h100] [--tp 1] [--ep 1] [--etp TP] [--json plan.json] [--plot plans.png]
     megatron-hdp plan --lengths lengths.txt --ranks 64 --capacity 8192
     megatron-hdp plan --from runs/plans/iter_0000001.json --plot step1.png     # what training ran
     megatron-hdp plan --from runs/plans --plot steps.png                          # a directory of them
@@ -18,6 +18,8 @@ ring-attention bytes (TB per step), the rings that are latent rings (multi-laten
 included). A policy whose plan is estimated to exceed --max-shards or --max-plan-seconds is skipped with
 its reason. The plan of --policy is written as the StepPlan JSON of DESIGN.md (--json) and all plans are
 drawn (--plot).
+`--ep` (and `--etp`) plan and time with Megatron's expert-parallel groups: their HDP ranks run every
+micro-batch together (the MoE all-to-all), so `balance` plans each group as a unit (`plan.expert_units`).
 `--from` reads plans saved by training (`--hdp-save-plans`), summarises and draws them
 (`commands/saved_plans.py`).
 """
@@ -32,8 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_hdp.commands.arguments import (existing_file, existing_path, fraction, names_from, one_of,
-                                             parse_count, policy_names, positive_float, positive_int)
+from megatron_hdp.commands.arguments import (add_expert_arguments, existing_file, existing_path, expert_unit, fraction,
+                                             names_from, one_of, parse_count, policy_names, positive_float,
+                                             positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ring-kind", type=one_of(RING_KIND_SETTINGS, "ring kind"), default=None,
                         help="K/V ring (kv), multi-latent attention's latent ring (latent), or per ring call the "
                              "faster (auto; default: the cost model's)")
+    add_expert_arguments(parser)
     parser.add_argument("--ranks-per-node", type=positive_int, default=None,
                         help="HDP ranks per node (default: the cost model's, else 8 GPUs per node / --tp): rings are "
                         "placed inside a node when they fit, and a ring that crosses nodes runs at the network's speed")
@@ -185,6 +189,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if missing:
         raise ValueError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required with "
                          f"{'--lengths' if args.lengths else '--dist'}")
+    expert_unit(args, num_ranks=args.ranks)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -214,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         cost_model = analytic_cost_model(args.model, args.hardware, tp_size=args.tp)
     ranks_per_node = args.ranks_per_node or cost_model.ranks_per_node or max(1, 8 // args.tp)
-    cost_model = dataclasses.replace(cost_model, ranks_per_node=ranks_per_node)
+    cost_model = dataclasses.replace(cost_model, ranks_per_node=ranks_per_node,
+                                     expert_parallel_size=expert_unit(args, num_ranks=args.ranks))
     if args.ring_kind is not None:
         try:
             cost_model = dataclasses.replace(cost_model, ring_kind=args.ring_kind)

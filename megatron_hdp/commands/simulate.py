@@ -28,8 +28,8 @@ import logging
 import sys
 from pathlib import Path
 
-from megatron_hdp.commands.arguments import (existing_file, names_from, one_of, parse_count, policy_names,
-                                             positive_float, positive_int)
+from megatron_hdp.commands.arguments import (add_expert_arguments, existing_file, names_from, one_of, parse_count,
+                                             policy_names, positive_float, positive_int)
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vpp", type=positive_int, default=1,
                         help="model chunks (virtual pipeline stages) per pipeline stage: Megatron's interleaved "
                              "schedule when > 1 (--num-virtual-stages-per-pipeline-rank)")
-    parser.add_argument("--ep", type=positive_int, default=1,
-                        help="expert-parallel size (routed experts sharded over this many HDP ranks)")
+    add_expert_arguments(parser)
     parser.add_argument("--ring-kind", type=one_of(RING_KIND_SETTINGS, "ring kind"), default=None,
                         help="K/V ring (kv), multi-latent attention's latent ring (latent), or per ring call the "
                              "faster (auto, the default)")
@@ -95,13 +94,25 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--vpp {args.vpp} needs pipeline parallelism: set --pp > 1 or --vpp 1")
     if layers % (args.pp * args.vpp):
         raise ValueError(f"--pp {args.pp} x --vpp {args.vpp} does not divide --model {args.model}'s {layers} layers")
-    if (args.gpus // (args.tp * args.pp)) % args.ep:
-        raise ValueError(f"--ep {args.ep} does not divide the HDP pool of --gpus / (--tp x --pp) = "
-                         f"{args.gpus // (args.tp * args.pp)} ranks")
-    if args.ep > 1 and not model_shape(args.model).num_experts:
-        raise ValueError(f"--ep {args.ep} needs a model with experts; --model {args.model} has none")
+    expert_grid = (args.etp or args.tp) * args.ep * args.pp
+    if args.gpus % expert_grid:
+        raise ValueError(f"--gpus {args.gpus} is not a multiple of --etp {args.etp or args.tp} x --ep {args.ep} x --pp "
+                         f"{args.pp} (Megatron's expert grid; then the HDP pool holds whole expert-parallel groups)")
     if args.ring_kind == "latent" and not model_shape(args.model).is_mla:
         raise ValueError(f"--ring-kind latent needs a multi-latent attention model; --model {args.model} is not one")
+
+
+def capacity_note(spec) -> str:
+    """How C follows from GPU memory (`ClusterSpec.memory_budget`), one line."""
+    budget = spec.memory_budget()
+    experts = spec.shape.expert_parameters()
+    sharded = (f"; experts over expert TP {spec.expert_tp_size} x EP {spec.ep_size}, their Adam states over "
+               f"{spec.num_gpus // (spec.expert_tp_size * spec.ep_size * spec.pp_size)} expert-data-parallel ranks"
+               if experts else "")
+    return (f"C from memory: {budget['states_gb']:.1f} GB of model states per GPU (dense weights over TP x PP, Adam "
+            f"states over the pool{sharded}) leave {budget['free_gb']:.1f} GB for activations of "
+            f"{budget['token_mb']:.2f} MB a token: {budget['fits']:,} tokens fit, rounded down to a power of two, "
+            f"C = {budget['capacity']:,} (--capacity sets it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,10 +123,10 @@ def run(args: argparse.Namespace) -> int:
     _check_flags(args)
     spec = ClusterSpec(
         model=args.model, num_gpus=args.gpus, tp_size=args.tp, pp_size=args.pp, vpp_size=args.vpp,
-        hardware=args.hardware, ep_size=args.ep, ring_kind=args.ring_kind,
+        hardware=args.hardware, ring_kind=args.ring_kind,
         allreduce_bandwidth=args.allreduce_bandwidth, ring_bandwidth=args.ring_bandwidth,
         cost_model_path=args.cost_model,
-        capacity=args.capacity,
+        capacity=args.capacity, ep_size=args.ep, etp_size=args.etp,
     )
     context, budget = args.context, args.global_batch_tokens
     try:
@@ -130,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
           f"rings {args.ring_kind or 'auto'}, HDP pool {spec.num_ranks} ranks, "
           f"C={spec.rank_capacity}), context {format_tokens(context)}, {args.dist}, "
           f"{comparison.global_batch_tokens:,} tokens per global batch, {args.steps} steps")
+    if args.capacity is None:
+        print(capacity_note(spec))
     print(format_table(comparison))
     result = comparison.to_dict()
     if args.plot:

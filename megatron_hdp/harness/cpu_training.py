@@ -63,9 +63,22 @@ HYBRID_CP_GROUPED = "megatron-hybrid-cp-grouped"
 (up to several times C tokens per pass, no barrier): the planner policy `megatron-hybrid-cp` as is."""
 
 
+EP_UNAWARE = "balance-ep-unaware"
+"""Ours, for comparison: `balance` planning every rank as if it ran alone (its cost model without expert
+parallelism), run on the EP mesh, where the runtime pads each EP group to its largest count and the
+group waits at every index for its slowest member. `balance` itself plans EP groups as units."""
+
+
 def planner_policy(policy: str) -> str:
-    """The `make_plan` policy behind a policy name of this module (`HYBRID_CP_GROUPED` is `HYBRID_CP`'s)."""
-    return HYBRID_CP if policy == HYBRID_CP_GROUPED else policy
+    """The `make_plan` policy behind a policy name of this module (`HYBRID_CP_GROUPED` is `HYBRID_CP`'s,
+    `EP_UNAWARE` is `balance`)."""
+    return {HYBRID_CP_GROUPED: HYBRID_CP, EP_UNAWARE: "balance"}.get(policy, policy)
+
+
+def policy_cost_model(policy: str, cost_model: CostModel, *, ep_size: int) -> CostModel:
+    """The cost model `policy` plans with on a mesh whose EP groups span `ep_size` HDP ranks: with them
+    (what the runtime runs and the prediction times), or without for `EP_UNAWARE`."""
+    return dataclasses.replace(cost_model, expert_parallel_size=1 if policy == EP_UNAWARE else ep_size)
 
 
 @dataclass(frozen=True)
@@ -96,14 +109,22 @@ class CpuRunSpec:
     """Runs of each reported step on its batch (the optimizer steps each time). Each phase of each rank
     keeps its fewest CPU seconds over the runs, as the cost-model fit does, so that other processes on the
     host inflate neither; loss and the other statistics are the first run's."""
+    num_experts: int = 0
+    """MoE experts per layer (a tiny Mixtral-style model, top-`moe_router_topk` routing); 0: dense MLPs."""
+    moe_router_topk: int = 2
+    ep_size: int = 1
+    """Expert-parallel size: each rank holds num_experts / ep_size experts of every MoE layer, and the
+    ranks of an EP group run every micro-batch together (the all-to-all)."""
     data_prefix: Optional[str] = None
     """A Megatron indexed dataset (PREFIX.bin/.idx, token ids < the model's vocabulary) to train from
     through the HDP loader: global batches of `tokens_per_step` tokens, documents cut at `max_length`.
     None: synthetic batches of the length mix above."""
 
     def __post_init__(self) -> None:
-        if min(self.steps, self.capacity, self.tokens_per_step, self.length_scale, self.timing_repeats) < 1:
-            raise ValueError(f"steps, capacity, tokens_per_step, length_scale, timing_repeats must be >= 1: {self}")
+        if min(self.steps, self.capacity, self.tokens_per_step, self.length_scale, self.timing_repeats, self.ep_size) < 1:
+            raise ValueError(f"steps, capacity, tokens_per_step, length_scale, timing_repeats, ep_size must be >= 1: {self}")
+        if self.ep_size > 1 and (not self.num_experts or self.num_experts % self.ep_size):
+            raise ValueError(f"ep_size {self.ep_size} needs num_experts, a multiple of it; got {self.num_experts}")
 
 
 @dataclass
@@ -194,6 +215,8 @@ def _model_config(spec: CpuRunSpec):
         num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_query_groups,
         ffn_hidden_size=spec.ffn_hidden_size,
+        num_moe_experts=spec.num_experts or None,
+        moe_router_topk=spec.moe_router_topk,
     )
 
 
@@ -509,7 +532,7 @@ def _predicted_time(policy: str, plan, model: CostModel, *, grad_bytes: int, all
 
 
 def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, grad_bytes: int, predict: dict,
-                  in_run: dict, now: dict, run_plan=None, barriers=()) -> StepRow:
+                  in_run: dict, now: dict, run_plan=None, barriers=(), ep_size: int = 1) -> StepRow:
     """`plan` is the policy's plan; `run_plan` what ran (default: `plan`), with group `barriers`. Empty
     micro-batches of a `run_plan` are slots Megatron does not run: their measured times count as zero.
     `predict` and `in_run`: {"model", "allreduce_bandwidth", "step_overhead", "speed_probe", "ring_probe"}
@@ -533,6 +556,7 @@ def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, grad_bytes:
         backward=[b.backward for b in busy_by_rank],
         after=[b.after for b in busy_by_rank],
         barriers_after=barriers,
+        ep_size=ep_size,
     )
     busy = [b.before + sum(b.forward) + sum(b.backward) + b.after for b in busy_by_rank]
     timeline, predicted, speed = _predicted_time(policy, plan, grad_bytes=grad_bytes, now=now, **predict)
@@ -583,13 +607,14 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     from megatron_hdp.plan.per_subsample import per_subsample_plan
     from megatron_hdp.megatron.initialize import initialize_hdp
 
-    state = initialize_hdp(seed=spec.seed)
+    state = initialize_hdp(seed=spec.seed, expert_model_parallel_size=spec.ep_size)
     config = HDPConfig(hdp=True, hdp_capacity=spec.capacity, hdp_offload=False)
     first = _build(spec, state)
     probes = [measure_probes(first, spec)]  # around the fit, so that their medians are the fit's conditions
     fitted = fit_cost_model(first, spec)
     probes.append(measure_probes(first, spec))
-    model = CostModel.from_dict(cost_model) if cost_model else fitted
+    fitted = first.planning_cost_model(fitted)  # the mesh's EP groups, coupled as the runtime couples them
+    model = first.planning_cost_model(CostModel.from_dict(cost_model)) if cost_model else fitted
     grad_bytes = grad_buffer_bytes(first)
     allreduce_bandwidth = measure_allreduce_bandwidth(grad_bytes)
     step_overhead = measure_step_overhead(first, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth)
@@ -603,7 +628,8 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     # The policies take turns step by step (each its own model, built from the same seed), so that a
     # change of load on a shared host between the start and the end of the run weighs on every policy alike.
     trainers = [_build(spec, state) for _ in spec.policies]
-    batches = [planned_batches(spec, state, config, model, policy) for policy in spec.policies]
+    batches = [planned_batches(spec, state, config, policy_cost_model(policy, model, ep_size=state.ep_size), policy)
+               for policy in spec.policies]
     for step, planned in enumerate(zip(*batches)):
         probe_before = measure_probes(first, spec)  # the host's speed over this round (module doc)
         measured_round = []
@@ -623,7 +649,7 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
         if step >= spec.warmup_steps and rank == 0:
             for policy, plan, stats, busy_by_rank, run_plan, barriers in measured_round:
                 row = _measured_row(policy, step - spec.warmup_steps, plan, stats, busy_by_rank, grad_bytes,
-                                    predict, in_run, now, run_plan, barriers)
+                                    predict, in_run, now, run_plan, barriers, ep_size=state.ep_size)
                 rows.append(asdict(row))
     for generator in batches:
         generator.close()  # leaves the HDP loaders' contexts

@@ -145,21 +145,30 @@ def full_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {name: p.detach().numpy().copy() for name, p in inner.named_parameters()}
 
 
-def reference_forward_step(data_iterator, model):
-    """Megatron forward_step of the reference: one whole document [1, L] with Megatron's own attention."""
+def reference_forward_step(data_iterator, model, *, multiple: int = 1):
+    """Megatron forward_step of the reference: one whole document [1, L] with Megatron's own attention,
+    padded at its end to a multiple of `multiple` tokens (sequence parallelism splits the sequence over
+    the TP ranks) with loss mask 0: under the causal mask the padding changes no real token's result."""
     from functools import partial
 
     from megatron_hdp.megatron.forward_step import token_loss
 
     raw = torch.from_numpy(next(data_iterator))
+    length, pad = raw.shape[0] - 1, -(raw.shape[0] - 1) % multiple
+    raw = torch.nn.functional.pad(raw, (0, pad))
     tokens, labels = raw[:-1][None], raw[1:][None]
     positions = torch.arange(tokens.shape[1])[None]
     output = model(input_ids=tokens, position_ids=positions, attention_mask=None, labels=labels)
-    return output, partial(token_loss, torch.ones(tokens.shape[1]))
+    return output, partial(token_loss, (torch.arange(length + pad) < length).float())
 
 
-def reference_steps(model: torch.nn.Module, optimizer, batches: Sequence[tuple[int, Sequence[int]]]) -> list[dict]:
-    """Train `model` (one rank, Megatron DDP) on each (seed, lengths) batch; per step its loss and grads."""
+def reference_steps(
+    model: torch.nn.Module, optimizer, batches: Sequence[tuple[int, Sequence[int]]], *, token_multiple: int = 1
+) -> list[dict]:
+    """Train `model` (one pipeline, Megatron DDP) on each (seed, lengths) batch, each document padded to a
+    multiple of `token_multiple` tokens (`reference_forward_step`); per step its loss and grads."""
+    from functools import partial
+
     from megatron_hdp.megatron.step import forward_backward, sync_grads_at_schedule_end
 
     sync_grads_at_schedule_end([model])
@@ -168,8 +177,9 @@ def reference_steps(model: torch.nn.Module, optimizer, batches: Sequence[tuple[i
         docs = [document_tokens(seed, i, n) for i, n in enumerate(lengths)]
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = forward_backward([model], reference_forward_step, iter(docs), num_microbatches=len(docs),
-                                  seq_length=max(lengths))
+        step = partial(reference_forward_step, multiple=token_multiple)
+        longest = max(lengths) + -max(lengths) % token_multiple
+        losses = forward_backward([model], step, iter(docs), num_microbatches=len(docs), seq_length=longest)
         total = torch.stack([x["lm loss"].double() for x in losses]).sum(0)
         grads = {name: g for name, (_, g) in local_grads(model).items()}
         optimizer.step()

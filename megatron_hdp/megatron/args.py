@@ -119,7 +119,7 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             f"--hdp-capacity {config.hdp_capacity} with --sequence-parallel: a micro-batch's tokens are split "
             f"over the {tp} tensor-parallel ranks; use a multiple of --tensor-model-parallel-size {tp}"
         )
-    problems += quantization.problems(args)
+    problems += quantization.problems(args) + _expert_problems(args)
     if config.hdp_policy == "megatron-hybrid-cp" and args.pipeline_model_parallel_size > 1:
         problems.append(
             "--hdp-policy megatron-hybrid-cp with --pipeline-model-parallel-size "
@@ -137,6 +137,22 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             "or leave the flag out for the analytic cost model"
         )
     return problems + flag_problems(args)
+
+
+def _expert_problems(args: Namespace) -> list[str]:
+    """The HDP pool must hold whole expert-parallel groups: the planner plans the HDP ranks an MoE
+    all-to-all couples together (`plan.timing.expert_unit_size`), and Megatron lays its expert grid
+    (expert TP x EP) over world / PP ranks (it would stop later, inside initialize_model_parallel)."""
+    from megatron_hdp.plan.timing import expert_unit_size
+
+    ep, tp = args.expert_model_parallel_size, args.tensor_model_parallel_size
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    unit = expert_unit_size(tp_size=tp, ep_size=ep, etp_size=etp)
+    if args.data_parallel_size % unit:
+        return [f"--expert-model-parallel-size {ep} with --expert-tensor-parallel-size {etp}: an expert-parallel "
+                f"group spans {unit} HDP ranks, which does not divide the HDP pool of {args.data_parallel_size} "
+                f"(data-parallel) ranks; choose them so that expert TP x EP divides world size / PP"]
+    return []
 
 
 def validate_hdp_args(args: Namespace) -> Optional[HDPConfig]:

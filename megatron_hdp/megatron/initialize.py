@@ -14,6 +14,7 @@ taking part: NCCL creates a group's communicator lazily, at its first call, and 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -24,6 +25,8 @@ from megatron.core.tensor_parallel import random as mp_random
 
 from megatron_hdp.comm.domain import HDPState
 from megatron_hdp.megatron.cpu_shims import apply_cpu_shims
+from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.timing import expert_unit_size
 
 logger = logging.getLogger(__name__)
 
@@ -38,23 +41,50 @@ def hdp_state() -> HDPState:
             "parallelism (the data-parallel group is the HDP domain); initialize with context_parallel_size=1"
         )
     dp_ranks = tuple(dist.get_process_group_ranks(ps.get_data_parallel_group()))
-    ep_global = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
-    missing = [r for r in ep_global if r not in dp_ranks]
-    if missing:
-        raise ValueError(
-            f"expert-parallel group {ep_global} reaches outside the HDP domain {list(dp_ranks)} "
-            "(expert parallelism must run across HDP ranks of one (PP stage, TP rank))"
-        )
+    hdp_rank = ps.get_data_parallel_rank()
+    unit = expert_unit(len(dp_ranks))
+    first = hdp_rank - hdp_rank % unit
     return HDPState(
-        hdp_rank=ps.get_data_parallel_rank(),
+        hdp_rank=hdp_rank,
         hdp_global_ranks=dp_ranks,
         tp_size=ps.get_tensor_model_parallel_world_size(),
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         vpp_size=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
-        ep_size=len(ep_global),
-        ep_hdp_ranks=tuple(dp_ranks.index(r) for r in ep_global),
+        ep_size=unit,
+        ep_hdp_ranks=tuple(range(first, first + unit)),
     )
+
+
+def expert_unit(hdp_size: int) -> int:
+    """HDP ranks this rank's MoE all-to-all couples, read off Megatron's groups: the HDP (data-parallel)
+    ranks of its expert tensor-and-model-parallel group, closed under TP (`plan.timing.expert_unit_size`
+    of the run's TP, EP and expert TP). ValueError unless they are the consecutive block of that many HDP
+    ranks holding this one, the layout the planner plans around (`plan.timing.expert_groups`)."""
+    tp = ps.get_tensor_model_parallel_world_size()
+    unit = expert_unit_size(tp_size=tp, ep_size=ps.get_expert_model_parallel_world_size(),
+                            etp_size=ps.get_expert_tensor_parallel_world_size())
+    # Megatron's tensor-and-data-parallel group lists its ranks TP-fastest: position // TP is the HDP rank
+    tp_dp = dist.get_process_group_ranks(ps.get_tensor_and_data_parallel_group())
+    hdp_of = {rank: position // tp for position, rank in enumerate(tp_dp)}
+    dp_ranks = dist.get_process_group_ranks(ps.get_data_parallel_group())
+    coupled = {hdp_of.get(rank) for rank in dist.get_process_group_ranks(ps.get_expert_tensor_and_model_parallel_group())}
+    hdp_rank = ps.get_data_parallel_rank()
+    block = set(range(hdp_rank - hdp_rank % unit, hdp_rank - hdp_rank % unit + unit))
+    if [hdp_of.get(rank) for rank in dp_ranks] != list(range(len(dp_ranks))) or not coupled <= block or hdp_size % unit:
+        raise ValueError(
+            f"the expert-parallel group of HDP rank {hdp_rank} couples HDP ranks {sorted(coupled, key=str)}, not the "
+            f"block of {unit} consecutive ones of a domain of {hdp_size} that the planner plans together (TP "
+            f"{tp}, EP {ps.get_expert_model_parallel_world_size()}, expert TP "
+            f"{ps.get_expert_tensor_parallel_world_size()}): initialize Megatron with its default rank order"
+        )
+    return unit
+
+
+def planner_cost_model(cost_model: CostModel, state: HDPState) -> CostModel:
+    """`cost_model` with the HDP ranks an MoE all-to-all couples on this mesh (`state.ep_size`, from
+    Megatron's groups), so that the planner plans EP groups together and times them as they run."""
+    return dataclasses.replace(cost_model, expert_parallel_size=state.ep_size)
 
 
 def initialize_hdp(
@@ -62,22 +92,25 @@ def initialize_hdp(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     seed: int = 1234,
 ) -> HDPState:
     """Initialize Megatron's parallel_state for HDP on the already-initialized default process group.
 
-    TP, PP, EP and the virtual pipeline stages per PP rank (None: no interleaving) are as asked; context parallelism is 1 and the data-parallel size D = world /
-    (TP x PP) is the HDP domain. ValueError (before any collective) when the sizes do not divide.
+    TP, PP, EP, expert TP (None: TP) and the virtual pipeline stages per PP rank (None: no interleaving)
+    are as asked; context parallelism is 1 and the data-parallel size D = world / (TP x PP) is the HDP
+    domain. ValueError (before any collective) when the sizes do not divide.
     """
     if not dist.is_initialized():
         raise ValueError("torch.distributed is not initialized: init_process_group() before initialize_hdp()")
     world = dist.get_world_size()
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
-    if min(tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size) < 1:
+    expert_tp = expert_tensor_parallel_size or tensor_model_parallel_size
+    if min(tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size, expert_tp) < 1:
         raise ValueError(
             f"parallel sizes must be >= 1, got TP={tensor_model_parallel_size}, "
-            f"PP={pipeline_model_parallel_size}, EP={expert_model_parallel_size}"
+            f"PP={pipeline_model_parallel_size}, EP={expert_model_parallel_size}, expert TP={expert_tp}"
         )
     if world % model_parallel:
         raise ValueError(
@@ -85,10 +118,12 @@ def initialize_hdp(
             f"{pipeline_model_parallel_size}"
         )
     hdp_size = world // model_parallel
-    if hdp_size % expert_model_parallel_size:
+    unit = expert_unit_size(tp_size=tensor_model_parallel_size, ep_size=expert_model_parallel_size, etp_size=expert_tp)
+    if hdp_size % unit:
         raise ValueError(
-            f"the HDP domain of {hdp_size} ranks (world {world} / TP x PP {model_parallel}) is not divisible "
-            f"by EP={expert_model_parallel_size}"
+            f"the HDP domain of {hdp_size} ranks (world {world} / TP x PP {model_parallel}) is not divisible by the "
+            f"{unit} HDP ranks an expert-parallel group spans (EP={expert_model_parallel_size}, expert "
+            f"TP={expert_tp}): choose EP and expert TP so that expert TP x EP divides world / PP"
         )
     cpu = apply_cpu_shims()
     if torch.cuda.is_available():  # NCCL: on this rank's device (the one torch.cuda.set_device chose)
@@ -100,6 +135,7 @@ def initialize_hdp(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         context_parallel_size=1,
         expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tp,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
     )
     mp_random.model_parallel_cuda_manual_seed(seed)  # looked up now: the CPU shim may have replaced it

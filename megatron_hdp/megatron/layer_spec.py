@@ -13,6 +13,10 @@ micro-batch: `rope_angles`) and Megatron's own `apply_rotary_pos_emb`; `prepare_
 hands each leaf that rotary module and switches the GPTModel's own RoPE off (one attribute). The
 exactness tests compare against a stock GPTModel with Megatron's standard RoPE.
 
+Multi-latent attention rotates the RoPE part of its query and shared key inside Megatron's
+`MLASelfAttention`, at positions restarting per segment too: `HDPMLASelfAttention` (`megatron/mla.py`)
+takes its place in the spec and rotates at the collated positions, and `HDPCoreAttention` applies no RoPE.
+
 Transformer Engine: with `backend="transformer_engine"` the layer is Megatron's TE spec (fused
 QKV+norm linears) and the local kernel is the one `megatron_hdp.attention` picks at run time ("auto";
 TE's fused attention when installed). That path cannot run on this CPU-only machine.
@@ -66,6 +70,17 @@ def rope_angles(rotary: torch.nn.Module, position_ids: torch.Tensor) -> torch.Te
     else:
         emb = torch.cat((freqs, freqs), dim=-1)
     return emb[:, None, None, :]
+
+
+def batch_meta(packed_seq_params: Optional[PackedSeqParams], module: str) -> HDPBatchMeta:
+    """The HDP metadata `packed_seq_params` carries; ValueError naming `module` when it carries none."""
+    meta = getattr(packed_seq_params, "hdp", None)
+    if meta is None:
+        raise ValueError(
+            f"{module} needs HDPPackedSeqParams with HDP metadata (build batches with "
+            f"megatron_hdp.megatron.forward_step), got packed_seq_params={type(packed_seq_params).__name__}"
+        )
+    return meta
 
 
 def layer_window(config: TransformerConfig, layer_number: int) -> Optional[int]:
@@ -136,13 +151,7 @@ class HDPCoreAttention(MegatronModule):
         packed_seq_params: Optional[PackedSeqParams] = None,
         **unused: Any,
     ) -> torch.Tensor:
-        meta = getattr(packed_seq_params, "hdp", None)
-        if meta is None:
-            raise ValueError(
-                "HDPCoreAttention needs HDPPackedSeqParams with HDP metadata (build batches with "
-                "megatron_hdp.megatron.forward_step), got packed_seq_params="
-                f"{type(packed_seq_params).__name__}"
-            )
+        meta = batch_meta(packed_seq_params, "HDPCoreAttention")
         if attention_bias is not None:
             raise ValueError("HDP core attention does not support an attention bias")
         if self._rotary:
@@ -155,23 +164,57 @@ class HDPCoreAttention(MegatronModule):
 
 
 def get_gpt_layer_with_hdp_spec(*, backend: str = "local", **spec_kwargs: Any) -> ModuleSpec:
-    """Megatron's GPT layer spec (`local` or `transformer_engine`) with `HDPCoreAttention` as its
-    `core_attention`. `spec_kwargs` go to Megatron's spec function (num_experts, moe_grouped_gemm,
-    qk_layernorm, normalization, ...)."""
+    """Megatron's GPT layer spec (`local` or `transformer_engine`) with HDP's attention (`with_hdp_attention`).
+    `spec_kwargs` go to Megatron's spec function (num_experts, moe_grouped_gemm, qk_layernorm,
+    multi_latent_attention, normalization, ...)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
-    if spec_kwargs.get("multi_latent_attention"):
-        raise ValueError("HDP does not support multi-latent attention (its core attention has another signature)")
     if backend == "local":
         spec = gpt_layer_specs.get_gpt_layer_local_spec(**spec_kwargs)
     else:
         if not getattr(gpt_layer_specs, "HAVE_TE", False):
             raise ValueError("backend='transformer_engine' needs Transformer Engine installed; use backend='local'")
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
+    return with_hdp_attention(spec)
+
+
+def get_gpt_decoder_block_with_hdp_spec(
+    config: TransformerConfig, *, use_transformer_engine: bool = False, vp_stage: Optional[int] = None
+) -> Any:
+    """Megatron's GPT decoder block spec for `config` (what Megatron-LM builds for `--num-experts`: dense
+    and MoE layers by `moe_layer_freq`, this pipeline stage's layers) with HDP's attention in every layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine, normalization=config.normalization, qk_l2_norm=config.qk_l2_norm,
+        vp_stage=vp_stage,
+    )
+    swapped: dict[int, ModuleSpec] = {}  # Megatron repeats one spec object per kind of layer
+    for spec in block.layer_specs:
+        if id(spec) not in swapped:
+            swapped[id(spec)] = with_hdp_attention(spec)
+    return dataclasses.replace(block, layer_specs=[swapped[id(spec)] for spec in block.layer_specs])
+
+
+def with_hdp_attention(spec: ModuleSpec) -> ModuleSpec:
+    """A copy of Megatron's GPT layer spec `spec` with `HDPCoreAttention` as its `core_attention`, with
+    `HDPMLASelfAttention` (`megatron/mla.py`) for a multi-latent `MLASelfAttention` (the same submodules
+    and parameter names: only the class of the module changes), and the per-document MoE router."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megatron_hdp.megatron.mla import HDPMLASelfAttention
+
     spec = copy.deepcopy(spec)
     attention = spec.submodules.self_attention
+    if attention.module is MLASelfAttention:
+        attention.module = HDPMLASelfAttention
+    elif isinstance(attention.module, type) and issubclass(attention.module, MLASelfAttention):
+        if attention.module is not HDPMLASelfAttention:  # FusedMLASelfAttention: --mla-down-proj-fusion
+            raise ValueError(
+                f"HDP runs Megatron's MLASelfAttention, not {attention.module.__name__}; drop --mla-down-proj-fusion"
+            )
     attention.submodules = dataclasses.replace(attention.submodules, core_attention=HDPCoreAttention)
     return with_document_aux_loss_router(spec)
 
@@ -192,6 +235,7 @@ def prepare_model_for_hdp(model: torch.nn.Module) -> torch.nn.Module:
 
     Call once after building each model chunk (before wrapping it in DDP). ValueError when the model has
     no HDP core attention or uses a position embedding HDP cannot shard (yarn, mrope, partial no-rope).
+    Multi-latent attention rotates its own RoPE part (`megatron/mla.py`): its GPTModel has no rotary.
     """
     if getattr(model, "_hdp_prepared", False):
         return model
@@ -203,8 +247,6 @@ def prepare_model_for_hdp(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError(f"HDP supports RoPE, learned or no position embedding, got {kind!r}")
     if getattr(model.config, "no_rope_freq", None):
         raise ValueError("HDP does not support no_rope_freq (RoPE skipped on some layers)")
-    if getattr(model.config, "multi_latent_attention", False):
-        raise ValueError("HDP does not support multi-latent attention")
     if getattr(model.config, "context_parallel_size", 1) != 1:
         raise ValueError(
             f"context_parallel_size={model.config.context_parallel_size}: HDP replaces context parallelism; "

@@ -15,7 +15,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_hdp.megatron.layer_spec import get_gpt_layer_with_hdp_spec, prepare_model_for_hdp
 
@@ -26,7 +26,8 @@ def transformer_config(**fields: Any) -> TransformerConfig:
     variable sequence lengths HDP needs (`step.check_model_config`); Megatron's alltoall token dispatcher
     (its allgather dispatcher rejects variable_seq_lengths). With virtual pipeline stages the interleaved
     schedule overlaps its stage-to-stage P2P (`overlap_p2p_comm`), as Megatron-LM requires at PP = 2 (its
-    batched P2P would post two sends between the same pair of ranks at once)."""
+    batched P2P would post two sends between the same pair of ranks at once). With
+    `multi_latent_attention=True` among `fields` the config is Megatron's `MLATransformerConfig`."""
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     sizes: dict[str, Any] = dict(
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
@@ -36,8 +37,9 @@ def transformer_config(**fields: Any) -> TransformerConfig:
         sizes.update(virtual_pipeline_model_parallel_size=vpp, overlap_p2p_comm=True, batch_p2p_comm=False)
     if fields.get("num_moe_experts"):
         sizes["expert_model_parallel_size"] = ps.get_expert_model_parallel_world_size()
-    return TransformerConfig(calculate_per_token_loss=True, variable_seq_lengths=True,
-                             moe_token_dispatcher_type="alltoall", **sizes, **fields)
+    config_class = MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig
+    return config_class(calculate_per_token_loss=True, variable_seq_lengths=True,
+                        moe_token_dispatcher_type="alltoall", **sizes, **fields)
 
 
 def build_gpt(
@@ -53,7 +55,8 @@ def build_gpt(
     stages): with the HDP core attention (`hdp=True`) or Megatron's stock local spec (the reference).
     RoPE either way; untied embedding and output weights. `transformer_layer_spec` replaces the spec (a
     layer or block spec, e.g. with other norms)."""
-    spec_kwargs = dict(num_experts=config.num_moe_experts, normalization=config.normalization)
+    spec_kwargs = dict(num_experts=config.num_moe_experts, normalization=config.normalization,
+                       qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention)
     spec = get_gpt_layer_with_hdp_spec(**spec_kwargs) if hdp else get_gpt_layer_local_spec(**spec_kwargs)
     spec = transformer_layer_spec or spec
     model = GPTModel(

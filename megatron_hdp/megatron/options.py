@@ -1,8 +1,9 @@
 """Megatron model options HDP's attention does not honour, refused in one line each (flags and configs).
 
 HDP replaces one leaf of Megatron's layer, `core_attention`; every `TransformerConfig` field that
-Megatron's own core attention (`DotProductAttention`, `TEDotProductAttention`) or the GPT model's
-multi-token prediction reads is either honoured by `HDPCoreAttention` or listed here.
+Megatron's own core attention (`DotProductAttention`, `TEDotProductAttention`), its multi-latent
+attention (`MLASelfAttention`) or the GPT model's multi-token prediction reads is either honoured by
+`HDPCoreAttention` / `HDPMLASelfAttention` or listed here.
 `docs/megatron_options.md` holds the decision for every such field, and
 `tests/test_megatron_options.py` reads the fields from Megatron's source so that a new release cannot add
 one that is silently ignored.
@@ -99,6 +100,25 @@ REFUSALS: tuple[Refusal, ...] = (
         bool,
         "the fused QKV+RoPE kernel rotates at packed positions inside Megatron's attention; HDP rotates every "
         "token at its document position (zigzag shards)",
+        None,
+    ),
+    Refusal(
+        "experimental_attention_variant",
+        lambda v: v is not None,
+        "an experimental attention variant (DeepSeek sparse attention) is built from its own layer spec and "
+        "indexer, which HDP's layer spec does not build",
+        None,
+    ),
+    Refusal(
+        "mla_down_proj_fusion",
+        bool,
+        "the fused q/kv down projection is another MLA module (FusedMLASelfAttention), not checked under HDP",
+        None,
+    ),
+    Refusal(
+        "cache_mla_latents",
+        bool,
+        "caching MLA latents serves Megatron's dynamic inference backend; an HDP model trains",
         None,
     ),
     Refusal(

@@ -32,8 +32,10 @@ from megatron_hdp.comm.traffic import count_traffic
 from megatron_hdp.data.collate import MaskReader, TokenReader
 from megatron_hdp.data.prepare import chunk_iterators, prepare_step
 from megatron_hdp.megatron.forward_step import make_forward_step
+from megatron_hdp.megatron.initialize import planner_cost_model
 from megatron_hdp.offload.offloader import ActivationOffloader, pop_offload_stats
 from megatron_hdp.megatron import quantization
+from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -209,6 +211,12 @@ class HDPTrainer:
         self.last_busy: Optional[BusyTimes] = None
         """This rank's `BusyTimes` of the last step (local, not gathered)."""
         sync_grads_at_schedule_end(self.chunks, finalize=self._finalize)
+
+    def planning_cost_model(self, cost_model: CostModel) -> CostModel:
+        """`cost_model` as the planner needs it for this trainer's mesh: with the HDP ranks an MoE
+        all-to-all couples, read off Megatron's groups (`initialize.planner_cost_model`), so that plans
+        for `step` run EP groups together instead of padding them."""
+        return planner_cost_model(cost_model, self.state)
 
     def _finalize(self, *args: Any, **kwargs: Any) -> None:
         self._finalize_start = time.perf_counter()

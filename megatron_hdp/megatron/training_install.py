@@ -145,36 +145,38 @@ class HDPRuntime:
         return stats
 
 
-def hdp_layer_spec(config: Any) -> Any:
-    """`--spec` target: Megatron's GPT layer spec for `config` (a GPTModelConfig) with HDP core attention."""
-    from megatron_hdp.megatron.layer_spec import get_gpt_layer_with_hdp_spec
+def hdp_layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
+    """`--spec` target: the GPT layer spec Megatron-LM builds for `config` (a GPTModelConfig) with HDP's
+    attention: for `--num-experts` its decoder block spec (dense and MoE layers by --moe-layer-freq)."""
+    from megatron_hdp.megatron.layer_spec import get_gpt_decoder_block_with_hdp_spec, get_gpt_layer_with_hdp_spec
 
     transformer = config.transformer
-    if transformer.transformer_impl == "transformer_engine":
-        return get_gpt_layer_with_hdp_spec(
-            backend="transformer_engine",
-            num_experts=transformer.num_moe_experts,
-            moe_grouped_gemm=transformer.moe_grouped_gemm,
-            qk_layernorm=transformer.qk_layernorm,
-        )
-    return get_gpt_layer_with_hdp_spec(
-        backend="local",
-        num_experts=transformer.num_moe_experts,
-        moe_grouped_gemm=transformer.moe_grouped_gemm,
-        qk_layernorm=transformer.qk_layernorm,
-        normalization=transformer.normalization,
-    )
+    te = transformer.transformer_impl == "transformer_engine"
+    if transformer.num_moe_experts:
+        return get_gpt_decoder_block_with_hdp_spec(transformer, use_transformer_engine=te, vp_stage=vp_stage)
+    common = dict(qk_layernorm=transformer.qk_layernorm, multi_latent_attention=transformer.multi_latent_attention)
+    if te:
+        return get_gpt_layer_with_hdp_spec(backend="transformer_engine", **common)
+    return get_gpt_layer_with_hdp_spec(backend="local", normalization=transformer.normalization, **common)
 
 
 def _cost_model(args: Namespace, config: HDPConfig) -> CostModel:
     """The planner's cost model: measured (--hdp-cost-model) or analytic from the model's shape, with the
-    node size (--hdp-ranks-per-node, default: local world size / TP)."""
+    node size (--hdp-ranks-per-node, default: local world size / TP) and the HDP ranks an MoE all-to-all
+    couples (`plan.timing.expert_unit_size` of TP, --expert-model-parallel-size and
+    --expert-tensor-parallel-size: the groups Megatron will build, checked against them when the data
+    loader is built, `_build_data_loader`), whatever a measured JSON says."""
     import dataclasses
     import os
 
+    from megatron_hdp.plan.timing import expert_unit_size
+
     ranks_per_node = config.hdp_ranks_per_node or max(
         1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // args.tensor_model_parallel_size)
-    return dataclasses.replace(_base_cost_model(args, config), ranks_per_node=ranks_per_node)
+    unit = expert_unit_size(tp_size=args.tensor_model_parallel_size, ep_size=args.expert_model_parallel_size,
+                            etp_size=getattr(args, "expert_tensor_parallel_size", None))
+    return dataclasses.replace(_base_cost_model(args, config), ranks_per_node=ranks_per_node,
+                               expert_parallel_size=unit)
 
 
 def _base_cost_model(args: Namespace, config: HDPConfig) -> CostModel:
@@ -260,7 +262,15 @@ def _build_data_loader(original: Callable, runtime: HDPRuntime) -> Callable:
         from megatron.training import get_args
 
         from megatron_hdp.megatron.datasets import build_hdp_data_loader
+        from megatron_hdp.megatron.initialize import hdp_state
 
+        coupled = hdp_state().ep_size  # Megatron's groups, now built
+        if coupled != runtime.cost_model.expert_parallel_size:
+            raise ValueError(
+                f"Megatron's expert-parallel groups couple {coupled} HDP ranks, but the planner was set up for "
+                f"{runtime.cost_model.expert_parallel_size} from --expert-model-parallel-size and "
+                "--expert-tensor-parallel-size: initialize Megatron with its default rank order"
+            )
         loader = build_hdp_data_loader(dataset, consumed_samples, cost_model=runtime.current_cost_model,
                                        max_length=get_args().seq_length)
         if loader is not None:

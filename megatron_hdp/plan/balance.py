@@ -36,6 +36,13 @@ This implementation, step by step:
    (`group_sizes`, only where the resident activations fit, `fits_memory`); the plan of least predicted
    step time kept, its G carried in the plan for the runtime.
 
+With expert parallelism (`CostModel.expert_parallel_size` e > 1) the members of an EP group run every
+micro-batch together (the MoE all-to-all): steps 3-6 are also run with each EP group planned as a unit of
+e lanes (`expert_units`: rings grown to whole units where that pays, lanes of one micro-batch index of
+matching time, the same count on every lane): first, then rank by rank unless the unit plan is already
+within `RETRY_GAP` of its mean rank time or the lower bound, and the plan of least predicted step time
+under the EP coupling is kept; the alternative ring sizes are then tried in the family that planned better.
+
 Deviations from the paper: Algorithm 2 forms buckets (micro-batches) first and then assigns them; we
 assign sequences to ranks first and pack per rank, which gives the same "different micro-batch counts"
 result at finer granularity. PP-Balance clusters similar lengths into one pipeline; here each pipeline's
@@ -46,6 +53,7 @@ reports how far a plan is from it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Sequence
 
@@ -54,12 +62,13 @@ import numpy as np
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.assemble import assemble_plan, gc_paused
 from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.expert_units import place_units, unit_options
 from megatron_hdp.plan.interleaved import group_size_fits
 from megatron_hdp.plan.packing import pack_for_pipeline
 from megatron_hdp.plan.placement import fill_gaps, lpt, place_rings, place_rings_by_time
 from megatron_hdp.plan.refine import PipelineCost, refine_exact, refine_local
 from megatron_hdp.plan.bounds import gap, step_time_lower_bound
-from megatron_hdp.plan.sharding import member_times, shard_sequences
+from megatron_hdp.plan.sharding import member_times, shard_sequences, whole_times
 from megatron_hdp.plan.widening import widening_options
 from megatron_hdp.plan.step_plan import StepPlan
 from megatron_hdp.plan.timing import plan_runtime_counts
@@ -141,20 +150,38 @@ def _plan_balance(
         cost_model=cost_model, max_offload_ratio=config.max_offload_ratio, pp_size=pp_size, alternatives=True)
     common = dict(tokens=tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
                   vpp_size=vpp_size, exact=exact)
-    plan = _build(lengths, *options[0], **common)
-    mean = sum(r.est_time for r in plan.ranks) / num_ranks
-    if pp_size > 1 or (plan.est_step_time > RETRY_GAP * mean
-                       and plan.est_step_time > RETRY_GAP * step_time_lower_bound(
-                           tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
-                           max_offload_ratio=config.max_offload_ratio)):
-        for ring_sizes, offload_ratios in options[1:]:
-            candidate = _build(lengths, ring_sizes, offload_ratios, **common)
-            if candidate.est_step_time < plan.est_step_time * (1 - 1e-9):
-                plan = candidate
+    ranks = [(_build, option) for option in options]
+    units = []
+    if cost_model.expert_parallel_size > 1:  # EP groups planned as units; plans rank by rank stay candidates
+        units = [(_build_units, option) for option in unit_options(options, lengths=tokens, capacity=capacity,
+                                                                   cost_model=cost_model, pp_size=pp_size)]
+    bound = functools.cache(lambda: step_time_lower_bound(tokens, num_ranks=num_ranks, capacity=capacity,
+                                                          cost_model=cost_model,
+                                                          max_offload_ratio=config.max_offload_ratio))
+
+    def improvable(plan: StepPlan) -> bool:  # with PP always; else above both its mean rank time and the bound
+        mean = sum(r.est_time for r in plan.ranks) / num_ranks
+        return pp_size > 1 or (plan.est_step_time > RETRY_GAP * mean and plan.est_step_time > RETRY_GAP * bound())
+
+    plan, family = _best(lengths, (units or ranks)[:1], None, **common)
+    if units and improvable(plan):  # the plan rank by rank, when the units' leaves room
+        plan, family = _best(lengths, ranks[:1], (plan, family), **common)
+    if improvable(plan):  # the alternatives of the family that planned better (both when rank by rank did)
+        plan, _ = _best(lengths, units[1:] + (ranks[1:] if family is _build else []), (plan, family), **common)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("balance plan: step %.4g s, gap to the lower bound %.2f%%", plan.est_step_time,
                      100 * gap(plan, cost_model=cost_model))
     return plan
+
+
+def _best(lengths: list[int], builds: list, best: tuple | None, **common) -> tuple[StepPlan, object]:
+    """(plan, builder) of least predicted step time among `best` and the plans `builds` make, each a
+    (builder, option) pair: `_build` plans rank by rank, `_build_units` EP groups as units."""
+    for build, (ring_sizes, offload_ratios) in builds:
+        candidate = build(lengths, ring_sizes, offload_ratios, **common)
+        if best is None or candidate.est_step_time < best[0].est_step_time * (1 - 1e-9):
+            best = (candidate, build)
+    return best
 
 
 def _build(
@@ -195,6 +222,38 @@ def _build(
         if candidate.est_step_time < plan.est_step_time * (1 - PLACEMENT_MARGIN):
             plan = candidate
     return plan
+
+
+def _build_units(
+    lengths: list[int],
+    ring_sizes: np.ndarray,
+    offload_ratios: np.ndarray,
+    *,
+    tokens: np.ndarray,
+    num_ranks: int,
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int,
+    vpp_size: int,
+    exact: bool,
+) -> StepPlan:
+    """The plan of one choice of ring sizes with expert parallelism: EP groups planned as units of lanes
+    (`expert_units.place_units`); with PP each unit's rows are tried heaviest first and lightest first.
+    `exact` is for the signature of `_build` (no MILP here)."""
+    weights = member_times(tokens, ring_sizes, cost_model=cost_model, pp_size=pp_size)
+    full = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
+    placed = place_units(ring_sizes=ring_sizes, weights=weights, tokens=tokens, num_ranks=num_ranks,
+                         ep_size=cost_model.expert_parallel_size, capacity=capacity,
+                         overhead=cost_model.microbatch_time([], pp_size=pp_size), fine_work=num_ranks * full)
+    best = None
+    rings = placed.rings(len(lengths))
+    for schedule in placed.schedules(lightest_first=(False, True) if pp_size > 1 else (False,)):
+        plan = assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
+                             schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                             vpp_size=vpp_size)
+        if best is None or plan.est_step_time < best.est_step_time * (1 - 1e-9):
+            best = plan
+    return best
 
 
 def _finish(

@@ -103,7 +103,8 @@ class CostModel:
     (InfiniBand per GPU). None: `ring_bandwidth` everywhere. A ring runs at its slowest link."""
     expert_parallel_size: int = 1
     """HDP ranks per expert-parallel group (consecutive ranks, `plan.timing.expert_groups`): their MoE
-    all-to-all couples micro-batch i of every member, and each member runs its group's largest count."""
+    all-to-all couples micro-batch i of every member, and each member runs its group's largest count. EP
+    when expert TP is TP; with another expert TP, `plan.timing.expert_unit_size`."""
     ring_block_overhead: float = 0.0
     """Seconds per document, per extra ring step, per layer that no transfer hides: a split document costs
     2 (k-1) more attention-kernel calls (one block per ring step, forward and backward) than a whole one.

@@ -140,22 +140,23 @@ class ModelShape:
         dense = self.num_dense_layers
         return (dense * self.ffn_hidden_size + (self.num_layers - dense) * moe) / self.num_layers
 
-    def num_expert_parameters(self) -> int:
-        """Parameters of the routed experts (sharded over expert parallelism)."""
-        if not self.num_experts:
-            return 0
-        n_mlp = 3 if self.gated_mlp else 2
-        expert = self.moe_ffn_hidden_size or self.ffn_hidden_size
-        return (self.num_layers - self.num_dense_layers) * n_mlp * self.hidden_size * expert * self.num_experts
-
     def num_parameters(self) -> int:
         """Parameter count (embeddings counted once each way; MoE counts every expert; routers and norms
         of the latents left out)."""
         h, n_mlp = self.hidden_size, 3 if self.gated_mlp else 2
         dense = self.num_dense_layers if self.num_experts else self.num_layers
-        mlps = dense * n_mlp * h * self.ffn_hidden_size + self.num_expert_parameters()
+        mlps = dense * n_mlp * h * self.ffn_hidden_size + self.expert_parameters()
         mlps += (self.num_layers - dense) * n_mlp * h * self.moe_shared_expert_intermediate_size
         return self.num_layers * (self.attention_linear + 2 * h) + mlps + 2 * self.vocab_size * h
+
+    def expert_parameters(self) -> int:
+        """Of `num_parameters`, the routed experts' (every expert's MLP in every MoE layer; 0 for a dense
+        model): what expert parallelism shards over EP x expert-TP ranks instead of TP."""
+        if not self.num_experts:
+            return 0
+        n_mlp = 3 if self.gated_mlp else 2
+        expert = self.moe_ffn_hidden_size or self.ffn_hidden_size
+        return (self.num_layers - self.num_dense_layers) * n_mlp * self.hidden_size * expert * self.num_experts
 
 
 @dataclass(frozen=True)

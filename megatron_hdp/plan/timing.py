@@ -48,6 +48,21 @@ Groups = dict[tuple[int, int], int]
 """(rank, micro-batch index) -> id of the group that runs that index together (coupled keys only)."""
 
 
+def expert_unit_size(*, tp_size: int, ep_size: int, etp_size: int | None = None) -> int:
+    """HDP ranks one MoE all-to-all couples, for TP, EP and expert TP (ETP; None: Megatron's default, TP).
+
+    Megatron lays out, inside one pipeline stage, the dense grid as tp-dp (TP fastest: global rank
+    t + TP d is HDP rank d) and the expert grid as etp-ep-edp, so an expert-TP x EP group is a block of
+    ETP x EP consecutive global ranks (`parallel_state.initialize_model_parallel`, order tp-cp-ep-dp-pp).
+    Its all-to-all and the TP collectives of the HDP ranks it touches bind blocks of lcm(TP, ETP x EP)
+    global ranks together: lcm(TP, ETP x EP) / TP consecutive HDP ranks (EP with ETP = TP; 1 when a block
+    of ETP x EP ranks fits inside one HDP rank's TP group)."""
+    etp = tp_size if etp_size is None else etp_size
+    if min(tp_size, ep_size, etp) < 1:
+        raise ValueError(f"parallel sizes must be >= 1, got TP={tp_size}, EP={ep_size}, ETP={etp}")
+    return math.lcm(tp_size, etp * ep_size) // tp_size
+
+
 def expert_groups(num_ranks: int, ep_size: int) -> list[range]:
     """The expert-parallel groups of an HDP domain: consecutive blocks of `ep_size` HDP ranks (Megatron
     orders EP inside DP), whose MoE all-to-all couples micro-batch i of every member."""

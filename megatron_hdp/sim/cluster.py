@@ -16,6 +16,7 @@ from typing import Optional
 from megatron_hdp.plan.cost_model import RING_KIND_SETTINGS, CostModel
 from megatron_hdp.plan.interleaved import uncapped_warmup
 from megatron_hdp.plan.presets import HardwareProfile, ModelShape, analytic_cost_model, hardware_profile, model_shape
+from megatron_hdp.plan.timing import expert_unit_size
 
 _SUFFIX = {"K": 1024, "M": 1024**2, "G": 1024**3}
 MEMORY_RESERVE = 0.10
@@ -57,16 +58,18 @@ class ClusterSpec:
     intra_node_bandwidth: Optional[float] = None
     """Bytes/s of a ring link inside a node; the hardware's NVLink when unset."""
     ep_size: int = 1
-    """Expert-parallel size: the routed experts are sharded over groups of `ep_size` consecutive HDP ranks
-    (with TP as their expert-tensor parallelism), whose MoE all-to-all couples their micro-batches
-    (`CostModel.expert_parallel_size`)."""
+    """Expert-parallel size (Megatron's --expert-model-parallel-size): each rank holds num_experts / EP of
+    every MoE layer's experts, and the MoE all-to-all couples the HDP ranks of an EP group
+    (`plan.timing.expert_unit_size`)."""
+    etp_size: Optional[int] = None
+    """Expert tensor-parallel size (--expert-tensor-parallel-size); None: TP, Megatron's default."""
     ring_kind: Optional[str] = None
     """Which ring split documents run (`CostModel.ring_kind`: auto, kv, latent); None: the cost model's."""
 
     def __post_init__(self) -> None:
         self.shape  # unknown model -> ValueError naming the known ones
         self.hardware_profile
-        for name in ("num_gpus", "tp_size", "pp_size", "vpp_size"):
+        for name in ("num_gpus", "tp_size", "pp_size", "vpp_size", "ep_size", "expert_tp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_gpus % (self.tp_size * self.pp_size):
@@ -80,10 +83,11 @@ class ClusterSpec:
         if self.shape.num_layers % (self.pp_size * self.vpp_size):
             raise ValueError(f"pp_size {self.pp_size} x vpp_size {self.vpp_size} does not divide {self.model}'s "
                              f"{self.shape.num_layers} layers")
-        if self.ep_size <= 0 or self.num_ranks % self.ep_size:
-            raise ValueError(f"ep_size {self.ep_size} must be positive and divide the {self.num_ranks} HDP ranks")
-        if self.ep_size > 1 and not self.shape.num_experts:
-            raise ValueError(f"ep_size {self.ep_size} needs experts; {self.model} has none")
+        expert_grid = self.expert_tp_size * self.ep_size * self.pp_size
+        if self.num_gpus % expert_grid:
+            raise ValueError(f"num_gpus {self.num_gpus} is not a multiple of expert TP x EP x PP = {self.expert_tp_size} x "
+                             f"{self.ep_size} x {self.pp_size} (Megatron's expert grid; with it, the HDP pool holds "
+                             "whole expert-parallel groups)")
         if self.ring_kind is not None and self.ring_kind not in RING_KIND_SETTINGS:
             raise ValueError(f"ring_kind must be one of {RING_KIND_SETTINGS}, got {self.ring_kind!r}")
         if self.gpus_per_node <= 0:
@@ -110,17 +114,27 @@ class ClusterSpec:
         return self.num_gpus // (self.tp_size * self.pp_size)
 
     @property
-    def parameters_per_gpu(self) -> float:
-        """Parameters one GPU holds: all but the routed experts split over TP x PP, those over TP x EP x PP."""
-        experts = self.shape.num_expert_parameters()
-        return ((self.shape.num_parameters() - experts) / self.tp_size + experts / (self.tp_size * self.ep_size)
-                ) / self.pp_size
+    def expert_tp_size(self) -> int:
+        """Expert tensor-parallel size: `etp_size`, else TP."""
+        return self.etp_size or self.tp_size
+
+    @property
+    def expert_unit(self) -> int:
+        """HDP ranks one MoE all-to-all couples (`plan.timing.expert_unit_size`): EP when expert TP is TP."""
+        return expert_unit_size(tp_size=self.tp_size, ep_size=self.ep_size, etp_size=self.expert_tp_size)
+
+    def parameters_per_gpu(self) -> tuple[float, float]:
+        """(dense, expert) parameters one GPU holds: the dense ones over TP x PP, the experts over expert TP
+        x EP x PP (num_experts / EP experts a rank, each split over expert TP)."""
+        experts = self.shape.expert_parameters()
+        dense = self.shape.num_parameters() - experts
+        return dense / (self.tp_size * self.pp_size), experts / (self.expert_tp_size * self.ep_size * self.pp_size)
 
     @property
     def grad_bytes(self) -> float:
-        """bf16 gradient bytes one (stage, TP rank) all-reduces over the HDP pool (the experts' over their
-        data-parallel group: a ring all-reduce takes about the same time for any group size)."""
-        return 2.0 * self.parameters_per_gpu
+        """bf16 gradient bytes one GPU reduces after a step: the dense ones over the HDP pool, the experts'
+        over their expert-data-parallel group (taken as one all-reduce of both, over the pool)."""
+        return 2.0 * sum(self.parameters_per_gpu())
 
     @property
     def grad_allreduce_bandwidth(self) -> float:
@@ -128,8 +142,9 @@ class ClusterSpec:
 
     def cost_model(self) -> CostModel:
         """The calibrated cost model when a JSON was given, else the analytic one for this model/TP; with
-        `ring_bandwidth` in place of its own when set, and this cluster's topology (ranks per node and the
-        link inside a node: rings inside a node run on it, rings across nodes on `ring_bandwidth`)."""
+        `ring_bandwidth` in place of its own when set, this cluster's topology (ranks per node and the
+        link inside a node: rings inside a node run on it, rings across nodes on `ring_bandwidth`) and the
+        HDP ranks its MoE all-to-all couples (`expert_unit`)."""
         if self.cost_model_path:
             cost = CostModel.from_json(self.cost_model_path)
         else:
@@ -138,11 +153,10 @@ class ClusterSpec:
             cost = dataclasses.replace(cost, ring_bandwidth=self.ring_bandwidth)
         if self.ring_kind is not None:
             cost = dataclasses.replace(cost, ring_kind=self.ring_kind)
-        if self.ep_size > 1:
-            cost = dataclasses.replace(cost, expert_parallel_size=self.ep_size)
         return dataclasses.replace(cost, ranks_per_node=self.ranks_per_node,
                                    intra_node_bandwidth=self.intra_node_bandwidth or cost.intra_node_bandwidth
-                                   or self.hardware_profile.intra_node_bandwidth)
+                                   or self.hardware_profile.intra_node_bandwidth,
+                                   expert_parallel_size=self.expert_unit)
 
     @property
     def ranks_per_node(self) -> int:
@@ -150,28 +164,40 @@ class ClusterSpec:
         return max(1, self.gpus_per_node // self.tp_size)
 
     def memory_capacity(self) -> int:
-        """Largest power-of-two C whose activations fit beside the model states.
+        """Largest power-of-two C whose activations fit beside the model states (`memory_budget`)."""
+        return self.memory_budget()["capacity"]
 
-        Model states per GPU (`parameters_per_gpu`: the routed experts also split over EP): bf16 weights and
-        grads (4 bytes/param) plus fp32 Adam states and master weights (12 bytes/param) sharded over the HDP
-        pool (distributed optimizer). Activations: a micro-batch
-        of C tokens keeps Act(C) per layer; in 1F1B the first stage holds pp micro-batches of num_layers/pp
-        layers, i.e. num_layers layers' worth, so PP does not change C. The interleaved schedule (vpp_size
-        v > 1) holds its warm-up's forwards plus one, 2 (pp - 1) + (v - 1) G + 1 chunks of num_layers /
-        (pp v) layers (G = pp): num_layers x (1 + (pp - 1) / (pp v)) layers' worth, as Korthikanti et al.
-        2022 (Sec. 4.2.3) count it, so C may halve (`activation_layers_factor`).
+    def memory_budget(self) -> dict:
+        """How C follows from GPU memory: "states_gb" (model states per GPU), "free_gb" (what is left for
+        activations), "token_mb" (activation bytes of one token over the layers a stage holds at its peak),
+        "fits" (tokens that fit) and "capacity" (C: "fits" rounded down to a power of two, which a static CP
+        = context / C also needs).
+
+        Model states per GPU: bf16 weights and grads (4 bytes/param) plus fp32 Adam states and master
+        weights (12 bytes/param) sharded over the data-parallel ranks (distributed optimizer): the dense
+        parameters over TP x PP, their states over the HDP pool; the experts over expert TP x EP x PP,
+        their states over the expert-data-parallel ranks, GPUs / (expert TP x EP x PP) (`parameters_per_gpu`).
+        Activations: a micro-batch of C tokens keeps Act(C) per layer; in 1F1B the first stage holds pp
+        micro-batches of num_layers/pp layers, i.e. num_layers layers' worth, so PP does not change C. The
+        interleaved schedule (vpp_size v > 1) holds its warm-up's forwards plus one, 2 (pp - 1) + (v - 1) G
+        + 1 chunks of num_layers / (pp v) layers (G = pp): num_layers x (1 + (pp - 1) / (pp v)) layers'
+        worth, as Korthikanti et al. 2022 (Sec. 4.2.3) count it, so C may halve (`activation_layers_factor`).
         """
-        states = self.parameters_per_gpu * (4.0 + 12.0 / self.num_ranks)
+        dense, experts = self.parameters_per_gpu()
+        expert_dp = self.num_gpus // (self.expert_tp_size * self.ep_size * self.pp_size)
+        states = dense * (4.0 + 12.0 / self.num_ranks) + experts * (4.0 + 12.0 / expert_dp)
         free = self.hardware_profile.memory_bytes * (1 - MEMORY_RESERVE) - states
         cost = self.cost_model()
         layers = cost.num_layers * self.activation_layers_factor
         per_token = cost.a2 * layers
+        where = f"{self.model} with TP={self.tp_size}, PP={self.pp_size}, EP={self.ep_size}"
         if free <= cost.b2 * layers or per_token <= 0:
-            raise ValueError(f"{self.model} with TP={self.tp_size}, PP={self.pp_size} leaves no memory for activations")
+            raise ValueError(f"{where} leaves no memory for activations")
         tokens = (free - cost.b2 * layers) / per_token
         if tokens < 1:
-            raise ValueError(f"{self.model} with TP={self.tp_size}, PP={self.pp_size} cannot hold one token per rank")
-        return 2 ** int(math.floor(math.log2(tokens)))
+            raise ValueError(f"{where} cannot hold one token per rank")
+        return {"states_gb": states / 1e9, "free_gb": free / 1e9, "token_mb": per_token / 1e6, "fits": int(tokens),
+                "capacity": 2 ** int(math.floor(math.log2(tokens)))}
 
     @property
     def activation_layers_factor(self) -> float:

@@ -160,8 +160,11 @@ def compare_policies(
     seed: int = 0,
     offload: bool = True,
     progress: bool = True,
+    cost_model: Optional[CostModel] = None,
 ) -> Comparison:
     """Simulate `steps` global batches of `distribution` under each policy (see the module docstring).
+    `cost_model`: plan and simulate with it instead of `spec.cost_model()` (e.g. one coupling no EP
+    groups, to see what the coupling costs on the same cluster).
 
     A policy that cannot plan this setup (e.g. megatron-hybrid-cp with PP) is reported with its reason
     instead of stopping the others; a name not in the planner's registry is a ValueError at once (a policy
@@ -179,7 +182,7 @@ def compare_policies(
     budget = global_batch_tokens or MICROBATCHES_PER_RANK * capacity * spec.num_ranks
     if budget <= 0:
         raise ValueError(f"global_batch_tokens must be positive, got {budget}")
-    cost_model = spec.cost_model()
+    cost_model = cost_model or spec.cost_model()
     config = HDPConfig(hdp_capacity=capacity, hdp_offload=offload)
     totals = {p: {"tokens": 0, "time": 0.0, "balance": 0.0, "idle": 0.0, "bubble": 0.0, "comm": 0.0, "bytes": 0.0,
                   "plan": 0.0, "across": 0.0, "network": 0.0}

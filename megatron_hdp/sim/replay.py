@@ -9,7 +9,10 @@ so waiting per layer adds up to waiting once per forward and once per backward);
 starts when the last rank arrives. `dedicated_step_time` replays the measured phases through exactly
 those waits — the one timing model of `megatron_hdp.plan.timing`, which the planner and the simulator use — so
 it is the step time the same ranks would reach on dedicated cores, and the measurement a prediction of
-`simulate_step(..., rules=PolicyRules())` is held against. Pipeline parallelism is not replayed.
+`simulate_step(..., rules=PolicyRules())` is held against. With expert parallelism the members of an EP
+group also run each micro-batch index together (their MoE all-to-all): a member's measured CPU seconds
+hold its own tokens' work and the expert work routed to it from the group. Pipeline parallelism is not
+replayed.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def dedicated_step_time(
     backward: Sequence[Sequence[float]],
     after: Sequence[float],
     barriers_after: Collection[int] = (),
+    ep_size: int = 1,
 ) -> float:
     """Seconds of one step of `plan` (pp_size 1) if each rank ran its measured phases on its own core.
 
@@ -36,7 +40,8 @@ def dedicated_step_time(
     Micro-batch i of ranks coupled by a ring at index i starts when all of them are ready and ends when
     the slowest is done, forward and backward each; the reduction starts when every rank is done.
     `barriers_after`: micro-batch indices after which every rank waits for all (Megatron's hybrid-CP
-    group barrier, for a plan run one sub-sample per micro-batch).
+    group barrier, for a plan run one sub-sample per micro-batch). `ep_size`: HDP ranks per expert-parallel
+    group, which run every micro-batch index together (the MoE all-to-all of each layer), padding included.
     """
     n = plan.num_ranks
     if plan.pp_size != 1:
@@ -50,5 +55,6 @@ def dedicated_step_time(
                 f"rank {r}: {len(forward[r])} forward and {len(backward[r])} backward times for "
                 f"{len(plan.ranks[r].microbatches)} planned micro-batches"
             )
-    clock = coupled_finish([forward, backward], plan_groups(plan), start=before, barriers_after=barriers_after)
+    clock = coupled_finish([forward, backward], plan_groups(plan, ep_size=ep_size), start=before,
+                           barriers_after=barriers_after)
     return float(clock.max()) + max(after)

@@ -1,0 +1,171 @@
+"""Multi-latent attention under HDP: Megatron's `MLASelfAttention` with RoPE at each token's document position.
+
+Megatron's `MLASelfAttention.get_query_key_value_tensors` rotates the RoPE part of the query and the
+shared RoPE key itself, with positions restarting at every `cu_seqlens` boundary of the packed batch:
+wrong for a zigzag ring shard, whose tokens sit at positions [a, b) and [c, d) of their document.
+`HDPMLASelfAttention` is that module with this one method rewritten: the same submodules and
+parameters (its state dict and sharded state dict have Megatron's keys), RoPE or YaRN (`rope_type`,
+`rotary_scaling_factor`, `mscale`, `mscale_all_dim`, the YaRN betas) evaluated at the positions the
+collation computed (`position_angles`), and V handed to the core attention unpadded (Megatron pads V to
+the query's head dim for TE's THD kernels; HDP's kernels take it, and the K/V ring moves K and V of
+their own widths). The layer spec (`megatron/layer_spec.py`) swaps this class in for `MLASelfAttention`
+and `HDPCoreAttention` in for the `core_attention` leaf, which attends whole documents locally and
+split ones on their ring.
+
+The seam a latent ring builds on. The computation is split in two, so that a ring that circulates the
+latent instead of K and V can take the first part's results and apply the second on each member:
+
+1. `latent_inputs(hidden_states, meta)` -> `LatentInputs(query, latent, k_pos_emb)`: the down
+   projections, their norms and the RoPE, everything that is per token of this rank: query
+   [T, Hq/TP, qk_head_dim + qk_pos_emb_head_dim] with RoPE, latent [T, kv_lora_rank] (the output of
+   `kv_layernorm`: normalised under the local spec; under the TE spec `kv_layernorm` is an IdentityOp
+   and the norm is fused into `linear_kv_up_proj`, a layer-norm linear, so the latent is the
+   un-normalised one and the norm happens in step 2, per token, on whichever rank applies it), and
+   k_pos_emb [T, 1, qk_pos_emb_head_dim], the shared RoPE key already rotated at the token's position;
+2. `up_project(latent, k_pos_emb)` -> (key, value): `linear_kv_up_proj` (this TP rank's heads) into
+   k_no_pe and value, and the key k_no_pe ++ k_pos_emb. Linear in the latent per token, so up-projecting
+   a received block of latents equals receiving that block's K and V; its weight gradient on a member is
+   that member's share of `linear_kv_up_proj`'s gradient (Megatron's DDP sums the shares).
+The K/V ring (today) runs 2 then the ring over K and V; a latent ring takes (query, latent, k_pos_emb,
+`linear_kv_up_proj`) for ring groups instead.
+
+`--recompute-modules mla_up_proj` keeps its meaning: the q and kv up projections with the RoPE run
+under Megatron's `CheckpointWithoutOutput`, as in Megatron's own method. Training only (no inference
+context, no cached latents: refused in `megatron/options.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings import YarnRotaryEmbedding
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.attention import Attention
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.utils import get_pg_size
+
+from megatron_hdp.attention.core_attention import HDPBatchMeta
+from megatron_hdp.megatron.layer_spec import batch_meta, rope_angles
+
+
+class LatentInputs(NamedTuple):
+    """What attention needs of this rank's tokens before the K/V up-projection (module doc, step 1)."""
+
+    query: torch.Tensor
+    """[T, Hq/TP, qk_head_dim + qk_pos_emb_head_dim], RoPE applied at each token's document position."""
+    latent: torch.Tensor
+    """[T, kv_lora_rank]: `kv_layernorm`'s output (normalised unless the norm is fused into the up-projection)."""
+    k_pos_emb: torch.Tensor
+    """[T, 1, qk_pos_emb_head_dim]: the RoPE key shared by all heads, rotated at each token's position."""
+
+
+def position_angles(rotary: torch.nn.Module, position_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """([T, 1, 1, dim] RoPE angles at `position_ids`, mscale) of MLA's rotary module: Megatron's
+    `RotaryEmbedding` (mscale 1) or `YarnRotaryEmbedding`, whose table is linear in the position: its row
+    1 is the blended inverse frequencies (twice), so row p of Megatron's table is p times it, bit for bit."""
+    if not isinstance(rotary, YarnRotaryEmbedding):
+        return rope_angles(rotary, position_ids), 1.0
+    table, mscale = rotary.get_emb(2)
+    return position_ids.to(table.dtype)[:, None, None, None] * table[1], mscale
+
+
+class HDPMLASelfAttention(MLASelfAttention):
+    """Megatron's MLA self-attention with per-token RoPE and V unpadded (module doc); same parameters."""
+
+    _run_core_attention = Attention._run_core_attention
+    """The plain core-attention call (`MultiLatentAttention`'s pads V to the query's head dim for THD)."""
+
+    def get_query_key_value_tensors(
+        self,
+        hidden_states: torch.Tensor,
+        key_value_states: Any = None,
+        position_ids: Any = None,
+        packed_seq_params: Any = None,
+        inference_context: Any = None,
+        *,
+        inference_params: Any = None,
+    ):
+        """(query, key, value, q_compressed, latent) of Megatron's method, for an HDP micro-batch."""
+        if inference_context is not None or inference_params is not None:
+            raise ValueError("HDP's multi-latent attention runs training micro-batches only (no inference context)")
+        meta = batch_meta(packed_seq_params, "HDPMLASelfAttention")
+        if self.recompute_up_proj:  # --recompute-modules mla_up_proj: the up projections and RoPE, as Megatron's
+
+            def up_projections(q_compressed, latent, k_pos_emb):
+                query, k_pos_emb = self._rotated(q_compressed, k_pos_emb, meta)
+                return (query, *self.up_project(latent, k_pos_emb))
+
+            q_compressed, latent, k_pos_emb = self._compressed(hidden_states)
+            self.qkv_up_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8 or self.config.fp4)
+            query, key, value = self.qkv_up_checkpoint.checkpoint(up_projections, q_compressed, latent, k_pos_emb)
+        else:
+            query, latent, k_pos_emb = self.latent_inputs(hidden_states, meta)
+            key, value = self.up_project(latent, k_pos_emb)
+        # q_compressed (the 4th) is read only by DSA's core attention (`requires_dsa_inputs`), not HDP's
+        return query, key, value, None, latent
+
+    def latent_inputs(self, hidden_states: torch.Tensor, meta: HDPBatchMeta) -> LatentInputs:
+        """Step 1 of the module doc: (query with RoPE, latent, rotated shared RoPE key) of this rank's tokens."""
+        q_compressed, latent, k_pos_emb = self._compressed(hidden_states)
+        query, k_pos_emb = self._rotated(q_compressed, k_pos_emb, meta)
+        return LatentInputs(query, latent, k_pos_emb)
+
+    def up_project(self, latent: torch.Tensor, k_pos_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 2 of the module doc: (key [T, H/TP, qk_head_dim + qk_pos_emb_head_dim], value
+        [T, H/TP, v_head_dim]), both contiguous, of `latent` [T, kv_lora_rank] and the rotated `k_pos_emb`
+        [T, 1, pe]."""
+        config, heads = self.config, self.num_attention_heads_per_partition
+        kv, _ = self.linear_kv_up_proj(latent)
+        k_no_pe, value = torch.split(
+            kv.view(*kv.shape[:-1], heads, config.qk_head_dim + config.v_head_dim),
+            [config.qk_head_dim, config.v_head_dim], dim=-1,
+        )
+        return torch.cat([k_no_pe, k_pos_emb.expand(-1, heads, -1)], dim=-1), value.contiguous()
+
+    def _compressed(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_compressed, latent, raw k_pos_emb [T, pe]): Megatron's down projections with its TP / SP
+        gathers (as in `MLASelfAttention.get_query_key_value_tensors`), THD-squeezed, then the norms."""
+        config = self.config
+        q_compressed, kv_combined = self._qkv_down_projection(hidden_states)
+        widths = [config.kv_lora_rank, config.qk_pos_emb_head_dim]
+        if kv_combined.size(-1) != sum(widths):  # a column-parallel down projection: its output is TP-sharded
+            latent, k_pos_emb = torch.split(gather_from_tensor_model_parallel_region(kv_combined), widths, dim=-1)
+            if config.sequence_parallel:
+                latent = scatter_to_sequence_parallel_region(latent)
+        else:
+            latent, k_pos_emb = torch.split(kv_combined, widths, dim=-1)
+            if get_pg_size(self.tp_group) > 1 and config.sequence_parallel:
+                k_pos_emb = gather_from_sequence_parallel_region(k_pos_emb, group=self.tp_group)
+        q_compressed, latent, k_pos_emb = (x.squeeze(1) for x in (q_compressed, latent, k_pos_emb))
+        if config.q_lora_rank is not None:
+            q_compressed = self.q_layernorm(q_compressed)
+        return q_compressed, self.kv_layernorm(latent), k_pos_emb
+
+    def _rotated(
+        self, q_compressed: torch.Tensor, k_pos_emb: torch.Tensor, meta: HDPBatchMeta
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query with RoPE, k_pos_emb [T, 1, pe] rotated): the q up projection, then RoPE at each token's
+        document position on the query's RoPE part and on the shared key (Megatron's MLA interleave)."""
+        config = self.config
+        up = self.linear_q_up_proj if config.q_lora_rank is not None else self.linear_q_proj
+        q, _ = up(q_compressed)
+        q = q.view(*q.shape[:-1], self.num_attention_heads_per_partition, self.q_head_dim)
+        q_no_pe, q_pos_emb = torch.split(q, [config.qk_head_dim, config.qk_pos_emb_head_dim], dim=-1)
+        angles, mscale = meta.memo(
+            ("mla-rope", id(self.rotary_pos_emb)), lambda: position_angles(self.rotary_pos_emb, meta.position_ids)
+        )
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:  # [T, heads, pe] -> the same, rotated
+            return apply_rotary_pos_emb(
+                x.unsqueeze(1), angles, config=config, mscale=mscale, cp_group=self.pg_collection.cp,
+                mla_rotary_interleaved=True,
+            ).squeeze(1)
+
+        return torch.cat([q_no_pe, rotate(q_pos_emb)], dim=-1), rotate(k_pos_emb.unsqueeze(-2))
