@@ -115,7 +115,7 @@ def _packed_rows(rank):
 
 
 def _router_rank(rank, world_size):
-    from megatron_hdp.attention.core_attention import HDPBatchMeta, LatentInputs, hdp_core_attention
+    from megatron_hdp.attention.core_attention import HDPBatchMeta, LatentRingInputs, hdp_core_attention
 
     groups, rows = _packed_rows(rank)
     q, latent, k_rope, weight, dout = _inputs(DOCS, dtype=torch.float32, seed=7)
@@ -127,7 +127,7 @@ def _router_rank(rank, world_size):
     key, kv = key + unread, kv + unread  # a latent group's K/V rows are never read: NaN there must not show
     meta = HDPBatchMeta(groups=groups, hdp_global_ranks=(0, 1), position_ids=torch.zeros(len(rows), dtype=torch.long))
     out = hdp_core_attention(q, key, kv[..., QK_DIM:], meta=meta, softmax_scale=0.3,
-                             latent=LatentInputs(latent, k_rope, weight, **DIMS))
+                             latent=LatentRingInputs(latent, k_rope, weight, **DIMS))
     out.backward(dout[rows])
     return [x.detach().numpy() for x in (out, *(leaf.grad for leaf in leaves))]
 

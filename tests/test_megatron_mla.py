@@ -96,15 +96,22 @@ RING_SIZES_SEED = 11
 rings of 2, 3, 4 and 5 ranks."""
 
 
+LATENT_RING_SIZES = ((2, 4), (3, 5))
+"""Per step, the ring sizes that run the latent ring; the others the K/V ring: each size runs both."""
+
+
 def test_mla_on_rings_of_two_to_five_ranks(reference):
+    """HDP = 5, whole documents and rings of 2-5 ranks in each step, the latent ring on some rings and the
+    K/V ring on the others (`LATENT_RING_SIZES`): loss and every gradient (`linear_kv_up_proj`'s and
+    `linear_kv_down_proj`'s included) equal the float64 reference."""
     from test_megatron_exactness import _plan
 
     name = "mla-yarn-q-latent"
     for step, (_, lengths) in enumerate(BATCHES):
         plan = _plan(lengths, num_ranks=5, seed=RING_SIZES_SEED + step, pp_size=1, idle=False)
         assert {len(s.ring) for s in plan.sequences} == {1, 2, 3, 4, 5}
-    results = run_gloo(_hdp, 5, 1, 1, 1, reference[name]["init"], RING_SIZES_SEED, False,
-                       dict(fields=_models()[name]), timeout_s=300)
+    case = dict(fields=_models()[name], latent_ring_sizes=LATENT_RING_SIZES)
+    results = run_gloo(_hdp, 5, 1, 1, 1, reference[name]["init"], RING_SIZES_SEED, False, case, timeout_s=300)
     _check(reference[name], results)
 
 
@@ -127,8 +134,9 @@ def _tp_reference(rank, world_size, init, fields):
 
 
 def test_mla_tensor_and_sequence_parallel_with_up_projection_recompute(reference):
-    """TP = 2 with sequence parallelism x HDP = 2, `--recompute-modules mla_up_proj`, against Megatron's own
-    MLA at TP = 2 with sequence parallelism: TP rank by TP rank. (Not against TP = 1: Megatron's MLA with
+    """TP = 2 with sequence parallelism x HDP = 2, `--recompute-modules mla_up_proj`, the latent ring in
+    step 1 and the K/V ring in step 2, against Megatron's own MLA at TP = 2 with sequence parallelism: TP
+    rank by TP rank. (Not against TP = 1: Megatron's MLA with
     its local spec computes other gradients at TP = 2 than at TP = 1. The shared RoPE key's gradient
     reaches the column-parallel `linear_kv_down_proj` only from the heads of the TP rank that holds its
     columns, since `gather_from_tensor_model_parallel_region` splits the gradient back without a sum; and
@@ -137,7 +145,7 @@ def test_mla_tensor_and_sequence_parallel_with_up_projection_recompute(reference
     name = "mla-yarn-q-latent"
     fields = _models()[name]
     want = run_gloo(_tp_reference, 2, reference[name]["init"], fields, timeout_s=240)
-    case = dict(fields=fields, sp=True, recompute="mla_up_proj")
+    case = dict(fields=fields, sp=True, recompute="mla_up_proj", latent_ring_sizes=((2,), ()))
     results = run_gloo(_hdp, 4, 2, 1, 1, reference[name]["init"], 31, False, case, timeout_s=240)
     for rank_steps in results:
         for step, got in enumerate(rank_steps):

@@ -11,9 +11,9 @@ applies RoPE and calls `hdp_core_attention`; the per-micro-batch metadata rides 
 the Megatron side carries inside its `PackedSeqParams`.
 
 Multi-latent attention: a ring group the plan gives the latent ring (`AttentionGroup.ring_kind`) runs
-`latent_ring_attention` on the group's rows of `LatentInputs` instead of `ring_attention` on its K and V;
+`latent_ring_attention` on the group's rows of `LatentRingInputs` instead of `ring_attention` on its K and V;
 the other groups attend with q, k, v as always. The caller (the MLA layer) passes the latent as the ring
-must see it (see `LatentInputs.latent`).
+must see it (see `LatentRingInputs.latent`).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class HDPBatchMeta:
 
 
 @dataclass(frozen=True)
-class LatentInputs:
+class LatentRingInputs:
     """What latent ring groups attend with (multi-latent attention), every row in packed order like q."""
 
     latent: torch.Tensor
@@ -119,7 +119,7 @@ def hdp_core_attention(
     softmax_scale: float | None = None,
     deterministic: bool = False,
     window: int | None = None,
-    latent: LatentInputs | None = None,
+    latent: LatentRingInputs | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed HDP micro-batch: q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] -> [T, Hq, Dv].
 
@@ -134,7 +134,7 @@ def hdp_core_attention(
     check_group_order(meta.groups, num_tokens=q.shape[0])
     if latent is None and any(g.is_ring and g.ring_kind == "latent" for g in meta.groups):
         raise ValueError("the plan runs latent rings in this micro-batch but no latent inputs were given: a latent "
-                         "ring needs a multi-latent attention layer (LatentInputs)")
+                         "ring needs a multi-latent attention layer (LatentRingInputs)")
     outputs = []
     for group, segments in zip(meta.groups, meta.segments):
         lo, hi = group.tokens

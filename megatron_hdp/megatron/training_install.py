@@ -175,8 +175,14 @@ def _cost_model(args: Namespace, config: HDPConfig) -> CostModel:
         1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // args.tensor_model_parallel_size)
     unit = expert_unit_size(tp_size=args.tensor_model_parallel_size, ep_size=args.expert_model_parallel_size,
                             etp_size=getattr(args, "expert_tensor_parallel_size", None))
-    return dataclasses.replace(_base_cost_model(args, config), ranks_per_node=ranks_per_node,
-                               expert_parallel_size=unit)
+    cost_model = dataclasses.replace(_base_cost_model(args, config), ranks_per_node=ranks_per_node,
+                                     expert_parallel_size=unit)
+    if config.hdp_ring_kind is not None:
+        if config.hdp_ring_kind == "latent" and not getattr(args, "multi_latent_attention", False):
+            raise ValueError("--hdp-ring-kind latent needs --multi-latent-attention (the latent ring circulates "
+                             "its latent); drop the flag or set it to kv")
+        cost_model = dataclasses.replace(cost_model, ring_kind=config.hdp_ring_kind)
+    return cost_model
 
 
 def _base_cost_model(args: Namespace, config: HDPConfig) -> CostModel:
@@ -194,11 +200,18 @@ def _base_cost_model(args: Namespace, config: HDPConfig) -> CostModel:
         num_experts=args.num_experts or 0,
         moe_router_topk=args.moe_router_topk,
         gated_mlp=args.swiglu,
+        **(_mla_shape(args) if getattr(args, "multi_latent_attention", False) else {}),
     )
     return analytic_cost_model(
         shape, "h100", tp_size=args.tensor_model_parallel_size,
         recompute_granularity=getattr(args, "recompute_granularity", None) or "none",
     )
+
+
+def _mla_shape(args: Namespace) -> dict:
+    """`ModelShape`'s multi-latent attention fields from Megatron's MLA flags (the latent ring's cost)."""
+    return dict(kv_lora_rank=args.kv_lora_rank, q_lora_rank=args.q_lora_rank, qk_head_dim=args.qk_head_dim,
+                qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim)
 
 
 # --- the wrappers (see the module docstring for what each replaces) ----------------------------------
