@@ -19,7 +19,7 @@ and it patches torch.cuda for the life of the process). What they catch, before 
   documents change, and the telemetry gather putting a CPU tensor into an NCCL all-gather;
 * sliding windows (`window_ring`, 4 played ranks, P2P matched across them by `fake_gpu.p2p_problems`):
   flex's window mask copying each ring piece's shifts from the host inside the first windowed layer;
-* multi-latent attention (`hdp_step ... mla`): an MLA step with a ring on CUDA tensors.
+* multi-latent attention (`hdp_step ... mla`): MLA steps with a K/V ring, then a latent ring, on CUDA tensors.
 """
 
 import os
@@ -94,8 +94,9 @@ def test_hdp_step_on_fake_gpu(guard_library, pp_size, rank):
 def test_multi_latent_attention_step_on_fake_gpu(guard_library):
     """`test_hdp_step_on_fake_gpu`'s PP=1 rank 0 (a ring and whole documents) with DeepSeek-style
     multi-latent attention and YaRN: HDP's MLA module (RoPE angles of the micro-batch's positions, made in
-    its first layer), V narrower than q and k through torch varlen (padded) and the K/V ring, on CUDA
-    tensors under NCCL's rules, no host sync or blocking copy inside a layer or a micro-batch."""
+    its first layer), V narrower than q and k through torch varlen (padded), the K/V ring in the first step
+    and the latent ring (up-projection of received latents, latent gradients sent back) in the second, on
+    CUDA tensors under NCCL's rules, no host sync or blocking copy inside a layer or a micro-batch."""
     output = _run(guard_library, "hdp_step", "1", "0", "mla")
     assert "of micro-batch tensors (pinned, non-blocking)" in output
 

@@ -165,3 +165,23 @@ def test_mla_deepseek_moe_under_pipeline_parallelism(reference):
     case = dict(fields=fields, moe=True, block=True)
     results = run_gloo(_hdp, 4, 1, 2, 1, reference[name]["init"], 41, False, case, timeout_s=240)
     _check(reference[name], results)
+
+
+def test_the_latent_ring_normalises_with_the_fused_norm_of_the_te_spec():
+    """Under the TE spec `linear_kv_up_proj` is a layer-norm linear: the latent ring normalises the latent
+    with that module's own `layer_norm_weight` (and bias), as its fused norm would (RMSNorm; LayerNorm with
+    zero-centred gamma), and leaves it alone under the local spec (no norm parameters on the module)."""
+    from megatron_hdp.megatron.mla import normalised_latent
+
+    latent = torch.randn(5, 16, dtype=torch.float64)
+    weight, bias = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    fused = types.SimpleNamespace(layer_norm_weight=weight, layer_norm_bias=bias)
+    config = types.SimpleNamespace(layernorm_zero_centered_gamma=False, layernorm_epsilon=1e-5, normalization="RMSNorm")
+    rms = latent / (latent.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * weight
+    torch.testing.assert_close(normalised_latent(fused, latent, config), rms)
+    config = types.SimpleNamespace(
+        layernorm_zero_centered_gamma=True, layernorm_epsilon=1e-6, normalization="LayerNorm")
+    centred = latent - latent.mean(-1, keepdim=True)
+    layer = centred / (centred.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * (weight + 1) + bias
+    torch.testing.assert_close(normalised_latent(fused, latent, config), layer)
+    assert normalised_latent(torch.nn.Linear(16, 8), latent, config) is latent

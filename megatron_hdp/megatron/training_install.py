@@ -126,6 +126,7 @@ class HDPRuntime:
         stats = {
             "hdp/balance": float(summary.balance),
             "hdp/rings": float(summary.num_rings),
+            "hdp/latent-rings": float(summary.latent_rings),
             "hdp/ring-attention-GB": summary.attention_bytes / 1e9,
             "hdp/microbatches-max": float(summary.max_microbatches),
             "hdp/microbatches-min": float(summary.min_microbatches),
