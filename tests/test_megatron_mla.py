@@ -185,3 +185,16 @@ def test_the_latent_ring_normalises_with_the_fused_norm_of_the_te_spec():
     layer = centred / (centred.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * (weight + 1) + bias
     torch.testing.assert_close(normalised_latent(fused, latent, config), layer)
     assert normalised_latent(torch.nn.Linear(16, 8), latent, config) is latent
+
+
+def test_with_gradient_accumulation_fusion_the_rings_weight_gradient_goes_to_main_grad():
+    """Megatron's fused linears add their weight gradient into `main_grad` and DDP then ignores `.grad`:
+    the latent ring's share (`fused_weight_grad`) goes there too, added to what is already there."""
+    from megatron_hdp.megatron.mla import fused_weight_grad
+
+    weight = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+    latent = torch.randn(5, 4, dtype=torch.float64)
+    weight.main_grad = torch.ones(3, 4, dtype=torch.float32)
+    (latent @ fused_weight_grad(weight).t()).sum().backward()
+    assert weight.grad is None
+    torch.testing.assert_close(weight.main_grad, (1 + latent.sum(0)).expand(3, 4).float())
