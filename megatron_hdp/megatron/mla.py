@@ -116,6 +116,10 @@ class HDPMLASelfAttention(MLASelfAttention):
         meta = batch_meta(packed_seq_params, "HDPMLASelfAttention")
         self._ring_latent = None
         latent_rings = any(g.is_ring and g.ring_kind == "latent" for g in meta.groups)
+        if latent_rings and self.checkpoint_core_attention and self.training:
+            raise ValueError("a latent ring does not run under --recompute-modules core_attn (the recompute would "
+                             "call the core attention without the ring's latent inputs): plan K/V rings "
+                             "(--hdp-ring-kind kv, what --hdp sets with core_attn) or drop core_attn")
         if self.recompute_up_proj:  # --recompute-modules mla_up_proj: the up projections and RoPE, as Megatron's
 
             def up_projections(q_compressed, latent, k_pos_emb):

@@ -178,11 +178,18 @@ def _cost_model(args: Namespace, config: HDPConfig) -> CostModel:
                             etp_size=getattr(args, "expert_tensor_parallel_size", None))
     cost_model = dataclasses.replace(_base_cost_model(args, config), ranks_per_node=ranks_per_node,
                                      expert_parallel_size=unit)
-    if config.hdp_ring_kind is not None:
-        if config.hdp_ring_kind == "latent" and not getattr(args, "multi_latent_attention", False):
-            raise ValueError("--hdp-ring-kind latent needs --multi-latent-attention (the latent ring circulates "
-                             "its latent); drop the flag or set it to kv")
-        cost_model = dataclasses.replace(cost_model, ring_kind=config.hdp_ring_kind)
+    ring_kind = config.hdp_ring_kind
+    if ring_kind == "latent" and not getattr(args, "multi_latent_attention", False):
+        raise ValueError("--hdp-ring-kind latent needs --multi-latent-attention (the latent ring circulates its "
+                         "latent); drop the flag or set it to kv")
+    modules = getattr(args, "recompute_modules", None) or ["core_attn"]  # Megatron's default with selective
+    if getattr(args, "recompute_granularity", None) == "selective" and "core_attn" in modules:
+        if ring_kind == "latent":  # the checkpoint's recompute would run the ring without its latent inputs
+            raise ValueError("--hdp-ring-kind latent with --recompute-modules core_attn: the latent ring does not "
+                             "run under core-attention recompute; use --hdp-ring-kind kv or drop core_attn")
+        ring_kind = "kv" if getattr(args, "multi_latent_attention", False) else ring_kind
+    if ring_kind is not None:
+        cost_model = dataclasses.replace(cost_model, ring_kind=ring_kind)
     return cost_model
 
 
