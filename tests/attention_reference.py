@@ -72,3 +72,41 @@ def reference_with_grads(
                               sink=leaves[3] if sink is not None else None)
     grads = torch.autograd.grad(out, leaves, dout.double())
     return (out.detach(), *grads)
+
+
+def reference_latent_attention(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    up_weight: torch.Tensor,
+    seqlens: Sequence[int],
+    *,
+    qk_head_dim: int,
+    v_head_dim: int,
+    causal: bool,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Multi-latent attention as Megatron's MLASelfAttention computes it, in float64 (differentiable):
+    kv = latent W^T viewed [T, H, qk_head_dim + v_head_dim], split into k_no_pe and value; K = cat(k_no_pe,
+    k_rope [T, 1, Dr] repeated over heads); then `reference_attention` over each document."""
+    heads = q.shape[1]
+    kv = torch.einsum("tr,or->to", latent.double(), up_weight.double()).reshape(-1, heads, qk_head_dim + v_head_dim)
+    k_no_pe, value = kv[..., :qk_head_dim], kv[..., qk_head_dim:]
+    key = torch.cat([k_no_pe, k_rope.double().repeat(1, heads, 1)], dim=-1)
+    return reference_attention(q, key, value, seqlens, causal=causal, scale=scale, window=window)
+
+
+def reference_latent_with_grads(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    up_weight: torch.Tensor,
+    dout: torch.Tensor,
+    seqlens: Sequence[int],
+    **kwargs,
+) -> tuple[torch.Tensor, ...]:
+    """(out, dq, dlatent, dk_rope, dup_weight) of `reference_latent_attention` for `dout`, all float64."""
+    leaves = [x.detach().double().requires_grad_() for x in (q, latent, k_rope, up_weight)]
+    out = reference_latent_attention(*leaves, seqlens, **kwargs)
+    return (out.detach(), *torch.autograd.grad(out, leaves, dout.double()))

@@ -45,8 +45,9 @@ def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: 
     stage `me` of 2 (PP=2). `fp8_recipe` turns on Megatron's FP8 (TE's collectives stood in for by
     `fake_te_fp8`); `mtp_depth` Megatron's multi-token prediction (its layers on the same rings, its
     rolls answered from the micro-batch); `attention` "mla": DeepSeek-style multi-latent attention with
-    YaRN (`tiny_mla_fields`), "sinks": gpt-oss's learnable attention sinks. Returns the harness's
-    `HostAndDevice` mode with the second step's copies."""
+    YaRN (`tiny_mla_fields`), the ring a K/V ring in the first step and a latent ring in the second,
+    "sinks": gpt-oss's learnable attention sinks. Returns the harness's `HostAndDevice` mode with the
+    second step's copies."""
     import torch
     import fake_gpu
 
@@ -88,6 +89,11 @@ def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: 
         plan = plan_from_rings([PP_TOKENS] * 2, [(0,), (0,)], [0, 1], num_ranks=1, capacity=16, pp_size=2)
     trainer.step(plan, _read_tokens)  # the first step builds the ring plans (cached for equal lengths)
     mode.h2d.clear()
+    if attention == "mla" and pp == 1:  # the second step runs the ring as multi-latent attention's latent ring
+        import dataclasses
+
+        latent = dataclasses.replace(plan.sequences[0], ring_kind="latent")
+        plan = dataclasses.replace(plan, sequences=(latent, *plan.sequences[1:])).validate()
     stats = trainer.step(plan, _read_tokens)
     assert len(stats.compute_times) == WORLD  # values are placeholders: fake tensors hold none
     return mode

@@ -325,13 +325,21 @@ def assert_same_losses(run: list[dict], reference: list[dict], *, rel: float = 1
     return losses
 
 
-def assert_whole_and_rings_agree(argv: list[str], *, seq_length: int, **run_kwargs) -> list[float]:
+def assert_whole_and_rings_agree(argv: list[str], *, seq_length: int, ring_kinds: tuple[str, ...] = (),
+                                 **run_kwargs) -> list[float]:
     """`argv` with --hdp on 1 rank with capacity `seq_length` (every document whole) and on 4 ranks with
     capacity 24 (longer pieces on rings of up to 4 ranks): the same loss at every step, and rings ran.
-    `run_kwargs` go to `run_pretrain` (a script and its Megatron-LM checkout). Returns the losses."""
+    `ring_kinds` (multi-latent attention): one 4-rank run per --hdp-ring-kind, each with the losses of the
+    whole run (and latent rings ran with "latent"). `run_kwargs` go to `run_pretrain` (a script and its
+    Megatron-LM checkout). Returns the losses."""
     hdp = ["--hdp", "--no-hdp-offload"]
     whole = run_pretrain(argv + hdp + ["--hdp-capacity", str(seq_length)], world_size=1, **run_kwargs)
-    rings = run_pretrain(argv + hdp + ["--hdp-capacity", "24"], world_size=4, **run_kwargs)
     assert all(step["hdp/rings"] == 0 for step in whole[0]["stats"])
-    assert sum(step["hdp/rings"] for step in rings[0]["stats"]) > 0
-    return assert_same_losses(rings, whole)
+    for kind in ring_kinds or (None,):
+        forced = ["--hdp-ring-kind", kind] if kind else []
+        rings = run_pretrain(argv + hdp + forced + ["--hdp-capacity", "24"], world_size=4, **run_kwargs)
+        assert sum(step["hdp/rings"] for step in rings[0]["stats"]) > 0
+        latent = sum(step["hdp/latent-rings"] for step in rings[0]["stats"])
+        assert latent > 0 if kind == "latent" else latent == 0
+        losses = assert_same_losses(rings, whole)
+    return losses

@@ -104,3 +104,17 @@ def test_each_microbatch_carries_the_largest_offload_ratio_of_its_sequences():
             assert packed.offload_ratio == max((ratios[seq] for seq in held), default=0.0), (rank, held)
             assert packed.to("cpu").offload_ratio == packed.offload_ratio
     assert empty_microbatch(rank=0).offload_ratio == 0.0
+
+
+def test_ring_groups_carry_the_plans_ring_kind():
+    """The plan's ring kind of a ring call reaches the core attention with its group (multi-latent
+    attention's latent ring); whole documents and K/V rings stay "kv"."""
+    import dataclasses
+
+    plan = _plan()
+    sequences = tuple(dataclasses.replace(s, ring_kind="latent") if s.id == 3 else s for s in plan.sequences)
+    plan = dataclasses.replace(plan, sequences=sequences).validate()
+    for rank in (0, 1):
+        groups = collate_microbatch(plan, plan.microbatches(rank)[0], _raw).groups
+        kinds = {g.seq_ids: g.ring_kind for g in groups if g.seq_ids}
+        assert kinds[(3,)] == "latent" and kinds[(1,)] == "kv" and set(kinds.values()) == {"kv", "latent"}

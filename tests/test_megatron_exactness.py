@@ -102,6 +102,18 @@ def _plan(lengths, *, num_ranks, seed, pp_size, idle, offload=0.0):
                            offload_ratios=[offload] * len(lengths))
 
 
+def _with_latent_rings(plan, sizes):
+    """`plan` with its rings of `sizes` ranks on the latent ring (the others keep the K/V ring; none: as is)."""
+    import dataclasses
+
+    if not sizes:
+        return plan
+    sequences = tuple(dataclasses.replace(s, ring_kind="latent") if len(s.ring) in sizes else s
+                      for s in plan.sequences)
+    assert any(s.ring_kind == "latent" for s in sequences)
+    return dataclasses.replace(plan, sequences=sequences).validate()
+
+
 def _case_config(config, case):
     """`config` with the case's recompute setting and micro-batch group size of virtual pipeline stages."""
     import dataclasses
@@ -198,6 +210,8 @@ def _hdp(rank, world_size, tp, pp, ep, init, plan_seed, overlap, case=None):
         else:
             plan = _plan(lengths, num_ranks=state.hdp_size, seed=plan_seed + step, pp_size=pp,
                          idle=overlap and step == 1, offload=case.get("offload", 0.0))
+        if "latent_ring_sizes" in case:  # multi-latent attention: these steps' rings of these sizes run latent
+            plan = _with_latent_rings(plan, case["latent_ring_sizes"][step])
         stats = trainer.step(plan, token_reader(seed, lengths))
         idle = [len(r.microbatches) == 0 for r in plan.ranks]
         offloaded = stats.offload.bytes_offloaded if stats.offload is not None else 0

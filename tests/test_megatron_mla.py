@@ -96,15 +96,22 @@ RING_SIZES_SEED = 11
 rings of 2, 3, 4 and 5 ranks."""
 
 
+LATENT_RING_SIZES = ((2, 4), (3, 5))
+"""Per step, the ring sizes that run the latent ring; the others the K/V ring: each size runs both."""
+
+
 def test_mla_on_rings_of_two_to_five_ranks(reference):
+    """HDP = 5, whole documents and rings of 2-5 ranks in each step, the latent ring on some rings and the
+    K/V ring on the others (`LATENT_RING_SIZES`): loss and every gradient (`linear_kv_up_proj`'s and
+    `linear_kv_down_proj`'s included) equal the float64 reference."""
     from test_megatron_exactness import _plan
 
     name = "mla-yarn-q-latent"
     for step, (_, lengths) in enumerate(BATCHES):
         plan = _plan(lengths, num_ranks=5, seed=RING_SIZES_SEED + step, pp_size=1, idle=False)
         assert {len(s.ring) for s in plan.sequences} == {1, 2, 3, 4, 5}
-    results = run_gloo(_hdp, 5, 1, 1, 1, reference[name]["init"], RING_SIZES_SEED, False,
-                       dict(fields=_models()[name]), timeout_s=300)
+    case = dict(fields=_models()[name], latent_ring_sizes=LATENT_RING_SIZES)
+    results = run_gloo(_hdp, 5, 1, 1, 1, reference[name]["init"], RING_SIZES_SEED, False, case, timeout_s=300)
     _check(reference[name], results)
 
 
@@ -127,8 +134,9 @@ def _tp_reference(rank, world_size, init, fields):
 
 
 def test_mla_tensor_and_sequence_parallel_with_up_projection_recompute(reference):
-    """TP = 2 with sequence parallelism x HDP = 2, `--recompute-modules mla_up_proj`, against Megatron's own
-    MLA at TP = 2 with sequence parallelism: TP rank by TP rank. (Not against TP = 1: Megatron's MLA with
+    """TP = 2 with sequence parallelism x HDP = 2, `--recompute-modules mla_up_proj`, the latent ring in
+    step 1 and the K/V ring in step 2, against Megatron's own MLA at TP = 2 with sequence parallelism: TP
+    rank by TP rank. (Not against TP = 1: Megatron's MLA with
     its local spec computes other gradients at TP = 2 than at TP = 1. The shared RoPE key's gradient
     reaches the column-parallel `linear_kv_down_proj` only from the heads of the TP rank that holds its
     columns, since `gather_from_tensor_model_parallel_region` splits the gradient back without a sum; and
@@ -137,7 +145,7 @@ def test_mla_tensor_and_sequence_parallel_with_up_projection_recompute(reference
     name = "mla-yarn-q-latent"
     fields = _models()[name]
     want = run_gloo(_tp_reference, 2, reference[name]["init"], fields, timeout_s=240)
-    case = dict(fields=fields, sp=True, recompute="mla_up_proj")
+    case = dict(fields=fields, sp=True, recompute="mla_up_proj", latent_ring_sizes=((2,), ()))
     results = run_gloo(_hdp, 4, 2, 1, 1, reference[name]["init"], 31, False, case, timeout_s=240)
     for rank_steps in results:
         for step, got in enumerate(rank_steps):
@@ -157,3 +165,36 @@ def test_mla_deepseek_moe_under_pipeline_parallelism(reference):
     case = dict(fields=fields, moe=True, block=True)
     results = run_gloo(_hdp, 4, 1, 2, 1, reference[name]["init"], 41, False, case, timeout_s=240)
     _check(reference[name], results)
+
+
+def test_the_latent_ring_normalises_with_the_fused_norm_of_the_te_spec():
+    """Under the TE spec `linear_kv_up_proj` is a layer-norm linear: the latent ring normalises the latent
+    with that module's own `layer_norm_weight` (and bias), as its fused norm would (RMSNorm; LayerNorm with
+    zero-centred gamma), and leaves it alone under the local spec (no norm parameters on the module)."""
+    from megatron_hdp.megatron.mla import normalised_latent
+
+    latent = torch.randn(5, 16, dtype=torch.float64)
+    weight, bias = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    fused = types.SimpleNamespace(layer_norm_weight=weight, layer_norm_bias=bias)
+    config = types.SimpleNamespace(layernorm_zero_centered_gamma=False, layernorm_epsilon=1e-5, normalization="RMSNorm")
+    rms = latent / (latent.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * weight
+    torch.testing.assert_close(normalised_latent(fused, latent, config), rms)
+    config = types.SimpleNamespace(
+        layernorm_zero_centered_gamma=True, layernorm_epsilon=1e-6, normalization="LayerNorm")
+    centred = latent - latent.mean(-1, keepdim=True)
+    layer = centred / (centred.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * (weight + 1) + bias
+    torch.testing.assert_close(normalised_latent(fused, latent, config), layer)
+    assert normalised_latent(torch.nn.Linear(16, 8), latent, config) is latent
+
+
+def test_with_gradient_accumulation_fusion_the_rings_weight_gradient_goes_to_main_grad():
+    """Megatron's fused linears add their weight gradient into `main_grad` and DDP then ignores `.grad`:
+    the latent ring's share (`fused_weight_grad`) goes there too, added to what is already there."""
+    from megatron_hdp.megatron.mla import fused_weight_grad
+
+    weight = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+    latent = torch.randn(5, 4, dtype=torch.float64)
+    weight.main_grad = torch.ones(3, 4, dtype=torch.float32)
+    (latent @ fused_weight_grad(weight).t()).sum().backward()
+    assert weight.grad is None
+    torch.testing.assert_close(weight.main_grad, (1 + latent.sum(0)).expand(3, 4).float())

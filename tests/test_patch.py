@@ -153,15 +153,18 @@ def test_patched_pretrain_gpt_with_moe_at_ep2_matches_plain_megatron(tmp_path):
     assert any(len(s["ring"]) > 1 for plan in plans for s in plan["sequences"])  # documents were split
 
 
+@pytest.mark.timeout(600)  # three launches: whole, K/V rings, latent rings
 def test_patched_pretrain_gpt_with_multi_latent_attention_matches_whole_documents_on_rings(tmp_path):
     """The patched script with `--hdp --multi-latent-attention`: the checkout's Megatron builds its MLA
-    config and spec, HDP swaps in its MLA module; 4 ranks with rings give 1 rank's losses, step by step."""
+    config and spec, HDP swaps in its MLA module; 4 ranks with K/V rings, and with latent rings, give 1 rank's losses, step by
+    step."""
     from pretrain_harness import MLA, TINY, assert_whole_and_rings_agree
 
     root, script, prefix = _patched_checkout(tmp_path)
     argv = TINY + MLA + ["--seq-length", "64", "--global-batch-size", "8", "--train-iters", "3",
                          "--data-path", prefix, "--data-cache-path", str(tmp_path / "cache")]
-    losses = assert_whole_and_rings_agree(argv, seq_length=64, script=script, python_path=(str(root),))
+    losses = assert_whole_and_rings_agree(argv, seq_length=64, ring_kinds=("kv", "latent"), script=script,
+                                          python_path=(str(root),))
     assert len(losses) == 3 and losses[-1] < losses[0]
 
 

@@ -150,12 +150,14 @@ def test_build_many_gives_the_instances_the_constructor_gives():
     constructed ones: equal, same hash and repr, frozen, usable with dataclasses.replace and pickle."""
     import pickle
 
-    built = build_many(SequencePlacement, range(3), [5, 7, 9], [(0,), (1, 2), (2,)], [0.0, 0.5, 1.0])
-    made = [SequencePlacement(0, 5, (0,)), SequencePlacement(1, 7, (1, 2), 0.5), SequencePlacement(2, 9, (2,), 1.0)]
+    built = build_many(SequencePlacement, range(3), [5, 7, 9], [(0,), (1, 2), (2,)], [0.0, 0.5, 1.0],
+                       ["kv", "latent", "kv"])
+    made = [SequencePlacement(0, 5, (0,)), SequencePlacement(1, 7, (1, 2), 0.5, "latent"),
+            SequencePlacement(2, 9, (2,), 1.0)]
     assert built == made and [hash(b) for b in built] == [hash(m) for m in made]
     assert [repr(b) for b in built] == [repr(m) for m in made]
     assert pickle.loads(pickle.dumps(built)) == made
-    assert dataclasses.replace(built[1], ring=(2, 1)) == SequencePlacement(1, 7, (2, 1), 0.5)
+    assert dataclasses.replace(built[1], ring=(2, 1)) == SequencePlacement(1, 7, (2, 1), 0.5, "latent")
     with pytest.raises(dataclasses.FrozenInstanceError):
         built[0].length = 6
     shards = build_many(Shard, [4, 8], [((0, 3),), ((0, 1), (5, 6))])

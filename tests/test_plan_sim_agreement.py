@@ -26,6 +26,8 @@ from plan_reference import expert_padded, reference_finish
 CM = analytic_cost_model("llama-7b", tp_size=8)
 # a slow ring link, so that ring traffic is exposed for short documents and sharing an exchange matters
 SLOW_RING = CostModel.from_dict({**CM.to_dict(), "ring_bandwidth": 2e9, "ring_latency": 1e-4})
+# multi-latent attention: the planner picks the K/V or the latent ring per ring call (both occur here)
+MLA = CostModel.from_dict({**analytic_cost_model("deepseek-v3", tp_size=8).to_dict(), "ring_bandwidth": 4e11})
 
 
 def _batches():
@@ -44,7 +46,7 @@ def _policies():
         yield name
 
 
-@pytest.mark.parametrize("cost_model", [CM, SLOW_RING], ids=["h100", "slow-ring"])
+@pytest.mark.parametrize("cost_model", [CM, SLOW_RING, MLA], ids=["h100", "slow-ring", "mla"])
 def test_planner_rank_times_equal_simulated_busy_time(cost_model):
     for name, lengths, num_ranks, capacity, offload in _batches():
         for policy in _policies():
@@ -72,7 +74,7 @@ def test_shards_on_one_ring_share_one_exchange():
     assert two == pytest.approx((SLOW_RING.g + separate) * SLOW_RING.num_layers)
 
 
-@pytest.mark.parametrize("cost_model", [CM, SLOW_RING], ids=["h100", "slow-ring"])
+@pytest.mark.parametrize("cost_model", [CM, SLOW_RING, MLA], ids=["h100", "slow-ring", "mla"])
 def test_step_time_follows_the_independent_waiting_rule(cost_model):
     """Every policy's predicted step (the planner's `est_step_time` and the simulator's) is when the last
     rank finishes under the waiting rule written out in `tests.plan_reference.reference_finish` (no code

@@ -1,6 +1,8 @@
 """Ring attention on 2, 3, 4 and 8 gloo ranks against the single-process float64 reference.
 
-Cases with `value_dim` give V a narrower head dim than q and k (multi-latent attention).
+Cases with `value_dim` give V a narrower head dim than q and k (multi-latent attention). Rings named in a
+case's `latent` are latent rings (`latent_ring_attention`, multi-latent attention's latent circulating):
+their up-projection weight's gradient is each member's share, summed over the ring against the reference.
 
 Each launch runs many cases back to back (spawning ranks is the expensive part). A case is a list of
 rings, each with its documents; every rank runs the rings it belongs to in list order (the runtime's
@@ -11,22 +13,25 @@ share one sink over their rings; the sink's gradient, summed over the ranks' row
 
 import torch
 import torch.distributed as dist
-from attention_reference import reference_with_grads
+from attention_reference import reference_latent_with_grads, reference_with_grads
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from megatron_hdp.attention import count_traffic, ring_attention, zigzag_token_indices
+from megatron_hdp.attention.latent_ring import latent_ring_attention
 from megatron_hdp.comm.launch import run_gloo
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _case(rings, *, heads=(4, 2), causal=True, seed=0, head_dim=8, window=None, value_dim=None, sink=None):
+def _case(rings, *, heads=(4, 2), causal=True, seed=0, head_dim=8, window=None, value_dim=None, sink=None,
+          latent=()):
     """`value_dim`: V's (and the output's) head dim, narrower than q's and k's in multi-latent attention.
-    `sink`: None, "off-by-one" or "learnable" (Megatron's softmax_type), one sink for all rings of the case."""
+    `sink`: None, "off-by-one" or "learnable" (Megatron's softmax_type), one sink for all K/V rings of the
+    case. `latent`: ids of the rings that are latent rings (heads[0] heads, `LATENT_DIMS`)."""
     rings = [(tuple(r), tuple(s)) for r, s in rings]
     return dict(rings=rings, heads=heads, causal=causal, seed=seed, dim=head_dim, window=window, dv=value_dim,
-                sink=sink)
+                sink=sink, latent=tuple(latent))
 
 
 def _sink(case):
@@ -38,10 +43,20 @@ def _sink(case):
     return torch.randn(case["heads"][0], generator=torch.Generator().manual_seed(case["seed"]))
 
 
+LATENT_DIMS = dict(qk_head_dim=6, v_head_dim=4)
+ROPE_DIM, LATENT_RANK = 2, 5
+
+
 def _ring_tensors(case, ring_id):
-    """The packed q, k, v and output gradient of one ring's documents (identical on every rank)."""
+    """The packed q, k, v and output gradient of one ring's documents (identical on every rank); for a
+    latent ring q, latent, k_rope, up_weight and the output gradient."""
     gen = torch.Generator().manual_seed(case["seed"] * 1000 + ring_id)
     total = sum(case["rings"][ring_id][1])
+    if ring_id in case["latent"]:
+        heads, (qk, dv) = case["heads"][0], LATENT_DIMS.values()
+        shapes = ((total, heads, qk + ROPE_DIM), (total, LATENT_RANK), (total, 1, ROPE_DIM),
+                  (heads * (qk + dv), LATENT_RANK), (total, heads, dv))
+        return [torch.randn(shape, generator=gen) for shape in shapes]
     (hq, hkv), dim = case["heads"], case["dim"]
     dims = (dim, dim, case["dv"] or dim, case["dv"] or dim)
     return [torch.randn(total, h, d, generator=gen) for h, d in zip((hq, hkv, hkv, hq), dims)]
@@ -54,8 +69,9 @@ def _numpy(*tensors):
 
 
 def _run_cases(rank, world_size, cases):
-    """Per case: {ring_id: (out, dq, dk, dv)} of this rank's rows, the bytes it sent/received, and the
-    gradient of the case's sink from this rank's rows (None without a sink or rows)."""
+    """Per case: {ring_id: (out, dq, dk, dv)} of this rank's rows ((out, dq, dlatent, dk_rope, dup_weight)
+    for a latent ring), the bytes it sent/received, and the gradient of the case's sink from this rank's
+    rows (None without a sink or rows)."""
     results = []
     for case in cases:
         leaves, outs, douts, ids = [], [], [], []
@@ -66,19 +82,22 @@ def _run_cases(rank, world_size, cases):
             for ring_id, (ranks, seqlens) in enumerate(case["rings"]):
                 if rank not in ranks:
                     continue
-                q, k, v, dout = _ring_tensors(case, ring_id)
+                *inputs, dout = _ring_tensors(case, ring_id)
                 rows = zigzag_token_indices(seqlens, len(ranks), ranks.index(rank))
-                mine = [x[rows].requires_grad_() for x in (q, k, v)]
-                out = ring_attention(
-                    *mine, seqlens=seqlens, ring=ranks, causal=case["causal"], softmax_scale=0.3, window=case["window"],
-                    sink=sink,
-                )
+                options = dict(seqlens=seqlens, ring=ranks, causal=case["causal"], softmax_scale=0.3,
+                               window=case["window"])
+                if ring_id in case["latent"]:  # the up-projection weight is every member's, whole
+                    mine = [x[rows].requires_grad_() for x in inputs[:3]] + [inputs[3].requires_grad_()]
+                    out = latent_ring_attention(*mine[:3], up_weight=mine[3], **options, **LATENT_DIMS)
+                else:
+                    mine = [x[rows].requires_grad_() for x in inputs]
+                    out = ring_attention(*mine, **options, sink=sink)
                 outs.append(out)
                 leaves.append(mine)
                 douts.append(dout[rows])
                 ids.append(ring_id)
             if outs:
-                torch.autograd.backward(torch.cat(outs), torch.cat(douts))
+                torch.autograd.backward(outs, douts)  # one backward over all rings
         results.append(
             (
                 {i: _numpy(o, *(x.grad for x in leaf)) for i, o, leaf in zip(ids, outs, leaves)},
@@ -94,16 +113,22 @@ def _check(cases, world_size):
     for c, case in enumerate(cases):
         dsink = 0.0  # the reference's sink gradient, summed over the rings of the case
         for ring_id, (ranks, seqlens) in enumerate(case["rings"]):
-            q, k, v, dout = _ring_tensors(case, ring_id)
-            want = reference_with_grads(
-                q, k, v, dout, seqlens, causal=case["causal"], scale=0.3, window=case["window"], sink=_sink(case)
-            )
-            if case["sink"] is not None:
-                dsink = dsink + want[4]
+            *inputs, dout = _ring_tensors(case, ring_id)
+            options = dict(causal=case["causal"], scale=0.3, window=case["window"])
+            if ring_id in case["latent"]:
+                want = reference_latent_with_grads(*inputs, dout, seqlens, **options, **LATENT_DIMS)
+                names = ("out", "dq", "dlatent", "dk_rope")
+                shares = sum(torch.from_numpy(by_rank[rank][c][0][ring_id][4]).double() for rank in ranks)
+                torch.testing.assert_close(shares, want[4], **TOL, msg=lambda m: f"case {case} dup_weight: {m}")
+            else:
+                want = reference_with_grads(*inputs, dout, seqlens, **options, sink=_sink(case))
+                names = ("out", "dq", "dk", "dv")
+                if case["sink"] is not None:
+                    dsink = dsink + want[4]
             for position, rank in enumerate(ranks):
                 rows = zigzag_token_indices(seqlens, len(ranks), position)
                 got = by_rank[rank][c][0][ring_id]
-                for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+                for name, g, w in zip(names, got, want):
                     where = f"case {case} ring {ranks} rank {rank} {name}"
                     torch.testing.assert_close(
                         torch.from_numpy(g).double(), w[rows], **TOL, msg=lambda m: f"{where}: {m}"
@@ -136,6 +161,8 @@ def test_two_ranks():
         # sinks (Megatron's softmax_type), on rings and whole documents, with and without a window
         _case([([1, 0], _edge(2) + [19]), ([0], [6, 2])], heads=(4, 1), seed=16, sink="learnable"),
         _case([([0, 1], [21, 3]), ([1], [8])], seed=17, window=4, sink="off-by-one"),
+        # latent rings (of two and of one) beside a K/V ring on the same ranks
+        _case([([1, 0], _edge(2) + [9]), ([0], [6]), ([0, 1], [5, 3])], seed=24, latent=(0, 1)),
     ]
     _check(cases, 2)
 
@@ -150,6 +177,7 @@ def test_three_ranks_and_traffic():
         _case([([0, 1, 2], _edge(3) + [17])], seed=22, value_dim=4),
         _case([([0, 1, 2], _edge(3) + [25]), ([2, 1], [11]), ([0], [4])], seed=18, sink="learnable"),
         _case([([2, 0, 1], [31, 4]), ([1, 2], [9])], heads=(4, 1), seed=19, window=5, sink="learnable", value_dim=4),
+        _case([([2, 0, 1], _edge(3) + [29]), ([2, 1], [11])], seed=25, window=4, latent=(0, 1)),  # windowed
     ]
     by_rank = _check(cases, 3)
     # Cases 0 and 5, a ring over all three ranks, fp32, Hkv=2, D=8 (and Dv = 8, 4): forward (k-1) K+V
@@ -177,6 +205,8 @@ def test_four_ranks_overlapping_rings():
         _case([([2, 3, 1, 0], _edge(4)), ([1, 0], [9])], heads=(4, 1), seed=23, value_dim=4),
         _case([([3, 1, 0, 2], _edge(4) + [27]), ([1, 2], [10]), ([0], [3])], seed=20, window=6, sink="learnable"),
         _case([([0, 1, 2, 3], [38, 5]), ([2, 0, 3], [12])], heads=(2, 2), seed=21, sink="off-by-one"),
+        # overlapping latent and K/V rings of different ranks, taken in the one global order
+        _case([([3, 1, 0, 2], [5, 16]), ([2, 0], [9]), ([1, 3, 0], [2, 1, 12])], seed=26, latent=(0, 2)),
     ]
     _check(cases, 4)
 

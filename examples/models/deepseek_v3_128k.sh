@@ -30,7 +30,11 @@
 # optimizer's Adam state over DP 64 and over the expert-data-parallel 8), leaving ~65 GB: at most ~21K
 # tokens. --hdp-capacity 16384: the pool holds 1M tokens; a 128K document spans 8 ranks without
 # offloading, fewer with it, and its ring moves K and V of 16 heads per token and TP rank:
-# 16 x (192 + 128) x 2 B = 10 KB forward (the cost the latent ring of issue 34 is to cut).
+# 16 x (192 + 128) x 2 B = 10 KB forward. The latent ring moves the 512-wide latent and the 64-wide RoPE
+# key instead, 1,152 B per token on every TP rank, and each member up-projects what it receives; the
+# planner picks per ring call the faster of the two by the cost model (--hdp-ring-kind auto, the default;
+# `megatron-hdp plan --model deepseek-v3 --tp 8 --ep 32 --ranks 256 --capacity 16384 --dist github`
+# gives 93 of balance's 114 rings the latent ring).
 # Batch: 512 sequences of up to 128K tokens (64M tokens; DeepSeek-V3's long-context phase used 480,
 # rounded up here to a multiple of the data-parallel size Megatron requires), its constant LR of 7.3e-6.
 NNODES=512

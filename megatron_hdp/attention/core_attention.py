@@ -9,6 +9,11 @@ and concatenates the outputs in packed order.
 It is torch-only: Megatron's `core_attention` leaf (`megatron_hdp.megatron.layer_spec.HDPCoreAttention`)
 applies RoPE and calls `hdp_core_attention`; the per-micro-batch metadata rides in `HDPBatchMeta`, which
 the Megatron side carries inside its `PackedSeqParams`.
+
+Multi-latent attention: a ring group the plan gives the latent ring (`AttentionGroup.ring_kind`) runs
+`latent_ring_attention` on the group's rows of `LatentRingInputs` instead of `ring_attention` on its K and V;
+the other groups attend with q, k, v as always. The caller (the MLA layer) passes the latent as the ring
+must see it (see `LatentRingInputs.latent`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_hdp.attention import local_varlen_attention, ring_attention
+from megatron_hdp.attention import latent_ring_attention, local_varlen_attention, ring_attention
 from megatron_hdp.attention.backends import Segments
 from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.layout import AttentionGroup
@@ -79,6 +84,22 @@ class HDPBatchMeta:
         return [self.hdp_global_ranks[r] for r in group.ring]
 
 
+@dataclass(frozen=True)
+class LatentRingInputs:
+    """What latent ring groups attend with (multi-latent attention), every row in packed order like q."""
+
+    latent: torch.Tensor
+    """[T, kv_lora_rank], normalised, as the ring must see it: through the TP input mapping of Megatron's
+    `linear_kv_up_proj` (`copy_to_tensor_model_parallel_region`; with sequence parallelism
+    `gather_from_sequence_parallel_region`), whose backward sums the ring's per-TP-rank latent gradients."""
+    k_rope: torch.Tensor
+    """[T, 1, qk_pos_emb_head_dim], rotated (each token at its position inside its document)."""
+    up_weight: torch.Tensor
+    """`linear_kv_up_proj.weight`: [heads of this TP rank x (qk_head_dim + v_head_dim), kv_lora_rank]."""
+    qk_head_dim: int
+    v_head_dim: int
+
+
 def check_group_order(groups: Sequence[AttentionGroup], *, num_tokens: int) -> None:
     """Assert the packing contract: groups tile [0, num_tokens) and rings come in the global order."""
     assert groups and groups[0].tokens[0] == 0 and groups[-1].tokens[1] == num_tokens, (
@@ -99,21 +120,39 @@ def hdp_core_attention(
     deterministic: bool = False,
     window: int | None = None,
     sink: torch.Tensor | None = None,
+    latent: LatentRingInputs | None = None,
 ) -> torch.Tensor:
-    """Causal attention of a packed HDP micro-batch: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
+    """Causal attention of a packed HDP micro-batch: q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] -> [T, Hq, Dv].
 
     Whole documents attend locally; each ring group calls `ring_attention` with its ring's global ranks,
-    in the packed (= global) order. Differentiable in q, k, v. `deterministic`: every kernel call runs a
-    deterministic backward (Megatron's `deterministic_mode`). `window`: sliding-window attention, query i
-    sees keys i - window .. i of its document (Megatron's `window_size = (window, 0)`); None: all earlier keys.
-    `sink` [Hq]: the query heads' sink logits (Megatron's `softmax_offset`: zeros for the off-by-one softmax,
-    the parameter for the learnable one), on every group's rows; None: the plain softmax.
+    in the packed (= global) order, or, for a latent ring group, `latent_ring_attention` on the rows of
+    `latent` (its rows of k and v are not read). Differentiable in q, k, v and `latent`'s tensors.
+    `deterministic`: every kernel call runs a deterministic backward (Megatron's `deterministic_mode`).
+    `window`: sliding-window attention, query i sees keys i - window .. i of its document (Megatron's
+    `window_size = (window, 0)`); None: all earlier keys. `sink` [Hq]: the query heads' sink logits
+    (Megatron's `softmax_offset`: zeros for the off-by-one softmax, the parameter for the learnable one),
+    on every group's rows; None: the plain softmax. ValueError before any ring call when a latent ring
+    group has no `latent`, or has a `sink` (the latent ring takes none: the planner gives such layers
+    K/V rings).
     """
     check_group_order(meta.groups, num_tokens=q.shape[0])
+    if latent is None and any(g.is_ring and g.ring_kind == "latent" for g in meta.groups):
+        raise ValueError("the plan runs latent rings in this micro-batch but no latent inputs were given: a latent "
+                         "ring needs a multi-latent attention layer (LatentRingInputs)")
+    if sink is not None and any(g.is_ring and g.ring_kind == "latent" for g in meta.groups):
+        raise ValueError("the plan runs latent rings in this micro-batch, which take no attention sink "
+                         "(softmax_type off-by-one / learnable): plan K/V rings (--hdp-ring-kind kv)")
     outputs = []
     for group, segments in zip(meta.groups, meta.segments):
         lo, hi = group.tokens
-        if group.is_ring:
+        if group.is_ring and group.ring_kind == "latent":
+            out = latent_ring_attention(
+                q[lo:hi], latent.latent[lo:hi], latent.k_rope[lo:hi], up_weight=latent.up_weight,
+                seqlens=group.seqlens, ring=meta.global_ring(group), qk_head_dim=latent.qk_head_dim,
+                v_head_dim=latent.v_head_dim, causal=True, softmax_scale=softmax_scale, backend=meta.backend,
+                deterministic=deterministic, window=window,
+            )
+        elif group.is_ring:
             out = ring_attention(
                 q[lo:hi],
                 k[lo:hi],

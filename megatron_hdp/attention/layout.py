@@ -31,6 +31,9 @@ class AttentionGroup:
     seq_ids: tuple[int, ...]
     seqlens: tuple[int, ...]
     tokens: tuple[int, int]
+    ring_kind: str = "kv"
+    """The plan's ring kind of the group's sequences (`SequencePlacement.ring_kind`): "kv", or "latent" for
+    multi-latent attention's latent ring (`latent_ring_attention`)."""
 
     @property
     def is_ring(self) -> bool:

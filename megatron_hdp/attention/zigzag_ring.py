@@ -52,92 +52,18 @@ from megatron_hdp.attention.backends import AttentionBackend, Segments, get_back
 from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.layout import check_seqlens, zigzag_token_indices
 from megatron_hdp.attention.local import _LocalAttention, check_qkv, check_window, default_scale, document_window
-from megatron_hdp.attention.merge import merge_attention
+from megatron_hdp.attention.ring_loop import HeldKV, ring_backward, ring_forward
 from megatron_hdp.attention.ring_plan import RingPlan, ring_plan
 from megatron_hdp.attention.sink import add_sink, check_sink, sink_grad
 from megatron_hdp.comm.p2p import Ring, current_ring
-from megatron_hdp.comm.payload import Payload
-from megatron_hdp.comm.ring_program import WAIT, Post, RingProgram, run_in_process, run_on_ring
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _post_kv(
-    plan: RingPlan, step: int, *, held: torch.Tensor, own: torch.Tensor, payload: Payload
-) -> RingProgram[torch.Tensor]:
-    """Post the K/V exchange of `step` (before computing step - 1); returns the buffer it arrives in.
-    Relayed: pass the K/V held now to the next position. Direct: send this position's own K/V to the
-    position `step` ahead if that one needs it, receive from the one `step` behind if this one does
-    (an empty tensor: nothing is posted for that side)."""
-    if not plan.direct:
-        recv = payload.empty(held, plan.num_tokens[plan.source(step)])
-        yield Post(send=held, recv=recv)
-        return recv
-    recv = payload.empty(own, plan.num_tokens[plan.source(step)] if plan.blocks[step] else 0)
-    yield Post(send=own if plan.sends[step] else own[:0], recv=recv, hops=step)
-    return recv
+from megatron_hdp.comm.ring_program import RingProgram, run_in_process, run_on_ring
 
 
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: RingPlan, backend: AttentionBackend, scale: float
 ) -> RingProgram[tuple[torch.Tensor, torch.Tensor]]:
     """One position's forward: returns (out [T, Hq, Dv] in q's dtype, lse [Hq, T])."""
-    payload = Payload.of(k, v)
-    kv = own = payload.pack(k, v)
-    acc = _accumulation_dtype(q.dtype)
-    out = q.new_zeros((*q.shape[:2], v.shape[2]), dtype=acc)  # every row sees its own diagonal in some call
-    lse = q.new_full((q.shape[1], q.shape[0]), -torch.inf, dtype=acc)
-    q_cache: dict[tuple, torch.Tensor] = {}
-    for step, calls in enumerate(plan.blocks):
-        last = step + 1 == plan.ring_size
-        if not last:
-            next_kv = yield from _post_kv(plan, step + 1, held=kv, own=own, payload=payload)
-        held_k, held_v = payload.split(kv)
-        for block in calls:
-            if block.q_rows.key not in q_cache:  # (setdefault would gather the rows on every step)
-                q_cache[block.q_rows.key] = block.q_rows.take(q)
-            q_block = q_cache[block.q_rows.key]
-            block_out, block_lse = backend.forward(
-                q_block,
-                block.kv_rows.take(held_k),
-                block.kv_rows.take(held_v),
-                segments=block.segments,
-                causal=block.causal,
-                scale=scale,
-                window=block.window,
-            )
-            merged_out, merged_lse = merge_attention(
-                block.q_rows.take(out), block.q_rows.take(lse, 1), block_out, block_lse
-            )
-            block.q_rows.put(out, merged_out)
-            block.q_rows.put(lse, merged_lse, 1)
-        if not last:
-            yield WAIT
-            kv = next_kv
-    return out.to(q.dtype), lse
-
-
-def _return_partials(
-    plan: RingPlan, step: int, dkv: torch.Tensor, dkv_own: torch.Tensor | None, transport: torch.dtype, last: bool,
-    payload: Payload,
-) -> RingProgram[torch.Tensor]:
-    """Direct plans, end of `step`: wait for the step's K/V exchange (posted first), send the dK/dV partials
-    of the K/V held (position source(step)'s) straight back to it, receive this position's from the one
-    `step` ahead (if that one had a call), and return this position's sum so far."""
-    if step == 0:
-        if not last:
-            yield WAIT
-        return dkv
-    rows = plan.num_tokens[plan.position] if plan.sends[step] else 0
-    dkv_in = payload.empty(dkv, rows, dtype=transport)
-    send = dkv.to(transport) if plan.blocks[step] else payload.empty(dkv, 0, dtype=transport)
-    yield Post(send=send, recv=dkv_in, hops=-step)
-    if not last:
-        yield WAIT  # the K/V of the next step
-    yield WAIT  # the partials
-    return dkv_own + dkv_in if rows else dkv_own
+    return (yield from ring_forward(q, HeldKV(k, v), plan=plan, backend=backend, scale=scale))
 
 
 def _backward(
@@ -157,59 +83,11 @@ def _backward(
 
     The dK/dV partials travel in `grad_dtype` (default: the accumulation dtype, see the module doc) and
     are summed in the accumulation dtype on arrival."""
-    payload = Payload.of(k, v)
-    kv = own = payload.pack(k, v)
-    acc = _accumulation_dtype(q.dtype)
-    transport = grad_dtype or acc
-    dq = q.new_zeros(q.shape, dtype=acc)
-    dkv_in = dkv_own = None
-    q_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
-    for step, calls in enumerate(plan.blocks):
-        last = step + 1 == plan.ring_size
-        if not last:
-            next_kv = yield from _post_kv(plan, step + 1, held=kv, own=own, payload=payload)
-        # dK/dV partials of the KV held now, owned by position source(step): relayed, they travel with it
-        held_k, held_v = payload.split(kv)
-        dkv = kv.new_zeros(kv.shape, dtype=acc)
-        held_dk, held_dv = payload.split(dkv)
-        for block in calls:
-            rows = block.q_rows
-            if rows.key not in q_cache:
-                q_cache[rows.key] = (rows.take(dout), rows.take(q), rows.take(out), rows.take(lse, 1))
-            dout_b, q_b, out_b, lse_b = q_cache[rows.key]
-            dq_b, dk_b, dv_b = backend.backward(
-                dout_b,
-                q_b,
-                block.kv_rows.take(held_k),
-                block.kv_rows.take(held_v),
-                out_b,
-                lse_b,
-                segments=block.segments,
-                causal=block.causal,
-                scale=scale,
-                window=block.window,
-            )
-            rows.add(dq, dq_b)
-            block.kv_rows.add(held_dk, dk_b)
-            block.kv_rows.add(held_dv, dv_b)
-        if plan.direct:  # the partials go straight back to their owner, position source(step)
-            dkv_own = yield from _return_partials(plan, step, dkv, dkv_own, transport, last, payload)
-            if not last:
-                kv = next_kv
-            continue
-        if step > 0:
-            yield WAIT  # the partials of the same owner, from the previous position
-            dkv += dkv_in
-        if not last:
-            yield WAIT
-            kv = next_kv
-        dkv_in = payload.empty(dkv, plan.num_tokens[plan.source(step + 1)], dtype=transport)
-        yield Post(send=dkv.to(transport), recv=dkv_in)
-    if not plan.direct:
-        yield WAIT  # after k hops the partials are back with their owner: the local dK, dV
-        dkv_own = dkv_in
-    dk, dv = payload.split(dkv_own)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    source = HeldKV(k, v)
+    dq, (dk, dv) = yield from ring_backward(
+        dout, q, source, out, lse, plan=plan, backend=backend, scale=scale, grad_dtype=grad_dtype
+    )
+    return dq, dk, dv
 
 
 class _RingAttention(torch.autograd.Function):

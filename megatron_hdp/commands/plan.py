@@ -13,7 +13,8 @@ bound of the work (`bounds.step_time_lower_bound`) and to the critical-path floo
 longest document's fastest crossing of every pipeline stage when longer: `bounds.critical_path_floor`),
 balance (max / mean rank time), the PP bubble (mean seconds a pipeline spends beyond
 its micro-batches' time, `--vpp` for Megatron's interleaved schedule), rings, micro-batches per rank,
-ring-attention bytes (TB per step), the sequences that offload and the planner's wall time (validation
+ring-attention bytes (TB per step), the rings that are latent rings (multi-latent attention models;
+`--ring-kind` forces one kind), the sequences that offload and the planner's wall time (validation
 included). A policy whose plan is estimated to exceed --max-shards or --max-plan-seconds is skipped with
 its reason. The plan of --policy is written as the StepPlan JSON of DESIGN.md (--json) and all plans are
 drawn (--plot).
@@ -47,6 +48,7 @@ planning at 16,384 ranks here; 4 x 16,384 x 16K would be 1B tokens and minutes).
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the plan subcommand."""
+    from megatron_hdp.plan.cost_model import RING_KIND_SETTINGS
     from megatron_hdp.plan.lengths import DISTRIBUTIONS
     from megatron_hdp.plan.presets import HARDWARE, MODELS
 
@@ -81,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",
                         help="hardware preset of the analytic cost model")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (divides the cost model)")
+    parser.add_argument("--ring-kind", type=one_of(RING_KIND_SETTINGS, "ring kind"), default=None,
+                        help="K/V ring (kv), multi-latent attention's latent ring (latent), or per ring call the "
+                             "faster (auto; default: the cost model's)")
     add_expert_arguments(parser)
     parser.add_argument("--ranks-per-node", type=positive_int, default=None,
                         help="HDP ranks per node (default: the cost model's, else 8 GPUs per node / --tp): rings are "
@@ -134,6 +139,7 @@ def summary_row(plan, *, cost_model, wall_s: float, bound: float, critical: floa
         "microbatches": f"{stats.min_microbatches}-{stats.max_microbatches}",
         "bubble_s": pipeline_bubble(plan),
         "attention_tb": stats.attention_bytes / 1e12,
+        "latent_rings": stats.latent_rings,
         "rings_across_nodes": stats.rings_across_nodes,
         "network_tb": stats.network_bytes / 1e12,
         "offloaded": sum(1 for s in plan.sequences if s.offload_ratio > 0),
@@ -153,7 +159,8 @@ def pipeline_bubble(plan) -> float:
 def format_table(rows: list[dict]) -> str:
     """The side-by-side table: one line per policy, `n/a: reason` where a policy refused the batch."""
     header = (f"{'policy':<20}{'step (s)':>10}{'vs bound':>10}{'vs crit.':>10}{'balance':>9}{'bubble s':>9}{'rings':>7}"
-              f"{'max ring':>9}{'mb/rank':>9}{'ring TB':>10}{'x-node':>8}{'net TB':>9}{'offload':>8}{'plan ms':>9}")
+              f"{'max ring':>9}{'mb/rank':>9}{'ring TB':>10}{'latent':>7}{'x-node':>8}{'net TB':>9}{'offload':>8}"
+              f"{'plan ms':>9}")
     lines = [header, "-" * len(header)]
     for row in rows:
         if "error" in row:
@@ -162,7 +169,8 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{row['policy']:<20}{row['step_s']:>10.3f}{'+%.1f%%' % (100 * row['gap']):>10}"
             f"{'+%.1f%%' % (100 * row['critical_path_gap']):>10}{row['balance']:>9.3f}"
-            f"{row['bubble_s']:>9.3f}{row['rings']:>7}{row['max_ring']:>9}{row['microbatches']:>9}{row['attention_tb']:>10.2f}"
+            f"{row['bubble_s']:>9.3f}{row['rings']:>7}{row['max_ring']:>9}{row['microbatches']:>9}"
+            f"{row['attention_tb']:>10.2f}{row['latent_rings']:>7}"
             f"{row['rings_across_nodes']:>8}{row['network_tb']:>9.2f}{row['offloaded']:>8}{row['plan_ms']:>9.1f}"
         )
     return "\n".join(lines)
@@ -213,6 +221,11 @@ def run(args: argparse.Namespace) -> int:
     ranks_per_node = args.ranks_per_node or cost_model.ranks_per_node or max(1, 8 // args.tp)
     cost_model = dataclasses.replace(cost_model, ranks_per_node=ranks_per_node,
                                      expert_parallel_size=expert_unit(args, num_ranks=args.ranks))
+    if args.ring_kind is not None:
+        try:
+            cost_model = dataclasses.replace(cost_model, ring_kind=args.ring_kind)
+        except ValueError as error:
+            raise ValueError(f"--ring-kind {args.ring_kind}: {error}") from None
     lengths, batch_note = _batch(args)
     bound = step_time_lower_bound(lengths, num_ranks=args.ranks, capacity=args.capacity, cost_model=cost_model,
                                   pp_size=args.pp, max_offload_ratio=config.max_offload_ratio)

@@ -1,8 +1,8 @@
 """`megatron-hdp simulate`: what HDP buys on a model, cluster, context length and data mix, before a run.
 
-    megatron-hdp simulate --model llama-7b --gpus 1024 --tp 8 --pp 1 [--vpp 1] --context 2M --dist byted \
+    megatron-hdp simulate --model llama-7b --gpus 1024 --tp 8 --pp 1 [--vpp 1] [--ep 1] --context 2M --dist byted \
         [--global-batch-tokens 32M] [--policies static,megatron-hybrid-cp,megatron-dynamic-cp,naive,balance] \
-        [--steps 4] [--json out.json] [--plot out.png]
+        [--ring-kind auto|kv|latent] [--steps 4] [--json out.json] [--plot out.png]
 
 Samples global batches from the length mix, plans each with every policy, simulates every step per rank
 (`megatron_hdp/sim/simulator.py`) and prints tokens/s, speedup over static, the share of the work floor
@@ -13,7 +13,11 @@ model chunks in Megatron's interleaved schedule (the default capacity then follo
 activation memory). `--plot out.png` writes the per-rank timelines of one step (out.png) and tokens/s
 against context length, 256K..2M (out-throughput.png). `--cost-model` takes a `megatron-hdp calibrate`
 JSON so that measured kernel timings replace the analytic FLOP model. `megatron-dynamic-cp` runs only with
-MEGATRON_LM_DIR set to a Megatron-LM dev checkout; otherwise its row says why it is n/a.
+MEGATRON_LM_DIR set to a Megatron-LM dev checkout; otherwise its row says why it is n/a. `--ep N` shards
+the routed experts over N HDP ranks (memory, gradient bytes, and their all-to-all coupling micro-batches).
+Multi-latent attention models (deepseek-v3, moonlight-16b-a3b) run each ring as a K/V ring or a latent
+ring: `--ring-kind kv` or `latent` forces one for every policy, `auto` (default) lets the cost model pick
+per ring call.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ SWEEP_CONTEXTS = tuple(k * 1024 for k in (256, 512, 1024, 2048))
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the simulate subcommand."""
+    from megatron_hdp.plan.cost_model import RING_KIND_SETTINGS
     from megatron_hdp.plan.lengths import DISTRIBUTIONS
     from megatron_hdp.plan.presets import HARDWARE, MODELS
     from megatron_hdp.sim.compare import DEFAULT_POLICIES
@@ -49,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model chunks (virtual pipeline stages) per pipeline stage: Megatron's interleaved "
                              "schedule when > 1 (--num-virtual-stages-per-pipeline-rank)")
     add_expert_arguments(parser)
+    parser.add_argument("--ring-kind", type=one_of(RING_KIND_SETTINGS, "ring kind"), default=None,
+                        help="K/V ring (kv), multi-latent attention's latent ring (latent), or per ring call the "
+                             "faster (auto, the default)")
     parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",
                         help="hardware preset (plan/presets.py HARDWARE)")
     parser.add_argument("--context", type=parse_count, default="2M", help="context length: the longest sequence (e.g. 256K, 2M)")
@@ -90,6 +98,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.gpus % expert_grid:
         raise ValueError(f"--gpus {args.gpus} is not a multiple of --etp {args.etp or args.tp} x --ep {args.ep} x --pp "
                          f"{args.pp} (Megatron's expert grid; then the HDP pool holds whole expert-parallel groups)")
+    if args.ring_kind == "latent" and not model_shape(args.model).is_mla:
+        raise ValueError(f"--ring-kind latent needs a multi-latent attention model; --model {args.model} is not one")
 
 
 def capacity_note(spec) -> str:
@@ -113,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     _check_flags(args)
     spec = ClusterSpec(
         model=args.model, num_gpus=args.gpus, tp_size=args.tp, pp_size=args.pp, vpp_size=args.vpp,
-        hardware=args.hardware,
+        hardware=args.hardware, ring_kind=args.ring_kind,
         allreduce_bandwidth=args.allreduce_bandwidth, ring_bandwidth=args.ring_bandwidth,
         cost_model_path=args.cost_model,
         capacity=args.capacity, ep_size=args.ep, etp_size=args.etp,
@@ -127,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
     options = dict(distribution=args.dist, global_batch_tokens=budget, policies=policies, steps=args.steps,
                    seed=args.seed, offload=not args.no_offload)
     comparison = compare_policies(spec, context=context, **options)
-    print(f"{args.model} on {args.gpus} GPUs (TP={args.tp}, PP={args.pp}, VPP={args.vpp}, EP={args.ep}, HDP pool "
-          f"{spec.num_ranks} ranks, C={spec.rank_capacity}), context {format_tokens(context)}, {args.dist}, "
+    print(f"{args.model} on {args.gpus} GPUs (TP={args.tp}, PP={args.pp}, VPP={args.vpp}, EP={args.ep}, "
+          f"rings {args.ring_kind or 'auto'}, HDP pool {spec.num_ranks} ranks, "
+          f"C={spec.rank_capacity}), context {format_tokens(context)}, {args.dist}, "
           f"{comparison.global_batch_tokens:,} tokens per global batch, {args.steps} steps")
     if args.capacity is None:
         print(capacity_note(spec))

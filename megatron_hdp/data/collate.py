@@ -231,6 +231,7 @@ def collate_microbatch(
                 seq_ids=tuple(seq_ids),
                 seqlens=tuple(plan.sequences[s].length for s in seq_ids),
                 tokens=(start, offset),
+                ring_kind=plan.sequences[seq_ids[0]].ring_kind,  # one per ring call (`StepPlan.validate`)
             )
         )
     assert all(rank in g.ring for g in groups), f"rank {rank} packed a group it is not a member of"

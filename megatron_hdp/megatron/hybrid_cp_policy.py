@@ -88,8 +88,8 @@ def plan_megatron_hybrid_cp(
                 chunks = ((0, length),) if k == 1 else zigzag_chunks(length, k, ring.index(rank))
                 shard = Shard(sample, tuple(chunks))
                 shards.append(shard)
-                # one forward/backward pass per sub-sample, as Megatron runs them
-                est_time += cost_model.microbatch_time([(length, shard.num_tokens, ring)])
+                # one forward/backward pass per sub-sample, as Megatron runs them, on TE's K/V ring
+                est_time += cost_model.microbatch_time([(length, shard.num_tokens, ring, "kv")])
             tokens = sum(s.num_tokens for s in shards)
             microbatches.append(MicroBatch(tuple(shards), max(capacity, tokens), est_time))
         schedules.append(RankSchedule(rank, tuple(microbatches), sum(mb.est_time for mb in microbatches)))

@@ -41,7 +41,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hdp.attention.core_attention import HDPBatchMeta, hdp_core_attention
+from megatron_hdp.attention.core_attention import HDPBatchMeta, LatentRingInputs, hdp_core_attention
 from megatron_hdp.attention.rope import rope_angles
 from megatron_hdp.data.mtp_shift import MTPRolls
 from megatron_hdp.megatron.moe_aux_loss import install_document_hook, with_document_aux_loss_router
@@ -174,8 +174,11 @@ class HDPCoreAttention(MegatronModule):
         attn_mask_type: Optional[AttnMaskType] = None,
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
+        latent: Optional[LatentRingInputs] = None,
         **unused: Any,
     ) -> torch.Tensor:
+        """`latent`: the latent ring's inputs (`HDPMLASelfAttention` gives them when the micro-batch has
+        latent ring groups)."""
         meta = batch_meta(packed_seq_params, "HDPCoreAttention")
         if attention_bias is not None:
             raise ValueError("HDP core attention does not support an attention bias")
@@ -185,6 +188,7 @@ class HDPCoreAttention(MegatronModule):
         return hdp_core_attention(
             query, key, value, meta=meta, softmax_scale=self.softmax_scale,
             deterministic=self.config.deterministic_mode, window=self.window, sink=self.softmax_offset,
+            latent=latent,
         )
 
 

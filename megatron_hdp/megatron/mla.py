@@ -26,8 +26,16 @@ latent instead of K and V can take the first part's results and apply the second
    k_no_pe and value, and the key k_no_pe ++ k_pos_emb. Linear in the latent per token, so up-projecting
    a received block of latents equals receiving that block's K and V; its weight gradient on a member is
    that member's share of `linear_kv_up_proj`'s gradient (Megatron's DDP sums the shares).
-The K/V ring (today) runs 2 then the ring over K and V; a latent ring takes (query, latent, k_pos_emb,
-`linear_kv_up_proj`) for ring groups instead.
+The K/V ring runs 2 then the ring over K and V. When the plan gives a ring call of the micro-batch the
+latent ring (`AttentionGroup.ring_kind`), the layer also hands the core attention `LatentInputs`
+(`core_attention.LatentRingInputs`): the normalised latent through `linear_kv_up_proj`'s own TP input
+mapping, the rotated RoPE key and `linear_kv_up_proj.weight`; those groups' rows of K and V are not read,
+each ring member up-projects the latent blocks it receives (`attention.latent_ring`). Under the TE spec
+the norm is the fused one of `linear_kv_up_proj` (a layer-norm linear): the ring applies it with that
+module's own `layer_norm_weight` (and bias), so no parameter is added or renamed (`normalised_latent`).
+With gradient-accumulation fusion, Megatron's linears add their weight gradient into `main_grad`
+themselves and DDP then ignores `.grad`; the ring's share of the up-projection's gradient goes there too
+(`fused_weight_grad`).
 
 `--recompute-modules mla_up_proj` keeps its meaning: the q and kv up projections with the RoPE run
 under Megatron's `CheckpointWithoutOutput`, as in Megatron's own method. Training only (no inference
@@ -43,6 +51,7 @@ from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings import YarnRotaryEmbedding
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -51,7 +60,7 @@ from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.utils import get_pg_size
 
-from megatron_hdp.attention.core_attention import HDPBatchMeta
+from megatron_hdp.attention.core_attention import HDPBatchMeta, LatentRingInputs
 from megatron_hdp.attention.rope import rope_angles
 from megatron_hdp.megatron.layer_spec import batch_meta
 
@@ -80,8 +89,17 @@ def position_angles(rotary: torch.nn.Module, position_ids: torch.Tensor) -> tupl
 class HDPMLASelfAttention(MLASelfAttention):
     """Megatron's MLA self-attention with per-token RoPE and V unpadded (module doc); same parameters."""
 
-    _run_core_attention = Attention._run_core_attention
-    """The plain core-attention call (`MultiLatentAttention`'s pads V to the query's head dim for THD)."""
+    _ring_latent = None
+    """What this micro-batch's latent ring groups attend with, from `get_query_key_value_tensors` to the
+    core attention of the same forward (None: no latent ring in the micro-batch)."""
+
+    def _run_core_attention(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The plain core-attention call (`MultiLatentAttention`'s pads V to the query's head dim for THD),
+        with the latent ring's inputs when the micro-batch has latent ring groups."""
+        latent, self._ring_latent = self._ring_latent, None
+        if latent is not None:
+            kwargs["latent"] = latent
+        return Attention._run_core_attention(self, *args, **kwargs)
 
     def get_query_key_value_tensors(
         self,
@@ -97,6 +115,12 @@ class HDPMLASelfAttention(MLASelfAttention):
         if inference_context is not None or inference_params is not None:
             raise ValueError("HDP's multi-latent attention runs training micro-batches only (no inference context)")
         meta = batch_meta(packed_seq_params, "HDPMLASelfAttention")
+        self._ring_latent = None
+        latent_rings = any(g.is_ring and g.ring_kind == "latent" for g in meta.groups)
+        if latent_rings and self.checkpoint_core_attention and self.training:
+            raise ValueError("a latent ring does not run under --recompute-modules core_attn (the recompute would "
+                             "call the core attention without the ring's latent inputs): plan K/V rings "
+                             "(--hdp-ring-kind kv, what --hdp sets with core_attn) or drop core_attn")
         if self.recompute_up_proj:  # --recompute-modules mla_up_proj: the up projections and RoPE, as Megatron's
 
             def up_projections(q_compressed, latent, k_pos_emb):
@@ -106,9 +130,13 @@ class HDPMLASelfAttention(MLASelfAttention):
             q_compressed, latent, k_pos_emb = self._compressed(hidden_states)
             self.qkv_up_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8 or self.config.fp4)
             query, key, value = self.qkv_up_checkpoint.checkpoint(up_projections, q_compressed, latent, k_pos_emb)
+            if latent_rings:
+                k_pos_emb = self._rope(k_pos_emb.unsqueeze(-2), meta)
         else:
             query, latent, k_pos_emb = self.latent_inputs(hidden_states, meta)
             key, value = self.up_project(latent, k_pos_emb)
+        if latent_rings:
+            self._ring_latent = self.ring_latent(latent, k_pos_emb)
         # q_compressed (the 4th) is read only by DSA's core attention (`requires_dsa_inputs`), not HDP's
         return query, key, value, None, latent
 
@@ -129,6 +157,21 @@ class HDPMLASelfAttention(MLASelfAttention):
             [config.qk_head_dim, config.v_head_dim], dim=-1,
         )
         return torch.cat([k_no_pe, k_pos_emb.expand(-1, heads, -1)], dim=-1), value.contiguous()
+
+    def ring_latent(self, latent: torch.Tensor, k_pos_emb: torch.Tensor) -> LatentRingInputs:
+        """The latent ring's inputs of this rank's tokens: the normalised latent as `linear_kv_up_proj` sees
+        its input (`copy_to_tensor_model_parallel_region`, with sequence parallelism the gather: their
+        backward sums the TP ranks' latent gradients, as the linear's own would), the rotated RoPE key and
+        the up-projection's weight (this TP rank's heads)."""
+        latent = normalised_latent(self.linear_kv_up_proj, latent, self.config)
+        if self.config.sequence_parallel and get_pg_size(self.tp_group) > 1:
+            latent = gather_from_sequence_parallel_region(latent, group=self.tp_group)
+        else:
+            latent = copy_to_tensor_model_parallel_region(latent, group=self.tp_group)
+        weight = self.linear_kv_up_proj.weight
+        if self.config.gradient_accumulation_fusion:
+            weight = fused_weight_grad(weight)
+        return LatentRingInputs(latent, k_pos_emb, weight, self.config.qk_head_dim, self.config.v_head_dim)
 
     def _compressed(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q_compressed, latent, raw k_pos_emb [T, pe]): Megatron's down projections with its TP / SP
@@ -159,14 +202,51 @@ class HDPMLASelfAttention(MLASelfAttention):
         q, _ = up(q_compressed)
         q = q.view(*q.shape[:-1], self.num_attention_heads_per_partition, self.q_head_dim)
         q_no_pe, q_pos_emb = torch.split(q, [config.qk_head_dim, config.qk_pos_emb_head_dim], dim=-1)
+        return torch.cat([q_no_pe, self._rope(q_pos_emb, meta)], dim=-1), self._rope(k_pos_emb.unsqueeze(-2), meta)
+
+    def _rope(self, x: torch.Tensor, meta: HDPBatchMeta) -> torch.Tensor:
+        """[T, heads, pe] rotated at each token's document position (Megatron's MLA interleave)."""
         angles, mscale = meta.memo(
             ("mla-rope", id(self.rotary_pos_emb)), lambda: position_angles(self.rotary_pos_emb, meta.position_ids)
         )
+        return apply_rotary_pos_emb(
+            x.unsqueeze(1), angles, config=self.config, mscale=mscale, cp_group=self.pg_collection.cp,
+            mla_rotary_interleaved=True,
+        ).squeeze(1)
 
-        def rotate(x: torch.Tensor) -> torch.Tensor:  # [T, heads, pe] -> the same, rotated
-            return apply_rotary_pos_emb(
-                x.unsqueeze(1), angles, config=config, mscale=mscale, cp_group=self.pg_collection.cp,
-                mla_rotary_interleaved=True,
-            ).squeeze(1)
 
-        return torch.cat([q_no_pe, rotate(q_pos_emb)], dim=-1), rotate(k_pos_emb.unsqueeze(-2))
+def normalised_latent(up_proj: torch.nn.Module, latent: torch.Tensor, config: Any) -> torch.Tensor:
+    """`latent` as `up_proj` (`linear_kv_up_proj`) multiplies it: as given under the local spec (the
+    standalone `kv_layernorm` normalised it), through `up_proj`'s fused norm under the TE spec (a
+    layer-norm linear: its `layer_norm_weight` / `layer_norm_bias`, `config.normalization`, epsilon and
+    zero-centred gamma), so that the ring's norm is the module's own parameters."""
+    weight = getattr(up_proj, "layer_norm_weight", None)
+    if weight is None:
+        return latent
+    if config.layernorm_zero_centered_gamma:
+        weight = weight + 1
+    shape, eps = (latent.shape[-1],), config.layernorm_epsilon
+    if config.normalization == "RMSNorm":
+        return torch.nn.functional.rms_norm(latent, shape, weight, eps)
+    return torch.nn.functional.layer_norm(latent, shape, weight, getattr(up_proj, "layer_norm_bias", None), eps)
+
+
+class _MainGradWeight(torch.autograd.Function):
+    """The weight itself forward; backward adds the gradient into `main_grad` (fp32) and returns none."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+        ctx.weight = weight
+        return weight.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> None:
+        ctx.weight.main_grad.add_(grad.to(ctx.weight.main_grad.dtype))
+        return None
+
+
+def fused_weight_grad(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` whose gradient through this use goes straight into `weight.main_grad`, as Megatron's
+    gradient-accumulation fusion does for its linears (DDP then reads `main_grad`, not `.grad`); `weight`
+    unchanged while it has no `main_grad` (not wrapped by DDP yet)."""
+    return _MainGradWeight.apply(weight) if hasattr(weight, "main_grad") else weight

@@ -137,6 +137,7 @@ class HDPRuntime:
         stats = {
             "hdp/balance": float(summary.balance),
             "hdp/rings": float(summary.num_rings),
+            "hdp/latent-rings": float(summary.latent_rings),
             "hdp/ring-attention-GB": summary.attention_bytes / 1e9,
             "hdp/microbatches-max": float(summary.max_microbatches),
             "hdp/microbatches-min": float(summary.min_microbatches),
@@ -186,8 +187,26 @@ def _cost_model(args: Namespace, config: HDPConfig) -> CostModel:
         1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // args.tensor_model_parallel_size)
     unit = expert_unit_size(tp_size=args.tensor_model_parallel_size, ep_size=args.expert_model_parallel_size,
                             etp_size=getattr(args, "expert_tensor_parallel_size", None))
-    return dataclasses.replace(_base_cost_model(args, config), ranks_per_node=ranks_per_node,
-                               expert_parallel_size=unit)
+    cost_model = dataclasses.replace(_base_cost_model(args, config), ranks_per_node=ranks_per_node,
+                                     expert_parallel_size=unit)
+    ring_kind = config.hdp_ring_kind
+    if ring_kind == "latent" and not getattr(args, "multi_latent_attention", False):
+        raise ValueError("--hdp-ring-kind latent needs --multi-latent-attention (the latent ring circulates its "
+                         "latent); drop the flag or set it to kv")
+    if getattr(args, "softmax_type", "vanilla") != "vanilla":  # the latent ring takes no sink
+        if ring_kind == "latent":
+            raise ValueError(f"--hdp-ring-kind latent with --softmax-type {args.softmax_type}: the latent ring "
+                             "takes no attention sink; use --hdp-ring-kind kv")
+        ring_kind = "kv" if getattr(args, "multi_latent_attention", False) else ring_kind
+    modules = getattr(args, "recompute_modules", None) or ["core_attn"]  # Megatron's default with selective
+    if getattr(args, "recompute_granularity", None) == "selective" and "core_attn" in modules:
+        if ring_kind == "latent":  # the checkpoint's recompute would run the ring without its latent inputs
+            raise ValueError("--hdp-ring-kind latent with --recompute-modules core_attn: the latent ring does not "
+                             "run under core-attention recompute; use --hdp-ring-kind kv or drop core_attn")
+        ring_kind = "kv" if getattr(args, "multi_latent_attention", False) else ring_kind
+    if ring_kind is not None:
+        cost_model = dataclasses.replace(cost_model, ring_kind=ring_kind)
+    return cost_model
 
 
 def _base_cost_model(args: Namespace, config: HDPConfig) -> CostModel:
@@ -207,11 +226,18 @@ def _base_cost_model(args: Namespace, config: HDPConfig) -> CostModel:
         gated_mlp=args.swiglu or getattr(args, "quick_geglu", False),
         head_dim=args.kv_channels or 0,
         mtp_num_layers=args.mtp_num_layers or 0,
+        **(_mla_shape(args) if getattr(args, "multi_latent_attention", False) else {}),
     )
     return analytic_cost_model(
         shape, "h100", tp_size=args.tensor_model_parallel_size,
         recompute_granularity=getattr(args, "recompute_granularity", None) or "none",
     )
+
+
+def _mla_shape(args: Namespace) -> dict:
+    """`ModelShape`'s multi-latent attention fields from Megatron's MLA flags (the latent ring's cost)."""
+    return dict(kv_lora_rank=args.kv_lora_rank, q_lora_rank=args.q_lora_rank, qk_head_dim=args.qk_head_dim,
+                qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim)
 
 
 # --- the wrappers (see the module docstring for what each replaces) ----------------------------------

@@ -5,6 +5,10 @@ way and can be compared side by side:
 
 - a micro-batch's time is `cost_model.microbatch_time` of its shards on one pipeline stage (documents on
   one ring share one ring exchange, as at run time);
+- the kind of each ring (K/V or, for multi-latent attention, latent) is decided once per ring call (the
+  sequences on one ring in one micro-batch), from the sequences' lengths and ceil(s/k) tokens per member
+  by `CostModel.ring_kind_for`, so every member times the call with the same kind; the plan records it
+  (`SequencePlacement.ring_kind`), and the simulator prices each ring by it;
 - a rank's `est_time` is its busy time, the sum of its micro-batch times, the runtime's padding
   micro-batches included (`timing.runtime_microbatch_counts`: 1F1B pipelines run their own counts, with
   virtual stages the least counts the interleaved schedule and the ring rule allow); with PP it is
@@ -105,6 +109,7 @@ def assemble_plan(
     whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size).tolist()
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     ring_index: dict[int, int] = {}
+    kinds = ["kv"] * len(lengths)
     times: list[list[float]] = []
     schedules: list[list[MicroBatch]] = []
     for rank, microbatches in enumerate(schedule):
@@ -117,6 +122,8 @@ def assemble_plan(
                 time = overhead + sum(map(whole.__getitem__, seqs))
             else:
                 shards, costs = [], []
+                _decide_ring_kinds(seqs, rings=rings, lengths=lengths, kinds=kinds, cost_model=cost_model,
+                                   decided=ring_index)
                 for seq in seqs:
                     where = positions.get(seq)
                     k = 1 if where is None else len(where)
@@ -124,7 +131,8 @@ def assemble_plan(
                     if k > 1:
                         ring_index.setdefault(seq, index)
                     shards.append(Shard(seq, chunks))
-                    costs.append((lengths[seq], sum(end - start for start, end in chunks), rings[seq] if k > 1 else ()))
+                    costs.append((lengths[seq], sum(end - start for start, end in chunks), rings[seq] if k > 1 else (),
+                                  kinds[seq]))
                 shards = tuple(shards)
                 held = sum(c[1] for c in costs)
                 time = cost_model.microbatch_time(costs, pp_size=pp_size)
@@ -142,11 +150,32 @@ def assemble_plan(
     step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
                      jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
     ratios = np.asarray(offload_ratios, dtype=np.float64).tolist()
-    sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios))
+    sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios, kinds))
     assert len(ranks) == num_ranks
     return StepPlan(policy=policy, num_ranks=num_ranks, capacity=capacity, sequences=sequences,
                     ranks=tuple(ranks), est_step_time=step, pp_size=pp_size, vpp_size=vpp_size,
                     group_size=group_size)
+
+
+def _decide_ring_kinds(
+    seqs: Sequence[int], *, rings: Sequence[tuple[int, ...]], lengths: Sequence[int], kinds: list[str],
+    cost_model: CostModel, decided: dict[int, int],
+) -> None:
+    """Write into `kinds` the ring kind of every ring call of the micro-batch `seqs` not decided yet (its
+    sequences not in `decided`): one per ring, from ceil(s/k) tokens per member of each of its sequences,
+    so that every member of the ring, holding the same sequences in its micro-batch, decides alike."""
+    calls: dict[tuple[int, ...], list[int]] = {}
+    for seq in seqs:
+        if len(rings[seq]) > 1 and seq not in decided:
+            calls.setdefault(rings[seq], []).append(seq)
+    for ring, members in calls.items():
+        k = len(ring)
+        tokens = [-(-lengths[seq] // k) for seq in members]
+        attention = sum(cost_model.a1 * lengths[seq] * t for seq, t in zip(members, tokens))
+        kind = cost_model.ring_kind_for(num_tokens=sum(tokens), attention=attention, ring_size=k,
+                                        bandwidth=cost_model.ring_link_bandwidth(ring))
+        for seq in members:
+            kinds[seq] = kind
 
 
 def step_time(

@@ -13,7 +13,16 @@ k dK/dV buffers in the backward (the partials ride the ring back to their owner)
 dtype and dK/dV in the accumulation dtype (fp32 for bf16/fp16 activations): per member
 (2 (k-1) + k * grad_factor) * t * kv_bytes_per_token bytes in 3k-2 messages, grad_factor = 2 in bf16 and
 1 in fp32 (`layer_ring_bytes`; tests/test_ring_traffic.py holds it against the gloo traffic counters).
-That traffic is overlapped with the member's attention compute, so only the excess is exposed. With a
+That traffic is overlapped with the member's attention compute, so only the excess is exposed.
+
+Multi-latent attention has a second ring (`attention.latent_ring`): the latent and the shared RoPE key
+circulate instead of K and V, `latent_bytes_per_token` in place of `kv_bytes_per_token` in the same
+formula, and every member up-projects what it receives: per layer (4 (k-1) + 1) * t * up_projection_time
+(forward, the backward's recompute, the latent's and the weight's gradients for each received token; the
+recompute for its own, whose forward and backward b1 holds), work of the member added to its attention
+before the overlap (`layer_up_projection_time`). The kind of each ring is `ring_kind`'s: forced, or per
+ring group the faster (`ring_kind_for`); the planner records it in the plan (`SequencePlacement.ring_kind`)
+and the timing and the simulator price each ring by its kind. With a
 topology (`ranks_per_node`, `intra_node_bandwidth`) a ring runs at its slowest link: NVLink inside one
 node, the inter-node link (`ring_bandwidth`) as soon as it crosses one. Documents that share a
 ring in one micro-batch share its exchange (one message per ring step carries all of them): their tokens
@@ -40,6 +49,12 @@ from megatron_hdp.plan.pipeline import FORWARD_SHARE
 
 RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
 """Megatron's --recompute-granularity values, "none" for the flag left out."""
+
+RING_KINDS = ("kv", "latent")
+"""The rings a split document can run: K and V circulate (`attention.zigzag_ring`), or multi-latent
+attention's latent and RoPE key do and every member up-projects them (`attention.latent_ring`)."""
+RING_KIND_SETTINGS = ("auto", *RING_KINDS)
+"""`CostModel.ring_kind`: one kind for every ring, or "auto" (per ring group, the faster one)."""
 
 
 
@@ -108,7 +123,24 @@ class CostModel:
     a cost model measured under another setting mis-sizes D(s) and the step times; `validate_hdp_args`
     warns when the run's setting differs."""
 
+    latent_bytes_per_token: float = 0.0
+    """Bytes of multi-latent attention's latent and shared RoPE key of one token in one layer (what a latent
+    ring step sends per token: kv_lora_rank + qk_pos_emb_head_dim values, not divided by TP); 0: no latent
+    ring (the model's attention is not multi-latent)."""
+    up_projection_time: float = 0.0
+    """Seconds of one forward up-projection (latent -> this TP rank's K and V, `linear_kv_up_proj`) of one
+    token in one layer. A latent ring member runs it 4x per token it receives and once more per own token
+    (`layer_up_projection_time`)."""
+    ring_kind: str = "auto"
+    """Which ring split documents run: "kv", "latent" (needs `latent_bytes_per_token`), or "auto": per ring
+    group the one `ring_kind_for` times faster (always "kv" without a latent)."""
+
     def __post_init__(self) -> None:
+        if self.ring_kind not in RING_KIND_SETTINGS:
+            raise ValueError(f"cost model ring_kind must be one of {RING_KIND_SETTINGS}, got {self.ring_kind!r}")
+        if self.ring_kind == "latent" and not self.latent_bytes_per_token:
+            raise ValueError("cost model ring_kind 'latent' needs latent_bytes_per_token > 0 (a multi-latent "
+                             "attention model); use 'kv' or 'auto'")
         if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
             raise ValueError(
                 f"cost model recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got "
@@ -117,12 +149,12 @@ class CostModel:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             optional = f.name in ("host_memory_bytes", "ranks_per_node", "intra_node_bandwidth")
-            if (value is None and optional) or f.name == "recompute_granularity":
+            if (value is None and optional) or f.name in ("recompute_granularity", "ring_kind"):
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise ValueError(f"cost model {f.name} must be a finite number, got {value!r}")
         for name in ("a1", "b1", "g", "a2", "b2", "kv_bytes_per_token", "ring_latency", "ring_block_overhead",
-                     "jitter"):
+                     "jitter", "latent_bytes_per_token", "up_projection_time"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost model coefficient {name} must be >= 0, got {getattr(self, name)}")
         for name in ("ring_bandwidth", "d2h_bandwidth", "h2d_bandwidth"):
@@ -144,33 +176,82 @@ class CostModel:
         """Compute seconds of one layer for `num_tokens` of a document of `seq_len` tokens."""
         return self.a1 * seq_len * num_tokens + self.b1 * num_tokens
 
+    def ring_bytes_per_token(self, kind: str = "kv") -> float:
+        """Bytes of one token of what a ring of `kind` circulates, in one layer: K and V, or the latent."""
+        return self.latent_bytes_per_token if kind == "latent" else self.kv_bytes_per_token
+
+    def grad_bytes_per_token(self, kind: str = "kv") -> float:
+        """Bytes of the gradient partials of one token in one layer as a ring of `kind` sends them back: the
+        accumulation dtype, max(fp32, activation dtype) (`attention.ring_loop.accumulation_dtype`)."""
+        element = self.activation_dtype_bytes
+        return self.ring_bytes_per_token(kind) * max(4, element) / element
+
     @property
     def kv_grad_bytes_per_token(self) -> float:
-        """Bytes of dK and dV of one token in one layer as the ring backward sends them: the accumulation
-        dtype, max(fp32, activation dtype) (`zigzag_ring._accumulation_dtype`)."""
-        element = self.activation_dtype_bytes
-        return self.kv_bytes_per_token * max(4, element) / element
+        """Bytes of dK and dV of one token in one layer as the K/V ring's backward sends them."""
+        return self.grad_bytes_per_token("kv")
 
     @staticmethod
     def ring_messages(ring_size: int) -> int:
         """Messages one member sends per layer: k-1 forward, k-1 K/V + k dK/dV backward."""
         return 3 * ring_size - 2 if ring_size > 1 else 0
 
-    def layer_ring_bytes(self, *, num_tokens, ring_size: int):
-        """Bytes one member holding `num_tokens` sends around a ring of `ring_size`, one layer, fwd + bwd."""
+    def layer_ring_bytes(self, *, num_tokens, ring_size: int, kind: str = "kv"):
+        """Bytes one member holding `num_tokens` sends around a ring of `ring_size` and `kind`, one layer,
+        fwd + bwd."""
         if ring_size <= 1:
             return 0.0
-        per_token = 2 * (ring_size - 1) * self.kv_bytes_per_token + ring_size * self.kv_grad_bytes_per_token
+        per_token = 2 * (ring_size - 1) * self.ring_bytes_per_token(kind) + ring_size * self.grad_bytes_per_token(kind)
         return per_token * num_tokens
 
-    def layer_ring_comm_time(self, *, num_tokens, ring_size: int, bandwidth=None):
-        """Seconds one ring member spends sending its K/V (and dK/dV) around a ring, one layer, over links
-        of `bandwidth` (default: what a ring of this size gets when placed inside a node if it fits,
-        `size_bandwidth`)."""
+    def layer_ring_comm_time(self, *, num_tokens, ring_size: int, bandwidth=None, kind: str = "kv"):
+        """Seconds one ring member spends sending its share (K/V or latent, and their gradients) around a
+        ring of `kind`, one layer, over links of `bandwidth` (default: what a ring of this size gets when
+        placed inside a node if it fits, `size_bandwidth`)."""
         if bandwidth is None:
             bandwidth = self.size_bandwidth(ring_size)
-        return (self.layer_ring_bytes(num_tokens=num_tokens, ring_size=ring_size) / bandwidth
+        return (self.layer_ring_bytes(num_tokens=num_tokens, ring_size=ring_size, kind=kind) / bandwidth
                 + self.ring_messages(ring_size) * self.ring_latency)
+
+    def layer_up_projection_time(self, *, num_tokens, ring_size: int, kind: str = "kv"):
+        """Seconds of up-projection one member of a latent ring adds in one layer, holding `num_tokens`:
+        4 up-projections per received token ((k-1) t: the position-0 member attends every row it receives,
+        and ring steps wait for the slowest member) and 1 per own token (the backward's recompute)."""
+        if kind != "latent" or ring_size <= 1:
+            return 0.0 * num_tokens
+        return (4 * (ring_size - 1) + 1) * num_tokens * self.up_projection_time
+
+    def layer_ring_overlap_time(self, *, num_tokens, attention, ring_size: int, bandwidth=None, kind: str = "kv"):
+        """Seconds of one layer of a ring group beyond its linear work: its attention (and up-projection)
+        with the ring's traffic hidden under them, only the excess exposed."""
+        work = attention + self.layer_up_projection_time(num_tokens=num_tokens, ring_size=ring_size, kind=kind)
+        comm = self.layer_ring_comm_time(num_tokens=num_tokens, ring_size=ring_size, bandwidth=bandwidth, kind=kind)
+        return np.maximum(work, comm) if isinstance(work, np.ndarray) else max(work, comm)
+
+    def ring_kind_for(self, *, num_tokens: float, attention: float, ring_size: int, bandwidth=None) -> str:
+        """The ring a group of `num_tokens` per member with `attention` seconds per layer runs: `ring_kind`
+        when forced, else the kind of least `layer_ring_overlap_time` (the K/V ring on a tie, and always
+        without a latent)."""
+        if self.ring_kind != "auto":
+            return self.ring_kind
+        if not self.latent_bytes_per_token or ring_size <= 1:
+            return "kv"
+        times = [self.layer_ring_overlap_time(num_tokens=num_tokens, attention=attention, ring_size=ring_size,
+                                              bandwidth=bandwidth, kind=kind) for kind in RING_KINDS]
+        return RING_KINDS[int(times[1] < times[0])]
+
+    def layer_ring_buffer_bytes(self, *, num_tokens: int, ring_size: int, kind: str = "kv") -> float:
+        """Transient device bytes a member holding `num_tokens` uses for a ring of `kind` in one layer's
+        backward (the larger pass), beyond the activations (`a2`): two buffers of what circulates (held,
+        arriving), three of its gradient partials (accumulating, leaving, arriving), and for a latent ring
+        the up-projected block, its K and V and their gradients (at least 2 kv_bytes_per_token per token).
+        Not planned with (the capacity C leaves room for it); reported by `megatron-hdp plan`."""
+        if ring_size <= 1:
+            return 0.0
+        per_token = 2 * self.ring_bytes_per_token(kind) + 3 * self.grad_bytes_per_token(kind)
+        if kind == "latent":
+            per_token += 2 * self.kv_bytes_per_token
+        return per_token * num_tokens
 
     # --- topology ------------------------------------------------------------------------------
     def crosses_nodes(self, ring: Sequence[int]) -> bool:
@@ -201,40 +282,49 @@ class CostModel:
         return 2 * (ring_size - 1) * num_documents * self.ring_block_overhead
 
     def layer_shard_time(self, *, seq_len: int, num_tokens: int, ring_size: int) -> float:
-        """One layer's time for one shard: linear work plus attention, ring traffic hidden under it."""
+        """One layer's time for one shard: linear work plus attention, ring traffic hidden under it (the
+        ring kind `ring_kind_for` picks, at `size_bandwidth`)."""
         attention = self.a1 * seq_len * num_tokens
-        comm = self.layer_ring_comm_time(num_tokens=num_tokens, ring_size=ring_size)
-        return self.b1 * num_tokens + max(attention, comm)
+        bandwidth = self.size_bandwidth(ring_size)
+        kind = self.ring_kind_for(num_tokens=num_tokens, attention=attention, ring_size=ring_size, bandwidth=bandwidth)
+        return self.b1 * num_tokens + self.layer_ring_overlap_time(
+            num_tokens=num_tokens, attention=attention, ring_size=ring_size, bandwidth=bandwidth, kind=kind)
 
     def activation_bytes(self, num_tokens: int) -> float:
         """Act(t): activation bytes of one layer for `num_tokens` tokens in one micro-batch."""
         return self.a2 * num_tokens + self.b2
 
     # --- whole micro-batches -------------------------------------------------------------------
-    def microbatch_time(self, shards: Sequence[tuple[int, int, tuple[int, ...]]], *, pp_size: int = 1) -> float:
+    def microbatch_time(self, shards: Sequence[tuple], *, pp_size: int = 1) -> float:
         """Seconds of one micro-batch on one pipeline stage.
 
-        `shards` holds (seq_len, num_tokens, ring) for each document piece in the micro-batch, `ring` the
-        ranks holding that document (one rank: it is whole). Pieces on the same ring of k > 1 ranks share
-        one ring exchange, as the runtime's ring-attention call runs all of them together: per layer that
-        ring costs b1 * sum(t) + max(sum(a1 * s * t), layer_ring_comm_time(sum(t), k)), plus
-        2 (k-1) * ring_block_overhead per document on it.
+        `shards` holds (seq_len, num_tokens, ring) or (seq_len, num_tokens, ring, ring_kind) for each
+        document piece in the micro-batch, `ring` the ranks holding that document (one rank: it is whole),
+        `ring_kind` the plan's ("kv" or "latent"; left out: `ring_kind_for` picks). Pieces on the same ring
+        of k > 1 ranks share one ring exchange, as the runtime's ring-attention call runs all of them
+        together (so they share a kind): per layer that ring costs b1 * sum(t) + layer_ring_overlap_time
+        (max(sum(a1 * s * t) + up-projection, traffic of sum(t))), plus 2 (k-1) * ring_block_overhead
+        per document on it.
         """
         per_layer = self.g
-        rings: dict[tuple[int, ...], list[float]] = {}
-        for seq_len, num_tokens, ring in shards:
+        rings: dict[tuple[int, ...], list] = {}
+        for seq_len, num_tokens, ring, *kind in shards:
             if len(ring) <= 1:
                 per_layer += self.layer_compute_time(seq_len=seq_len, num_tokens=num_tokens)
                 continue
-            summed = rings.setdefault(tuple(ring), [0.0, 0.0, 0])
+            summed = rings.setdefault(tuple(ring), [0.0, 0.0, 0, *kind])
+            assert summed[3:] == kind, f"pieces on ring {ring} of one micro-batch with kinds {summed[3:]} and {kind}"
             summed[0] += num_tokens
             summed[1] += self.a1 * seq_len * num_tokens
             summed[2] += 1
-        for ring, (num_tokens, attention, num_documents) in rings.items():
-            comm = self.layer_ring_comm_time(num_tokens=num_tokens, ring_size=len(ring),
-                                             bandwidth=self.ring_link_bandwidth(ring))
-            blocks = self.layer_ring_block_time(num_documents=num_documents, ring_size=len(ring))
-            per_layer += self.b1 * num_tokens + max(attention, comm) + blocks
+        for ring, (num_tokens, attention, num_documents, *kind) in rings.items():
+            bandwidth, k = self.ring_link_bandwidth(ring), len(ring)
+            kind = kind[0] if kind else self.ring_kind_for(num_tokens=num_tokens, attention=attention, ring_size=k,
+                                                           bandwidth=bandwidth)
+            overlap = self.layer_ring_overlap_time(num_tokens=num_tokens, attention=attention, ring_size=k,
+                                                   bandwidth=bandwidth, kind=kind)
+            blocks = self.layer_ring_block_time(num_documents=num_documents, ring_size=k)
+            per_layer += self.b1 * num_tokens + overlap + blocks
         return per_layer * self.num_layers / pp_size
 
     def sequence_time(self, seq_len: int, *, ring_size: int = 1, pp_size: int = 1) -> float:
@@ -242,9 +332,9 @@ class CostModel:
         tokens = -(-seq_len // ring_size)
         return self.microbatch_time([(seq_len, tokens, tuple(range(ring_size)))], pp_size=pp_size)
 
-    def ring_bytes(self, *, num_tokens: int, ring_size: int, pp_size: int = 1) -> float:
-        """Attention bytes one ring member sends in one step (all layers of a stage, fwd + bwd)."""
-        return self.layer_ring_bytes(num_tokens=num_tokens, ring_size=ring_size) * self.num_layers / pp_size
+    def ring_bytes(self, *, num_tokens: int, ring_size: int, pp_size: int = 1, kind: str = "kv") -> float:
+        """Attention bytes one member of a ring of `kind` sends in one step (all layers of a stage, fwd + bwd)."""
+        return self.layer_ring_bytes(num_tokens=num_tokens, ring_size=ring_size, kind=kind) * self.num_layers / pp_size
 
     def offload_windows(self, layer_time):
         """(forward, backward) seconds of one layer that offload copies can hide under: a layer's D2H copy

@@ -1,15 +1,21 @@
 """Model shapes and hardware profiles, and the analytic cost model they imply.
 
-The ByteScale paper's models (LLaMA-7B/13B/30B/70B, Mixtral-8x7B/8x22B) plus Llama-3-8B, gpt-oss-20b and
-DeepSeek-V3 (with its multi-token prediction; plain attention for its MLA, see MODELS),
-and H100/H200/A100-class GPUs. Analytic FLOPs per token per layer (forward; training = 3x), with q the
-width of all query heads (h unless the head dim is set apart from h / heads, as gpt-oss's 64 x 64 on h = 2880):
+The ByteScale paper's models (LLaMA-7B/13B/30B/70B, Mixtral-8x7B/8x22B) plus Llama-3-8B, gpt-oss-20b, two
+multi-latent attention MoE models (DeepSeek-V3 with its multi-token prediction, and Moonlight-16B-A3B, their
+published configs), and H100/H200/A100-class GPUs. Analytic FLOPs per token per layer (forward; training =
+3x), with q the width of all query heads (h unless the head dim is set apart from h / heads, as gpt-oss's
+64 x 64 on h = 2880):
 
-    linear = 2 * (h * (q + 2 * kv) + q * h + n_mlp * h * ffn * top_k)    (QKV, proj, MLP; n_mlp = 3 for SwiGLU)
-    attention(s) = 2 * s^2 * q                                          (QK^T and PV, causal half of 4 s^2 q)
+    linear = 2 * (attention projections + n_mlp * h * ffn * top_k)      (n_mlp = 3 for SwiGLU)
+             attention projections: h * (q + 2 * kv) + q * h (QKV, proj); multi-latent attention's
+             q (down + up, or one projection), kv down, kv up and proj (`ModelShape.attention_linear`)
+    attention(s) = s^2 * (H * Dqk + H * Dv)                             (QK^T and PV, causal half; 2 s^2 q
+                                                                         without multi-latent attention)
 
-plus the LM head 2 * h * vocab per token, spread over the layers. Activations (bf16, flash attention, no
-recompute, sequence parallel over TP) keep ~ 2 * (6h + 2kv + 4ffn * top_k) bytes per token per layer.
+plus the LM head 2 * h * vocab per token, spread over the layers; MoE models with dense first layers or
+shared experts average the MLP over the layers. Activations (bf16, flash attention, no recompute, sequence
+parallel over TP) keep ~ 2 * (4h + 2q + 2kv + 4ffn * top_k) bytes per token per layer (multi-latent
+attention: its q, k, v, output and latents in place of 2q + 2kv).
 
 Multi-token prediction of depth D (`mtp_num_layers`, DeepSeek-V3's MTP as Megatron builds it) adds D
 transformer layers like the decoder's last (attention and MLP or MoE), each with its projection of the
@@ -20,24 +26,32 @@ activations plus its projection's input (2h per token). The cost model stays per
 MTP work is spread over the L decoder layers like the LM head: exact for a whole step without pipeline
 parallelism; with PP Megatron puts the MTP block on the last stage, which the per-stage share
 under-counts unless the layout moves decoder layers off that stage.
+
+Ring attention per token and TP rank: the K/V ring moves K and V of this TP rank's heads, H/TP x (Dqk +
+Dv) values (2 kv / TP without multi-latent attention); the latent ring (`attention.latent_ring`) moves
+the latent and RoPE key, kv_lora_rank + qk_pos_emb_head_dim values on every TP rank, and up-projects
+every received token: 2 kv_lora_rank H/TP (qk_head_dim + v_head_dim) FLOPs forward, 3x that backward
+(recompute, latent gradient, weight gradient).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron_hdp.plan.cost_model import RECOMPUTE_GRANULARITIES, CostModel
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder-only transformer's shape."""
+    """A decoder-only transformer's shape (Megatron's argument names)."""
 
     num_layers: int
     hidden_size: int
     num_attention_heads: int
     num_query_groups: int
     ffn_hidden_size: int
+    """The MLP's hidden size: of every layer, or with `num_dense_layers` of the dense ones."""
     vocab_size: int
     num_experts: int = 0
     moe_router_topk: int = 1
@@ -47,44 +61,143 @@ class ModelShape:
     mtp_num_layers: int = 0
     """Multi-token prediction depth D (Megatron's --mtp-num-layers; 0: none): D extra transformer layers,
     projections and LM-head passes per token (module docstring)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """An expert's hidden size (None: `ffn_hidden_size`)."""
+    moe_shared_expert_intermediate_size: int = 0
+    """Hidden size of the shared experts every token runs (all of them together; 0: none)."""
+    num_dense_layers: int = 0
+    """The first layers' MLPs are dense (`ffn_hidden_size`), the rest MoE (Megatron's moe_layer_freq
+    [0]*n+[1]*(L-n)); only with experts."""
+    kv_lora_rank: Optional[int] = None
+    """Multi-latent attention's latent width (None: standard attention; then the fields below are unused)."""
+    q_lora_rank: Optional[int] = None
+    """Multi-latent attention's query latent width (None: queries projected from the hidden state)."""
+    qk_head_dim: int = 0
+    """Multi-latent attention: the head dim of q and k without RoPE."""
+    qk_pos_emb_head_dim: int = 0
+    """Multi-latent attention: the RoPE part of q's and k's head dim (k's shared by all heads)."""
+    v_head_dim: int = 0
+    """Multi-latent attention: V's head dim."""
 
     def __post_init__(self) -> None:
         if self.mtp_num_layers < 0:
             raise ValueError(f"mtp_num_layers must be >= 0, got {self.mtp_num_layers}")
+        if self.is_mla and min(self.kv_lora_rank, self.qk_head_dim, self.qk_pos_emb_head_dim, self.v_head_dim) < 1:
+            raise ValueError(f"multi-latent attention needs kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim and "
+                             f"v_head_dim >= 1, got {self}")
+        if not 0 <= self.num_dense_layers <= self.num_layers or (self.num_dense_layers and not self.num_experts):
+            raise ValueError(f"num_dense_layers {self.num_dense_layers} needs experts and at most num_layers "
+                             f"{self.num_layers}")
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-latent (DeepSeek-V2/V3's)."""
+        return self.kv_lora_rank is not None
 
     @property
     def channels_per_head(self) -> int:
+        """Channels per head of standard attention."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def q_channels(self) -> int:
-        """Width of Q (and of the attention output) over all query heads."""
+        """Width of Q (and of the attention output) over all query heads (standard attention)."""
         return self.channels_per_head * self.num_attention_heads
 
     @property
     def kv_channels(self) -> int:
-        """Width of K (or V) over all KV heads."""
+        """Width of K (or V) over all KV heads (standard attention)."""
         return self.channels_per_head * self.num_query_groups
+
+    @property
+    def kv_ring_channels(self) -> int:
+        """Values of K and V of one token over all heads: what the K/V ring moves per token (before TP)."""
+        if self.is_mla:
+            return self.num_attention_heads * (self.qk_head_dim + self.qk_pos_emb_head_dim + self.v_head_dim)
+        return 2 * self.kv_channels
+
+    @property
+    def latent_channels(self) -> int:
+        """Values of the latent and RoPE key of one token (what the latent ring moves; 0 without MLA)."""
+        return self.kv_lora_rank + self.qk_pos_emb_head_dim if self.is_mla else 0
+
+    @property
+    def up_projection_flops(self) -> int:
+        """FLOPs of the K/V up-projection of one token over all heads (forward; 0 without MLA)."""
+        heads = self.num_attention_heads
+        return 2 * self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim) if self.is_mla else 0
+
+    @property
+    def attention_pair_flops(self) -> int:
+        """Forward FLOPs per token pair of a causal document's attention: s^2 times this for s tokens."""
+        if self.is_mla:
+            return self.num_attention_heads * (self.qk_head_dim + self.qk_pos_emb_head_dim + self.v_head_dim)
+        return 2 * self.q_channels
+
+    @property
+    def attention_linear(self) -> int:
+        """Weights of one layer's attention projections (= forward FLOPs per token / 2)."""
+        h, heads = self.hidden_size, self.num_attention_heads
+        if not self.is_mla:
+            return h * (self.q_channels + 2 * self.kv_channels) + self.q_channels * h
+        q_width = heads * (self.qk_head_dim + self.qk_pos_emb_head_dim)
+        q = h * q_width if self.q_lora_rank is None else self.q_lora_rank * (h + q_width)
+        kv = h * self.latent_channels + self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * h
+
+    @property
+    def attention_activations(self) -> int:
+        """Values of the attention block's tensors kept per token for the backward beyond the layer's 4h."""
+        if not self.is_mla:
+            return 2 * self.q_channels + 2 * self.kv_channels  # Q, output, K, V
+        heads = self.num_attention_heads
+        qk, v = heads * (self.qk_head_dim + self.qk_pos_emb_head_dim), heads * self.v_head_dim
+        return 2 * qk + 2 * v + (self.q_lora_rank or 0) + self.latent_channels  # Q, K, V, output, latents
 
     @property
     def active_experts(self) -> int:
         """MLPs each token runs through (1 for dense models)."""
         return self.moe_router_topk if self.num_experts else 1
 
+    def mlp_widths(self) -> float:
+        """Mean over layers of the MLP hidden widths one token runs through (top-k experts, shared experts,
+        dense layers): the MLP's FLOPs and activations per token scale with it."""
+        if not self.num_experts:
+            return float(self.ffn_hidden_size)
+        dense = self.num_dense_layers
+        return (dense * self.ffn_hidden_size + (self.num_layers - dense) * self.last_layer_mlp_width()) / self.num_layers
+
+    def last_layer_mlp_width(self) -> float:
+        """The MLP hidden width one token runs through in the decoder's last layer (an MTP layer's): its
+        top-k experts and shared experts, or the dense MLP."""
+        if not self.num_experts:
+            return float(self.ffn_hidden_size)
+        expert = self.moe_ffn_hidden_size or self.ffn_hidden_size
+        return float(expert * self.moe_router_topk + self.moe_shared_expert_intermediate_size)
+
     def num_parameters(self) -> int:
-        """Parameter count (embeddings counted once each way; MoE counts every expert)."""
-        h, q, kv, ffn = self.hidden_size, self.q_channels, self.kv_channels, self.ffn_hidden_size
-        mlp = (3 if self.gated_mlp else 2) * h * ffn * max(1, self.num_experts)
-        layer = h * (q + 2 * kv) + q * h + mlp + 2 * h
-        mtp_layer = layer + 2 * h * h + 3 * h  # its projection and norms; embedding and head are shared
-        return self.num_layers * layer + self.mtp_num_layers * mtp_layer + 2 * self.vocab_size * h
+        """Parameter count (embeddings counted once each way; MoE counts every expert; routers and norms
+        of the latents left out). An MTP layer is one more layer like the decoder's last, with its
+        projection and norms (its embedding and head are the model's)."""
+        h, n_mlp, depth = self.hidden_size, 3 if self.gated_mlp else 2, self.mtp_num_layers
+        dense = self.num_dense_layers if self.num_experts else self.num_layers + depth
+        mlps = dense * n_mlp * h * self.ffn_hidden_size + self.expert_parameters()
+        mlps += self._moe_layers() * n_mlp * h * self.moe_shared_expert_intermediate_size
+        mtp = depth * (2 * h * h + 3 * h)
+        return (self.num_layers + depth) * (self.attention_linear + 2 * h) + mlps + mtp + 2 * self.vocab_size * h
+
+    def _moe_layers(self) -> int:
+        """Layers with routed experts: the decoder's after its dense ones, and the MTP layers."""
+        return self.num_layers - self.num_dense_layers + self.mtp_num_layers if self.num_experts else 0
 
     def expert_parameters(self) -> int:
-        """Of `num_parameters`, the experts' (every expert's MLP in every layer; 0 for a dense model): what
-        expert parallelism shards over EP x expert-TP ranks instead of TP."""
+        """Of `num_parameters`, the routed experts' (every expert's MLP in every MoE layer; 0 for a dense
+        model): what expert parallelism shards over EP x expert-TP ranks instead of TP."""
         if not self.num_experts:
             return 0
-        return self.num_layers * (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size * self.num_experts
+        n_mlp = 3 if self.gated_mlp else 2
+        expert = self.moe_ffn_hidden_size or self.ffn_hidden_size
+        return self._moe_layers() * n_mlp * self.hidden_size * expert * self.num_experts
 
 
 @dataclass(frozen=True)
@@ -123,16 +236,20 @@ MODELS: dict[str, ModelShape] = {
     # of ffn 2880 with top-4, vocab 201088; attention sinks and a 128-token window on alternate layers change
     # neither FLOPs per token (a window only caps the attention term of half the layers) nor activations
     "gpt-oss-20b": ModelShape(24, 2880, 64, 8, 2880, 201088, num_experts=32, moe_router_topk=4, head_dim=64),
-    # DeepSeek-V3-class (its config.json: 61 layers, hidden 7168, 128 heads, 256 routed experts of ffn 2048
-    # with top-8 plus one shared expert, vocab 129280, one MTP module). Top-9: the shared expert runs for
-    # every token like a routed one, and the first 3 dense layers' ffn 18432 = 9 x 2048, so every layer's
-    # MLP FLOPs are DeepSeek-V3's. Attention is plain multi-head with 128 channels (v_head_dim) until the
-    # cost model has multi-latent attention: its projections count 470M multiply-adds per token per layer
-    # against MLA's 187M (the linear term ~48% high), its attention 128 channels per head against MLA's
-    # mean of 192 (QK) and 128 (PV) (~20% low), its ring K/V 2 x 128 x 128 values per token against MLA's
-    # 128 x (192 + 128) (K and V up-projected before the ring)
-    "deepseek-v3": ModelShape(61, 7168, 128, 128, 2048, 129280, num_experts=256, moe_router_topk=9,
-                              head_dim=128, mtp_num_layers=1),
+    # deepseek-ai/DeepSeek-V3 config.json (= inference/configs/config_671B.json): 61 layers, the first 3
+    # dense (intermediate_size 18432), then 256 routed experts (moe_intermediate_size 2048) + 1 shared,
+    # top-8; MLA with q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128; one MTP module
+    # (num_nextn_predict_layers 1).
+    "deepseek-v3": ModelShape(61, 7168, 128, 128, 18432, 129280, num_experts=256, moe_router_topk=8,
+                              moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048, num_dense_layers=3,
+                              kv_lora_rank=512, q_lora_rank=1536, qk_head_dim=128, qk_pos_emb_head_dim=64,
+                              v_head_dim=128, mtp_num_layers=1),
+    # moonshotai/Moonlight-16B-A3B config.json: 27 layers, the first dense (intermediate_size 11264), 64
+    # routed experts (1408) + 2 shared, top-6; MLA without a query latent (q_lora_rank null).
+    "moonlight-16b-a3b": ModelShape(27, 2048, 16, 16, 11264, 163840, num_experts=64, moe_router_topk=6,
+                                    moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=2 * 1408,
+                                    num_dense_layers=1, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
+                                    v_head_dim=128),
 }
 
 HARDWARE: dict[str, HardwareProfile] = {
@@ -177,28 +294,26 @@ def analytic_cost_model(
     hw = hardware_profile(hardware) if isinstance(hardware, str) else hardware
     if tp_size <= 0:
         raise ValueError(f"tp_size must be positive, got {tp_size}")
-    h, kv, ffn, experts = shape.hidden_size, shape.kv_channels, shape.ffn_hidden_size, shape.active_experts
-    q = shape.q_channels
+    h, layers, depth = shape.hidden_size, shape.num_layers, shape.mtp_num_layers
     n_mlp = 3 if shape.gated_mlp else 2
-    layers, depth = shape.num_layers, shape.mtp_num_layers
     per_layer = (layers + depth) / layers  # MTP's transformer layers, spread over the decoder's (docstring)
-    linear_flops = 2 * (h * (q + 2 * kv) + q * h + n_mlp * h * ffn * experts) * per_layer
-    linear_flops += (depth * 2 * (2 * h * h + 3 * h) + (1 + depth) * 2 * h * shape.vocab_size) / layers
-    attention_flops = 2 * q * per_layer  # per token^2 of a whole causal document
+    layer_linear = 2 * (shape.attention_linear + n_mlp * h * shape.mlp_widths())
+    mtp_linear = 2 * (shape.attention_linear + n_mlp * h * shape.last_layer_mlp_width() + 2 * h * h + 3 * h)
+    linear_flops = layer_linear + (depth * mtp_linear + (1 + depth) * 2 * h * shape.vocab_size) / layers
     if recompute_granularity not in RECOMPUTE_GRANULARITIES:
         raise ValueError(f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got {recompute_granularity!r}")
     training = 3.0  # forward + backward
     attention_training = training + (recompute_granularity != "none")
     linear_training = training + (recompute_granularity == "full")
-    kept = h if recompute_granularity == "full" else 6 * h + 2 * kv + 4 * ffn * experts
+    kept = h if recompute_granularity == "full" else 4 * h + shape.attention_activations + 4 * shape.mlp_widths()
     kept = kept * per_layer + depth * 2 * h / layers  # each MTP layer also keeps its projection's input
     return CostModel(
-        a1=attention_training * attention_flops / tp_size / (hw.peak_flops * hw.attention_efficiency),
+        a1=attention_training * shape.attention_pair_flops * per_layer / tp_size / (hw.peak_flops * hw.attention_efficiency),
         b1=linear_training * linear_flops / tp_size / (hw.peak_flops * hw.efficiency),
         g=hw.kernel_overhead,
         a2=dtype_bytes * kept / tp_size,
         b2=0.0,
-        kv_bytes_per_token=dtype_bytes * 2 * kv / tp_size,
+        kv_bytes_per_token=dtype_bytes * shape.kv_ring_channels / tp_size,
         activation_dtype_bytes=dtype_bytes,
         num_layers=shape.num_layers,
         ring_bandwidth=hw.ring_bandwidth,
@@ -207,4 +322,6 @@ def analytic_cost_model(
         host_memory_bytes=hw.host_memory_bytes,
         intra_node_bandwidth=hw.intra_node_bandwidth,
         recompute_granularity=recompute_granularity,
+        latent_bytes_per_token=dtype_bytes * shape.latent_channels,
+        up_projection_time=shape.up_projection_flops / tp_size / (hw.peak_flops * hw.efficiency),
     )

@@ -186,7 +186,10 @@ def fastest_ring_size(member_time: Callable[[int], float], *, lo: int, hi: int) 
 
     Per layer the member time is b1 s/k + max(a1 s^2/k, (2 (k-1) + k f) kv s/(k bw) + (3k-2) latency)
     (f: dK/dV bytes over K/V bytes, `CostModel.layer_ring_bytes`): with u = 1/k both branches are convex
-    in u, so the time is unimodal in k and a ternary search finds the minimum.
+    in u, so the time is unimodal in k and a ternary search finds the minimum. So is a latent ring's
+    (multi-latent attention: its up-projection adds (4 (k-1) + 1) s/k = (4 - 3u) s up-projections, linear
+    in u); where the cost model picks the faster kind per k (`ring_kind` auto) the time is the smaller of
+    two unimodal functions, and the search returns a local minimum.
     """
     while hi - lo > 2:
         third = (hi - lo) // 3

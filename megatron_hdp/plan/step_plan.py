@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional, Sequence, TypeVar
 
 import numpy as np
 
+from megatron_hdp.plan.cost_model import RING_KINDS
 from megatron_hdp.plan.layout import Interval, zigzag_chunk_bounds, zigzag_chunks
 
 PLAN_VERSION = 1
@@ -68,12 +69,16 @@ class RankSchedule:
 
 @dataclass(frozen=True, slots=True)
 class SequencePlacement:
-    """Where one sequence of the global batch lives: its ring (one rank when whole) and offload ratio."""
+    """Where one sequence of the global batch lives: its ring (one rank when whole), offload ratio and the
+    kind of ring it runs ("kv": K and V circulate; "latent": multi-latent attention's latent does, every
+    member up-projecting it). Sequences on one ring in one micro-batch share one ring call, hence a kind;
+    a whole sequence is "kv" (no ring). In the JSON as "ring_kind" only when "latent"."""
 
     id: int
     length: int
     ring: tuple[int, ...]
     offload_ratio: float = 0.0
+    ring_kind: str = "kv"
 
 
 def build_many(cls: type[_Plain], *columns: Sequence[Any]) -> list[_Plain]:
@@ -115,6 +120,8 @@ class PlanSummary:
     """Rings whose ranks sit on more than one node (the cost model's `ranks_per_node`; 0 without one)."""
     network_bytes: float = 0.0
     """Of `attention_bytes`, those sent over links between nodes (ring hops from one node to another)."""
+    latent_rings: int = 0
+    """Rings that circulate multi-latent attention's latent instead of K and V (`ring_kind` "latent")."""
 
 
 def _validate_sequence(seq: SequencePlacement, held: list[tuple[int, int, Shard]]) -> None:
@@ -324,7 +331,32 @@ class StepPlan:
             raise ValueError(f"ranks must be listed 0..{self.num_ranks - 1} in order")
         if not _all_valid(self):
             self._check_each()
+        self._check_ring_kinds()
         return self
+
+    def _check_ring_kinds(self) -> None:
+        """Every ring kind is known, "latent" only on rings of more than one rank, and the sequences on one
+        ring in one micro-batch (one ring call at run time) share their kind."""
+        kinds = {seq.ring_kind for seq in self.sequences}
+        if kinds <= {"kv"}:
+            return
+        for seq in self.sequences:
+            if seq.ring_kind not in RING_KINDS:
+                raise ValueError(f"sequence {seq.id} ring_kind {seq.ring_kind!r} is not one of {RING_KINDS}")
+            if seq.ring_kind != "kv" and len(seq.ring) == 1:
+                raise ValueError(f"sequence {seq.id} is whole (ring {seq.ring}) but its ring_kind is {seq.ring_kind!r}")
+        calls: dict[tuple[int, tuple[int, ...]], SequencePlacement] = {}
+        for schedule in self.ranks:
+            for index, mb in enumerate(schedule.microbatches):
+                for shard in mb.shards:
+                    seq = self.sequences[shard.seq]
+                    first = calls.setdefault((index, seq.ring), seq)
+                    if len(seq.ring) > 1 and first.ring_kind != seq.ring_kind:
+                        raise ValueError(
+                            f"sequences {first.id} and {seq.id} share ring {seq.ring} in micro-batch {index} but "
+                            f"their ring kinds differ ({first.ring_kind!r}, {seq.ring_kind!r}): one ring call has one "
+                            "kind"
+                        )
 
     def _check_each(self) -> None:
         """The invariants checked one sequence and one micro-batch at a time; raises at the first broken one.
@@ -371,7 +403,8 @@ class StepPlan:
             if k > 1:
                 ring_sizes[k] = ring_sizes.get(k, 0) + 1
                 if cost_model is not None:
-                    member = cost_model.ring_bytes(num_tokens=-(-seq.length // k), ring_size=k, pp_size=self.pp_size)
+                    member = cost_model.ring_bytes(num_tokens=-(-seq.length // k), ring_size=k, pp_size=self.pp_size,
+                                                   kind=seq.ring_kind)
                     attention_bytes += k * member
                     if cost_model.crosses_nodes(seq.ring):
                         across += 1
@@ -392,6 +425,7 @@ class StepPlan:
             attention_bytes=attention_bytes,
             rings_across_nodes=across,
             network_bytes=network_bytes,
+            latent_rings=sum(1 for seq in self.sequences if seq.ring_kind == "latent"),
         )
 
     # --- serialisation -------------------------------------------------------------------------
@@ -406,7 +440,8 @@ class StepPlan:
             **({"vpp_size": self.vpp_size} if self.vpp_size > 1 else {}),
             **({"microbatch_group_size": self.group_size} if self.group_size is not None else {}),
             "sequences": [
-                {"id": s.id, "length": s.length, "ring": list(s.ring), "offload_ratio": s.offload_ratio}
+                {"id": s.id, "length": s.length, "ring": list(s.ring), "offload_ratio": s.offload_ratio,
+                 **({"ring_kind": s.ring_kind} if s.ring_kind != "kv" else {})}
                 for s in self.sequences
             ],
             "ranks": [
@@ -442,7 +477,8 @@ class StepPlan:
             vpp_size=data.get("vpp_size", 1),
             group_size=data.get("microbatch_group_size"),
             sequences=tuple(
-                SequencePlacement(s["id"], s["length"], tuple(s["ring"]), s.get("offload_ratio", 0.0))
+                SequencePlacement(s["id"], s["length"], tuple(s["ring"]), s.get("offload_ratio", 0.0),
+                                  s.get("ring_kind", "kv"))
                 for s in data["sequences"]
             ),
             ranks=tuple(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.cost_model import RING_KIND_SETTINGS, CostModel
 from megatron_hdp.plan.interleaved import uncapped_warmup
 from megatron_hdp.plan.presets import HardwareProfile, ModelShape, analytic_cost_model, hardware_profile, model_shape
 from megatron_hdp.plan.timing import expert_unit_size
@@ -63,6 +63,8 @@ class ClusterSpec:
     (`plan.timing.expert_unit_size`)."""
     etp_size: Optional[int] = None
     """Expert tensor-parallel size (--expert-tensor-parallel-size); None: TP, Megatron's default."""
+    ring_kind: Optional[str] = None
+    """Which ring split documents run (`CostModel.ring_kind`: auto, kv, latent); None: the cost model's."""
 
     def __post_init__(self) -> None:
         self.shape  # unknown model -> ValueError naming the known ones
@@ -86,6 +88,8 @@ class ClusterSpec:
             raise ValueError(f"num_gpus {self.num_gpus} is not a multiple of expert TP x EP x PP = {self.expert_tp_size} x "
                              f"{self.ep_size} x {self.pp_size} (Megatron's expert grid; with it, the HDP pool holds "
                              "whole expert-parallel groups)")
+        if self.ring_kind is not None and self.ring_kind not in RING_KIND_SETTINGS:
+            raise ValueError(f"ring_kind must be one of {RING_KIND_SETTINGS}, got {self.ring_kind!r}")
         if self.gpus_per_node <= 0:
             raise ValueError(f"gpus_per_node must be positive, got {self.gpus_per_node}")
         for name in ("allreduce_bandwidth", "ring_bandwidth", "intra_node_bandwidth"):
@@ -147,6 +151,8 @@ class ClusterSpec:
             cost = analytic_cost_model(self.shape, self.hardware_profile, tp_size=self.tp_size)
         if self.ring_bandwidth:
             cost = dataclasses.replace(cost, ring_bandwidth=self.ring_bandwidth)
+        if self.ring_kind is not None:
+            cost = dataclasses.replace(cost, ring_kind=self.ring_kind)
         return dataclasses.replace(cost, ranks_per_node=self.ranks_per_node,
                                    intra_node_bandwidth=self.intra_node_bandwidth or cost.intra_node_bandwidth
                                    or self.hardware_profile.intra_node_bandwidth,

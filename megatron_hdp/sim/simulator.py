@@ -7,7 +7,9 @@ What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding n
   the *same* ring (static CP packs many documents on one CP ring) share one ring exchange per step, as a
   THD ring-attention call over all of them does: traffic and message latency are those of their summed
   tokens, overlapped with their summed attention; each split document adds its per-block kernel
-  overhead (`ring_block_overhead`), not hidden: `CostModel.microbatch_time`, on arrays
+  overhead (`ring_block_overhead`), not hidden; a latent ring (multi-latent attention) prices its own
+  bytes and adds its up-projection to the attention it overlaps, by the plan's `ring_kind` of each ring:
+  `CostModel.microbatch_time`, on arrays
   (test_plan_sim_agreement checks they agree). One pass per micro-batch (Megatron's hybrid CP runs one pass per sub-sample, see
   `POLICY_RULES`).
 - Offload: a shard of a sequence with offload ratio r copies r * Act(t) per layer to the host and back.
@@ -170,6 +172,8 @@ class _Shards:
     ring: np.ndarray
     """Id of the shard's ring (shards of one ring share an id)."""
     ring_size: np.ndarray
+    latent: np.ndarray
+    """Whether the shard's sequence runs a latent ring (`SequencePlacement.ring_kind`)."""
     offload_ratio: np.ndarray
     first_microbatch: np.ndarray
     """first_microbatch[r]: global number of rank r's micro-batch 0; one more entry for the end."""
@@ -196,6 +200,7 @@ class _Shards:
             tokens=tokens,
             ring=ring_of_seq[seq],
             ring_size=np.array([len(s.ring) for s in plan.sequences], dtype=np.int64)[seq],
+            latent=np.array([s.ring_kind == "latent" for s in plan.sequences], dtype=bool)[seq],
             offload_ratio=np.array([s.offload_ratio for s in plan.sequences], dtype=np.float64)[seq],
             first_microbatch=np.array(counts, dtype=np.int64),
             rings=tuple(rings),
@@ -240,26 +245,41 @@ def _microbatch_costs(plan: StepPlan, cost: CostModel, rules: PolicyRules, shard
     group_pass[group_keys] = pass_of_shard
     group_ring = np.zeros(len(group_tokens), dtype=np.int64)
     group_ring[group_keys] = shards.ring
+    group_latent = np.zeros(len(group_tokens), dtype=bool)
+    group_latent[group_keys] = shards.latent
     bandwidth = np.array([cost.ring_link_bandwidth(ring) for ring in shards.rings])[group_ring]
-    group_ids = np.arange(len(group_tokens))
-    traffic = _per_ring_size(group_ids.astype(np.float64), group_size,
-                             lambda ids, k: cost.layer_ring_comm_time(num_tokens=group_tokens[ids.astype(np.int64)],
-                                                                      ring_size=k,
-                                                                      bandwidth=bandwidth[ids.astype(np.int64)]))
-    exposed = np.maximum(0.0, traffic - group_attention)
+
+    def per_ring_group(function) -> np.ndarray:
+        """function(ids, k, kind) for the ring groups `ids` of each ring size k > 1 and each ring kind."""
+        out = np.zeros(len(group_tokens))
+        for kind, chosen in (("kv", ~group_latent), ("latent", group_latent)):
+            for k in np.unique(group_size[chosen & (group_size > 1)]):
+                ids = np.flatnonzero(chosen & (group_size == k))
+                out[ids] = function(ids, int(k), kind)
+        return out
+
+    traffic = per_ring_group(lambda ids, k, kind: cost.layer_ring_comm_time(
+        num_tokens=group_tokens[ids], ring_size=k, bandwidth=bandwidth[ids], kind=kind))
+    # the latent ring's up-projection: work of the member, beside its attention under the traffic
+    up = per_ring_group(lambda ids, k, kind: cost.layer_up_projection_time(
+        num_tokens=group_tokens[ids], ring_size=k, kind=kind))
+    exposed = np.maximum(0.0, traffic - group_attention - up)
     # per-block kernel overhead of split documents: work of the rank itself, not hidden by the exchange
     blocks = _per_ring_size(np.bincount(group_keys).astype(np.float64), group_size,
                             lambda n, k: n * cost.layer_ring_block_time(num_documents=1, ring_size=k))
     layer_compute = cost.g + np.bincount(pass_of_shard, weights=compute, minlength=num_passes)
-    layer_compute += np.bincount(group_pass, weights=blocks, minlength=num_passes)
+    layer_compute += np.bincount(group_pass, weights=blocks + up, minlength=num_passes)
     layer_comm = np.bincount(group_pass, weights=exposed, minlength=num_passes)
     copy = np.bincount(pass_of_shard, weights=shards.offload_ratio * cost.activation_bytes(shards.tokens),
                        minlength=num_passes)
     layer_offload = cost.exposed_offload_time(copy, layer_compute + layer_comm)
     for column, per_pass in enumerate((layer_compute, layer_comm, layer_offload)):
         out[:, column] += np.bincount(mb_of_pass, weights=per_pass * layers, minlength=num_mbs)
-    ring_bytes = _per_ring_size(shards.tokens, shards.ring_size,
-                                lambda t, k: cost.ring_bytes(num_tokens=t, ring_size=k, pp_size=plan.pp_size))
+    ring_bytes = np.zeros(len(shards.tokens))
+    for kind, chosen in (("kv", ~shards.latent), ("latent", shards.latent)):
+        ring_bytes[chosen] = _per_ring_size(
+            shards.tokens[chosen], shards.ring_size[chosen],
+            lambda t, k: cost.ring_bytes(num_tokens=t, ring_size=k, pp_size=plan.pp_size, kind=kind))
     out[:, 3] = np.bincount(shards.microbatch, weights=ring_bytes, minlength=num_mbs)
     return out
 
@@ -285,6 +305,9 @@ def simulate_step(
         rules = POLICY_RULES.get(plan.policy, PolicyRules())
     n, p, v = plan.num_ranks, plan.pp_size, plan.vpp_size
     shards = _Shards.of(plan)
+    if shards.latent.any() and not cost_model.latent_bytes_per_token:
+        raise ValueError("the plan runs latent rings but the cost model has no latent (latent_bytes_per_token = 0): "
+                         "simulate it with the multi-latent attention model's cost model")
     mb_costs = _microbatch_costs(plan, cost_model, rules, shards)
     bounds = shards.first_microbatch
     costs = [mb_costs[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]  # [rank][index] -> 5 numbers

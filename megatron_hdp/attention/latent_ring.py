@@ -1,0 +1,256 @@
+"""Multi-latent attention's ring: the latent and the shared RoPE key circulate, every member up-projects them.
+
+Megatron's `MLASelfAttention` makes each token's K and V from a small latent: the normalised
+`kv_lora_rank` part of `linear_kv_down_proj`'s output (512 wide in DeepSeek-V3) goes through
+`linear_kv_up_proj` (weight [H * (qk_head_dim + v_head_dim), kv_lora_rank], TP-local rows; its output
+viewed [T, H, qk_head_dim + v_head_dim] splits into k_no_pe and value), and the rotated RoPE key
+k_pos_emb [T, 1, qk_pos_emb_head_dim] is shared by all heads: K = cat(k_no_pe, k_pos_emb broadcast over
+heads), V = value. The K/V ring (`zigzag_ring`) moves H x (qk_head_dim + qk_pos_emb_head_dim +
+v_head_dim) values per token; this ring moves the latent and the RoPE key instead, kv_lora_rank +
+qk_pos_emb_head_dim values (576 against 16 x 320 = 5,120 for DeepSeek-V3 at TP 8), and each member
+up-projects every block it attends to with the layer's weights (`LatentKV.block_kv`). Same block loop
+as the K/V ring (`ring_loop`: relayed or direct plans, the fp32 merge, the deadlock rules of
+`comm.ring_program`), the same result: full (causal) attention over each document.
+
+Backward: the latent and RoPE key circulate again, each member recomputes the up-projection of the
+blocks it receives, and the block's dK, dV give (`LatentKV.add_block_grads`)
+* the partials of the held latent, dK/dV(no-pe part) @ W, and of the held RoPE key, dK(rope part)
+  summed over heads: they ride the ring back to the latent's owner in fp32 like the K/V ring's dK/dV;
+* this member's share of the up-projection weight's gradient, dW += dKV^T latent over the blocks it
+  received (fp32): summed over the pool by Megatron's DDP like every other weight gradient.
+
+Traffic per call and rank (`comm.traffic`): (k-1) latent buffers forward in the input dtype, (k-1)
+latent buffers and k partial buffers backward in the accumulation dtype (fp32 for half precision); a
+latent buffer holds kv_lora_rank + qk_pos_emb_head_dim values per token: the K/V ring's formula with
+that width (`plan.cost_model.CostModel`, `latent_bytes_per_token`). Compute per received token: the
+up-projection, 2 R H (Dn + Dv) FLOPs forward, twice that in the backward plus its recompute.
+
+Tensor parallelism. The latent and the RoPE key are the same on every TP rank, each TP rank holding its
+heads' rows of the weight; the latent and RoPE-key gradients this function returns are partials over
+this TP rank's heads. For the latent, Megatron's `linear_kv_up_proj` (a ColumnParallelLinear) would have
+summed them over TP in its backward; bypassing its forward, the integration must keep that sum: give
+this function the latent through `copy_to_tensor_model_parallel_region` (all-reduce in the backward), or
+with sequence parallelism through `gather_from_sequence_parallel_region` (the [s/TP] latent gathered to
+[s]; reduce-scatter in the backward), exactly what `linear_kv_up_proj` does to its input. The RoPE key's
+partial is what autograd gives Megatron's own `expand` + `cat` of it on this TP rank, reduced wherever
+Megatron reduces it today. The weight gradient needs no TP reduction (each TP rank owns its rows).
+
+Sliding windows run (the plan is direct, as in the K/V ring). Sinks (Megatron's off-by-one and learnable
+softmax) compose as in the K/V ring: applied to this rank's rows after the merge, the backward program
+fed the rows' (out', lse') — the programs do not change; this function takes none yet.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_hdp.attention.backends import AttentionBackend, get_backend
+from megatron_hdp.attention.layout import check_seqlens, zigzag_token_indices
+from megatron_hdp.attention.local import check_window, default_scale
+from megatron_hdp.attention.ring_loop import KVSource, accumulation_dtype, ring_backward, ring_forward
+from megatron_hdp.attention.ring_plan import RingPlan, Rows, ring_plan
+from megatron_hdp.comm.p2p import Ring, current_ring
+from megatron_hdp.comm.ring_program import run_in_process, run_on_ring
+
+
+class LatentKV(KVSource):
+    """A member's latent [T, R] and rotated RoPE key [T, 1, Dr] travel; a block's K/V are up-projected."""
+
+    def __init__(
+        self, latent: torch.Tensor, k_rope: torch.Tensor, weight: torch.Tensor, *, qk_head_dim: int, v_head_dim: int
+    ) -> None:
+        self.parts = (latent, k_rope)
+        self.weight = weight
+        self.value_dim = v_head_dim
+        self.qk_head_dim = qk_head_dim
+        self.num_heads = weight.shape[0] // (qk_head_dim + v_head_dim)
+        self.weight_grad: torch.Tensor | None = None
+        """This member's share of the weight's gradient (accumulation dtype), once a block went backward."""
+
+    def block_kv(self, rows: Rows, held: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        latent, k_rope = rows.take(held[0]), rows.take(held[1])
+        kv = (latent @ self.weight.t()).view(latent.shape[0], self.num_heads, -1)  # [n, H, Dn + Dv]
+        k = torch.cat([kv[..., : self.qk_head_dim], k_rope.expand(-1, self.num_heads, -1)], dim=-1)
+        return k, kv[..., self.qk_head_dim :]
+
+    def add_block_grads(self, rows, held, dk, dv, held_grads):
+        latent = rows.take(held[0])
+        dkv = torch.cat([dk[..., : self.qk_head_dim], dv], dim=-1).reshape(latent.shape[0], -1)  # W's row order
+        rows.add(held_grads[0], dkv @ self.weight)
+        rows.add(held_grads[1], dk[..., self.qk_head_dim :].to(held_grads[1].dtype).sum(1, keepdim=True))
+        weight_grad = (dkv.t() @ latent).to(held_grads[0].dtype)
+        self.weight_grad = weight_grad if self.weight_grad is None else self.weight_grad.add_(weight_grad)
+
+    def weight_gradient(self) -> torch.Tensor:
+        """This member's share of the weight's gradient in the accumulation dtype (zeros: it attended nothing)."""
+        if self.weight_grad is None:
+            return torch.zeros_like(self.weight, dtype=accumulation_dtype(self.weight.dtype))
+        return self.weight_grad
+
+
+def check_latent_inputs(
+    q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, up_weight: torch.Tensor, *, num_tokens: int,
+    qk_head_dim: int, v_head_dim: int,
+) -> None:
+    """ValueError unless q [T, H, Dn + Dr], latent [T, R], k_rope [T, 1, Dr] and up_weight [H (Dn + Dv), R]
+    with T = `num_tokens`, Dn = `qk_head_dim`, Dv = `v_head_dim`, all of one dtype and device."""
+    for name, x, dims in (("q", q, 3), ("latent", latent, 2), ("k_rope", k_rope, 3), ("up_weight", up_weight, 2)):
+        if x.dim() != dims:
+            raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(x.shape)}")
+    for name, x in (("q", q), ("latent", latent), ("k_rope", k_rope)):
+        if x.shape[0] != num_tokens:
+            raise ValueError(f"{name} has {x.shape[0]} tokens but seqlens give this rank {num_tokens} tokens")
+    if min(qk_head_dim, v_head_dim) < 1:
+        raise ValueError(f"qk_head_dim and v_head_dim must be >= 1, got {qk_head_dim} and {v_head_dim}")
+    if k_rope.shape[1] != 1:
+        raise ValueError(f"k_rope must be one RoPE key shared by all heads, [T, 1, Dr], got {tuple(k_rope.shape)}")
+    if q.shape[2] != qk_head_dim + k_rope.shape[2]:
+        raise ValueError(
+            f"q's head dim {q.shape[2]} must be qk_head_dim + the RoPE key's {qk_head_dim} + {k_rope.shape[2]}"
+        )
+    rows = q.shape[1] * (qk_head_dim + v_head_dim)
+    if tuple(up_weight.shape) != (rows, latent.shape[1]):
+        raise ValueError(
+            f"up_weight must be [heads x (qk_head_dim + v_head_dim), kv_lora_rank] = [{rows}, {latent.shape[1]}], "
+            f"got {list(up_weight.shape)}"
+        )
+    tensors = (q, latent, k_rope, up_weight)
+    if len({x.dtype for x in tensors}) > 1 or len({x.device for x in tensors}) > 1:
+        raise ValueError(
+            "q, latent, k_rope, up_weight must share dtype and device, got "
+            + ", ".join(f"{x.dtype} on {x.device}" for x in tensors)
+        )
+
+
+class _LatentRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, latent, k_rope, weight, dims, plan: RingPlan, ring: Ring, backend: AttentionBackend, scale):
+        source = LatentKV(latent, k_rope, weight, **dims)
+        out, lse = run_on_ring(ring_forward(q, source, plan=plan, backend=backend, scale=scale), ring)
+        ctx.save_for_backward(q, latent, k_rope, weight, out, lse)
+        ctx.dims, ctx.plan, ctx.ring, ctx.backend, ctx.scale = dims, plan, ring, backend, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, latent, k_rope, weight, out, lse = ctx.saved_tensors
+        source = LatentKV(latent, k_rope, weight, **ctx.dims)
+        program = ring_backward(dout, q, source, out, lse, plan=ctx.plan, backend=ctx.backend, scale=ctx.scale)
+        dq, (dlatent, dk_rope) = run_on_ring(program, ctx.ring)
+        return dq, dlatent, dk_rope, source.weight_gradient().to(weight.dtype), None, None, None, None, None
+
+
+def latent_ring_attention(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    *,
+    up_weight: torch.Tensor,
+    seqlens: Sequence[int],
+    ring: Sequence[int],
+    qk_head_dim: int,
+    v_head_dim: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    group: dist.ProcessGroup | None = None,
+    deterministic: bool = False,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Multi-latent attention within each document of `seqlens`, split over the ranks of `ring`, moving
+    the latent instead of K and V.
+
+    Called by every rank of `ring` (global ranks of `group`, default the world, in ring order) with its
+    zigzag shards (rows `zigzag_token_indices(seqlens, len(ring), position)`): q [T_local, H, Dn + Dr]
+    (RoPE applied to its last Dr), latent [T_local, R] (normalised), k_rope [T_local, 1, Dr] (rotated),
+    and up_weight [H (Dn + Dv), R] (`linear_kv_up_proj.weight`'s TP-local rows), Dn = `qk_head_dim`,
+    Dv = `v_head_dim`. Returns out [T_local, H, Dv], equal to full (causal) attention over each document
+    with K = cat(k_no_pe, k_rope over heads), V = value of the up-projection; differentiable in q,
+    latent, k_rope and up_weight (this rank's share of its gradient; the latent's and k_rope's are
+    partials over this TP rank's heads: see the module doc for where TP sums them). ValueError before any
+    message for a bad call, as `ring_attention`. A ring of one attends locally (no message).
+    """
+    lengths = check_seqlens(seqlens)
+    left = check_window(window, causal=causal)
+    members = current_ring(ring, group=group)
+    plan = ring_plan(lengths, members.size, members.position, bool(causal), q.device, left)
+    check_latent_inputs(q, latent, k_rope, up_weight, num_tokens=plan.num_tokens[members.position],
+                        qk_head_dim=qk_head_dim, v_head_dim=v_head_dim)
+    kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
+    scale = default_scale(softmax_scale, q.shape[2])
+    dims = dict(qk_head_dim=qk_head_dim, v_head_dim=v_head_dim)
+    return _LatentRing.apply(q, latent, k_rope, up_weight, dims, plan, members, kernel, scale)
+
+
+class _SimulatedLatentRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plans: tuple[RingPlan, ...], backend, scale, grad_dtype, dims, weight, *shards):
+        size = len(plans)
+        qs, latents, ropes = shards[:size], shards[size : 2 * size], shards[2 * size :]
+        sources = [LatentKV(latents[p], ropes[p], weight, **dims) for p in range(size)]
+        results = run_in_process(
+            [ring_forward(qs[p], sources[p], plan=plans[p], backend=backend, scale=scale) for p in range(size)]
+        )
+        outs = tuple(out for out, _ in results)
+        ctx.save_for_backward(weight, *shards, *outs, *(lse for _, lse in results))
+        ctx.plans, ctx.backend, ctx.scale, ctx.grad_dtype, ctx.dims = plans, backend, scale, grad_dtype, dims
+        return outs
+
+    @staticmethod
+    def backward(ctx, *douts):
+        size = len(ctx.plans)
+        weight, *saved = ctx.saved_tensors
+        qs, latents, ropes = saved[:size], saved[size : 2 * size], saved[2 * size : 3 * size]
+        outs, lses = saved[3 * size : 4 * size], saved[4 * size :]
+        sources = [LatentKV(latents[p], ropes[p], weight, **ctx.dims) for p in range(size)]
+        grads = run_in_process([
+            ring_backward(douts[p], qs[p], sources[p], outs[p], lses[p], plan=ctx.plans[p], backend=ctx.backend,
+                          scale=ctx.scale, grad_dtype=ctx.grad_dtype)
+            for p in range(size)
+        ])
+        dweight = sum(source.weight_gradient() for source in sources)
+        return (None, None, None, None, None, dweight.to(weight.dtype), *(dq for dq, _ in grads),
+                *(parts[0] for _, parts in grads), *(parts[1] for _, parts in grads))
+
+
+def simulated_latent_ring_attention(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    *,
+    up_weight: torch.Tensor,
+    seqlens: Sequence[int],
+    ring_size: int,
+    qk_head_dim: int,
+    v_head_dim: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    grad_dtype: torch.dtype | None = None,
+    deterministic: bool = False,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The ring algorithm of `latent_ring_attention` for k = `ring_size` virtual ranks in this process.
+
+    Takes and returns whole packed documents (q [T, H, Dn + Dr], latent [T, R], k_rope [T, 1, Dr]; out
+    [T, H, Dv]), as `simulated_ring_attention`: each virtual position gets its zigzag shards, the k ring
+    programs run in lockstep, and up_weight's gradient is the sum of the k members' shares (what DDP's
+    reduction over the pool gives). For tests and for timing the ring on one device.
+    """
+    lengths = check_seqlens(seqlens)
+    left = check_window(window, causal=causal)
+    if ring_size < 1:
+        raise ValueError(f"ring_size must be >= 1, got {ring_size}")
+    check_latent_inputs(q, latent, k_rope, up_weight, num_tokens=sum(lengths), qk_head_dim=qk_head_dim,
+                        v_head_dim=v_head_dim)
+    kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
+    scale = default_scale(softmax_scale, q.shape[2])
+    plans = tuple(ring_plan(lengths, ring_size, p, bool(causal), q.device, left) for p in range(ring_size))
+    rows = [zigzag_token_indices(lengths, ring_size, p).to(q.device) for p in range(ring_size)]
+    shards = [x.index_select(0, r) for x in (q, latent, k_rope) for r in rows]
+    dims = dict(qk_head_dim=qk_head_dim, v_head_dim=v_head_dim)
+    outs = _SimulatedLatentRing.apply(plans, kernel, scale, grad_dtype, dims, up_weight, *shards)
+    return torch.cat(outs).index_select(0, torch.argsort(torch.cat(rows)))
