@@ -43,7 +43,12 @@ import traceback
 from pathlib import Path
 
 GUARD_SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
-CODE = (os.sep + "megatron_hdp" + os.sep, os.sep + "megatron" + os.sep)  # frames worth naming in a message
+CODE = (
+    str(Path(__file__).resolve().parents[1] / "megatron_hdp") + os.sep,
+    *(location + os.sep for location in importlib.util.find_spec("megatron").submodule_search_locations),
+)
+"""Frames worth naming in a message: the package's and Megatron's (their directories, not a name that any
+path may hold: a checkout cloned into a folder called megatron_hdp has its tests/ under such a name)."""
 
 
 def build_guard_library() -> Path:

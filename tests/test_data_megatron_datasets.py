@@ -307,7 +307,7 @@ def _megatron_rank(rank, world_size, prefix):
     initialize_hdp()
     set_args(SimpleNamespace(seed=5, global_batch_size=6, sequence_parallel=False, hdp=True, hdp_capacity=64,
                              hdp_offload=False, hdp_policy="balance", hdp_global_batch_tokens=None,
-                             reset_attention_mask=True, reset_position_ids=True))
+                             reset_attention_mask=True, reset_position_ids=True, mtp_num_layers=None))
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
