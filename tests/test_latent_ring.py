@@ -150,8 +150,8 @@ def test_core_attention_routes_latent_ring_groups_to_the_latent_ring():
     torch.testing.assert_close(weight_grad, want[4], rtol=2e-5, atol=2e-5)
 
 
-def test_core_attention_refuses_a_latent_group_without_latent_inputs():
-    from megatron_hdp.attention.core_attention import HDPBatchMeta, hdp_core_attention
+def test_core_attention_refuses_a_latent_group_without_latent_inputs_or_with_a_sink():
+    from megatron_hdp.attention.core_attention import HDPBatchMeta, LatentRingInputs, hdp_core_attention
     from megatron_hdp.attention.layout import AttentionGroup
 
     groups = (AttentionGroup((0, 1), (0,), (8,), (0, 4), ring_kind="latent"),)
@@ -161,3 +161,7 @@ def test_core_attention_refuses_a_latent_group_without_latent_inputs():
     q = torch.zeros(4, HEADS, QK_DIM + ROPE_DIM)
     with pytest.raises(ValueError, match="runs latent rings in this micro-batch but no latent inputs"):
         hdp_core_attention(q, q, q[..., :V_DIM], meta=meta)
+    # the latent ring takes no attention sink (softmax_type off-by-one / learnable): refused, not dropped
+    latent = LatentRingInputs(torch.zeros(4, 5), torch.zeros(4, 1, ROPE_DIM), torch.zeros(HEADS * 8, 5), **DIMS)
+    with pytest.raises(ValueError, match="latent rings in this micro-batch, which take no attention sink"):
+        hdp_core_attention(q, q, q[..., :V_DIM], meta=meta, latent=latent, sink=torch.zeros(HEADS))
