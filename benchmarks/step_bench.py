@@ -32,12 +32,14 @@ experts of each layer over E ranks, whose all-to-all couples every micro-batch o
 policy `balance-ep-unaware` is balance planned as if every rank ran alone (the runtime then pads its EP
 groups and they wait at every index), beside `balance` (EP groups planned as units) and static: speedups
 are also given over it. The fit then measures this MoE model on this EP mesh, its predictions couple the
-EP groups as the runtime does (`megatron_hdp.sim.replay` replays the measured phases the same way).
+EP groups as the runtime does (`megatron_hdp.sim.replay` replays the measured phases the same way), and
+it measures which share of the per-token work the all-to-all spreads over an EP group
+(`CostModel.expert_share`, `cpu_training.measure_expert_share`).
 
 The prediction is judged on what the simulator claims, ratios: per step, the predicted speedup of each
 policy over static and over Megatron's Hybrid-CP against the measured one (`speedup_errors`), the
 absolute step-time errors beside them. `--repeat N` runs the whole measurement (fit, then the policies
-taking turns step by step) N times and reports each figure as the median and range over the runs; with
+taking turns step by step, in an order rotated every step) N times and reports each figure as the median and range over the runs; with
 `--predict-from` a file of N runs, run i predicts with run i's fit. The JSON keeps every run (its rows,
 fit, load average) with the command and the date.
 """

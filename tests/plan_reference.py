@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
+import numpy as np
+
 
 def _linked_ranks(plan, index: int, ep_size: int = 1) -> dict[int, set[int]]:
     """rank -> ranks it shares a ring with at micro-batch `index` (from the plan's shards and rings), and
@@ -93,6 +95,25 @@ def expert_padded(times: Sequence[Sequence[float]], *, empty: float, ep_size: in
         count = max(1, max(len(t) for t in group))
         out += [list(t) + [empty] * (count - len(t)) for t in group]
     return out
+
+
+def expert_spread(times: Sequence[Sequence[float]], tokens: Sequence[Sequence[float]], *, per_token: float,
+                  ep_size: int) -> list[list[float]]:
+    """`times` (padded by `expert_padded`) when the MoE all-to-all shares the routed expert work of each
+    index evenly over the EP group: every member's own tokens' expert seconds (`per_token` each) are
+    replaced by the group's mean at that index; `tokens` padded alike (0 for padding)."""
+    out = []
+    for first in range(0, len(times), ep_size):
+        t = np.array(times[first:first + ep_size], dtype=np.float64)
+        n = np.array(tokens[first:first + ep_size], dtype=np.float64)
+        out += (t + per_token * (n.mean(axis=0) - n)).tolist()
+    return out
+
+
+def microbatch_tokens(plan) -> list[list[int]]:
+    """Tokens each rank holds in each of its micro-batches (sum of its shards' chunk widths)."""
+    return [[sum(end - start for shard in mb.shards for start, end in shard.chunks) for mb in r.microbatches]
+            for r in plan.ranks]
 
 
 def member_tokens(length: int, ring_size: int) -> int:

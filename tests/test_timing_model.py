@@ -124,6 +124,29 @@ def test_expert_parallel_groups_couple_every_microbatch():
                       schedule=[[[0]], [[1]], [[2]]], capacity=6000, cost_model=ep)
 
 
+def test_expert_parallel_groups_share_their_routed_expert_work():
+    """EP = 2 with half of b1 routed-expert work: at each index each member runs its group's mean expert
+    work (the all-to-all sends its tokens to the experts' owners), rank 1's padding micro-batch included;
+    the group's total work is unchanged. Worked by hand from the cost model's formulas."""
+    ep = CostModel.from_dict({**H100.to_dict(), "expert_parallel_size": 2, "expert_share": 0.5})
+    lengths = [3000, 1000, 6000]
+    plan = assemble_plan(policy="hand", lengths=lengths, rings=[(0,), (0,), (1,)], offload_ratios=[0.0] * 3,
+                         schedule=[[[0], [1]], [[2]]], capacity=6000, cost_model=ep)
+    a, b, c = (ep.microbatch_time([(n, n, ())]) for n in lengths)
+    empty = ep.microbatch_time([])
+    e = 0.5 * ep.b1 * ep.num_layers  # routed expert seconds per token, all layers
+    first = (a + e * (4500 - 3000), c + e * (4500 - 6000))
+    second = (b + e * (500 - 1000), empty + e * (500 - 0))
+    assert plan.est_step_time == pytest.approx(max(first) + max(second))
+    assert plan.est_step_time < max(a, c) + max(b, empty)  # the long micro-batch hands work to its peer
+    assert [r.est_time for r in plan.ranks] == pytest.approx([first[0] + second[0], first[1] + second[1]])
+    timeline = simulate_step(plan, ep, rules=PolicyRules())
+    assert timeline.compute_end == pytest.approx(plan.est_step_time)
+    np.testing.assert_allclose(timeline.busy, [r.est_time for r in plan.ranks], rtol=1e-9)
+    with pytest.raises(ValueError, match="expert_share must be in \\[0, 1\\], got 1.5"):
+        CostModel.from_dict({**H100.to_dict(), "expert_share": 1.5})
+
+
 def test_planner_and_simulator_agree_with_expert_parallelism_on_random_plans():
     ep = CostModel.from_dict({**SLOW_RING.to_dict(), "expert_parallel_size": 2})
     rng = np.random.default_rng(1)

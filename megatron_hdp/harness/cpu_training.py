@@ -2,8 +2,8 @@
 
 Every rank runs `train_policies` (through `megatron_hdp.comm.launch.run_gloo`): it initializes HDP,
 fits the cost model of *this* model on *this* machine, then builds one model per policy from the same seed
-and trains the same global batches, planned by `make_plan`, the policies taking turns step by step. Rows
-of statistics come back from rank 0.
+and trains the same global batches, planned by `make_plan`, the policies taking turns step by step (in an
+order rotated every step). Rows of statistics come back from rank 0.
 Synthetic documents follow ByteScale's long-tailed "byted" mix, scaled down (`length_scale`) and clipped to
 `max_length` so that a CPU can train them.
 
@@ -448,6 +448,39 @@ def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches_per_size: int = 2)
     return fit_jitter(coupled)
 
 
+EXPERT_SHARE_DOCUMENT = 256
+"""Tokens of each document the lead member of an EP group holds in `measure_expert_share` (short, so that
+attention is a small known part of its work)."""
+EXPERT_SHARE_DOCUMENTS = (2, 8)
+"""Documents the lead member holds in `measure_expert_share`'s two cases."""
+
+
+def measure_expert_share(trainer, spec: CpuRunSpec, *, a1: float) -> float:
+    """`CostModel.expert_share` of this MoE model on this EP mesh: in each EP group of e ranks the first
+    member holds n documents of D = `EXPERT_SHARE_DOCUMENT` tokens (s = n D) and the others none, so they
+    run the runtime's padding micro-batch and, through the all-to-all, the expert work of the tokens
+    routed to them. Per layer, the others' mean is v(s) = g + x b1 s / e and the group's total
+    u(s) + (e-1) v(s) = e g + a1 D s + b1 s, so between the two sizes (timed in turns) g cancels and
+    x = e dv / (d total - a1 D ds): b1 comes from the same micro-batches, the fit's a1 only for the small
+    attention term. Clipped to [0, 1]; median over the groups."""
+    world, e = trainer.state.hdp_size, spec.ep_size
+    leads = list(range(0, world, e))
+    cases = []
+    for n in EXPERT_SHARE_DOCUMENTS:
+        lengths = [EXPERT_SHARE_DOCUMENT] * (n * len(leads))
+        cases.append((lengths, [(lead,) for lead in leads for _ in range(n)], n * EXPERT_SHARE_DOCUMENT))
+    seconds = [_over_ranks(mine) / spec.num_layers
+               for mine in _interleaved_microbatch_seconds(trainer, cases, 2 * spec.fit_repeats)]
+    shares = []
+    for lead in leads:
+        others = [seconds[i][lead + 1:lead + e].mean() for i in range(2)]
+        totals = [seconds[i][lead:lead + e].sum() for i in range(2)]
+        ds = (EXPERT_SHARE_DOCUMENTS[1] - EXPERT_SHARE_DOCUMENTS[0]) * EXPERT_SHARE_DOCUMENT
+        linear = (totals[1] - totals[0]) / ds - a1 * EXPERT_SHARE_DOCUMENT
+        shares.append(e * (others[1] - others[0]) / ds / linear if linear > 0 else 0.0)
+    return float(np.clip(np.median(shares), 0.0, 1.0))
+
+
 def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     """The cost model of this model on this CPU, in CPU seconds of the runtime's own micro-batches (median
     over ranks, which run them at once):
@@ -455,6 +488,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     - per layer T(s) = a1 s^2 + b1 s + g: `plan.fit.fit_compute` (non-negative least squares, relative
       error) over whole documents of `spec.fit_lengths`, one per rank;
     - `jitter` from `measure_jitter`;
+    - with expert parallelism, `expert_share` from `measure_expert_share`;
     - ring link: bandwidth from `_ring_link`; the rest from ring micro-batches, each member holding C
       tokens, timed in turns (`_interleaved_microbatch_seconds`, 2 x `spec.fit_repeats` rounds):
       `ring_block_overhead` from n = 8 documents of k C / n tokens against one of k C on the widest ring
@@ -501,6 +535,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
         kv_bytes_per_token=float(kv_bytes), activation_dtype_bytes=4, num_layers=spec.num_layers,
         ring_bandwidth=float(bandwidth), ring_latency=latency, ring_block_overhead=block_overhead,
         jitter=measure_jitter(trainer, spec),
+        expert_share=measure_expert_share(trainer, spec, a1=a1) if spec.ep_size > 1 else 0.0,
     )
 
 
@@ -626,14 +661,17 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
         predict["ring_probe"] = None  # another run's fit without its ring probe: no ring rescaling
     rows = []
     # The policies take turns step by step (each its own model, built from the same seed), so that a
-    # change of load on a shared host between the start and the end of the run weighs on every policy alike.
+    # change of load on a shared host between the start and the end of the run weighs on every policy alike,
+    # in an order rotated every step, so that no policy always runs first (right after the probes) or last.
     trainers = [_build(spec, state) for _ in spec.policies]
     batches = [planned_batches(spec, state, config, policy_cost_model(policy, model, ep_size=state.ep_size), policy)
                for policy in spec.policies]
     for step, planned in enumerate(zip(*batches)):
         probe_before = measure_probes(first, spec)  # the host's speed over this round (module doc)
         measured_round = []
-        for policy, trainer, (plan, read_tokens) in zip(spec.policies, trainers, planned):
+        turns = list(zip(spec.policies, trainers, planned))
+        turns = turns[step % len(turns):] + turns[:step % len(turns)]
+        for policy, trainer, (plan, read_tokens) in turns:
             run_plan, barriers = per_subsample_plan(plan) if policy == HYBRID_CP else (plan, ())
             stats = trainer.step(run_plan, read_tokens)
             runs = [trainer.last_busy]

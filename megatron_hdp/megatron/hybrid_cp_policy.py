@@ -34,6 +34,7 @@ from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.layout import zigzag_chunks
 from megatron_hdp.plan.scheduler_groups import check_pool_holds, rings_and_schedule
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
+from megatron_hdp.plan.timing import spread_expert_work
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def plan_megatron_hybrid_cp(
     _, sample_id_groups = megatron_schedule(lengths, num_ranks=num_ranks, capacity=capacity)
 
     rings, schedule = rings_and_schedule(sample_id_groups, num_ranks=num_ranks, num_sequences=len(lengths))
-    schedules = []
+    per_rank = []
     for rank, per_group in enumerate(schedule):
         microbatches = []
         for ids in per_group:
@@ -92,10 +93,16 @@ def plan_megatron_hybrid_cp(
                 est_time += cost_model.microbatch_time([(length, shard.num_tokens, ring, "kv")])
             tokens = sum(s.num_tokens for s in shards)
             microbatches.append(MicroBatch(tuple(shards), max(capacity, tokens), est_time))
-        schedules.append(RankSchedule(rank, tuple(microbatches), sum(mb.est_time for mb in microbatches)))
+        per_rank.append(tuple(microbatches))
 
-    # a barrier closes every group: the step is the sum over groups of the slowest rank
-    step_time = sum(max(s.microbatches[j].est_time for s in schedules) for j in range(len(sample_id_groups)))
+    # a barrier closes every group: the step is the sum over groups of the slowest rank, each rank of an EP
+    # group running the group's mean routed expert work of that group
+    times = spread_expert_work([[mb.est_time for mb in mbs] for mbs in per_rank],
+                               [[mb.num_tokens for mb in mbs] for mbs in per_rank],
+                               ep_size=cost_model.expert_parallel_size,
+                               seconds_per_token=cost_model.expert_seconds_per_token())
+    schedules = [RankSchedule(rank, mbs, sum(t)) for rank, (mbs, t) in enumerate(zip(per_rank, times))]
+    step_time = sum(max(t[j] for t in times) for j in range(len(sample_id_groups)))
     sequences = tuple(SequencePlacement(i, int(n), rings[i]) for i, n in enumerate(lengths))
     logger.debug("%s: %d groups for %d sequences on %d ranks", POLICY, len(sample_id_groups), len(lengths), num_ranks)
     return StepPlan(

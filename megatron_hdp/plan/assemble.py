@@ -35,7 +35,7 @@ from megatron_hdp.plan.layout import zigzag_chunks
 from megatron_hdp.plan.pipeline import pipelines_finish
 from megatron_hdp.plan.sharding import whole_times
 from megatron_hdp.plan.timing import (coupled_finish, expert_links, link_groups, pipeline_step_finish,
-                                      runtime_microbatch_counts)
+                                      runtime_microbatch_counts, spread_expert_work)
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, build_many
 
 
@@ -111,10 +111,12 @@ def assemble_plan(
     ring_index: dict[int, int] = {}
     kinds = ["kv"] * len(lengths)
     times: list[list[float]] = []
+    tokens: list[list[int]] = []
     schedules: list[list[MicroBatch]] = []
     for rank, microbatches in enumerate(schedule):
         built: list[MicroBatch] = []
         rank_times: list[float] = []
+        rank_tokens: list[int] = []
         for index, seqs in enumerate(microbatches):
             if positions.keys().isdisjoint(seqs):  # whole sequences only
                 shards = tuple(map(whole_shards.__getitem__, seqs))
@@ -137,14 +139,19 @@ def assemble_plan(
                 held = sum(c[1] for c in costs)
                 time = cost_model.microbatch_time(costs, pp_size=pp_size)
             rank_times.append(time)
+            rank_tokens.append(held)
             built.append(MicroBatch(shards, max(capacity, held), time))
         schedules.append(built)
         times.append(rank_times)
+        tokens.append(rank_tokens)
     ep_size = cost_model.expert_parallel_size
     counts = runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size, ep_size=ep_size, vpp_size=vpp_size,
                                        rings={rings[seq] for seq in ring_index}, group_size=group_size)
     for rank, count in enumerate(counts):
+        tokens[rank] += [0] * (count - len(times[rank]))
         times[rank] += [overhead] * (count - len(times[rank]))  # the runtime's padding micro-batches
+    times = spread_expert_work(times, tokens, ep_size=ep_size,
+                               seconds_per_token=cost_model.expert_seconds_per_token(pp_size=pp_size))
     alone = pipelines_finish(times, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
     ranks = [RankSchedule(rank, tuple(built), own) for rank, (built, own) in enumerate(zip(schedules, alone))]
     step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,

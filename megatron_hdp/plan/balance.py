@@ -53,6 +53,7 @@ reports how far a plan is from it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Sequence
@@ -168,10 +169,24 @@ def _plan_balance(
         plan, family = _best(lengths, ranks[:1], (plan, family), **common)
     if improvable(plan):  # the alternatives of the family that planned better (both when rank by rank did)
         plan, _ = _best(lengths, units[1:] + (ranks[1:] if family is _build else []), (plan, family), **common)
+    if units and improvable(plan):  # still room: the plan made as if EP 1, timed with the coupling
+        plan = min(plan, _with_coupling(_plan_balance(lengths, num_ranks=num_ranks, config=config,
+                                                      cost_model=dataclasses.replace(cost_model, expert_parallel_size=1),
+                                                      pp_size=pp_size, vpp_size=vpp_size, exact=exact), cost_model),
+                   key=lambda p: p.est_step_time)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("balance plan: step %.4g s, gap to the lower bound %.2f%%", plan.est_step_time,
                      100 * gap(plan, cost_model=cost_model))
     return plan
+
+
+def _with_coupling(plan: StepPlan, cost_model: CostModel) -> StepPlan:
+    """`plan`'s placement timed under `cost_model` (its EP coupling, the all-to-all's spread expert work)."""
+    return assemble_plan(policy=plan.policy, lengths=plan.lengths, rings=[s.ring for s in plan.sequences],
+                         offload_ratios=[s.offload_ratio for s in plan.sequences],
+                         schedule=[[[shard.seq for shard in mb.shards] for mb in r.microbatches] for r in plan.ranks],
+                         capacity=plan.capacity, cost_model=cost_model, pp_size=plan.pp_size,
+                         vpp_size=plan.vpp_size, group_size=plan.group_size)
 
 
 def _best(lengths: list[int], builds: list, best: tuple | None, **common) -> tuple[StepPlan, object]:

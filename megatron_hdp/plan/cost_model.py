@@ -105,6 +105,12 @@ class CostModel:
     """HDP ranks per expert-parallel group (consecutive ranks, `plan.timing.expert_groups`): their MoE
     all-to-all couples micro-batch i of every member, and each member runs its group's largest count. EP
     when expert TP is TP; with another expert TP, `plan.timing.expert_unit_size`."""
+    expert_share: float = 0.0
+    """Of b1, the share that is routed-expert work (0 for a dense model): with `expert_parallel_size` > 1
+    the MoE all-to-all runs it on the members holding the token's experts, so each member of an EP group
+    does its group's mean of it at every micro-batch index (`plan.timing.spread_expert_work`). Analytic:
+    the routed experts' share of the linear FLOPs (`presets.analytic_cost_model`); fitted on the CPU by
+    `benchmarks/step_bench.py` from an EP group where one member holds all the tokens."""
     ring_block_overhead: float = 0.0
     """Seconds per document, per extra ring step, per layer that no transfer hides: a split document costs
     2 (k-1) more attention-kernel calls (one block per ring step, forward and backward) than a whole one.
@@ -164,6 +170,8 @@ class CostModel:
             raise ValueError(f"cost model intra_node_bandwidth must be > 0, got {self.intra_node_bandwidth}")
         if self.host_memory_bytes is not None and self.host_memory_bytes < 0:
             raise ValueError(f"cost model host_memory_bytes must be >= 0, got {self.host_memory_bytes}")
+        if not 0.0 <= self.expert_share <= 1.0:
+            raise ValueError(f"cost model expert_share must be in [0, 1], got {self.expert_share}")
         if self.activation_dtype_bytes not in (1, 2, 4, 8):
             raise ValueError(f"cost model activation_dtype_bytes must be 1, 2, 4 or 8, got {self.activation_dtype_bytes}")
         for name in ("num_layers", "expert_parallel_size", "ranks_per_node"):
@@ -175,6 +183,11 @@ class CostModel:
     def layer_compute_time(self, *, seq_len: int, num_tokens: int) -> float:
         """Compute seconds of one layer for `num_tokens` of a document of `seq_len` tokens."""
         return self.a1 * seq_len * num_tokens + self.b1 * num_tokens
+
+    def expert_seconds_per_token(self, *, pp_size: int = 1) -> float:
+        """Routed-expert seconds of one token on one pipeline stage (its layers, forward + backward): what the
+        EP all-to-all spreads over the group (`plan.timing.spread_expert_work`)."""
+        return self.expert_share * self.b1 * self.num_layers / pp_size
 
     def ring_bytes_per_token(self, kind: str = "kv") -> float:
         """Bytes of one token of what a ring of `kind` circulates, in one layer: K and V, or the latent."""

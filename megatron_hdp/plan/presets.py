@@ -175,6 +175,15 @@ class ModelShape:
         expert = self.moe_ffn_hidden_size or self.ffn_hidden_size
         return float(expert * self.moe_router_topk + self.moe_shared_expert_intermediate_size)
 
+    def routed_expert_widths(self) -> float:
+        """Mean over the decoder's layers of the routed experts' hidden widths one token runs through, the
+        MTP layers' included (spread over the decoder's as `analytic_cost_model` does): the MLP work the
+        expert-parallel all-to-all moves to the experts' owners (0 for a dense model)."""
+        if not self.num_experts:
+            return 0.0
+        expert = self.moe_ffn_hidden_size or self.ffn_hidden_size
+        return expert * self.moe_router_topk * self._moe_layers() / self.num_layers
+
     def num_parameters(self) -> int:
         """Parameter count (embeddings counted once each way; MoE counts every expert; routers and norms
         of the latents left out). An MTP layer is one more layer like the decoder's last, with its
@@ -324,4 +333,5 @@ def analytic_cost_model(
         recompute_granularity=recompute_granularity,
         latent_bytes_per_token=dtype_bytes * shape.latent_channels,
         up_projection_time=shape.up_projection_flops / tp_size / (hw.peak_flops * hw.efficiency),
+        expert_share=2 * n_mlp * h * shape.routed_expert_widths() / linear_flops,
     )

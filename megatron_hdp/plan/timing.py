@@ -26,7 +26,10 @@ coupling (`sim.simulator`):
   group its group's largest, and a rank without micro-batches runs one (`runtime_microbatch_counts`);
   each costs the micro-batch overhead;
 - expert parallelism: the MoE all-to-all of every layer couples micro-batch i of all members of an EP
-  group (`expert_links`), like a ring over the group at every index.
+  group (`expert_links`), like a ring over the group at every index. It also moves the routed experts'
+  work: a member's experts run the tokens routed to them from every member, so at index i each member
+  does its group's mean of the routed expert work (uniform routing), a padding micro-batch included,
+  in place of its own tokens' (`spread_expert_work`, `CostModel.expert_share`).
 
 tests/test_timing_model.py holds the planner's step time, this module and the simulator to 1e-9 on
 random plans; tests/test_plan_sim_agreement.py does so for random PP and VPP plans with rings.
@@ -96,6 +99,25 @@ def plan_runtime_counts(plan: StepPlan, *, ep_size: int = 1) -> list[int]:
     return runtime_microbatch_counts([len(s.microbatches) for s in plan.ranks], pp_size=plan.pp_size,
                                      ep_size=ep_size, vpp_size=plan.vpp_size, group_size=plan.group_size,
                                      rings={seq.ring for seq in plan.sequences if len(seq.ring) > 1})
+
+
+def spread_expert_work(times: Sequence[Sequence[float]], tokens: Sequence[Sequence[float]], *, ep_size: int,
+                       seconds_per_token: float) -> list[list[float]]:
+    """`times[r][i]` with every expert-parallel group's routed expert work shared out at each index: the
+    all-to-all sends each token to the members holding its experts, so with uniform routing member m of a
+    group at index i runs seconds_per_token * (mean over the group of tokens[.][i]) of expert work instead
+    of seconds_per_token * tokens[m][i]. `times` and `tokens` (tokens each rank holds in each micro-batch,
+    0 for a padding one) are padded as the runtime runs them (equal counts inside a group); the group's
+    total work is unchanged. `seconds_per_token`: `CostModel.expert_seconds_per_token`."""
+    out = [list(map(float, t)) for t in times]
+    if ep_size <= 1 or not seconds_per_token:
+        return out
+    for group in expert_groups(len(times), ep_size):
+        for index in range(len(times[group[0]])):
+            mean = sum(tokens[r][index] for r in group) / len(group)
+            for r in group:
+                out[r][index] += seconds_per_token * (mean - tokens[r][index])
+    return out
 
 
 def expert_links(counts: Sequence[int], ep_size: int) -> list[tuple[int, Sequence[int]]]:

@@ -25,7 +25,8 @@ What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding n
   stages where the interleaved schedule and the ring rule need them, with EP up to its group's largest
   count; an idle rank one), each at the micro-batch overhead (`plan.timing`).
 - Expert parallelism (`CostModel.expert_parallel_size`): micro-batch i of every member of an EP group is
-  coupled like a ring (the MoE all-to-all of every layer), `plan.timing.expert_links`.
+  coupled like a ring (the MoE all-to-all of every layer), `plan.timing.expert_links`, and each member
+  runs the group's mean of the routed expert work at that index (`plan.timing.spread_expert_work`).
 - PP: every stage runs its ops in Megatron's order (`plan.interleaved.stage_order`: 1F1B with a warm-up
   of p-1-s forwards, or with `plan.vpp_size` v > 1 virtual stages the interleaved order, each op one
   model chunk's forward or backward at 1/v of the stage's time), forward = 1/3 and backward = 2/3 of the
@@ -51,7 +52,7 @@ from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.interleaved import dependency, stage_order
 from megatron_hdp.plan.pipeline import FORWARD_SHARE
 from megatron_hdp.plan.step_plan import MicroBatch, StepPlan
-from megatron_hdp.plan.timing import jitter_lead, plan_groups, plan_runtime_counts
+from megatron_hdp.plan.timing import jitter_lead, plan_groups, plan_runtime_counts, spread_expert_work
 
 
 @dataclass(frozen=True)
@@ -316,9 +317,17 @@ def simulate_step(
     # the runtime's padding micro-batches (empty, at the micro-batch overhead) after each rank's own
     padding = cost_model.microbatch_time([], pp_size=p)
     extra = np.array(plan_runtime_counts(plan, ep_size=cost_model.expert_parallel_size)) - [len(c) for c in costs]
+    held = np.bincount(shards.microbatch, weights=shards.tokens, minlength=len(mb_costs))
+    tokens = [held[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]
     for r in range(n):
         costs[r] += [[padding, 0.0, 0.0, 0.0, 1.0]] * int(extra[r])
         has_ring[r] += [False] * int(extra[r])
+        tokens[r] += [0.0] * int(extra[r])
+    if cost_model.expert_parallel_size > 1 and cost_model.expert_share:
+        spread = spread_expert_work([[c[0] for c in mine] for mine in costs], tokens,
+                                    ep_size=cost_model.expert_parallel_size,
+                                    seconds_per_token=cost_model.expert_seconds_per_token(pp_size=p))
+        costs = [[[seconds, *c[1:]] for c, seconds in zip(mine, compute)] for mine, compute in zip(costs, spread)]
     coupled = plan_groups(plan, barrier_per_microbatch=rules.barrier_per_microbatch,
                           ep_size=cost_model.expert_parallel_size)
     members: dict[int, list[int]] = {}
@@ -392,7 +401,7 @@ def simulate_step(
     assert not stuck, f"simulation stalled at rank-stages {stuck[:4]}: the plan breaks the ring rule"
     rank_of_mb = np.repeat(np.arange(n), np.diff(bounds))
     totals = np.stack([np.bincount(rank_of_mb, weights=mb_costs[:, i], minlength=n) for i in range(4)], axis=1)
-    totals[:, 0] += padding * extra
+    totals[:, 0] = [sum(c[0] for c in mine) for mine in costs]  # padding and the spread expert work included
     finish = np.array([max((o.release for stage in ops[r] for o in stage), default=0.0) for r in range(n)])
     return StepTimeline(
         policy=plan.policy,
