@@ -4,7 +4,8 @@ Independent count: Megatron-LM's own `num_floating_point_operations` (megatron/t
 what Megatron logs as TFLOP/s), which counts MTP as D more layers like the decoder's last, D
 projections with their norms and D more LM-head passes. The planner's training FLOPs of one sequence,
 read back from install()'s cost model (T(s) = (a1 s^2 + b1 s) x layers, each coefficient times the
-FLOP/s it was divided by), must equal Megatron's for a dense and a MoE model at depths 0, 1 and 2.
+FLOP/s it was divided by), must equal Megatron's for a dense model, a MoE model and a DeepSeek-like one (a dense first layer,
+narrower experts, a shared expert) at depths 0, 1 and 2.
 """
 
 import pytest
@@ -20,15 +21,18 @@ FLAGS = (
     "--attention-dropout 0.0 --position-embedding-type rope --hdp --calculate-per-token-loss"
 ).split()
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+DEEPSEEK_LIKE = MOE + ["--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "48",
+                       "--moe-layer-freq", "[0,1]"]
+"""A dense first layer, then MoE with narrower experts and a shared expert (DeepSeek's layout)."""
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("moe", [[], MOE, DEEPSEEK_LIKE], ids=["dense", "moe", "deepseek-like"])
 def test_planner_flops_equal_megatrons_count_with_mtp(depth, moe):
     from megatron.training.training import num_floating_point_operations
 
     mtp = ["--mtp-num-layers", str(depth)] if depth else []
-    args, config = parse_and_check(FLAGS + (MOE if moe else []) + mtp, world_size=1)
+    args, config = parse_and_check(FLAGS + moe + mtp, world_size=1)
     args.padded_vocab_size = args.vocab_size  # 128: what Megatron pads it to for TP 1 (set at initialize)
     cost = _base_cost_model(args, config)  # what install() plans with
     hw = hardware_profile("h100")

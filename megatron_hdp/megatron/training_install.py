@@ -209,6 +209,18 @@ def _cost_model(args: Namespace, config: HDPConfig) -> CostModel:
     return cost_model
 
 
+def _dense_layers(args: Namespace) -> int:
+    """Decoder layers whose MLP is dense under --moe-layer-freq (Megatron's rule: an int k makes layer i MoE
+    when i % k == 0, a list marks MoE layers with 1); 0 without experts. The cost model needs only their
+    number (it averages the MLP over the layers)."""
+    if not args.num_experts:
+        return 0
+    freq = getattr(args, "moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return sum(1 for layer in range(args.num_layers) if layer % freq)
+    return sum(1 for moe in freq if not moe)
+
+
 def _base_cost_model(args: Namespace, config: HDPConfig) -> CostModel:
     from megatron_hdp.plan.presets import ModelShape, analytic_cost_model
 
@@ -223,6 +235,9 @@ def _base_cost_model(args: Namespace, config: HDPConfig) -> CostModel:
         vocab_size=args.padded_vocab_size or args.vocab_size or 32000,
         num_experts=args.num_experts or 0,
         moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
+        moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
+        num_dense_layers=_dense_layers(args),
         gated_mlp=args.swiglu or getattr(args, "quick_geglu", False),
         head_dim=args.kv_channels or 0,
         mtp_num_layers=args.mtp_num_layers or 0,

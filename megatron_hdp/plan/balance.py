@@ -42,6 +42,9 @@ e lanes (`expert_units`: rings grown to whole units where that pays, lanes of on
 matching time, the same count on every lane): first, then rank by rank unless the unit plan is already
 within `RETRY_GAP` of its mean rank time or the lower bound, and the plan of least predicted step time
 under the EP coupling is kept; the alternative ring sizes are then tried in the family that planned better.
+A plan still that far from both is last compared with the plan made as if e = 1, timed with the coupling
+and the routed expert work the all-to-all spreads (`timing.spread_expert_work`): where a micro-batch's
+overhead is large, fewer micro-batches can beat matched lanes (`_with_coupling`).
 
 Deviations from the paper: Algorithm 2 forms buckets (micro-batches) first and then assigns them; we
 assign sequences to ranks first and pack per rank, which gives the same "different micro-batch counts"
