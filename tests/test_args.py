@@ -249,3 +249,26 @@ def test_the_planner_couples_the_hdp_ranks_of_an_expert_parallel_group(parallel,
         coupled = grown
     assert len({g // tp for g in coupled}) == unit
     assert _cost_model(args, config).expert_parallel_size == unit
+
+
+MLA_FLAGS = ("--multi-latent-attention --kv-lora-rank 16 --qk-head-dim 12 --qk-pos-emb-head-dim 8 "
+             "--v-head-dim 8").split()
+
+
+@pytest.mark.parametrize("setting,flag", [
+    (["--softmax-type", "off-by-one"], "--softmax-type off-by-one: the latent ring takes no attention sink"),
+    (["--recompute-granularity", "selective"], "--recompute-modules core_attn: the latent ring does not run"),
+])
+def test_the_latent_ring_is_refused_or_left_out_where_it_cannot_run(setting, flag):
+    """Under an attention sink or core-attention recompute, `--hdp-ring-kind latent` stops in one line naming
+    the setting, and `auto` (the default) plans K/V rings only; without them, auto may pick either."""
+    from megatron_hdp.megatron.training_install import _cost_model
+
+    base = TINY + HDP + MLA_FLAGS
+    args, config = parse_and_check(base + setting + ["--hdp-ring-kind", "latent"], world_size=4)
+    with pytest.raises(ValueError, match=f"^--hdp-ring-kind latent with {flag}"):
+        _cost_model(args, config)
+    args, config = parse_and_check(base + setting, world_size=4)
+    assert _cost_model(args, config).ring_kind == "kv"
+    args, config = parse_and_check(base, world_size=4)
+    assert _cost_model(args, config).ring_kind == "auto"

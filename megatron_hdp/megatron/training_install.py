@@ -193,20 +193,30 @@ def _cost_model(args: Namespace, config: HDPConfig) -> CostModel:
     if ring_kind == "latent" and not getattr(args, "multi_latent_attention", False):
         raise ValueError("--hdp-ring-kind latent needs --multi-latent-attention (the latent ring circulates its "
                          "latent); drop the flag or set it to kv")
-    if getattr(args, "softmax_type", "vanilla") != "vanilla":  # the latent ring takes no sink
-        if ring_kind == "latent":
-            raise ValueError(f"--hdp-ring-kind latent with --softmax-type {args.softmax_type}: the latent ring "
-                             "takes no attention sink; use --hdp-ring-kind kv")
-        ring_kind = "kv" if getattr(args, "multi_latent_attention", False) else ring_kind
-    modules = getattr(args, "recompute_modules", None) or ["core_attn"]  # Megatron's default with selective
-    if getattr(args, "recompute_granularity", None) == "selective" and "core_attn" in modules:
-        if ring_kind == "latent":  # the checkpoint's recompute would run the ring without its latent inputs
-            raise ValueError("--hdp-ring-kind latent with --recompute-modules core_attn: the latent ring does not "
-                             "run under core-attention recompute; use --hdp-ring-kind kv or drop core_attn")
-        ring_kind = "kv" if getattr(args, "multi_latent_attention", False) else ring_kind
+    blockers = _latent_ring_blockers(args)
+    if blockers and ring_kind == "latent":
+        flag, why = blockers[0]
+        raise ValueError(f"--hdp-ring-kind latent with {flag}: {why}")
+    if blockers and getattr(args, "multi_latent_attention", False):
+        ring_kind = "kv"  # auto would price latent rings the run cannot execute
     if ring_kind is not None:
         cost_model = dataclasses.replace(cost_model, ring_kind=ring_kind)
     return cost_model
+
+
+def _latent_ring_blockers(args: Namespace) -> list[tuple[str, str]]:
+    """(flag, why) for each setting of the run under which the latent ring cannot run: an attention sink
+    (the latent ring takes none) and core-attention recompute (the checkpoint's recompute would run the
+    ring without its latent inputs)."""
+    blockers = []
+    if getattr(args, "softmax_type", "vanilla") != "vanilla":
+        blockers.append((f"--softmax-type {args.softmax_type}",
+                         "the latent ring takes no attention sink; use --hdp-ring-kind kv"))
+    modules = getattr(args, "recompute_modules", None) or ["core_attn"]  # Megatron's default with selective
+    if getattr(args, "recompute_granularity", None) == "selective" and "core_attn" in modules:
+        blockers.append(("--recompute-modules core_attn", "the latent ring does not run under core-attention "
+                         "recompute; use --hdp-ring-kind kv or drop core_attn"))
+    return blockers
 
 
 def _dense_layers(args: Namespace) -> int:
