@@ -661,27 +661,31 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
         predict["ring_probe"] = None  # another run's fit without its ring probe: no ring rescaling
     rows = []
     # The policies take turns step by step (each its own model, built from the same seed), so that a
-    # change of load on a shared host between the start and the end of the run weighs on every policy alike,
-    # in an order rotated every step, so that no policy always runs first (right after the probes) or last.
+    # change of load on a shared host between the start and the end of the run weighs on every policy alike.
+    # A step's timing repeats take turns too (A B A B, not A A B B), in an order rotated every step: the host's
+    # speed drifts over seconds (two policies running the same plan one after the other measured 0.88-1.17x
+    # apart), and each policy's fewest CPU seconds then come from the same stretch of time as the others'.
     trainers = [_build(spec, state) for _ in spec.policies]
     batches = [planned_batches(spec, state, config, policy_cost_model(policy, model, ep_size=state.ep_size), policy)
                for policy in spec.policies]
     for step, planned in enumerate(zip(*batches)):
         probe_before = measure_probes(first, spec)  # the host's speed over this round (module doc)
-        measured_round = []
         turns = list(zip(spec.policies, trainers, planned))
         turns = turns[step % len(turns):] + turns[:step % len(turns)]
-        for policy, trainer, (plan, read_tokens) in turns:
-            run_plan, barriers = per_subsample_plan(plan) if policy == HYBRID_CP else (plan, ())
-            stats = trainer.step(run_plan, read_tokens)
-            runs = [trainer.last_busy]
-            for _ in range(spec.timing_repeats - 1 if step >= spec.warmup_steps else 0):
-                wall = trainer.step(run_plan, read_tokens).step_time
-                runs.append(trainer.last_busy)
-                stats = dataclasses.replace(stats, step_time=min(stats.step_time, wall))
+        executed = {policy: per_subsample_plan(plan) if policy == HYBRID_CP else (plan, ())
+                    for policy, _, (plan, _) in turns}  # (what runs, its group barriers)
+        runs, stats = {policy: [] for policy in executed}, {}
+        for _ in range(spec.timing_repeats if step >= spec.warmup_steps else 1):
+            for policy, trainer, (_, read_tokens) in turns:
+                done = trainer.step(executed[policy][0], read_tokens)
+                runs[policy].append(trainer.last_busy)
+                fastest = min(done.step_time, stats[policy].step_time) if policy in stats else done.step_time
+                stats[policy] = dataclasses.replace(done, step_time=fastest)
+        measured_round = []
+        for policy, _, (plan, _) in turns:
             busy_by_rank = [None] * world_size
-            dist.all_gather_object(busy_by_rank, _fastest(runs))
-            measured_round.append((policy, plan, stats, busy_by_rank, run_plan, barriers))
+            dist.all_gather_object(busy_by_rank, _fastest(runs[policy]))
+            measured_round.append((policy, plan, stats[policy], busy_by_rank, *executed[policy]))
         probe_after = measure_probes(first, spec)
         now = {key: _mean_or_none([probe_before[key], probe_after[key]]) for key in probe_before}
         if step >= spec.warmup_steps and rank == 0:
