@@ -48,10 +48,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_hdp.attention.backends import AttentionBackend, get_backend
-from megatron_hdp.attention.layout import check_seqlens, zigzag_token_indices
+from megatron_hdp.attention.layout import check_seqlens
 from megatron_hdp.attention.local import check_window, default_scale
 from megatron_hdp.attention.ring_loop import KVSource, accumulation_dtype, ring_backward, ring_forward
 from megatron_hdp.attention.ring_plan import RingPlan, Rows, ring_plan
+from megatron_hdp.attention.virtual_ring import VirtualRing
 from megatron_hdp.comm.p2p import Ring, current_ring
 from megatron_hdp.comm.ring_program import run_in_process, run_on_ring
 
@@ -242,15 +243,11 @@ def simulated_latent_ring_attention(
     """
     lengths = check_seqlens(seqlens)
     left = check_window(window, causal=causal)
-    if ring_size < 1:
-        raise ValueError(f"ring_size must be >= 1, got {ring_size}")
+    ring = VirtualRing.of(lengths, ring_size, causal=bool(causal), device=q.device, window=left)
     check_latent_inputs(q, latent, k_rope, up_weight, num_tokens=sum(lengths), qk_head_dim=qk_head_dim,
                         v_head_dim=v_head_dim)
     kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     scale = default_scale(softmax_scale, q.shape[2])
-    plans = tuple(ring_plan(lengths, ring_size, p, bool(causal), q.device, left) for p in range(ring_size))
-    rows = [zigzag_token_indices(lengths, ring_size, p).to(q.device) for p in range(ring_size)]
-    shards = [x.index_select(0, r) for x in (q, latent, k_rope) for r in rows]
     dims = dict(qk_head_dim=qk_head_dim, v_head_dim=v_head_dim)
-    outs = _SimulatedLatentRing.apply(plans, kernel, scale, grad_dtype, dims, up_weight, *shards)
-    return torch.cat(outs).index_select(0, torch.argsort(torch.cat(rows)))
+    return ring.packed(_SimulatedLatentRing.apply(ring.plans, kernel, scale, grad_dtype, dims, up_weight,
+                                                  *ring.shards(q, latent, k_rope)))

@@ -50,11 +50,12 @@ import torch.distributed as dist
 
 from megatron_hdp.attention.backends import AttentionBackend, Segments, get_backend
 from megatron_hdp.attention.host_tables import HostTables
-from megatron_hdp.attention.layout import check_seqlens, zigzag_token_indices
+from megatron_hdp.attention.layout import check_seqlens
 from megatron_hdp.attention.local import _LocalAttention, check_qkv, check_window, default_scale, document_window
 from megatron_hdp.attention.ring_loop import HeldKV, ring_backward, ring_forward
 from megatron_hdp.attention.ring_plan import RingPlan, ring_plan
 from megatron_hdp.attention.sink import add_sink, check_sink, sink_grad
+from megatron_hdp.attention.virtual_ring import VirtualRing
 from megatron_hdp.comm.p2p import Ring, current_ring
 from megatron_hdp.comm.ring_program import RingProgram, run_in_process, run_on_ring
 
@@ -240,15 +241,9 @@ def simulated_ring_attention(
     """
     lengths = check_seqlens(seqlens)
     left = check_window(window, causal=causal)
-    if ring_size < 1:
-        raise ValueError(f"ring_size must be >= 1, got {ring_size}")
+    ring = VirtualRing.of(lengths, ring_size, causal=bool(causal), device=q.device, window=left)
     check_qkv(q, k, v, num_tokens=sum(lengths))
     check_sink(sink, q)
     kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     scale = default_scale(softmax_scale, q.shape[2])
-    plans = tuple(ring_plan(lengths, ring_size, p, bool(causal), q.device, left) for p in range(ring_size))
-    rows = [zigzag_token_indices(lengths, ring_size, p).to(q.device) for p in range(ring_size)]
-    shards = [x.index_select(0, r) for x in (q, k, v) for r in rows]
-    outs = _SimulatedRing.apply(plans, kernel, scale, grad_dtype, sink, *shards)
-    order = torch.cat(rows)
-    return torch.cat(outs).index_select(0, torch.argsort(order))
+    return ring.packed(_SimulatedRing.apply(ring.plans, kernel, scale, grad_dtype, sink, *ring.shards(q, k, v)))
