@@ -39,8 +39,9 @@ it measures which share of the per-token work the all-to-all spreads over an EP 
 The prediction is judged on what the simulator claims, ratios: per step, the predicted speedup of each
 policy over static and over Megatron's Hybrid-CP against the measured one (`speedup_errors`), the
 absolute step-time errors beside them. `--repeat N` runs the whole measurement (fit, then the policies
-taking turns step by step, in an order rotated every step) N times and reports each figure as the median and range over the runs; with
-`--predict-from` a file of N runs, run i predicts with run i's fit. The JSON keeps every run (its rows,
+taking turns step by step, each of a step's `--timing-repeats` rounds in a random order) N times and
+reports each figure as the median and range over the runs; with `--predict-from` a file of N runs, run i
+predicts with run i's fit. The JSON keeps every run (its rows,
 fit, load average) with the command and the date.
 """
 

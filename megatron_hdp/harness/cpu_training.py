@@ -2,8 +2,8 @@
 
 Every rank runs `train_policies` (through `megatron_hdp.comm.launch.run_gloo`): it initializes HDP,
 fits the cost model of *this* model on *this* machine, then builds one model per policy from the same seed
-and trains the same global batches, planned by `make_plan`, the policies taking turns step by step (in an
-order rotated every step). Rows of statistics come back from rank 0.
+and trains the same global batches, planned by `make_plan`, the policies taking turns step by step (in a
+random order every round). Rows of statistics come back from rank 0.
 Synthetic documents follow ByteScale's long-tailed "byted" mix, scaled down (`length_scale`) and clipped to
 `max_length` so that a CPU can train them.
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import statistics
 import time
 import warnings
@@ -662,20 +663,24 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     rows = []
     # The policies take turns step by step (each its own model, built from the same seed), so that a
     # change of load on a shared host between the start and the end of the run weighs on every policy alike.
-    # A step's timing repeats take turns too (A B A B, not A A B B), in an order rotated every step: the host's
-    # speed drifts over seconds (two policies running the same plan one after the other measured 0.88-1.17x
-    # apart), and each policy's fewest CPU seconds then come from the same stretch of time as the others'.
+    # A step's timing repeats take turns too (A B A B, not A A B B): the host's speed drifts over seconds (two
+    # policies running the same plan one after the other measured 0.88-1.17x apart), and each policy's fewest
+    # CPU seconds then come from the same stretch of time as the others'. Each round runs the policies in a
+    # fresh random order: a fixed cyclic order, even rotated, always runs each policy after the same one
+    # (balance after static); identical plans then measured 0.97x (EP 4, 10 steps) and 1.04x (EP 2, 5 steps)
+    # apart in the median, and no order should be a policy's alone.
     trainers = [_build(spec, state) for _ in spec.policies]
     batches = [planned_batches(spec, state, config, policy_cost_model(policy, model, ep_size=state.ep_size), policy)
                for policy in spec.policies]
+    order = random.Random(spec.seed)
     for step, planned in enumerate(zip(*batches)):
         probe_before = measure_probes(first, spec)  # the host's speed over this round (module doc)
         turns = list(zip(spec.policies, trainers, planned))
-        turns = turns[step % len(turns):] + turns[:step % len(turns)]
         executed = {policy: per_subsample_plan(plan) if policy == HYBRID_CP else (plan, ())
                     for policy, _, (plan, _) in turns}  # (what runs, its group barriers)
         runs, stats = {policy: [] for policy in executed}, {}
         for _ in range(spec.timing_repeats if step >= spec.warmup_steps else 1):
+            order.shuffle(turns)  # the same on every rank: one generator, seeded alike
             for policy, trainer, (_, read_tokens) in turns:
                 done = trainer.step(executed[policy][0], read_tokens)
                 runs[policy].append(trainer.last_busy)
