@@ -317,13 +317,13 @@ def simulate_step(
     # the runtime's padding micro-batches (empty, at the micro-batch overhead) after each rank's own
     padding = cost_model.microbatch_time([], pp_size=p)
     extra = np.array(plan_runtime_counts(plan, ep_size=cost_model.expert_parallel_size)) - [len(c) for c in costs]
-    held = np.bincount(shards.microbatch, weights=shards.tokens, minlength=len(mb_costs))
-    tokens = [held[bounds[r]:bounds[r + 1]].tolist() for r in range(n)]
     for r in range(n):
         costs[r] += [[padding, 0.0, 0.0, 0.0, 1.0]] * int(extra[r])
         has_ring[r] += [False] * int(extra[r])
-        tokens[r] += [0.0] * int(extra[r])
-    if cost_model.expert_parallel_size > 1 and cost_model.expert_share:
+    spreads = cost_model.expert_parallel_size > 1 and cost_model.expert_share > 0
+    if spreads:  # tokens per micro-batch, the padding ones holding none
+        held = np.bincount(shards.microbatch, weights=shards.tokens, minlength=len(mb_costs))
+        tokens = [held[bounds[r]:bounds[r + 1]].tolist() + [0.0] * int(extra[r]) for r in range(n)]
         spread = spread_expert_work([[c[0] for c in mine] for mine in costs], tokens,
                                     ep_size=cost_model.expert_parallel_size,
                                     seconds_per_token=cost_model.expert_seconds_per_token(pp_size=p))
@@ -401,7 +401,9 @@ def simulate_step(
     assert not stuck, f"simulation stalled at rank-stages {stuck[:4]}: the plan breaks the ring rule"
     rank_of_mb = np.repeat(np.arange(n), np.diff(bounds))
     totals = np.stack([np.bincount(rank_of_mb, weights=mb_costs[:, i], minlength=n) for i in range(4)], axis=1)
-    totals[:, 0] = [sum(c[0] for c in mine) for mine in costs]  # padding and the spread expert work included
+    totals[:, 0] += padding * extra
+    if spreads:  # the spread moves compute between the members of a group
+        totals[:, 0] = [sum(c[0] for c in mine) for mine in costs]
     finish = np.array([max((o.release for stage in ops[r] for o in stage), default=0.0) for r in range(n)])
     return StepTimeline(
         policy=plan.policy,
