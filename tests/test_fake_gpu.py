@@ -65,6 +65,11 @@ def _run(library: Path, scenario: str, *args: str) -> str:
     return _checked(result.returncode, result.stdout + result.stderr)
 
 
+RANKS = ("0", "1")
+"""The played ranks of the 2-rank scenarios. Each process plays its rank alone (its peers' collectives
+answered by the harness), so a world's ranks run at once: on 2 cores that halves their import time."""
+
+
 def _run_ranks(library: Path, scenario: str, args: list[tuple[str, ...]], timeout_s: float = 300) -> list[str]:
     """`scenario` with each argument tuple at once, one process each (the ranks of one played world):
     their outputs, in order; every process is ended by the timeout."""
@@ -86,19 +91,17 @@ def test_harness_enforces_nccl_and_device_rules(guard_library):
     assert "scenario harness_rules: ok" in _run(guard_library, "harness_rules")
 
 
-@pytest.mark.parametrize(
-    "pp_size,rank,mtp_depth,attention", [("1", "0", "1", "sinks"), ("1", "1", "1", "sinks"), ("2", "0", "0", ""), ("2", "1", "0", "")]
-)
-def test_hdp_step_on_fake_gpu(guard_library, pp_size, rank, mtp_depth, attention):
-    """Two HDP steps as global rank `rank` of 2 of a bf16 GPTModel with the HDP spec, torch varlen
+@pytest.mark.parametrize("pp_size,mtp_depth,attention", [("1", "1", "sinks"), ("2", "0", "")])
+def test_hdp_step_on_fake_gpu(guard_library, pp_size, mtp_depth, attention):
+    """Two HDP steps as each global rank of 2 (both played at once) of a bf16 GPTModel with the HDP spec, torch varlen
     attention, activation offloading, Megatron DDP and optimizer: PP=1 (HDP rank of 2, a ring over both
     ranks and whole documents, with gpt-oss's learnable attention sinks and a multi-token prediction layer
     attending on the same ring, its rolls from the micro-batch: MTP and sinks together) and PP=2 (one
     pipeline stage). No blocking host-to-device copy between a micro-batch's own transfer and its backward
     (issue 21 item 7: cu_seqlens, ring row indices)."""
-    output = _run(guard_library, "hdp_step", pp_size, rank, mtp_depth, attention)
-    assert "of micro-batch tensors (pinned, non-blocking)" in output
-    assert ("rolls answered from the micro-batches" in output) == (mtp_depth != "0")
+    for output in _run_ranks(guard_library, "hdp_step", [(pp_size, rank, mtp_depth, attention) for rank in RANKS]):
+        assert "of micro-batch tensors (pinned, non-blocking)" in output
+        assert ("rolls answered from the micro-batches" in output) == (mtp_depth != "0")
 
 
 def test_multi_latent_attention_step_on_fake_gpu(guard_library):
@@ -113,19 +116,19 @@ def test_multi_latent_attention_step_on_fake_gpu(guard_library):
     assert "rolls answered from the micro-batches" in output
 
 
-@pytest.mark.parametrize("rank", ["0", "1"])
-def test_virtual_pipeline_step_on_fake_gpu(guard_library, rank):
-    """Two HDP steps as PP stage `rank` of 2 with 2 virtual pipeline stages: model chunks on "cuda", a DDP
+def test_virtual_pipeline_step_on_fake_gpu(guard_library):
+    """Two HDP steps as each PP stage of 2 with 2 virtual pipeline stages: model chunks on "cuda", a DDP
     and an offloader per chunk, Megatron's interleaved schedule with overlapped P2P."""
-    assert "micro-batch copies (pinned, non-blocking) over 2 chunks" in _run(guard_library, "hdp_step_vpp", rank)
+    for output in _run_ranks(guard_library, "hdp_step_vpp", [(rank,) for rank in RANKS]):
+        assert "micro-batch copies (pinned, non-blocking) over 2 chunks" in output
 
 
-@pytest.mark.parametrize("rank", ["0", "1"])
-def test_moe_router_losses_on_fake_gpu(guard_library, rank):
+def test_moe_router_losses_on_fake_gpu(guard_library):
     """HDP's MoE routers (per-document load-balancing loss and z-loss) of three layers over a plan's
     micro-batches, forward and backward: no blocking host-to-device copy between a micro-batch's transfer
     and its backward (issue 21 item 7: the documents' lengths and the z-loss padding mask, every layer)."""
-    assert "none blocking" in _run(guard_library, "moe_routers", rank)
+    for output in _run_ranks(guard_library, "moe_routers", [(rank,) for rank in RANKS]):
+        assert "none blocking" in output
 
 
 def test_host_sync_inside_a_layer_is_caught(guard_library):
@@ -139,16 +142,14 @@ def test_first_nccl_operation_is_not_a_ring(guard_library):
     assert "scenario first_p2p: ok" in _run(guard_library, "first_p2p", "4")
 
 
-@pytest.mark.parametrize("rank", ["0", "1"])
-def test_megatron_install_path_on_fake_gpu(guard_library, rank):
-    """What install() wires into megatron.training, called as train() calls it, as HDP rank `rank` of 2:
+def test_megatron_install_path_on_fake_gpu(guard_library):
+    """What install() wires into megatron.training, called as train() calls it, as each HDP rank of 2:
     the HDP loader over an indexed dataset, two steps through the patched get_forward_backward_func
     (Megatron's schedule, offloading, finalize timed by the telemetry), then the patched training_log
     (hdp_statistics, the measured telemetry gathered over the HDP domain; the last rank prints it)."""
-    output = _run(guard_library, "install_step", rank)
-    assert "micro-batch copies (pinned, non-blocking)" in output
-    if rank == "1":
-        assert " [HDP measured] iteration        1 |" in output  # CUDA events are read one step late
+    outputs = _run_ranks(guard_library, "install_step", [(rank,) for rank in RANKS])
+    assert all("micro-batch copies (pinned, non-blocking)" in output for output in outputs)
+    assert " [HDP measured] iteration        1 |" in outputs[-1]  # the last rank prints; CUDA events are read one step late
 
 
 FP8_RUNS = [("delayed", "0"), ("delayed", "1"), ("tensorwise", "0")]
@@ -162,11 +163,9 @@ def test_ranks_with_different_microbatch_counts_post_the_same_collectives(guard_
     each member); P2P (the ring) is left out. A configuration that cannot meet this is refused on both."""
     import json
 
-    results = []
-    for rank in ("0", "1"):
-        log = tmp_path / f"rank{rank}.json"
-        _run(guard_library, "fp8_collectives", rank, recipe, tp_only, str(log))
-        results.append(json.loads(log.read_text()))
+    logs_at = [tmp_path / f"rank{rank}.json" for rank in RANKS]
+    _run_ranks(guard_library, "fp8_collectives", [(rank, recipe, tp_only, str(log)) for rank, log in zip(RANKS, logs_at)])
+    results = [json.loads(log.read_text()) for log in logs_at]
     if "refused" in results[0] or "refused" in results[1]:
         assert all("--fp8-recipe delayed" in r.get("refused", "") for r in results), results
         return
