@@ -149,7 +149,8 @@ def test_megatron_install_path_on_fake_gpu(guard_library):
     (hdp_statistics, the measured telemetry gathered over the HDP domain; the last rank prints it)."""
     outputs = _run_ranks(guard_library, "install_step", [(rank,) for rank in RANKS])
     assert all("micro-batch copies (pinned, non-blocking)" in output for output in outputs)
-    assert " [HDP measured] iteration        1 |" in outputs[-1]  # the last rank prints; CUDA events are read one step late
+    # the last rank prints the telemetry; CUDA events are read one step late
+    assert " [HDP measured] iteration        1 |" in outputs[-1]
 
 
 FP8_RUNS = [("delayed", "0"), ("delayed", "1"), ("tensorwise", "0")]
@@ -164,7 +165,8 @@ def test_ranks_with_different_microbatch_counts_post_the_same_collectives(guard_
     import json
 
     logs_at = [tmp_path / f"rank{rank}.json" for rank in RANKS]
-    _run_ranks(guard_library, "fp8_collectives", [(rank, recipe, tp_only, str(log)) for rank, log in zip(RANKS, logs_at)])
+    _run_ranks(guard_library, "fp8_collectives",
+               [(rank, recipe, tp_only, str(log)) for rank, log in zip(RANKS, logs_at)])
     results = [json.loads(log.read_text()) for log in logs_at]
     if "refused" in results[0] or "refused" in results[1]:
         assert all("--fp8-recipe delayed" in r.get("refused", "") for r in results), results

@@ -401,9 +401,10 @@ def simulate_step(
     assert not stuck, f"simulation stalled at rank-stages {stuck[:4]}: the plan breaks the ring rule"
     rank_of_mb = np.repeat(np.arange(n), np.diff(bounds))
     totals = np.stack([np.bincount(rank_of_mb, weights=mb_costs[:, i], minlength=n) for i in range(4)], axis=1)
-    totals[:, 0] += padding * extra
-    if spreads:  # the spread moves compute between the members of a group
+    if spreads:  # the spread moves compute between the members of a group; padding included
         totals[:, 0] = [sum(c[0] for c in mine) for mine in costs]
+    else:
+        totals[:, 0] += padding * extra
     finish = np.array([max((o.release for stage in ops[r] for o in stage), default=0.0) for r in range(n)])
     return StepTimeline(
         policy=plan.policy,
