@@ -16,7 +16,7 @@ import torch
 from megatron_hdp.attention.layout import zigzag_token_indices
 from megatron_hdp.data.collate import collate_microbatch, empty_microbatch
 from megatron_hdp.data.mtp_shift import MTPRolls
-from megatron_hdp.megatron.mtp import hdp_roll_tensor, install_roll
+from megatron_hdp.megatron.mtp import hdp_roll_tensor, install_mtp
 from megatron_hdp.plan.hand_plan import plan_from_rings
 
 DEPTH = 2
@@ -96,16 +96,26 @@ def test_hdp_roll_answers_each_of_megatrons_rolls_from_the_loader():
     for depth in range(DEPTH):  # MultiTokenPredictionLayer._get_embeddings: each layer rolls what it got
         ids, _ = roll(ids, shifts=-1, dims=-1, cp_group=None, packed_seq_params=params)
         assert torch.equal(ids[0], packed.mtp_tokens[depth])
-    labels, mask = inputs["labels"].clone(), inputs["loss_mask"]  # process_mtp_loss copies the labels first
-    for depth in range(DEPTH):
-        labels, _ = roll(labels, -1, -1, None, params)
-        mask, count = roll(mask, -1, -1, None, params)
-        assert torch.equal(labels[0], packed.mtp_labels[depth]) and torch.equal(mask[0], packed.mtp_loss_mask[depth])
-        assert count == packed.loss_mask.sum()  # the count process_mtp_loss took: original / rolled = 1
+    # A copy of the input ids has the labels' dtype and shape: outside Megatron's MTP loss it is refused,
+    # never taken for the labels' copy (which would train depth d on the labels, one token ahead)
+    for stray in (inputs["input_ids"].clone(), inputs["labels"].clone()):
+        with pytest.raises(ValueError, match="cannot roll this tensor"):
+            roll(stray, -1, -1, None, params)
+    with rolls.copying(inputs["labels"]):  # what hdp_process_mtp_loss opens around Megatron's MTP loss
+        labels, mask = inputs["labels"].clone(), inputs["loss_mask"]  # process_mtp_loss copies the labels first
+        for depth in range(DEPTH):
+            labels, _ = roll(labels, -1, -1, None, params)
+            mask, count = roll(mask, -1, -1, None, params)
+            assert torch.equal(labels[0], packed.mtp_labels[depth])
+            assert torch.equal(mask[0], packed.mtp_loss_mask[depth])
+            assert count == packed.loss_mask.sum()  # the count process_mtp_loss took: original / rolled = 1
+            got_depth, tokens = rolls.loss_tokens(labels)  # what the token-level log counts at this depth
+            assert got_depth == depth + 1 and torch.equal(tokens[0], packed.mtp_loss_mask[depth] > 0)
+        with pytest.raises(ValueError, match="cannot roll this tensor"):
+            roll(inputs["labels"].clone(), -1, -1, None, params)  # a second copy: not Megatron's pattern
+    assert rolls.loss_tokens(inputs["labels"]) == (0, None) and rolls.loss_tokens(ids) == (0, None)
     _, total = roll(inputs["position_ids"], -1, -1, None, params, return_sum=False)  # megatron-core 0.20
     assert total is None
-    with pytest.raises(ValueError, match="cannot roll this tensor"):
-        roll(inputs["labels"].clone(), -1, -1, None, params)  # a second copy: not Megatron's pattern
     with pytest.raises(ValueError, match="cannot roll this tensor"):
         roll(torch.zeros(1, packed.num_tokens), -1, -1, None, params)
     with pytest.raises(ValueError, match="rolls it 3 times"):
@@ -116,18 +126,29 @@ def test_hdp_roll_answers_each_of_megatrons_rolls_from_the_loader():
     assert torch.equal(roll(plain, -1, -1, None, None)[0], megatrons(plain, -1, -1, None, None)[0])
 
 
-def test_install_roll_is_idempotent_and_checks_megatrons_signature(monkeypatch):
+def test_install_mtp_is_idempotent_and_checks_megatrons_signatures(monkeypatch):
+    from megatron.core.models.gpt import gpt_model
     from megatron.core.transformer import multi_token_prediction as mtp
 
     monkeypatch.setattr(mtp, "roll_tensor", mtp.roll_tensor)
-    install_roll()
-    installed = mtp.roll_tensor
-    install_roll()
-    assert mtp.roll_tensor is installed and installed._hdp_original is not installed
+    monkeypatch.setattr(gpt_model, "process_mtp_loss", gpt_model.process_mtp_loss)
+    install_mtp()
+    installed = mtp.roll_tensor, gpt_model.process_mtp_loss
+    install_mtp()
+    assert (mtp.roll_tensor, gpt_model.process_mtp_loss) == installed
+    assert all(wrapper._hdp_original is not wrapper for wrapper in installed)
 
     def list_roll(tensors, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):  # Megatron-LM dev's
         return tensors
 
     monkeypatch.setattr(mtp, "roll_tensor", list_roll)
     with pytest.raises(ValueError, match="HDP's MTP was written for"):
-        install_roll()
+        install_mtp()
+    monkeypatch.setattr(mtp, "roll_tensor", installed[0])
+
+    def other_loss(hidden_states, labels, loss_mask, output_layer):
+        return hidden_states
+
+    monkeypatch.setattr(gpt_model, "process_mtp_loss", other_loss)
+    with pytest.raises(ValueError, match="process_mtp_loss takes"):
+        install_mtp()

@@ -27,7 +27,8 @@ Megatron's `roll_tensor` from it): the chain of each input over depths 0..D.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -79,7 +80,8 @@ class MTPRolls:
         forward step passes to the model."""
         self.chains = {"input_ids": tokens, "labels": labels, "position_ids": position_ids, "loss_mask": loss_mask}
         self._links = {id(t): (name, d) for name, chain in self.chains.items() for d, t in enumerate(chain)}
-        self._label_copy_seen = False
+        self._copy_of: Optional[tuple[torch.Tensor, tuple[str, int]]] = None
+        """While Megatron's MTP loss runs (`copying`): (its labels, their link), until their one copy is rolled."""
 
     @classmethod
     def of_batch(cls, batch: Any) -> "MTPRolls":
@@ -96,19 +98,46 @@ class MTPRolls:
         """The depth-0 tensors to call the model with."""
         return {name: chain[0] for name, chain in self.chains.items()}
 
-    def _link(self, tensor: torch.Tensor) -> tuple[str, int]:
+    @contextlib.contextmanager
+    def copying(self, labels: torch.Tensor) -> Iterator[None]:
+        """The scope of Megatron's MTP loss (`process_mtp_loss`) called with `labels` (one of this
+        micro-batch's tensors): it copies them (`mtp_labels = labels.clone()`) before its first roll, so
+        inside this scope, and only there, the first tensor rolled that is none of the micro-batch's own
+        and has their dtype and shape is that copy, and continues their chain. Anywhere else (the MTP
+        layers' rolls of the input ids, say) such a tensor is refused, never taken for the labels."""
+        self._copy_of = (labels, self._known(labels))
+        try:
+            yield
+        finally:
+            self._copy_of = None
+
+    def _known(self, tensor: torch.Tensor) -> tuple[str, int]:
+        """(chain, depth) of one of the micro-batch's own tensors, by identity."""
         link = self._links.get(id(tensor))
-        if link is not None and self.chains[link[0]][link[1]] is tensor:
-            return link
-        labels = self.chains["labels"][0]
-        if not self._label_copy_seen and tensor.dtype == labels.dtype and tensor.shape == labels.shape:
-            self._label_copy_seen = True  # process_mtp_loss: mtp_labels = labels.clone(), then its first roll
-            return "labels", 0
-        raise ValueError(
-            f"HDP cannot roll this tensor ({tensor.dtype}, {tuple(tensor.shape)}) for multi-token prediction: it "
-            "is none of the inputs the micro-batch carries the rolls of (input ids, position ids, labels, loss "
-            "mask). This Megatron rolls something HDP was not written for (megatron_hdp/megatron/mtp.py)"
-        )
+        if link is None or self.chains[link[0]][link[1]] is not tensor:
+            raise ValueError(
+                f"HDP cannot roll this tensor ({tensor.dtype}, {tuple(tensor.shape)}) for multi-token prediction: it "
+                "is none of the inputs the micro-batch carries the rolls of (input ids, position ids, labels, loss "
+                "mask). This Megatron rolls something HDP was not written for (megatron_hdp/megatron/mtp.py)"
+            )
+        return link
+
+    def _link(self, tensor: torch.Tensor) -> tuple[str, int]:
+        copy = self._copy_of
+        if id(tensor) not in self._links and copy is not None and (tensor.dtype, tensor.shape) == (
+                copy[0].dtype, copy[0].shape):
+            self._copy_of = None  # process_mtp_loss copies its labels once
+            return copy[1]
+        return self._known(tensor)
+
+    def loss_tokens(self, labels: torch.Tensor) -> tuple[int, Optional[torch.Tensor]]:
+        """(d, the depth-d loss tokens as a bool [1, T]) when `labels` is this micro-batch's depth-d labels
+        (d >= 1, by identity: what a roll handed out), else (0, None). The loss tokens are where the
+        depth-d loss mask is non-zero, each counted once whatever its document's weight."""
+        name, depth = self._links.get(id(labels), ("", 0))
+        if name != "labels" or not depth or self.chains[name][depth] is not labels:
+            return 0, None
+        return depth, self.chains["loss_mask"][depth] > 0
 
     def roll(self, tensor: torch.Tensor, *, shifts: int = -1, dims: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
         """(the next link of `tensor`'s chain, its sum: for the loss mask the micro-batch's loss tokens): the

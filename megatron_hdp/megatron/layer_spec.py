@@ -45,7 +45,7 @@ from megatron_hdp.attention.core_attention import HDPBatchMeta, LatentRingInputs
 from megatron_hdp.attention.rope import rope_angles
 from megatron_hdp.data.mtp_shift import MTPRolls
 from megatron_hdp.megatron.moe_aux_loss import install_document_hook, with_document_aux_loss_router
-from megatron_hdp.megatron.mtp import install_roll
+from megatron_hdp.megatron.mtp import install_mtp
 from megatron_hdp.megatron.options import check_config
 
 logger = logging.getLogger(__name__)
@@ -315,7 +315,7 @@ def prepare_model_for_hdp(model: torch.nn.Module) -> torch.nn.Module:
         if not all(hdp_core_attention_modules(layer) for layer in mtp_layers):  # Megatron-LM's model builders
             raise ValueError("an MTP layer of the model has Megatron's own core attention, which cannot run HDP's "
                              "packed documents and rings: build the MTP block with mtp.mtp_block_spec_of")
-        install_roll()  # the MTP block's rolls come from the loader (megatron/mtp.py)
+        install_mtp()  # the MTP block's rolls come from the loader, its log is token-level (megatron/mtp.py)
     rotary = getattr(model, "rotary_pos_emb", None) if kind == "rope" else None
     for core in cores:
         core.set_rotary(rotary)

@@ -26,7 +26,7 @@ thin wrapper around Megatron's own function (the whole monkeypatch surface, in c
    wait, offloaded bytes) and the measured telemetry of `comm/telemetry.py` in Megatron's log line and its
    TensorBoard / W&B writers, every `--hdp-log-interval` steps; with --hdp-online-refit the measured
    steps refit the cost model the loaders plan with (`HDPRuntime.learn`); with MTP, Megatron's MTP loss
-   log averages over the micro-batches the plan ran (`mtp.average_mtp_log_over_planned_microbatches`).
+   log is the token-level mean over the global batch (`mtp.log_token_level_mtp_loss`).
 6. `consume_seqlen_stats_in_iteration`: the plan's real tokens and sum of s^2 for Megatron's FLOPs.
 7. `save_checkpoint`: with --hdp-online-refit, the learned cost model is written next to each checkpoint.
 8. `checkpointing._load_base_checkpoint` (`resume_check`): a resume may change the pool's size, not TP,
@@ -475,10 +475,9 @@ def _training_log(original: Callable, runtime: HDPRuntime) -> Callable:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
         from megatron.training.utils import print_rank_last
 
-        from megatron_hdp.megatron.mtp import average_mtp_log_over_planned_microbatches
+        from megatron_hdp.megatron.mtp import log_token_level_mtp_loss
 
-        if runtime.last_step is not None:  # before Megatron's MTP log line reads the tracker
-            average_mtp_log_over_planned_microbatches(runtime.last_step.plan)
+        log_token_level_mtp_loss()  # before Megatron's MTP log line reads the tracker
         result = original(*args, **kwargs)
         iteration = get_args().curr_iteration + 1
         stats = runtime.statistics()
