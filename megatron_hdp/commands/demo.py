@@ -21,8 +21,12 @@ import dataclasses
 import logging
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
 from megatron_hdp.commands.arguments import names_from, parse_count, policy_names, positive_float, positive_int
+
+if TYPE_CHECKING:
+    from megatron_hdp.harness.cpu_training import CpuRunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -71,26 +75,27 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def demo_spec(args: argparse.Namespace) -> CpuRunSpec:
+    """What the demo trains for its parsed flags `args`: the `CpuRunSpec`, reading the demo's corpus (a
+    Megatron indexed dataset written under --data-dir when not there yet) through the HDP loader."""
+    from megatron_hdp.harness.build_dataset import build_demo_dataset
+    from megatron_hdp.harness.cpu_training import CpuRunSpec
+    from megatron_hdp.harness.exactness import VOCAB_SIZE
+
+    spec = CpuRunSpec(policies=tuple(args.policies), steps=args.steps, capacity=args.capacity,
+                      tokens_per_step=args.tokens_per_step, seed=args.seed, timing_repeats=args.timing_repeats)
+    prefix = build_demo_dataset(args.data_dir, vocab_size=VOCAB_SIZE, max_length=spec.max_length, seed=args.seed)
+    return dataclasses.replace(spec, data_prefix=prefix)
+
+
 def run(args: argparse.Namespace) -> int:
     """Launch the ranks, print the table and the mean step time per policy."""
-    from megatron_hdp.harness.cpu_training import CpuRunSpec, silence_megatron_warnings, train_policies
+    from megatron_hdp.harness.cpu_training import silence_megatron_warnings, train_policies
 
     silence_megatron_warnings()  # before Megatron is imported here (the ranks do the same for themselves)
     from megatron_hdp.comm.launch import run_gloo
-    from megatron_hdp.harness.build_dataset import build_demo_dataset
-    from megatron_hdp.harness.exactness import VOCAB_SIZE
 
-    spec = CpuRunSpec(
-        policies=tuple(args.policies),
-        steps=args.steps,
-        capacity=args.capacity,
-        tokens_per_step=args.tokens_per_step,
-        seed=args.seed,
-        timing_repeats=args.timing_repeats,
-    )
-    # The ranks read their shards of each batch from a real .bin/.idx through the HDP loader.
-    prefix = build_demo_dataset(args.data_dir, vocab_size=VOCAB_SIZE, max_length=spec.max_length, seed=args.seed)
-    spec = dataclasses.replace(spec, data_prefix=prefix)
+    spec = demo_spec(args)
     logger.info("training %d steps per policy on %d gloo ranks: %s", spec.steps, args.ranks, dataclasses.asdict(spec))
     result = run_gloo(train_policies, args.ranks, spec, timeout_s=args.timeout)[0]
     print(format_rows(result["rows"]))

@@ -685,7 +685,7 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
                 done = trainer.step(executed[policy][0], read_tokens)
                 runs[policy].append(trainer.last_busy)
                 fastest = min(done.step_time, stats[policy].step_time) if policy in stats else done.step_time
-                stats[policy] = dataclasses.replace(done, step_time=fastest)
+                stats[policy] = dataclasses.replace(stats.get(policy, done), step_time=fastest)  # the first run's loss
         measured_round = []
         for policy, _, (plan, _) in turns:
             busy_by_rank = [None] * world_size
