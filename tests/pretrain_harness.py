@@ -194,7 +194,6 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
     losses, stats, consumed, iterations, ids, digests, weights = [], [], [], [], [], [], {}
     mtp, mtp_attention = [], []
     original = training.training_log
-    _mtp_without_transformer_engine()
     _record_mtp_log(mtp)
     _record_mtp_attention(training, mtp_attention)
 
@@ -254,21 +253,6 @@ def _record_mtp_attention(training, names: list) -> None:
         return model, optimizer, scheduler
 
     training.setup_model_and_optimizer = setup_model_and_optimizer
-
-
-def _mtp_without_transformer_engine() -> None:
-    """Megatron-LM main's MTP layer asks `is_inference_column_parallel_linear(eh_proj)`, an isinstance over
-    TE's inference linear classes, which are Mocks when Transformer Engine is not installed: a TypeError
-    that stops plain Megatron as well as --hdp from building an MTP block on this CPU machine. Without TE
-    no module can be such a linear, so the answer is False (the tag core_v0.19.0 has no such check)."""
-    from megatron.core.transformer import multi_token_prediction as mtp
-
-    try:
-        from megatron.core.tensor_parallel.inference_layers import HAVE_TE
-    except ImportError:
-        return
-    if not HAVE_TE and hasattr(mtp, "is_inference_column_parallel_linear"):
-        mtp.is_inference_column_parallel_linear = lambda module: False
 
 
 def _record_mtp_log(records: list) -> None:

@@ -6,9 +6,18 @@ from megatron_hdp.comm.launch import run_gloo
 
 
 def _check_shims(rank, world_size):
+    from megatron.core.tensor_parallel.inference_layers import HAVE_TE
+    from megatron.core.transformer import multi_token_prediction as mtp
+
     from megatron_hdp.megatron.cpu_shims import apply_cpu_shims
 
+    def isinstance_over_mocks(module):  # Megatron-LM main's check without TE (0.19 has none)
+        raise TypeError("isinstance() arg 2 must be a type, a tuple of types, or a union")
+
+    mtp.is_inference_column_parallel_linear = isinstance_over_mocks
     assert apply_cpu_shims() and apply_cpu_shims()  # idempotent
+    # patch 6: without TE no module is TE's inference linear, so main's MTP layer can be built
+    assert HAVE_TE or mtp.is_inference_column_parallel_linear(torch.nn.Linear(2, 2)) is False
     # patch 1: CUDA devices become the CPU; type() names the CUDA type for Megatron's asserts
     assert torch.zeros(2, device="cuda").device.type == "cpu"
     assert torch.tensor([1.0], device=torch.device("cuda", 0)).device.type == "cpu"

@@ -6,6 +6,7 @@ found-inf flags, grad-norm clipping, DDP's buffers), `torch.cuda.synchronize/cur
 RNG tracker. On a CPU build these raise "Torch not compiled with CUDA enabled". The patches below make
 them CPU operations and nothing else; with CUDA present `apply_cpu_shims()` does nothing. Patch 5:
 the distributed optimizer's checkpoints with torch's own Adam (no TE or Apex) and fp32 parameters.
+Patch 6: Megatron-LM main's MTP layer built without Transformer Engine.
 
 Each patch is small and named after what it fixes; `apply_cpu_shims()` is idempotent and checks the
 Megatron-Core version it was written against.
@@ -232,6 +233,22 @@ def _patch_distributed_optimizer_checkpoints() -> None:
     optimizer_class.load_state_dict = load_state_dict
 
 
+def _patch_mtp_inference_linear() -> None:
+    """Patch 6: Megatron-LM main's MTP layer (megatron-core 0.20) asks `is_inference_column_parallel_linear`
+    of its projections while it is built, an isinstance over Transformer Engine's inference linear
+    classes, which are Mocks when TE is not installed: a TypeError that stops any MTP model (plain or
+    --hdp) from being built. Without TE no module can be such a linear, so the answer is False. Releases
+    without the check (0.19) are left alone."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    try:
+        from megatron.core.tensor_parallel.inference_layers import HAVE_TE
+    except ImportError:
+        return
+    if not HAVE_TE and hasattr(mtp, "is_inference_column_parallel_linear"):
+        mtp.is_inference_column_parallel_linear = lambda module: False
+
+
 def check_mcore_version() -> str:
     """The installed Megatron-Core version; a warning once when the shims were not tested against it."""
     from megatron.core import package_info
@@ -255,6 +272,7 @@ def apply_cpu_shims() -> bool:
     _patch_rng_tracker()
     _patch_moe_split_sizes()
     _patch_distributed_optimizer_checkpoints()
+    _patch_mtp_inference_linear()
     mode = CudaDeviceToCpu()
     mode.__enter__()  # stays on the torch-function mode stack for the life of the process
     _APPLIED.append(mode)
