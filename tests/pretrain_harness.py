@@ -3,9 +3,9 @@ pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron
 
 - `TINY`: a tiny GPT's Megatron flags (CPU, gloo, per-token loss, no fusions) without data flags.
 - `pretrain_rank(rank, world_size, argv, reference_plans=None)`: one rank of a run (for `run_gloo`);
-  returns per step the losses, HDP statistics, consumed-sample counts and MTP losses Megatron logged, the
-  iteration numbers, under --hdp the step's sample ids and plan digest, and the class of each MTP layer's
-  core attention. With `record_weights` also this rank's parameters (every model chunk's) after each step,
+  returns per step the losses, HDP statistics, consumed-sample counts and MTP losses Megatron logged (and
+  the token sums behind them: `_record_mtp_log`), the iteration numbers, under --hdp the step's sample ids
+  and plan digest, and the class of each MTP layer's core attention. With `record_weights` also this rank's parameters (every model chunk's) after each step,
   and before its first one (what the run started from: initialised or loaded). A run that ends by
   --exit-interval (Megatron's sys.exit(0)) returns normally.
   With `reference_plans=(plans_dir, data_prefix)` the run trains plain Megatron on `PlannedPiecesDataset`.
@@ -192,9 +192,9 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
                                                                provider=pretrain_gpt_hdp.datasets_provider)
 
     losses, stats, consumed, iterations, ids, digests, weights = [], [], [], [], [], [], {}
-    mtp, mtp_attention = [], []
+    mtp, mtp_tokens, mtp_attention = [], [], []
     original = training.training_log
-    _record_mtp_log(mtp)
+    _record_mtp_log(mtp, mtp_tokens)
     _record_mtp_attention(training, mtp_attention)
 
     def recording_training_log(loss_dict, *args, **kwargs):
@@ -236,7 +236,8 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
         if stop.code not in (0, None):
             raise
     return {"losses": losses, "stats": stats, "consumed": consumed, "iterations": iterations, "ids": ids,
-            "digests": digests, "weights": weights, "mtp": mtp, "mtp_attention": mtp_attention}
+            "digests": digests, "weights": weights, "mtp": mtp, "mtp_tokens": mtp_tokens,
+            "mtp_attention": mtp_attention}
 
 
 def _record_mtp_attention(training, names: list) -> None:
@@ -255,19 +256,34 @@ def _record_mtp_attention(training, names: list) -> None:
     training.setup_model_and_optimizer = setup_model_and_optimizer
 
 
-def _record_mtp_log(records: list) -> None:
-    """Append to `records`, per training step, the `mtp_k loss` values Megatron logs (empty without MTP)."""
+def _record_mtp_log(records: list, token_sums: list) -> None:
+    """Append to `records`, per training step, the `mtp_k loss` values Megatron logs (empty without MTP),
+    and to `token_sums` this rank's {name: [sum over its micro-batches of each one's logged depth-k loss
+    times its depth-k loss-token count, that count]}: with 0/1 loss masks (plain Megatron) the depth-k
+    token-loss sum and count, whose quotient over the ranks is the token-level mean of the global batch."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    original = MTPLossLoggingHelper.track_mtp_metrics
+    original_track = MTPLossLoggingHelper.track_mtp_metrics
+    original_save = MTPLossLoggingHelper.save_metrics_to_tracker
+    step: dict = {}
+
+    def save_metrics_to_tracker(loss, correct, total, layer_number, num_layers, *args, **kwargs):
+        if layer_number is not None:
+            sums = step.setdefault(f"mtp_{layer_number + 1} loss", [0.0, 0.0])
+            sums[0] += float(loss) * float(total)
+            sums[1] += float(total)
+        return original_save(loss, correct, total, layer_number, num_layers, *args, **kwargs)
 
     def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
         logged: dict = {}
-        original(loss_scale, iteration, writer, wandb_writer, logged)
+        original_track(loss_scale, iteration, writer, wandb_writer, logged)
         records.append({name: float(value) for name, value in logged.items()})
+        token_sums.append(dict(step))
+        step.clear()
         for name, value in logged.items():
             total_loss_dict[name] = total_loss_dict.get(name, 0) + value
 
+    MTPLossLoggingHelper.save_metrics_to_tracker = staticmethod(save_metrics_to_tracker)
     MTPLossLoggingHelper.track_mtp_metrics = staticmethod(track_mtp_metrics)
 
 

@@ -102,13 +102,14 @@ def test_hdp_roll_answers_each_of_megatrons_rolls_from_the_loader():
         with pytest.raises(ValueError, match="cannot roll this tensor"):
             roll(stray, -1, -1, None, params)
     with rolls.copying(inputs["labels"]):  # what hdp_process_mtp_loss opens around Megatron's MTP loss
-        labels, mask = inputs["labels"].clone(), inputs["loss_mask"]  # process_mtp_loss copies the labels first
+        labels, mask = inputs["labels"].clone(), rolls.normaliser  # process_mtp_loss copies the labels first
+        assert mask.sum() == 1  # the count Megatron takes before rolling
         for depth in range(DEPTH):
             labels, _ = roll(labels, -1, -1, None, params)
             mask, count = roll(mask, -1, -1, None, params)
             assert torch.equal(labels[0], packed.mtp_labels[depth])
             assert torch.equal(mask[0], packed.mtp_loss_mask[depth])
-            assert count == packed.loss_mask.sum()  # the count process_mtp_loss took: original / rolled = 1
+            assert count == 1  # Megatron's original / rolled = 1: the weights are in the mask
             got_depth, tokens = rolls.loss_tokens(labels)  # what the token-level log counts at this depth
             assert got_depth == depth + 1 and torch.equal(tokens[0], packed.mtp_loss_mask[depth] > 0)
         with pytest.raises(ValueError, match="cannot roll this tensor"):
@@ -152,3 +153,43 @@ def test_install_mtp_is_idempotent_and_checks_megatrons_signatures(monkeypatch):
     monkeypatch.setattr(gpt_model, "process_mtp_loss", other_loss)
     with pytest.raises(ValueError, match="process_mtp_loss takes"):
         install_mtp()
+
+
+def test_megatrons_mtp_loss_takes_each_documents_weight_even_without_depth0_loss_tokens(monkeypatch):
+    """Megatron's own `process_mtp_loss` through `hdp_process_mtp_loss`, one process, against autograd of
+    the loss written out: depth 1's gradient is scale x (the weighted depth-1 mask) x token losses. The
+    micro-batch is a ring chunk inside an SFT prompt (no depth-0 loss token) whose next positions are
+    answer tokens: with Megatron's per-micro-batch ratio (depth-0 over depth-1 loss tokens, 0 here) it
+    would train nothing."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    from megatron_hdp.megatron.mtp import hdp_process_mtp_loss
+
+    monkeypatch.setattr(mtp, "roll_tensor", hdp_roll_tensor(mtp.roll_tensor))
+    torch.manual_seed(0)
+    tokens, vocab, hidden = 5, 7, 3
+    chain = [torch.randint(0, vocab, (1, tokens)) for _ in range(2)]
+    mask0, mask1 = torch.zeros(1, tokens), torch.tensor([[0.0, 0.0, 0.0, 1.25, 1.25]])  # depth 1: weight 5/4
+    rolls = MTPRolls(tokens=[c.clone() for c in chain], labels=chain, position_ids=[torch.zeros_like(c) for c in chain],
+                     loss_mask=[mask0, mask1])
+    weight = torch.randn(hidden, vocab, requires_grad=True)
+    states = torch.randn(2 * tokens, 1, hidden)
+
+    def output_layer(h, weight=None, runtime_gather_output=None):
+        return h @ weight, None
+
+    def token_losses(labels, logits):  # [1, T] from labels [1, T] and logits [T, 1, V], as Megatron's
+        return torch.nn.functional.cross_entropy(logits[:, 0], labels[0], reduction="none")[None]
+
+    config = types.SimpleNamespace(mtp_num_layers=1, mtp_detach_heads=False, mtp_loss_scaling_factor=0.5,
+                                   calculate_per_token_loss=True)
+    out = hdp_process_mtp_loss(mtp.process_mtp_loss)(
+        hidden_states=states, labels=chain[0], loss_mask=rolls.inputs["loss_mask"], output_layer=output_layer,
+        output_weight=weight, runtime_gather_output=None, is_training=False, compute_language_model_loss=token_losses,
+        config=config, packed_seq_params=types.SimpleNamespace(mtp_rolls=rolls))
+    out.sum().backward()  # the MTP loss's gradient rides on the returned hidden states (MTPLossAutoScaler)
+    got = weight.grad.clone()
+    weight.grad = None
+    (0.5 * (mask1 * token_losses(chain[1], states[tokens:] @ weight)).sum()).backward()
+    torch.testing.assert_close(got, weight.grad)
+    assert got.abs().sum() > 0

@@ -19,7 +19,11 @@ Each depth's loss is normalised per document, as Megatron normalises it per sequ
 d rolls) of its micro-batch, which for the one-document micro-batches of plain training (and of the
 exactness references) is M / M_d with M = sum(m) and M_d = sum(m[d:]) of that document. The weights
 ride in the shifted loss mask (`depth_weights`), so a document keeps them whatever HDP packs beside it or
-however a ring splits it.
+however a ring splits it, and Megatron's own per-micro-batch ratio must then be 1: its MTP loss takes the
+loss mask `MTPRolls.normaliser` (it sums to 1: the count Megatron takes before rolling) and each roll of
+it answers the count 1 (the count after). Counting the micro-batch's own tokens instead would drop the
+depth-d gradient of a micro-batch whose chunks hold no loss token but whose next positions do (a ring
+chunk inside an SFT prompt): M = 0 there.
 
 `MTPRolls` is what Megatron's MTP block gets for its rolls of one micro-batch (megatron/mtp.py answers
 Megatron's `roll_tensor` from it): the chain of each input over depths 0..D.
@@ -79,7 +83,14 @@ class MTPRolls:
         """Each argument: the tensors of depths 0..D as the model sees them ([1, T]); depth 0 is what the
         forward step passes to the model."""
         self.chains = {"input_ids": tokens, "labels": labels, "position_ids": position_ids, "loss_mask": loss_mask}
+        mask = loss_mask[0]
+        self.normaliser = torch.zeros_like(mask)
+        """The loss mask Megatron's MTP loss is called with (megatron/mtp.py): one 1, then zeros; its rolls
+        are the loss mask's."""
+        self.normaliser.view(-1)[:1] = 1
+        self._unit = torch.ones((), dtype=mask.dtype, device=mask.device)
         self._links = {id(t): (name, d) for name, chain in self.chains.items() for d, t in enumerate(chain)}
+        self._links[id(self.normaliser)] = ("loss_mask", 0)
         self._copy_of: Optional[tuple[torch.Tensor, tuple[str, int]]] = None
         """While Megatron's MTP loss runs (`copying`): (its labels, their link), until their one copy is rolled."""
 
@@ -114,7 +125,7 @@ class MTPRolls:
     def _known(self, tensor: torch.Tensor) -> tuple[str, int]:
         """(chain, depth) of one of the micro-batch's own tensors, by identity."""
         link = self._links.get(id(tensor))
-        if link is None or self.chains[link[0]][link[1]] is not tensor:
+        if link is None or (self.chains[link[0]][link[1]] is not tensor and tensor is not self.normaliser):
             raise ValueError(
                 f"HDP cannot roll this tensor ({tensor.dtype}, {tuple(tensor.shape)}) for multi-token prediction: it "
                 "is none of the inputs the micro-batch carries the rolls of (input ids, position ids, labels, loss "
@@ -140,8 +151,9 @@ class MTPRolls:
         return depth, self.chains["loss_mask"][depth] > 0
 
     def roll(self, tensor: torch.Tensor, *, shifts: int = -1, dims: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the next link of `tensor`'s chain, its sum: for the loss mask the micro-batch's loss tokens): the
-        answer to Megatron's `roll_tensor(tensor, shifts, dims)`, which must be one position left."""
+        """(the next link of `tensor`'s chain, its sum; for the loss mask 1, the normaliser's sum: module
+        docstring): the answer to Megatron's `roll_tensor(tensor, shifts, dims)`, which must be one position
+        left."""
         if shifts != -1 or dims not in (-1, tensor.dim() - 1):
             raise ValueError(f"HDP's MTP rolls shift one position along the last dimension, got shifts={shifts}, "
                              f"dims={dims}")
@@ -151,6 +163,6 @@ class MTPRolls:
             raise ValueError(f"the micro-batch carries {len(chain) - 1} MTP depths of {name}, but the model "
                              f"rolls it {depth + 1} times: collate with mtp_depth = mtp_num_layers")
         rolled = chain[depth + 1]
-        if name == "loss_mask":  # the count process_mtp_loss took before rolling: its original/rolled is 1
-            return rolled, chain[0].sum()
+        if name == "loss_mask":  # Megatron's original / rolled count: 1 / 1 (the weights are in the mask)
+            return rolled, self._unit
         return rolled, rolled.sum()

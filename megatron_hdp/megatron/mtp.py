@@ -16,8 +16,9 @@ each one's depth-k loss per token (weighted, under HDP, by the per-document weig
 which depends on how documents are packed and split. `hdp_process_mtp_loss` records each micro-batch's
 unweighted depth-k loss sum and loss-token count (`MTPLossLoggingHelper.tracker`, key `TOKEN_LOSS`), and
 `log_token_level_mtp_loss` sums them over the data-parallel group and puts the quotient where Megatron's
-log reads it. The gradient is untouched: depth k's loss enters the backward weighted per document (M / M_k),
-as plain Megatron weighs a one-document micro-batch, which no placement changes.
+log reads it. The gradient: depth k's loss enters the backward weighted per document (M / M_k, in the
+rolled loss masks), as plain Megatron weighs a one-document micro-batch, which no placement changes;
+Megatron's own per-micro-batch ratio is made 1 (`MTPRolls.normaliser`).
 
 `mtp_block_spec_of` is Megatron's MTP block spec built from a given layer spec (HDP's, for both drivers):
 Megatron-LM's model builders build the MTP block from the stock layer specs whatever `--spec` says
@@ -67,9 +68,10 @@ tokens) of each depth since the last log."""
 
 
 def hdp_process_mtp_loss(original: Callable) -> Callable:
-    """Megatron's `process_mtp_loss`; on an HDP micro-batch (`packed_seq_params.mtp_rolls`) inside the scope
-    where its labels' copy is recognised, and, in training, recording each depth's unweighted token-loss sum
-    and count for the token-level log (module docstring)."""
+    """Megatron's `process_mtp_loss`; on an HDP micro-batch (`packed_seq_params.mtp_rolls`) with the loss
+    mask `MTPRolls.normaliser` (the weights are in the rolled masks), inside the scope where its labels'
+    copy is recognised, and, in training, recording each depth's unweighted token-loss sum and count for
+    the token-level log (module docstring)."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -79,6 +81,7 @@ def hdp_process_mtp_loss(original: Callable) -> Callable:
         rolls: Optional[MTPRolls] = getattr(call.get("packed_seq_params"), "mtp_rolls", None)
         if rolls is None or call["labels"] is None:
             return original(*bound.args, **bound.kwargs)
+        call["loss_mask"] = rolls.normaliser  # Megatron's per-micro-batch ratio 1 (data/mtp_shift.py)
         if call["is_training"]:
             call["compute_language_model_loss"] = _recording(call["compute_language_model_loss"], rolls,
                                                              call["config"].mtp_num_layers)
