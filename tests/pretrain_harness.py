@@ -5,9 +5,10 @@ pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron
 - `pretrain_rank(rank, world_size, argv, reference_plans=None)`: one rank of a run (for `run_gloo`);
   returns per step the losses, HDP statistics, consumed-sample counts and MTP losses Megatron logged (and
   the token sums behind them: `_record_mtp_log`), the iteration numbers, under --hdp the step's sample ids
-  and plan digest, and the class of each MTP layer's core attention. With `record_weights` also this rank's parameters (every model chunk's) after each step,
-  and before its first one (what the run started from: initialised or loaded). A run that ends by
-  --exit-interval (Megatron's sys.exit(0)) returns normally.
+  and plan digest, and the class of each MTP layer's core attention. With `record_weights` also this
+  rank's parameters (every model chunk's) after each step, and before its first one (what the run started
+  from: initialised or loaded). A run that ends by --exit-interval (Megatron's sys.exit(0)) returns
+  normally.
   With `reference_plans=(plans_dir, data_prefix)` the run trains plain Megatron on `PlannedPiecesDataset`.
 - `run_pretrain(argv, world_size=4, script=None, python_path=(), reference_plans=None)`: a whole run on
   gloo ranks (`pretrain_rank` on each); `python_path` goes first on each rank's `sys.path` (a Megatron-LM
