@@ -223,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
                                                pp_size=args.pp)
     critical = critical_path_floor(bound, lengths, num_ranks=args.ranks, cost_model=cost_model, pp_size=args.pp)
     print(f"batch: {len(lengths)} sequences, {sum(lengths):,} tokens ({batch_note}), longest {max(lengths):,}; "
-          f"{args.ranks} ranks x capacity {args.capacity:,}, pp {args.pp}, vpp {args.vpp}; step-time lower bound "
+          f"{args.ranks} ranks x capacity {args.capacity:,}, pp {args.pp}, vpp {args.vpp}, hardware {args.hardware} "
+          f"({cost_model.ranks_per_node} HDP ranks per node); step-time lower bound "
           f"{bound:.3f} s (work), critical-path floor {critical:.3f} s (the longest document crosses the "
           f"pipeline in {crossing:.3f} s at best, on a ring of {crossing_ring})")
     compared = list(args.compare)
