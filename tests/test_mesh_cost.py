@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from megatron_hdp.config import HARDWARE_NAMES
-from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.mesh_cost import hardware_for_device, mesh_cost_model, resolve_hardware
-from megatron_hdp.plan.presets import HARDWARE, analytic_cost_model, hardware_profile, model_shape
+from megatron_hdp.plan.presets import HARDWARE, hardware_profile, model_shape
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_hdp"
 
