@@ -27,6 +27,10 @@ RingKindName = Literal["auto", "kv", "latent"]
 RING_KIND_NAMES: tuple[str, ...] = get_args(RingKindName)
 """`megatron_hdp.plan.cost_model.RING_KIND_SETTINGS` (named here: the config imports nothing of the planner)."""
 
+HardwareName = Literal["a100", "h100", "h200", "b200", "b300", "gb200"]
+HARDWARE_NAMES: tuple[str, ...] = get_args(HardwareName)
+"""`megatron_hdp.plan.presets.HARDWARE` by name (named here: the config imports nothing of the planner)."""
+
 MockMixName = Literal["byted", "github", "wikipedia", "prolong", "wlbllm"]
 MOCK_MIXES: tuple[str, ...] = get_args(MockMixName)
 """`megatron_hdp.plan.lengths.DISTRIBUTIONS` by name (named here: the config imports no numpy)."""
@@ -72,8 +76,13 @@ class HDPConfig:
 
     hdp_ranks_per_node: Optional[int] = None
     """HDP ranks per node for the planner's topology: rings that fit a node are placed inside one and run
-    on its fast links (the cost model's `intra_node_bandwidth`). Unset: the local world size divided by
-    the tensor-parallel size."""
+    on its fast links (the cost model's `intra_node_bandwidth`). Unset: the hardware's NVLink domain
+    (8 GPUs; 72 on GB200 NVL72) divided by the tensor-parallel size."""
+
+    hdp_hardware: Optional[HardwareName] = None
+    """The GPU the planner's cost model describes (its FLOP/s, links and NVLink domain; presets with their
+    sources in plan/presets.py). Unset: detected from the CUDA device's name; a GPU without a preset needs
+    this flag or --hdp-cost-model; a run without a GPU plans as h100."""
 
     hdp_ring_kind: Optional[RingKindName] = None
     """Which ring a split document runs with --multi-latent-attention: kv (K and V circulate), latent (the
@@ -139,6 +148,8 @@ class HDPConfig:
             )
         if self.hdp_ring_kind is not None and self.hdp_ring_kind not in RING_KIND_NAMES:
             raise ValueError(f"hdp_ring_kind {self.hdp_ring_kind!r} is not one of {', '.join(RING_KIND_NAMES)}")
+        if self.hdp_hardware is not None and self.hdp_hardware not in HARDWARE_NAMES:
+            raise ValueError(f"hdp_hardware {self.hdp_hardware!r} is not one of {', '.join(HARDWARE_NAMES)}")
         if self.hdp_mock_mix is not None and self.hdp_mock_mix not in MOCK_MIXES:
             raise ValueError(f"hdp_mock_mix {self.hdp_mock_mix!r} is not one of {', '.join(MOCK_MIXES)}")
         if self.hdp_log_interval <= 0:

@@ -35,6 +35,7 @@ def test_cli_on_cpu_writes_a_cost_model_that_fits_its_measurements(tmp_path, one
     report = json.loads((tmp_path / "cost_model.measurements.json").read_text())
     assert report["bandwidth_source"] == "host-memcpy" and model.num_layers == 2 and model.host_memory_bytes > 0
     assert model.kv_bytes_per_token == 4 * 2 * 32  # fp32, K and V, 2 groups of 16 channels
+    assert model.expert_share == 0 and model.latent_bytes_per_token == 0 and model.up_projection_time == 0  # dense
     for sample in report["samples"]:
         s = sample["seq_len"]
         assert model.activation_bytes(s) == pytest.approx(sample["activation_bytes"], rel=1e-9)
@@ -57,3 +58,19 @@ def test_cli_on_cpu_writes_a_cost_model_that_fits_its_measurements(tmp_path, one
 def test_cli_names_bad_lengths(tmp_path, capsys):
     assert main(["calibrate", "--device", "cpu", "--seq-lens", "128,abc", "--output", str(tmp_path / "x.json")]) == 2
     assert "argument --seq-lens: 'abc' is not a count" in capsys.readouterr().err
+
+
+def test_the_file_of_a_moe_mla_model_carries_its_expert_share_and_latent_ring_fields(tmp_path, one_thread):
+    """A MoE model with multi-latent attention (Moonlight's shape, narrowed): the JSON carries the measured
+    expert share and up-projection time and the latent's bytes (kv_lora_rank 512 + RoPE 64 values in
+    fp32), so a run with --hdp-cost-model spreads expert work and can pick latent rings."""
+    output = tmp_path / "cost_model.json"
+    argv = ["calibrate", "--device", "cpu", "--model", "moonlight-16b-a3b", "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "2", "--num-query-groups", "2", "--ffn-hidden-size", "64",
+            "--seq-lens", "32,64,128", "--repeats", "1", "--bandwidth-mib", "1", "--output", str(output)]
+    assert main(argv) == 0
+    saved = json.loads(output.read_text())
+    assert 0.0 < saved["expert_share"] <= 1.0
+    assert saved["latent_bytes_per_token"] == 4 * (512 + 64)
+    assert saved["up_projection_time"] > 0
+    assert saved["kv_bytes_per_token"] == 4 * 2 * (128 + 64 + 128)  # K (nope + RoPE) and V of 2 heads, fp32

@@ -86,7 +86,7 @@ def _from_run(args: argparse.Namespace, shape) -> int:
     from megatron_hdp.plan.cost_model import CostModel
     from megatron_hdp.plan.fit import fit_relative, fitted_cost_model
     from megatron_hdp.plan.online_refit import REFIT_FILE, RefitSettings, compute_features
-    from megatron_hdp.plan.presets import analytic_cost_model
+    from megatron_hdp.plan.mesh_cost import mesh_cost_model
     from megatron_hdp.run_logs import per_rank_series, read_plans, read_scalars
 
     source = Path(args.from_run)
@@ -101,7 +101,7 @@ def _from_run(args: argparse.Namespace, shape) -> int:
         steps = sorted(set(plans) & set.intersection(*(set(v) for v in compute.values()))) if compute else []
         if not steps:
             raise ValueError(f"{source}: no {REFIT_FILE}, and no step with both telemetry and a saved plan")
-        base = analytic_cost_model(shape, args.hardware)
+        base = mesh_cost_model(model=shape, hardware=args.hardware)
         features = [compute_features(plans[s], num_layers=base.num_layers) for s in steps]
         measured = [[compute[r][s] for r in sorted(compute)] for s in steps]
         coefficients = fit_relative(np.concatenate(features), np.concatenate(measured),

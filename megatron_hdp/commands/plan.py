@@ -27,7 +27,6 @@ micro-batch together (the MoE all-to-all), so `balance` plans each group as a un
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -81,14 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=one_of(sorted(MODELS), "model"), default="llama-7b",
                         help="model preset of the analytic cost model")
     parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",
-                        help="hardware preset of the analytic cost model")
+                        help="hardware preset (plan/presets.py: FLOP/s, links, NVLink domain) of the cost model")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (divides the cost model)")
     parser.add_argument("--ring-kind", type=one_of(RING_KIND_SETTINGS, "ring kind"), default=None,
                         help="K/V ring (kv), multi-latent attention's latent ring (latent), or per ring call the "
-                             "faster (auto; default: the cost model's)")
+                             "faster (default: auto)")
     add_expert_arguments(parser)
     parser.add_argument("--ranks-per-node", type=positive_int, default=None,
-                        help="HDP ranks per node (default: the cost model's, else 8 GPUs per node / --tp): rings are "
+                        help="HDP ranks per node (default: the hardware's NVLink domain / --tp: 8 / TP, 72 / TP on "
+                        "gb200): rings are "
                         "placed inside a node when they fit, and a ring that crosses nodes runs at the network's speed")
     parser.add_argument("--cost-model", type=existing_file, default=None,
                         help="cost model JSON from `megatron-hdp calibrate`")
@@ -204,28 +204,18 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hdp.commands.plan_budget import estimate_plan
     from megatron_hdp.config import HDPConfig
     from megatron_hdp.plan.bounds import critical_path_floor, fastest_crossing, step_time_lower_bound
-    from megatron_hdp.plan.cost_model import CostModel
+    from megatron_hdp.plan.mesh_cost import mesh_cost_model
     from megatron_hdp.plan.planner import make_plan
-    from megatron_hdp.plan.presets import analytic_cost_model
 
     config = HDPConfig(hdp=True, hdp_capacity=args.capacity, hdp_policy=args.policy,
                        hdp_offload=not args.no_offload, hdp_max_offload_ratio=args.max_offload_ratio,
                        hdp_cost_model=args.cost_model)
-    if args.cost_model:
-        try:
-            cost_model = CostModel.from_json(args.cost_model)
-        except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"--cost-model {args.cost_model}: not a cost model JSON ({error})") from error
-    else:
-        cost_model = analytic_cost_model(args.model, args.hardware, tp_size=args.tp)
-    ranks_per_node = args.ranks_per_node or cost_model.ranks_per_node or max(1, 8 // args.tp)
-    cost_model = dataclasses.replace(cost_model, ranks_per_node=ranks_per_node,
-                                     expert_parallel_size=expert_unit(args, num_ranks=args.ranks))
-    if args.ring_kind is not None:
-        try:
-            cost_model = dataclasses.replace(cost_model, ring_kind=args.ring_kind)
-        except ValueError as error:
-            raise ValueError(f"--ring-kind {args.ring_kind}: {error}") from None
+    try:
+        cost_model = mesh_cost_model(model=args.model, hardware=args.hardware, tp_size=args.tp, ep_size=args.ep,
+                                     etp_size=args.etp, ranks_per_node=args.ranks_per_node, ring_kind=args.ring_kind,
+                                     measured=args.cost_model)
+    except ValueError as error:  # name the flag when the ring kind is what the model cannot run
+        raise ValueError(f"--ring-kind {args.ring_kind}: {error}" if "ring_kind" in str(error) else str(error)) from None
     lengths, batch_note = _batch(args)
     bound = step_time_lower_bound(lengths, num_ranks=args.ranks, capacity=args.capacity, cost_model=cost_model,
                                   pp_size=args.pp, max_offload_ratio=config.max_offload_ratio)
@@ -233,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
                                                pp_size=args.pp)
     critical = critical_path_floor(bound, lengths, num_ranks=args.ranks, cost_model=cost_model, pp_size=args.pp)
     print(f"batch: {len(lengths)} sequences, {sum(lengths):,} tokens ({batch_note}), longest {max(lengths):,}; "
-          f"{args.ranks} ranks x capacity {args.capacity:,}, pp {args.pp}, vpp {args.vpp}; step-time lower bound "
+          f"{args.ranks} ranks x capacity {args.capacity:,}, pp {args.pp}, vpp {args.vpp}, hardware {args.hardware} "
+          f"({cost_model.ranks_per_node} HDP ranks per node); step-time lower bound "
           f"{bound:.3f} s (work), critical-path floor {critical:.3f} s (the longest document crosses the "
           f"pipeline in {crossing:.3f} s at best, on a ring of {crossing_ring})")
     compared = list(args.compare)

@@ -7,7 +7,13 @@ forward + backward on one document of each length s of a sweep:
     Act(s) = a2 * s + b2               fitted to the bytes of the distinct storages autograd keeps
 
 Both fits are the project's one fit (`megatron_hdp.plan.fit`: non-negative least squares, T's relative to
-each time so that short sequences count as much as long ones). The D2H/H2D bandwidths are timed with
+each time so that short sequences count as much as long ones). A MoE shape's layer runs a dense MLP of
+the mean width a token runs through (`ModelShape.mlp_widths`: its top-k experts, shared experts, dense
+layers), and `expert_share` is measured as the seconds per token of a gated MLP of the routed experts'
+widths (`ModelShape.routed_expert_widths`) over the layer's linear work (`measure_expert_share`). A
+multi-latent attention shape also gets `up_projection_time` (the forward of the latent's K/V
+up-projection, timed per token) and
+`latent_bytes_per_token` (the latent and RoPE key in the activation dtype, counted). The D2H/H2D bandwidths are timed with
 pinned buffers and CUDA events on a GPU; on CPU the figure is a host memcpy, and the result says so.
 The GPU is the real target; on CPU the same code runs small shapes, which is how CI tests it.
 """
@@ -195,6 +201,71 @@ def measure_bandwidth(*, device: torch.device, nbytes: int = 256 << 20, repeats:
     return Bandwidth(timed(host, dev), timed(dev, host), "cuda-pinned")
 
 
+def _gated_mlp_step(width: int, *, hidden: int, seq_len: int, device: torch.device,
+                    dtype: torch.dtype) -> Callable[[], object]:
+    """Forward + backward of a SwiGLU MLP of `width` channels on `seq_len` tokens of `hidden` channels."""
+    gate_up = torch.randn(hidden, 2 * width, device=device, dtype=dtype, requires_grad=True)
+    down = torch.randn(width, hidden, device=device, dtype=dtype, requires_grad=True)
+    x = torch.randn(seq_len, hidden, device=device, dtype=dtype, requires_grad=True)
+
+    def step() -> None:
+        gate, up = (x @ gate_up).chunk(2, dim=-1)
+        (torch.nn.functional.silu(gate) * up @ down).sum().backward()
+
+    return step
+
+
+def _projections_step(shape: ModelShape, *, seq_len: int, device: torch.device,
+                      dtype: torch.dtype) -> Callable[[], object]:
+    """Forward + backward of a layer's attention projections (QKV and output, `ReferenceLayer`'s) on
+    `seq_len` tokens."""
+    h = shape.hidden_size
+    qkv = torch.randn(h, shape.q_channels + 2 * shape.kv_channels, device=device, dtype=dtype, requires_grad=True)
+    proj = torch.randn(shape.q_channels, h, device=device, dtype=dtype, requires_grad=True)
+    x = torch.randn(seq_len, h, device=device, dtype=dtype, requires_grad=True)
+    attended = torch.randn(seq_len, shape.q_channels, device=device, dtype=dtype, requires_grad=True)
+    return lambda: ((x @ qkv).sum() + (attended @ proj).sum()).backward()
+
+
+def measure_expert_share(*, shape: ModelShape, seq_lens: Sequence[int], device: torch.device, dtype: torch.dtype,
+                         repeats: int) -> float:
+    """`CostModel.expert_share` on this device: of one layer's linear work (its attention projections and
+    an MLP of the mean width a token runs through, `_layer_shape`), the share of the routed experts' (an
+    MLP of `shape.routed_expert_widths()`), from the summed fastest times of each over `seq_lens`: the
+    ratio of two linear works timed alike, so no fit (a noisy CPU can zero a fitted b1)."""
+    torch.manual_seed(0)
+    dense, h = _layer_shape(shape), shape.hidden_size
+    kw = dict(device=device, dtype=dtype)
+    routed = [_gated_mlp_step(max(1, round(shape.routed_expert_widths())), hidden=h, seq_len=s, **kw) for s in seq_lens]
+    linear = [step for s in seq_lens for step in (_projections_step(dense, seq_len=s, **kw),
+                                                   _gated_mlp_step(dense.ffn_hidden_size, hidden=h, seq_len=s, **kw))]
+    seconds = _fastest_seconds(routed + linear, device=device, repeats=repeats)
+    return min(1.0, sum(seconds[:len(routed)]) / sum(seconds[len(routed):]))
+
+
+def measure_up_projection_seconds(*, shape: ModelShape, seq_lens: Sequence[int], device: torch.device,
+                                  dtype: torch.dtype, repeats: int) -> float:
+    """`CostModel.up_projection_time`: seconds per token of one forward K/V up-projection of multi-latent
+    attention (latent -> every head's K without RoPE and V, `linear_kv_up_proj`), the summed fastest
+    times over `seq_lens` divided by their tokens."""
+    torch.manual_seed(0)
+    heads = shape.num_attention_heads
+    weight = torch.randn(shape.kv_lora_rank, heads * (shape.qk_head_dim + shape.v_head_dim), device=device, dtype=dtype)
+    latents = [torch.randn(s, shape.kv_lora_rank, device=device, dtype=dtype) for s in seq_lens]
+    seconds = _fastest_seconds([lambda latent=latent: latent @ weight for latent in latents], device=device,
+                               repeats=repeats)
+    return sum(seconds) / sum(seq_lens)
+
+
+def _layer_shape(shape: ModelShape) -> ModelShape:
+    """The dense shape `ReferenceLayer` runs for `shape`: a MoE shape's MLP at the mean width a token runs
+    through (module docstring)."""
+    if not shape.num_experts:
+        return shape
+    return dataclasses.replace(shape, ffn_hidden_size=round(shape.mlp_widths()), num_experts=0, moe_router_topk=1,
+                               num_dense_layers=0, moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=0)
+
+
 def calibrate(
     *,
     shape: ModelShape,
@@ -207,7 +278,8 @@ def calibrate(
     host_memory_bytes: float | None = None,
     recompute: str = "none",
 ) -> Calibration:
-    """Measure a layer of `shape` over `seq_lens` and the offload link; fit the cost model.
+    """Measure a layer of `shape` over `seq_lens` and the offload link; fit the cost model; for a MoE
+    shape measure `expert_share`, for multi-latent attention `up_projection_time` (module docstring).
 
     `ring_bandwidth` (bytes/s of a ring link) is not measured here: one device has no ring.
     `host_memory_bytes` (pinned host memory one rank may fill) is recorded as given. `recompute` (none or
@@ -216,15 +288,23 @@ def calibrate(
     if repeats <= 0:
         raise ValueError(f"repeats must be positive, got {repeats}")
     samples = measure_layer(
-        shape=shape, seq_lens=sorted(set(seq_lens)), device=device, dtype=dtype, repeats=repeats, recompute=recompute
+        shape=_layer_shape(shape), seq_lens=sorted(set(seq_lens)), device=device, dtype=dtype, repeats=repeats,
+        recompute=recompute,
     )
     seq_lens = [x.seq_len for x in samples]
     bandwidth = measure_bandwidth(device=device, nbytes=bandwidth_bytes, repeats=repeats)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    timing = dict(seq_lens=seq_lens, device=device, dtype=dtype, repeats=repeats)
+    extra = {}
+    if shape.num_experts:
+        extra["expert_share"] = measure_expert_share(shape=shape, **timing)
+    if shape.is_mla:
+        extra["up_projection_time"] = measure_up_projection_seconds(shape=shape, **timing)
+        extra["latent_bytes_per_token"] = float(dtype_bytes * shape.latent_channels)
     cost_model = fitted_cost_model(
         fit_compute(seq_lens, [x.seconds for x in samples]),
         fit_activation(seq_lens, [x.activation_bytes for x in samples]),
-        kv_bytes_per_token=float(dtype_bytes * 2 * shape.kv_channels),
+        kv_bytes_per_token=float(dtype_bytes * shape.kv_ring_channels),
         activation_dtype_bytes=dtype_bytes,
         num_layers=shape.num_layers,
         ring_bandwidth=ring_bandwidth,
@@ -232,5 +312,6 @@ def calibrate(
         h2d_bandwidth=bandwidth.h2d,
         host_memory_bytes=host_memory_bytes,
         recompute_granularity=recompute,
+        **extra,
     )
     return Calibration(cost_model, tuple(samples), bandwidth, str(device), str(dtype).removeprefix("torch."))

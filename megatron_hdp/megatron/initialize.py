@@ -14,7 +14,6 @@ taking part: NCCL creates a group's communicator lazily, at its first call, and 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Optional
 
@@ -82,9 +81,20 @@ def expert_unit(hdp_size: int) -> int:
 
 
 def planner_cost_model(cost_model: CostModel, state: HDPState) -> CostModel:
-    """`cost_model` with the HDP ranks an MoE all-to-all couples on this mesh (`state.ep_size`, from
-    Megatron's groups), so that the planner plans EP groups together and times them as they run."""
-    return dataclasses.replace(cost_model, expert_parallel_size=state.ep_size)
+    """`cost_model` (the caller's, taken as measured) on this mesh through the one builder
+    (`plan.mesh_cost.mesh_cost_model`): with the HDP ranks an MoE all-to-all couples (Megatron's TP, EP
+    and expert TP, as `state.ep_size` holds them), so that the planner plans EP groups together and times
+    them as they run; its ranks per node (else this device's NVLink domain / TP), ring kind and the rest
+    as the caller set them."""
+    from megatron_hdp.plan.mesh_cost import hardware_for_device, mesh_cost_model
+
+    device = hardware_for_device(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    model = mesh_cost_model(model=None, hardware=device, measured=cost_model, tp_size=state.tp_size,
+                            ep_size=ps.get_expert_model_parallel_world_size(),
+                            etp_size=ps.get_expert_tensor_parallel_world_size(),
+                            ranks_per_node=cost_model.ranks_per_node, ring_kind=cost_model.ring_kind)
+    assert model.expert_parallel_size == state.ep_size, (model.expert_parallel_size, state.ep_size)
+    return model
 
 
 def initialize_hdp(

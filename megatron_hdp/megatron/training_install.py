@@ -70,6 +70,7 @@ from megatron_hdp.megatron.training_compat import check_megatron_version, requir
 from megatron_hdp.offload import ActivationOffloader, OffloadConfig, OffloadStats
 from megatron_hdp.plan.cost_model import CostModel
 from megatron_hdp.plan.online_refit import OnlineRefit
+from megatron_hdp.plan.presets import ModelShape
 from megatron_hdp.plan.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -173,22 +174,34 @@ def hdp_layer_spec(config: Any, vp_stage: Optional[int] = None) -> Any:
 
 
 def _cost_model(args: Namespace, config: HDPConfig) -> CostModel:
-    """The planner's cost model: measured (--hdp-cost-model) or analytic from the model's shape, with the
-    node size (--hdp-ranks-per-node, default: local world size / TP) and the HDP ranks an MoE all-to-all
-    couples (`plan.timing.expert_unit_size` of TP, --expert-model-parallel-size and
-    --expert-tensor-parallel-size: the groups Megatron will build, checked against them when the data
-    loader is built, `_build_data_loader`), whatever a measured JSON says."""
-    import dataclasses
-    import os
+    """The planner's cost model of this run's mesh (`plan.mesh_cost.mesh_cost_model`, the one builder):
+    the model's shape on the named or detected hardware (`_hardware`), or --hdp-cost-model completed from
+    it, with this run's TP, EP and expert TP (the HDP ranks an MoE all-to-all couples: the groups Megatron
+    will build, checked against them when the data loader is built, `_build_data_loader`), ranks per node
+    (--hdp-ranks-per-node, else the hardware's NVLink domain / TP), recompute and ring kind (`_ring_kind`)."""
+    from megatron_hdp.plan.mesh_cost import mesh_cost_model
 
-    from megatron_hdp.plan.timing import expert_unit_size
+    return mesh_cost_model(
+        model=_model_shape(args), hardware=_hardware(config), tp_size=args.tensor_model_parallel_size,
+        ep_size=args.expert_model_parallel_size, etp_size=getattr(args, "expert_tensor_parallel_size", None),
+        ranks_per_node=config.hdp_ranks_per_node, ring_kind=_ring_kind(args, config),
+        recompute_granularity=getattr(args, "recompute_granularity", None) or "none", measured=config.hdp_cost_model,
+    )
 
-    ranks_per_node = config.hdp_ranks_per_node or max(
-        1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) // args.tensor_model_parallel_size)
-    unit = expert_unit_size(tp_size=args.tensor_model_parallel_size, ep_size=args.expert_model_parallel_size,
-                            etp_size=getattr(args, "expert_tensor_parallel_size", None))
-    cost_model = dataclasses.replace(_base_cost_model(args, config), ranks_per_node=ranks_per_node,
-                                     expert_parallel_size=unit)
+
+def _hardware(config: HDPConfig) -> Optional[str]:
+    """--hdp-hardware, else the preset of this rank's CUDA device (`plan.mesh_cost.resolve_hardware`: a
+    CPU run plans as an H100 or with --hdp-cost-model's figures alone, an unknown GPU is refused unless
+    --hdp-cost-model measured it)."""
+    from megatron_hdp.plan.mesh_cost import resolve_hardware
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return resolve_hardware(flag=config.hdp_hardware, device_name=device, measured=config.hdp_cost_model is not None)
+
+
+def _ring_kind(args: Namespace, config: HDPConfig) -> Optional[str]:
+    """The ring kind the planner may use: --hdp-ring-kind, K/V where a setting of the run blocks the
+    latent ring (`_latent_ring_blockers`), else None (auto)."""
     ring_kind = config.hdp_ring_kind
     if ring_kind == "latent" and not getattr(args, "multi_latent_attention", False):
         raise ValueError("--hdp-ring-kind latent needs --multi-latent-attention (the latent ring circulates its "
@@ -199,9 +212,7 @@ def _cost_model(args: Namespace, config: HDPConfig) -> CostModel:
         raise ValueError(f"--hdp-ring-kind latent with {flag}: {why}")
     if blockers and getattr(args, "multi_latent_attention", False):
         ring_kind = "kv"  # auto would price latent rings the run cannot execute
-    if ring_kind is not None:
-        cost_model = dataclasses.replace(cost_model, ring_kind=ring_kind)
-    return cost_model
+    return ring_kind
 
 
 def _latent_ring_blockers(args: Namespace) -> list[tuple[str, str]]:
@@ -231,12 +242,9 @@ def _dense_layers(args: Namespace) -> int:
     return sum(1 for moe in freq if not moe)
 
 
-def _base_cost_model(args: Namespace, config: HDPConfig) -> CostModel:
-    from megatron_hdp.plan.presets import ModelShape, analytic_cost_model
-
-    if config.hdp_cost_model is not None:
-        return CostModel.from_json(config.hdp_cost_model)
-    shape = ModelShape(
+def _model_shape(args: Namespace) -> ModelShape:
+    """The model's shape from Megatron's flags (what the analytic cost model counts)."""
+    return ModelShape(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -253,16 +261,23 @@ def _base_cost_model(args: Namespace, config: HDPConfig) -> CostModel:
         mtp_num_layers=args.mtp_num_layers or 0,
         **(_mla_shape(args) if getattr(args, "multi_latent_attention", False) else {}),
     )
-    return analytic_cost_model(
-        shape, "h100", tp_size=args.tensor_model_parallel_size,
-        recompute_granularity=getattr(args, "recompute_granularity", None) or "none",
-    )
 
 
 def _mla_shape(args: Namespace) -> dict:
     """`ModelShape`'s multi-latent attention fields from Megatron's MLA flags (the latent ring's cost)."""
     return dict(kv_lora_rank=args.kv_lora_rank, q_lora_rank=args.q_lora_rank, qk_head_dim=args.qk_head_dim,
                 qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim)
+
+
+def _online_refit(args: Namespace, config: HDPConfig, cost_model: CostModel) -> OnlineRefit:
+    """--hdp-online-refit: a refit of `cost_model` (this run's), which with --load resumes what the
+    checkpoint's refit learned (its a1, b1, g; `plan.online_refit.load_refit`) and nothing else: ring kind,
+    ranks per node, the expert unit and the rest stay this run's."""
+    from megatron_hdp.plan.online_refit import RefitSettings, load_refit
+
+    settings = RefitSettings(warmup_steps=config.hdp_refit_warmup_steps)
+    resumed = load_refit(args.load, model=cost_model, settings=settings) if args.load else None
+    return resumed or OnlineRefit(cost_model, settings)
 
 
 # --- the wrappers (see the module docstring for what each replaces) ----------------------------------
@@ -612,11 +627,8 @@ def install(args: Optional[Namespace] = None) -> Optional[HDPConfig]:
     if apply_cpu_shims():
         apply_training_cpu_shims()
     cost_model, refit = _cost_model(args, config), None
-    if config.hdp_online_refit:  # resumed from the checkpoint's learned model when --load has one
-        from megatron_hdp.plan.online_refit import RefitSettings, load_refit
-
-        settings = RefitSettings(warmup_steps=config.hdp_refit_warmup_steps)
-        refit = (load_refit(args.load, settings) if args.load else None) or OnlineRefit(cost_model, settings)
+    if config.hdp_online_refit:
+        refit = _online_refit(args, config, cost_model)
         cost_model = refit.model
     offload = None
     if config.hdp_offload_min_tensor_bytes is not None:

@@ -2,7 +2,8 @@
 
 The ByteScale paper's models (LLaMA-7B/13B/30B/70B, Mixtral-8x7B/8x22B) plus Llama-3-8B, gpt-oss-20b, two
 multi-latent attention MoE models (DeepSeek-V3 with its multi-token prediction, and Moonlight-16B-A3B, their
-published configs), and H100/H200/A100-class GPUs. Analytic FLOPs per token per layer (forward; training =
+published configs), and A100, H100, H200, B200, B300 and GB200 NVL72 GPUs (`HARDWARE`, each figure with its
+source). Analytic FLOPs per token per layer (forward; training =
 3x), with q the width of all query heads (h unless the head dim is set apart from h / heads, as gpt-oss's
 64 x 64 on h = 2880):
 
@@ -231,6 +232,9 @@ class HardwareProfile:
     intra_node_bandwidth: float = 450e9
     """Bytes/s of a point-to-point link inside a node (NVLink 4 per direction; `ring_bandwidth` is the
     link between nodes)."""
+    nvlink_domain: int = 8
+    """GPUs one NVLink fabric joins: 8 in an HGX/DGX node, 72 in a GB200 NVL72 rack. The ring topology
+    takes it as the node (`plan.mesh_cost.mesh_cost_model`: ranks per node = nvlink_domain / TP)."""
 
 
 MODELS: dict[str, ModelShape] = {
@@ -262,9 +266,31 @@ MODELS: dict[str, ModelShape] = {
 }
 
 HARDWARE: dict[str, HardwareProfile] = {
+    # Per GPU: peak dense BF16 FLOP/s, HBM bytes, the NIC a GPU's ring crosses nodes over (`ring_bandwidth`,
+    # one direction), NVLink one direction (`intra_node_bandwidth`: the datasheets' bidirectional figure / 2)
+    # and the NVLink domain (GPUs one NVLink/NVSwitch fabric joins). Efficiencies and the D2H/H2D figures are
+    # the project's working assumptions, not datasheet numbers.
+    # H100 SXM datasheet: 989 TFLOPS dense BF16 (1,979 with sparsity), 80 GB HBM3, NVLink 900 GB/s; DGX H100
+    # (docs.nvidia.com/dgx-basepod, core components): 8 GPUs, ConnectX-7 400 Gb/s per GPU.
     "h100": HardwareProfile(989e12, 0.55, 0.45, 50e9, 25e9, 25e9, 80e9),
+    # H200 SXM: the H100's compute and NVLink (989 TFLOPS dense BF16, 900 GB/s) with 141 GB HBM3e; DGX H200:
+    # 8 GPUs, ConnectX-7 400 Gb/s per GPU (same BasePOD page).
     "h200": HardwareProfile(989e12, 0.55, 0.45, 50e9, 25e9, 25e9, 141e9),
+    # A100 SXM 80GB datasheet: 312 TFLOPS dense BF16, 80 GB, NVLink 600 GB/s (NVSwitch gen 2); DGX A100:
+    # 8 GPUs, one ConnectX-6 200 Gb/s HDR NIC per GPU (not ConnectX-7: that came with DGX H100).
     "a100": HardwareProfile(312e12, 0.55, 0.45, 25e9, 12e9, 12e9, 80e9, intra_node_bandwidth=300e9),
+    # HGX B200 datasheet: 36 PFLOPS dense BF16 and 1.44 TB HBM3e for 8 GPUs (2.25 PF, 180 GB each), NVLink 5
+    # 1.8 TB/s per GPU; DGX B200 (BasePOD page): 8x ConnectX-7 400 Gb/s. PCIe Gen5 to the host as on H100.
+    "b200": HardwareProfile(2.25e15, 0.55, 0.45, 50e9, 25e9, 25e9, 180e9, intra_node_bandwidth=900e9),
+    # HGX B300 (Blackwell Ultra): dense BF16 as B200's, 2.25 PF (NVIDIA's uplift is FP4 and attention's
+    # exponentials), 288 GB HBM3e (2.3 TB for 8), NVLink 5 1.8 TB/s; ConnectX-8 800 Gb/s per GPU; PCIe Gen6
+    # to the host (twice Gen5's lanes' rate).
+    "b300": HardwareProfile(2.25e15, 0.55, 0.45, 100e9, 50e9, 50e9, 288e9, intra_node_bandwidth=900e9),
+    # GB200 NVL72 datasheet: 180 PFLOPS dense BF16 for 72 GPUs (2.5 PF each), 13.4 TB HBM3e (186 GB each),
+    # one 72-GPU NVLink 5 domain at 1.8 TB/s per GPU; ConnectX-7 400 Gb/s per GPU between racks; the Grace
+    # CPU's NVLink-C2C (900 GB/s for two GPUs) is the offload link, taken as 4x PCIe Gen5's figure.
+    "gb200": HardwareProfile(2.5e15, 0.55, 0.45, 50e9, 100e9, 100e9, 186e9, intra_node_bandwidth=900e9,
+                             nvlink_domain=72),
 }
 
 

@@ -15,7 +15,8 @@ from typing import Optional
 
 from megatron_hdp.plan.cost_model import RING_KIND_SETTINGS, CostModel
 from megatron_hdp.plan.interleaved import uncapped_warmup
-from megatron_hdp.plan.presets import HardwareProfile, ModelShape, analytic_cost_model, hardware_profile, model_shape
+from megatron_hdp.plan.mesh_cost import mesh_cost_model
+from megatron_hdp.plan.presets import HardwareProfile, ModelShape, hardware_profile, model_shape
 from megatron_hdp.plan.timing import expert_unit_size
 
 _SUFFIX = {"K": 1024, "M": 1024**2, "G": 1024**3}
@@ -52,9 +53,10 @@ class ClusterSpec:
     """Tokens per rank per micro-batch (C); derived from GPU memory when unset (`memory_capacity`)."""
     cost_model_path: Optional[str] = None
     """A `megatron-hdp calibrate` JSON to use instead of the analytic cost model."""
-    gpus_per_node: int = 8
+    gpus_per_node: Optional[int] = None
     """GPUs per node: a node holds gpus_per_node / tp_size consecutive HDP ranks of each pipeline stage
-    (Megatron orders TP fastest, then DP), which talk over `intra_node_bandwidth`."""
+    (Megatron orders TP fastest, then DP), which talk over `intra_node_bandwidth`. None: the hardware's
+    NVLink domain (8; 72 on gb200: the ring topology takes the NVLink domain as the node)."""
     intra_node_bandwidth: Optional[float] = None
     """Bytes/s of a ring link inside a node; the hardware's NVLink when unset."""
     ep_size: int = 1
@@ -90,7 +92,7 @@ class ClusterSpec:
                              "whole expert-parallel groups)")
         if self.ring_kind is not None and self.ring_kind not in RING_KIND_SETTINGS:
             raise ValueError(f"ring_kind must be one of {RING_KIND_SETTINGS}, got {self.ring_kind!r}")
-        if self.gpus_per_node <= 0:
+        if self.gpus_per_node is not None and self.gpus_per_node <= 0:
             raise ValueError(f"gpus_per_node must be positive, got {self.gpus_per_node}")
         for name in ("allreduce_bandwidth", "ring_bandwidth", "intra_node_bandwidth"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
@@ -141,27 +143,18 @@ class ClusterSpec:
         return self.allreduce_bandwidth or self.hardware_profile.ring_bandwidth
 
     def cost_model(self) -> CostModel:
-        """The calibrated cost model when a JSON was given, else the analytic one for this model/TP; with
-        `ring_bandwidth` in place of its own when set, this cluster's topology (ranks per node and the
-        link inside a node: rings inside a node run on it, rings across nodes on `ring_bandwidth`) and the
-        HDP ranks its MoE all-to-all couples (`expert_unit`)."""
-        if self.cost_model_path:
-            cost = CostModel.from_json(self.cost_model_path)
-        else:
-            cost = analytic_cost_model(self.shape, self.hardware_profile, tp_size=self.tp_size)
-        if self.ring_bandwidth:
-            cost = dataclasses.replace(cost, ring_bandwidth=self.ring_bandwidth)
-        if self.ring_kind is not None:
-            cost = dataclasses.replace(cost, ring_kind=self.ring_kind)
-        return dataclasses.replace(cost, ranks_per_node=self.ranks_per_node,
-                                   intra_node_bandwidth=self.intra_node_bandwidth or cost.intra_node_bandwidth
-                                   or self.hardware_profile.intra_node_bandwidth,
-                                   expert_parallel_size=self.expert_unit)
-
-    @property
-    def ranks_per_node(self) -> int:
-        """HDP ranks (of one pipeline stage) on one node."""
-        return max(1, self.gpus_per_node // self.tp_size)
+        """This cluster's mesh through the one builder (`plan.mesh_cost.mesh_cost_model`): the calibrated
+        cost model when a JSON was given, else the analytic one for this model/TP, on the hardware with
+        `ring_bandwidth` / `intra_node_bandwidth` in place of its links when set, this cluster's ranks per
+        node (gpus_per_node / TP, else the builder's rule: the NVLink domain / TP), ring kind and the HDP
+        ranks its MoE all-to-all couples."""
+        hardware = self.hardware_profile
+        links = {name: getattr(self, name) for name in ("ring_bandwidth", "intra_node_bandwidth") if getattr(self, name)}
+        cost = mesh_cost_model(model=self.shape, hardware=dataclasses.replace(hardware, **links), tp_size=self.tp_size,
+                               ep_size=self.ep_size, etp_size=self.etp_size, ring_kind=self.ring_kind,
+                               ranks_per_node=max(1, self.gpus_per_node // self.tp_size) if self.gpus_per_node else None,
+                               measured=self.cost_model_path)
+        return dataclasses.replace(cost, **links)
 
     def memory_capacity(self) -> int:
         """Largest power-of-two C whose activations fit beside the model states (`memory_budget`)."""
