@@ -228,8 +228,9 @@ def test_a_resume_that_changes_tp_is_refused_in_one_line(dense):
     line = next(line for line in str(failed.value).splitlines() if line.startswith("ValueError: "))
     assert line == (
         "ValueError: --tensor-model-parallel-size 2 with --hdp: the checkpoint in --load was saved with "
-        "--tensor-model-parallel-size 1, and an HDP run resumes on its checkpoint's tensor, pipeline and expert "
-        "parallel sizes (only the number of HDP ranks may change); use --tensor-model-parallel-size 1")
+        "--tensor-model-parallel-size 1, and an HDP run resumes on its checkpoint's model-parallel layout (TP, PP, "
+        "EP, ETP and virtual pipeline stages; only the number of HDP ranks may change); use "
+        "--tensor-model-parallel-size 1")
 
 
 def test_a_resume_with_virtual_pipeline_stages_in_the_torch_format_repeats_the_run(data, tmp_path):
