@@ -5,7 +5,8 @@ optimizer, as every large run) serves every check, each run's per-step losses, H
 plan digest, token counts) and weights recorded by the harness (not Megatron's log line: after a start its
 second line averages two steps):
 
-    P   plain Megatron, 4 ranks, iterations 1-2, saved                 (a short-context run)
+    P   plain Megatron, 4 ranks, iterations 1-2, saved                 (a short-context run; the dense
+        chain's with --context-parallel-size 2: tests/cp_stand_in.py)
     H   --hdp, 4 ranks, from P's checkpoint, iterations 3-6, saved at 4 (continued with HDP)
     H4  --hdp from H's iteration-4 checkpoint on 4 ranks, iterations 5-6 (a resume)
     H2  ... on 2 ranks (--hdp-capacity 32: 2 x 24 cannot hold a 64-token document), H8 on 8 ranks
@@ -14,9 +15,10 @@ second line averages two steps):
         (each piece its own padded sample, `PlannedPiecesDataset`), then iteration 5 on Megatron's own
         samples, the ones P' trains: the single-process reference for both directions
 
-Checked: H starts from P's weights exactly and its steps equal R's (plain -> HDP); P' starts from H's
-weights exactly and its step equals R's (HDP -> plain); P's and H's checkpoint files hold the same keys
-and shapes; H4 repeats H to the bit (losses, sample ids, plan digests, token and
+Checked: H starts from P's weights exactly and its steps equal R's (plain -> HDP; the dense chain's P
+saves under CP 2, DP 2 x CP 2 with the optimizer sharded over the 4, continued on an HDP pool of 4 and in R
+on 1); P' starts from H's weights exactly and its step equals R's (HDP -> plain); P's and H's checkpoint
+files hold the same keys and shapes; H4 repeats H to the bit (losses, sample ids, plan digests, token and
 micro-batch counts, every weight); H2 and H8 train the same document stream with the same losses and
 weights up to summation order; a resume that changes TP is refused in one line naming the flag. The same
 chain for a MoE model on 2 ranks (P, H, H2 and P' on 2 ranks, --hdp-capacity 32; no distributed
@@ -93,8 +95,9 @@ class Chain:
     `megatron` package of `python_path` (the checkout's)."""
 
     def __init__(self, root: Path, common: list[str], *, iterations: int, resume_at: int, world_size: int = 4,
-                 hdp: tuple[str, ...] = tuple(HDP), script=None, python_path: tuple[str, ...] = ()):
-        self.root, self.common, self.resume_at, self.hdp = root, common, resume_at, list(hdp)
+                 hdp: tuple[str, ...] = tuple(HDP), plain: tuple[str, ...] = (), script=None,
+                 python_path: tuple[str, ...] = ()):
+        self.root, self.common, self.resume_at, self.hdp, self.plain = root, common, resume_at, list(hdp), list(plain)
         self.iterations, self.world_size = iterations, world_size
         self.script, self.python_path = script, python_path
         self.runs: dict[str, list[dict]] = {}
@@ -109,7 +112,7 @@ class Chain:
         return self.runs[name]
 
     def _plain(self):
-        return self.run(self.common + ["--save", str(self.root / "plain"), "--save-interval", "1000",
+        return self.run(self.common + self.plain + ["--save", str(self.root / "plain"), "--save-interval", "1000",
                                        "--exit-interval", "2"])
 
     def _hdp(self):
@@ -155,7 +158,8 @@ optimizer shards dense parameters over 4 ranks, expert parameters over their exp
 
 @pytest.fixture(scope="module")
 def dense(data, tmp_path_factory) -> Chain:
-    return Chain(tmp_path_factory.mktemp("dense"), TINY + data + DENSE, iterations=6, resume_at=4)
+    return Chain(tmp_path_factory.mktemp("dense"), TINY + data + DENSE, iterations=6, resume_at=4,
+                 plain=("--context-parallel-size", "2"))  # the checkpoint a long-context run starts from
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +170,13 @@ def moe(data, tmp_path_factory) -> Chain:
 
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_plain_megatron_to_hdp_and_back_train_as_one_process_would(model, request):
-    check_round_trip(request.getfixturevalue(model), moe=model == "moe")
+    chain = request.getfixturevalue(model)
+    check_round_trip(chain, moe=model == "moe")
+    if model == "dense":  # P trained and saved under context parallelism: DP 2 x CP 2
+        from megatron.core.dist_checkpointing import load_common_state_dict
+
+        saved = load_common_state_dict(str(chain.root / "plain" / "iter_0000002"))["args"]
+        assert (saved.context_parallel_size, saved.data_parallel_size) == (2, 2)
 
 
 def test_the_round_trip_through_megatron_lms_patched_pretrain_gpt(tmp_path):
