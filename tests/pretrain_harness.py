@@ -10,6 +10,7 @@ pretrain script (e.g. a patched Megatron-LM `pretrain_gpt.py`) through `megatron
   from: initialised or loaded). A run that ends by --exit-interval (Megatron's sys.exit(0)) returns
   normally.
   With `reference_plans=(plans_dir, data_prefix)` the run trains plain Megatron on `PlannedPiecesDataset`.
+  A plain run with `--context-parallel-size` trains with tests/cp_stand_in.py's CP attention (no TE here).
 - `run_pretrain(argv, world_size=4, script=None, python_path=(), reference_plans=None)`: a whole run on
   gloo ranks (`pretrain_rank` on each); `python_path` goes first on each rank's `sys.path` (a Megatron-LM
   checkout, to train with its own `megatron` package). `logged_losses` / `assert_same_losses` read and
@@ -188,6 +189,10 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
         argv = [*argv, "--hdp-offload-min-tensor-bytes", str(offload_min_tensor_bytes)]
     if script is None or reference_plans is not None:
         import pretrain_gpt_hdp
+    if script is None and "--context-parallel-size" in argv and "--hdp" not in argv:
+        import cp_stand_in  # plain Megatron's CP without Transformer Engine
+
+        cp_stand_in.install(pretrain_gpt_hdp)
     if reference_plans is not None:
         pretrain_gpt_hdp.datasets_provider = functools.partial(_planned_pieces_provider, *reference_plans,
                                                                provider=pretrain_gpt_hdp.datasets_provider)

@@ -91,6 +91,8 @@ BAD = [
     (["--external-cuda-graph"], "1", "--cuda-graph-impl transformer_engine"),
     (["--cuda-graph-impl", "local"], "1", "--cuda-graph-impl local"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"], "1", "drop --tp-comm-overlap"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2"], "1",  # Megatron's default dispatcher: allgather
+     "--moe-token-dispatcher-type allgather with --expert-model-parallel-size 2: "),
     (["--num-experts", "6", "--expert-model-parallel-size", "3", "--moe-token-dispatcher-type", "alltoall"], "1",
      "--expert-model-parallel-size 3 with --expert-tensor-parallel-size 1: an expert-parallel group spans 3 HDP"),
 ]

@@ -5,7 +5,8 @@ optimizer, as every large run) serves every check, each run's per-step losses, H
 plan digest, token counts) and weights recorded by the harness (not Megatron's log line: after a start its
 second line averages two steps):
 
-    P   plain Megatron, 4 ranks, iterations 1-2, saved                 (a short-context run)
+    P   plain Megatron, 4 ranks, iterations 1-2, saved                 (a short-context run; the dense
+        chain's with --context-parallel-size 2: tests/cp_stand_in.py)
     H   --hdp, 4 ranks, from P's checkpoint, iterations 3-6, saved at 4 (continued with HDP)
     H4  --hdp from H's iteration-4 checkpoint on 4 ranks, iterations 5-6 (a resume)
     H2  ... on 2 ranks (--hdp-capacity 32: 2 x 24 cannot hold a 64-token document), H8 on 8 ranks
@@ -14,15 +15,18 @@ second line averages two steps):
         (each piece its own padded sample, `PlannedPiecesDataset`), then iteration 5 on Megatron's own
         samples, the ones P' trains: the single-process reference for both directions
 
-Checked: H starts from P's weights exactly and its steps equal R's (plain -> HDP); P' starts from H's
-weights exactly and its step equals R's (HDP -> plain); P's and H's checkpoint files hold the same keys
-and shapes; H4 repeats H to the bit (losses, sample ids, plan digests, token and micro-batch counts, every
-weight); H2 and H8 train the same document stream with the same losses and weights up to summation
-order; a resume that changes TP is refused in one line naming the flag. The same chain for a MoE model on
-2 ranks (P, H, H2 and P' on 2 ranks, --hdp-capacity 32; no distributed optimizer: `torch_dist` without
-it), and a resume with virtual pipeline stages in the `torch` format with the distributed optimizer.
-`torch` without it: tests/test_fault_restart.py. Every run starts processes that import torch and
-Megatron, so the chains are as short as the checks allow (the resume on 8 ranks is the one long run).
+Checked: H starts from P's weights exactly and its steps equal R's (plain -> HDP; the dense chain's P
+saves under CP 2, DP 2 x CP 2 with the optimizer sharded over the 4, continued on an HDP pool of 4 and in R
+on 1); P' starts from H's weights exactly and its step equals R's (HDP -> plain); P's and H's checkpoint
+files hold the same keys and shapes; H4 repeats H to the bit (losses, sample ids, plan digests, token and
+micro-batch counts, every weight); H2 and H8 train the same document stream with the same losses and
+weights up to summation order; a resume that changes TP is refused in one line naming the flag. The same
+chain for a MoE model on 2 ranks (P, H, H2 and P' on 2 ranks, --hdp-capacity 32; no distributed
+optimizer: `torch_dist` without it); a short one (P, H, H4, H2) for --bf16 with the distributed optimizer
+and a MoE model on EP 2; and a resume with virtual pipeline stages in the `torch` format with the
+distributed optimizer. `torch` without it: tests/test_fault_restart.py. Every run starts processes that
+import torch and Megatron, so the chains are as short as the checks allow (the resume on 8 ranks is the
+one long run).
 """
 
 import shutil
@@ -91,8 +95,9 @@ class Chain:
     `megatron` package of `python_path` (the checkout's)."""
 
     def __init__(self, root: Path, common: list[str], *, iterations: int, resume_at: int, world_size: int = 4,
-                 hdp: tuple[str, ...] = tuple(HDP), script=None, python_path: tuple[str, ...] = ()):
-        self.root, self.common, self.resume_at, self.hdp = root, common, resume_at, list(hdp)
+                 hdp: tuple[str, ...] = tuple(HDP), plain: tuple[str, ...] = (), script=None,
+                 python_path: tuple[str, ...] = ()):
+        self.root, self.common, self.resume_at, self.hdp, self.plain = root, common, resume_at, list(hdp), list(plain)
         self.iterations, self.world_size = iterations, world_size
         self.script, self.python_path = script, python_path
         self.runs: dict[str, list[dict]] = {}
@@ -107,7 +112,7 @@ class Chain:
         return self.runs[name]
 
     def _plain(self):
-        return self.run(self.common + ["--save", str(self.root / "plain"), "--save-interval", "1000",
+        return self.run(self.common + self.plain + ["--save", str(self.root / "plain"), "--save-interval", "1000",
                                        "--exit-interval", "2"])
 
     def _hdp(self):
@@ -145,9 +150,16 @@ MOE = ["--seq-length", "64", "--global-batch-size", "8", "--train-iters", "4", "
        "--no-load-rng", "--num-experts", "4", "--moe-router-topk", "2"]
 
 
+MOE_EP_BF16 = MOE + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                     "--use-distributed-optimizer", "--bf16"]
+"""bf16 weights with the distributed optimizer's fp32 main parameters, experts on EP groups of 2 (the
+optimizer shards dense parameters over 4 ranks, expert parameters over their expert-data-parallel 2)."""
+
+
 @pytest.fixture(scope="module")
 def dense(data, tmp_path_factory) -> Chain:
-    return Chain(tmp_path_factory.mktemp("dense"), TINY + data + DENSE, iterations=6, resume_at=4)
+    return Chain(tmp_path_factory.mktemp("dense"), TINY + data + DENSE, iterations=6, resume_at=4,
+                 plain=("--context-parallel-size", "2"))  # the checkpoint a long-context run starts from
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +170,13 @@ def moe(data, tmp_path_factory) -> Chain:
 
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_plain_megatron_to_hdp_and_back_train_as_one_process_would(model, request):
-    check_round_trip(request.getfixturevalue(model), moe=model == "moe")
+    chain = request.getfixturevalue(model)
+    check_round_trip(chain, moe=model == "moe")
+    if model == "dense":  # P trained and saved under context parallelism: DP 2 x CP 2
+        from megatron.core.dist_checkpointing import load_common_state_dict
+
+        saved = load_common_state_dict(str(chain.root / "plain" / "iter_0000002"))["args"]
+        assert (saved.context_parallel_size, saved.data_parallel_size) == (2, 2)
 
 
 def test_the_round_trip_through_megatron_lms_patched_pretrain_gpt(tmp_path):
@@ -228,8 +246,9 @@ def test_a_resume_that_changes_tp_is_refused_in_one_line(dense):
     line = next(line for line in str(failed.value).splitlines() if line.startswith("ValueError: "))
     assert line == (
         "ValueError: --tensor-model-parallel-size 2 with --hdp: the checkpoint in --load was saved with "
-        "--tensor-model-parallel-size 1, and an HDP run resumes on its checkpoint's tensor, pipeline and expert "
-        "parallel sizes (only the number of HDP ranks may change); use --tensor-model-parallel-size 1")
+        "--tensor-model-parallel-size 1, and an HDP run resumes on its checkpoint's model-parallel layout (TP, PP, "
+        "EP, ETP and virtual pipeline stages; only the number of HDP ranks may change); use "
+        "--tensor-model-parallel-size 1")
 
 
 def test_a_resume_with_virtual_pipeline_stages_in_the_torch_format_repeats_the_run(data, tmp_path):
@@ -250,3 +269,29 @@ def test_a_resume_with_virtual_pipeline_stages_in_the_torch_format_repeats_the_r
             assert record == expected[iteration], (rank, iteration)
         for iteration, weights in resumed[rank]["weights"].items():
             assert_same_weights(weights, whole[rank]["weights"][iteration])
+
+
+def test_a_bf16_moe_ep2_checkpoint_resumes_exactly_on_4_ranks_and_on_2(data, tmp_path):
+    """P (plain, 4 ranks) -> H (--hdp, saved at 3) -> H4 and H2 from it: --bf16 with the distributed
+    optimizer and EP 2. H4 repeats H to the bit, so the fp32 main parameters and Adam's moments came back
+    (bf16 weights alone cannot restore them); H2 starts from H's weights exactly (resharded, experts
+    included) and its step equals H's up to reduction order."""
+    chain = Chain(tmp_path, TINY + data + MOE_EP_BF16, iterations=4, resume_at=3)
+    plain, whole = chain["plain"], chain["hdp"]
+    assert_same_weights(whole[0]["weights"][2], plain[0]["weights"][2])  # plain bf16 -> HDP: the saved weights
+    assert all(value.dtype == torch.bfloat16 for value in whole[0]["weights"][4].values())
+    saved = _checkpoint_keys(tmp_path / "hdp" / "iter_0000003")
+    assert saved == _checkpoint_keys(tmp_path / "plain" / "iter_0000002")
+    assert any(".mlp.experts." in key for key in saved)
+    resumed = chain.resumed()
+    for rank in range(4):  # experts differ between the EP ranks: every rank's weights
+        assert resumed[rank]["iterations"] == [4]
+        assert _by_iteration(resumed[rank]) == {4: _by_iteration(whole[rank])[4]}, rank
+        for iteration in (3, 4):
+            assert_same_weights(resumed[rank]["weights"][iteration], whole[rank]["weights"][iteration])
+    fewer = chain.resumed("--hdp-capacity", "32", world_size=2)  # EP 2 on 2 ranks: expert data parallelism 1
+    for rank in range(2):
+        assert fewer[rank]["ids"] == whole[rank]["ids"][-1:]
+        assert_same_weights(fewer[rank]["weights"][3], whole[rank]["weights"][3])
+        assert_same_weights(fewer[rank]["weights"][4], whole[rank]["weights"][4], exact=False)
+    assert fewer[0]["losses"] == pytest.approx(whole[0]["losses"][-1:], rel=1e-5)

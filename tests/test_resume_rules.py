@@ -1,7 +1,7 @@
 """What an HDP resume may change (megatron_hdp/data/resume.py): the pool's size, not the model-parallel sizes,
 and not the lengths the documents are trained at. Pure: Megatron's saved arguments are namespaces, the
 loader is built on a synthetic source (no process group). The same refusal through `megatron.training`'s
-own checkpoint loading is in tests/test_checkpoint_resume.py."""
+own checkpoint loading: tests/test_checkpoints.py (`test_a_resume_that_changes_tp_is_refused_in_one_line`)."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -18,20 +18,42 @@ from megatron_hdp.plan.presets import analytic_cost_model
 COST_MODEL = analytic_cost_model("llama-7b")
 
 
-def _sizes(tp=1, pp=1, ep=1):
+def _sizes(tp=1, pp=1, ep=1, etp=None, vpp=None):
+    """Megatron's resolved arguments (validate_args): ETP None becomes TP, one virtual stage is None."""
     return SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                           expert_model_parallel_size=ep)
+                           expert_model_parallel_size=ep, expert_tensor_parallel_size=tp if etp is None else etp,
+                           virtual_pipeline_model_parallel_size=vpp)
 
 
-def test_only_the_pool_may_change_not_tp_pp_or_ep():
-    assert model_parallel_changes(_sizes(2, 2, 2), _sizes(2, 2, 2)) == []
+def test_only_the_pool_may_change_not_tp_pp_ep_etp_or_virtual_stages():
+    assert model_parallel_changes(_sizes(2, 2, 2, etp=1, vpp=2), _sizes(2, 2, 2, etp=1, vpp=2)) == []
     assert model_parallel_changes(SimpleNamespace(), _sizes()) == []  # an old checkpoint without the sizes: 1
-    (tp,) = model_parallel_changes(_sizes(tp=2), _sizes(tp=4))
-    assert tp.startswith("--tensor-model-parallel-size 4 with --hdp: the checkpoint in --load was saved with "
-                         "--tensor-model-parallel-size 2") and tp.endswith("use --tensor-model-parallel-size 2")
+    # ...and without ETP (older than it): ETP was TP
+    assert model_parallel_changes(SimpleNamespace(tensor_model_parallel_size=2), _sizes(tp=2)) == []
+    (tp,) = model_parallel_changes(_sizes(tp=2), _sizes(tp=4))  # ETP follows TP on both sides: one line
+    assert tp == ("--tensor-model-parallel-size 4 with --hdp: the checkpoint in --load was saved with "
+                  "--tensor-model-parallel-size 2, and an HDP run resumes on its checkpoint's model-parallel layout "
+                  "(TP, PP, EP, ETP and virtual pipeline stages; only the number of HDP ranks may change); use "
+                  "--tensor-model-parallel-size 2")
     problems = model_parallel_changes(_sizes(pp=2, ep=4), _sizes(pp=1, ep=2))
     assert [p.split()[0] for p in problems] == ["--pipeline-model-parallel-size", "--expert-model-parallel-size"]
     assert all("\n" not in p for p in problems)
+
+
+@pytest.mark.parametrize("saved, current, flag, old, new", [
+    (_sizes(tp=2, ep=2, etp=1), _sizes(tp=2, ep=2, etp=2), "--expert-tensor-parallel-size", 1, 2),
+    (_sizes(tp=2, ep=2), _sizes(tp=2, ep=2, etp=1), "--expert-tensor-parallel-size", 2, 1),  # ETP left to TP, then set
+    (_sizes(pp=2, vpp=2), _sizes(pp=2, vpp=4), "--num-virtual-stages-per-pipeline-rank", 2, 4),
+    (_sizes(pp=2, vpp=2), _sizes(pp=2), "--num-virtual-stages-per-pipeline-rank", 2, 1),  # dropped: 1 stage
+    (_sizes(pp=2), _sizes(pp=2, vpp=2), "--num-virtual-stages-per-pipeline-rank", 1, 2),
+], ids=["etp-1-to-2", "etp-2-to-1", "vpp-2-to-4", "vpp-2-to-none", "vpp-none-to-2"])
+def test_a_resume_that_changes_etp_or_the_virtual_stages_is_refused_in_one_line(saved, current, flag, old, new):
+    (problem,) = model_parallel_changes(saved, current)
+    assert problem.startswith(f"{flag} {new} with --hdp: the checkpoint in --load was saved with {flag} {old}, ")
+    assert problem.endswith(f"; use {flag} {old}") and "\n" not in problem
+    # TP changed together with an ETP that did not follow it: both named
+    assert [p.split()[0] for p in model_parallel_changes(_sizes(tp=2, etp=1), _sizes(tp=1, etp=2))] == [
+        "--tensor-model-parallel-size", "--expert-tensor-parallel-size"]
 
 
 def _loader(lengths, *, num_ranks, capacity, overlong="truncate", max_length=64):

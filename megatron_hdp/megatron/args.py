@@ -85,6 +85,13 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             f"--micro-batch-size {args.micro_batch_size}: an HDP micro-batch is one packed (THD) sequence of up "
             "to --hdp-capacity tokens; use --micro-batch-size 1 and size micro-batches with --hdp-capacity"
         )
+    if args.num_experts and args.expert_model_parallel_size > 1 and args.moe_token_dispatcher_type == "allgather":
+        problems.append(
+            f"--moe-token-dispatcher-type allgather with --expert-model-parallel-size "
+            f"{args.expert_model_parallel_size}: the allgather dispatcher gathers equal-sized token buffers from "
+            "every rank of an expert-parallel group, and HDP's ranks hold their own token counts in a micro-batch "
+            "(a collective size mismatch); use --moe-token-dispatcher-type alltoall"
+        )
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
         problems.append(
             "--overlap-moe-expert-parallel-comm: Megatron's combined 1F1B schedule builds each micro-batch's "

@@ -1,8 +1,8 @@
 """install()'s check of what an --hdp resume changes (`megatron_hdp.data.resume`), where Megatron reads it.
 
 `load_checkpoint` (megatron/training/checkpointing.py, 0.19 and 0.20) first reads the checkpoint's saved
-arguments through `_load_base_checkpoint`, before any sharded tensor is read. Wrapped there, a TP, PP or
-EP change stops every rank with a one-line ValueError naming the flag (Megatron's own later refusal with
+arguments through `_load_base_checkpoint`, before any sharded tensor is read. Wrapped there, a TP, PP,
+EP, ETP or virtual-stage change stops every rank with a one-line ValueError naming the flag (Megatron's own later refusal with
 the distributed optimizer names none); the arguments are kept for the loader's check of the documents'
 lengths. A --finetune load starts a new run and is not checked (Megatron does not check it either).
 """

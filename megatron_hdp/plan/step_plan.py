@@ -13,7 +13,7 @@ import json
 from collections import deque
 from dataclasses import dataclass, field, fields
 from itertools import chain, repeat
-from typing import Any, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Optional, Sequence, TypeVar
 
 import numpy as np
 
@@ -299,13 +299,6 @@ class StepPlan:
         if not 0 <= rank < self.num_ranks:
             raise ValueError(f"rank {rank} is outside this plan's {self.num_ranks} ranks")
         return self.ranks[rank].microbatches
-
-    def iter_shards(self) -> Iterator[tuple[int, int, Shard]]:
-        """Every (rank, micro-batch index, shard) of the plan."""
-        for schedule in self.ranks:
-            for index, mb in enumerate(schedule.microbatches):
-                for shard in mb.shards:
-                    yield schedule.rank, index, shard
 
     # --- checking ------------------------------------------------------------------------------
     def validate(self) -> "StepPlan":
