@@ -1,7 +1,8 @@
 """Measured telemetry of a 4-rank CPU `pretrain` run with --hdp, read back from its TensorBoard event files.
 
-One run (module fixture) of examples/pretrain_gpt_hdp.py on 4 gloo ranks, two "nodes" of 2 ranks
-(LOCAL_WORLD_SIZE=2), TensorBoard on, throughput logged. Its plans are saved per step as
+One run (module fixture) of examples/pretrain_gpt_hdp.py on 4 gloo ranks, every rank its own
+"node" (--hdp-ranks-per-node 1) on one host of LOCAL_WORLD_SIZE=4, so the cross-node bytes are those of
+the plan's nodes, not the launcher's host, TensorBoard on, throughput logged. Its plans are saved per step as
 `--hdp-save-plans` writes them (iter_0000001.json ...), so `megatron-hdp report` can read the run too.
 """
 
@@ -22,6 +23,8 @@ from pretrain_harness import TINY, pretrain_rank  # noqa: E402
 
 STEPS = 4
 WORLD = 4
+NODE = 1
+"""HDP ranks per node the plan prices and the telemetry counts by (module docstring)."""
 HDP = ["--seq-length", "64", "--train-iters", str(STEPS), "--hdp", "--hdp-capacity", "24",
        "--hdp-global-batch-tokens", "512", "--global-batch-size", "4"]
 """Documents cut at 64 tokens, 512 tokens a step, capacity 24: pieces longer than 24 tokens run on rings."""
@@ -38,10 +41,10 @@ def _pretrain_recording(rank: int, world_size: int, argv: list[str]) -> dict:
 
 
 def _crossing_hops(run_dir: Path, step: int) -> list[bool]:
-    """For every hop of every ring of a step's plan: does it go from one node of 2 ranks to the other?"""
+    """For every hop of every ring of a step's plan: does it go from one node (of NODE ranks) to another?"""
     plan = json.loads((run_dir / "plans" / f"iter_{step:07d}.json").read_text())
     rings = [s["ring"] for s in plan["sequences"] if len(s["ring"]) > 1]
-    return [ring[p] // 2 != ring[(p + 1) % len(ring)] // 2 for ring in rings for p in range(len(ring))]
+    return [ring[p] // NODE != ring[(p + 1) % len(ring)] // NODE for ring in rings for p in range(len(ring))]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +58,9 @@ def hdp_run(tmp_path_factory):
         "--data-path", prefix, "--data-cache-path", str(run_dir / "cache"),
         "--tensorboard-dir", str(run_dir / "tensorboard"), "--log-throughput", "--log-timers-to-tensorboard",
         "--hdp-log-interval", "1", "--hdp-online-refit", "--hdp-refit-warmup-steps", "1",
+        "--hdp-ranks-per-node", str(NODE),
     ]
-    env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": "2"}
+    env = {"LOCAL_RANK": "0", "WORLD_SIZE": str(WORLD), "LOCAL_WORLD_SIZE": str(WORLD)}
     ranks = run_gloo(_pretrain_recording, WORLD, argv, timeout_s=480, env=env)
     return run_dir, ranks, argv
 

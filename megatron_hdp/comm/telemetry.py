@@ -10,8 +10,9 @@ domain it records
 - finalize: Megatron's `finalize_model_grads` (the gradient all-reduce over the HDP domain). A rank
   that arrives early waits there for the last one, so over the domain the shortest finalize is the
   all-reduce itself and each rank's excess over it is its idle time before the all-reduce;
-- ring bytes it sent, and the part sent to a rank on another node (nodes of `LOCAL_WORLD_SIZE` ranks,
-  as torchrun numbers them; one node when it is not set).
+- ring bytes it sent, and the part sent to a rank on another node: the node the plan priced (the cost
+  model's ranks per node, i.e. the NVLink domain: 72 GPUs on a GB200 NVL72 rack, whose trays each hold 4
+  of torchrun's local ranks), else torchrun's `LOCAL_WORLD_SIZE` ranks, else the whole job.
 
 Clocks: on CUDA, events recorded on the current stream (no host sync inside the step) and read when
 the step's telemetry is logged, one step late, when they are long complete. On CPU, compute is process
@@ -103,15 +104,19 @@ class _StepObserver:
         self.marks.waits.append((start, self.clock.mark()))
 
 
-def ranks_per_node() -> int:
-    """Ranks per node of this job: torchrun's LOCAL_WORLD_SIZE, else the whole world is one node."""
+def _launcher_ranks_per_node() -> int:
+    """Ranks per host of this job: torchrun's LOCAL_WORLD_SIZE, else the whole world is one node."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
 
 
 class StepTelemetry:
     """Measures this rank's training steps; `read` hands back the finished ones as per-rank rows."""
 
-    def __init__(self, *, use_cuda: Optional[bool] = None) -> None:
+    def __init__(self, *, use_cuda: Optional[bool] = None, ranks_per_node: Optional[int] = None) -> None:
+        """`ranks_per_node`: global ranks of one node (NVLink domain) for the cross-node byte count, the
+        same node the plan priced (`HDPRuntime` passes the cost model's HDP ranks per node x TP); None:
+        the launcher's host (module docstring)."""
+        self.ranks_per_node = ranks_per_node
         self.use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
         self.clock = _CudaClock() if self.use_cuda else _HostClock()
         self._pending: list[_StepMarks] = []
@@ -137,7 +142,7 @@ class StepTelemetry:
             return result
 
         model_config.finalize_model_grads_func = timed_finalize
-        observer = _StepObserver(marks, self.clock, rank=dist.get_rank(), ranks_per_node=ranks_per_node())
+        observer = _StepObserver(marks, self.clock, rank=dist.get_rank(), ranks_per_node=self.ranks_per_node or _launcher_ranks_per_node())
         try:
             with observe_p2p(observer):
                 yield marks

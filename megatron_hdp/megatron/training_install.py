@@ -633,8 +633,9 @@ def install(args: Optional[Namespace] = None) -> Optional[HDPConfig]:
     offload = None
     if config.hdp_offload_min_tensor_bytes is not None:
         offload = OffloadConfig(min_tensor_bytes=config.hdp_offload_min_tensor_bytes)
-    runtime = HDPRuntime(config=config, cost_model=cost_model, telemetry=StepTelemetry(), offload_config=offload,
-                         refit=refit)
+    node = cost_model.ranks_per_node and cost_model.ranks_per_node * args.tensor_model_parallel_size
+    runtime = HDPRuntime(config=config, cost_model=cost_model, telemetry=StepTelemetry(ranks_per_node=node),
+                         offload_config=offload, refit=refit)
     from megatron.training.models import gpt
 
     for name, wrap in _PATCHES.items():
