@@ -64,7 +64,7 @@ from megatron_hdp.comm.telemetry import (
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.data.loader import HDPDataLoader, HDPStep
 from megatron_hdp.data.resume import truncation_change
-from megatron_hdp.megatron.args import token_multiple, validate_hdp_args
+from megatron_hdp.megatron.args import ring_kind_setting, token_multiple, validate_hdp_args
 from megatron_hdp.megatron.resume_check import wrap_load_base_checkpoint
 from megatron_hdp.megatron.training_compat import check_megatron_version, require_megatron_training
 from megatron_hdp.offload import ActivationOffloader, OffloadConfig, OffloadStats
@@ -189,34 +189,10 @@ def _cost_model(args: Namespace, config: HDPConfig) -> CostModel:
                             etp_size=getattr(args, "expert_tensor_parallel_size", None))
     cost_model = dataclasses.replace(_base_cost_model(args, config), ranks_per_node=ranks_per_node,
                                      expert_parallel_size=unit)
-    ring_kind = config.hdp_ring_kind
-    if ring_kind == "latent" and not getattr(args, "multi_latent_attention", False):
-        raise ValueError("--hdp-ring-kind latent needs --multi-latent-attention (the latent ring circulates its "
-                         "latent); drop the flag or set it to kv")
-    blockers = _latent_ring_blockers(args)
-    if blockers and ring_kind == "latent":
-        flag, why = blockers[0]
-        raise ValueError(f"--hdp-ring-kind latent with {flag}: {why}")
-    if blockers and getattr(args, "multi_latent_attention", False):
-        ring_kind = "kv"  # auto would price latent rings the run cannot execute
+    ring_kind = ring_kind_setting(args, config)
     if ring_kind is not None:
         cost_model = dataclasses.replace(cost_model, ring_kind=ring_kind)
     return cost_model
-
-
-def _latent_ring_blockers(args: Namespace) -> list[tuple[str, str]]:
-    """(flag, why) for each setting of the run under which the latent ring cannot run: an attention sink
-    (the latent ring takes none) and core-attention recompute (the checkpoint's recompute would run the
-    ring without its latent inputs)."""
-    blockers = []
-    if getattr(args, "softmax_type", "vanilla") != "vanilla":
-        blockers.append((f"--softmax-type {args.softmax_type}",
-                         "the latent ring takes no attention sink; use --hdp-ring-kind kv"))
-    modules = getattr(args, "recompute_modules", None) or ["core_attn"]  # Megatron's default with selective
-    if getattr(args, "recompute_granularity", None) == "selective" and "core_attn" in modules:
-        blockers.append(("--recompute-modules core_attn", "the latent ring does not run under core-attention "
-                         "recompute; use --hdp-ring-kind kv or drop core_attn"))
-    return blockers
 
 
 def _dense_layers(args: Namespace) -> int:
