@@ -206,7 +206,8 @@ def validate_hdp_args(args: Namespace) -> Optional[HDPConfig]:
     _warn_recompute_mismatch(args, config)
     fallback = _kv_fallback(args, config)
     if fallback:
-        logger.warning("--hdp-ring-kind %s: split documents run K/V rings: %s", config.hdp_ring_kind or "auto", fallback)
+        logger.warning("--hdp-ring-kind %s: split documents run K/V rings: %s", config.hdp_ring_kind or "auto",
+                       fallback)
     return config
 
 
