@@ -88,7 +88,8 @@ class HDPConfig:
     """Which ring a split document runs with --multi-latent-attention: kv (K and V circulate), latent (the
     normalised latent and the shared RoPE key circulate and every member up-projects them: about 9x fewer
     bytes at TP 8 for DeepSeek-V3), or auto (per ring call the one the cost model times faster). Unset:
-    the cost model's setting (auto). Without multi-latent attention only kv runs."""
+    the cost model's setting (auto). Without multi-latent attention, or with --hdp-policy
+    megatron-hybrid-cp, only kv runs: latent is refused there, auto says so once."""
 
     hdp_global_batch_tokens: Optional[int] = None
     """Tokens per global batch; the sampler takes whole documents until this budget is reached.

@@ -86,15 +86,16 @@ def reference_latent_attention(
     causal: bool,
     scale: float,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multi-latent attention as Megatron's MLASelfAttention computes it, in float64 (differentiable):
     kv = latent W^T viewed [T, H, qk_head_dim + v_head_dim], split into k_no_pe and value; K = cat(k_no_pe,
-    k_rope [T, 1, Dr] repeated over heads); then `reference_attention` over each document."""
+    k_rope [T, 1, Dr] repeated over heads); then `reference_attention` over each document (with `sink`)."""
     heads = q.shape[1]
     kv = torch.einsum("tr,or->to", latent.double(), up_weight.double()).reshape(-1, heads, qk_head_dim + v_head_dim)
     k_no_pe, value = kv[..., :qk_head_dim], kv[..., qk_head_dim:]
     key = torch.cat([k_no_pe, k_rope.double().repeat(1, heads, 1)], dim=-1)
-    return reference_attention(q, key, value, seqlens, causal=causal, scale=scale, window=window)
+    return reference_attention(q, key, value, seqlens, causal=causal, scale=scale, window=window, sink=sink)
 
 
 def reference_latent_with_grads(
@@ -106,7 +107,11 @@ def reference_latent_with_grads(
     seqlens: Sequence[int],
     **kwargs,
 ) -> tuple[torch.Tensor, ...]:
-    """(out, dq, dlatent, dk_rope, dup_weight) of `reference_latent_attention` for `dout`, all float64."""
+    """(out, dq, dlatent, dk_rope, dup_weight) of `reference_latent_attention` for `dout`, all float64; with a
+    `sink` keyword, (out, dq, dlatent, dk_rope, dup_weight, dsink)."""
+    sink = kwargs.pop("sink", None)
     leaves = [x.detach().double().requires_grad_() for x in (q, latent, k_rope, up_weight)]
-    out = reference_latent_attention(*leaves, seqlens, **kwargs)
+    if sink is not None:
+        leaves.append(sink.detach().double().requires_grad_())
+    out = reference_latent_attention(*leaves[:4], seqlens, sink=leaves[4] if sink is not None else None, **kwargs)
     return (out.detach(), *torch.autograd.grad(out, leaves, dout.double()))

@@ -60,21 +60,34 @@ def build_sp_gpt(config, *, vocab_size: int, max_sequence_length: int):
 
 class ReferenceCoreAttention(torch.nn.Module):
     """The reference's core attention for Megatron's multi-latent attention: causal softmax attention of
-    one unpacked batch in float64, written here from the formula (Megatron's local `DotProductAttention`
+    one unpacked batch in float64 (with `softmax_type="learnable"` a sink: one more softmax column per head
+    holding its `softmax_offset`), written here from the formula (Megatron's local `DotProductAttention`
     cannot take MLA's different q/k and v head dims in megatron-core 0.19, and TE's is GPU-only). Built
     by Megatron's MLA with the `core_attention` keywords; query [s, b, n, dk], key [s, b, n, dk], value
     [s, b, n, dv] -> [s, b, n * dv] in the query's dtype."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type="self", softmax_scale=None, **unused):
         super().__init__()
+        from megatron.core import parallel_state
+
         self.softmax_scale = softmax_scale
+        assert config.softmax_type in ("vanilla", "learnable"), config.softmax_type
+        if config.softmax_type == "learnable":  # a sink logit per head of this TP rank, Megatron's parameter name
+            heads = config.num_attention_heads // parallel_state.get_tensor_model_parallel_world_size()
+            self.softmax_offset = torch.nn.Parameter(config.init_method(torch.empty(heads)))
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, packed_seq_params=None, **unused):
         assert packed_seq_params is None and attention_mask is None, "the reference runs one document per batch"
         q, k, v = (x.double() for x in (query, key, value))
         scores = torch.einsum("sbnd,tbnd->bnst", q, k) * self.softmax_scale
         future = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
-        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(future, float("-inf"))
+        sink = getattr(self, "softmax_offset", None)
+        if sink is None:
+            probs = scores.softmax(-1)
+        else:  # the sink's column in every row's softmax, then dropped (it has no value)
+            column = sink.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
+            probs = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
         out = torch.einsum("bnst,tbnd->sbnd", probs, v)
         return out.reshape(*out.shape[:2], -1).to(query.dtype)
 

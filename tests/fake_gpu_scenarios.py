@@ -45,8 +45,8 @@ def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: 
     stage `me` of 2 (PP=2). `fp8_recipe` turns on Megatron's FP8 (TE's collectives stood in for by
     `fake_te_fp8`); `mtp_depth` Megatron's multi-token prediction (its layers on the same rings, its
     rolls answered from the micro-batch); `attention` "mla": DeepSeek-style multi-latent attention with
-    YaRN (`tiny_mla_fields`), the ring a K/V ring in the first step and a latent ring in the second,
-    "sinks": gpt-oss's learnable attention sinks. Returns the harness's `HostAndDevice` mode with the
+    YaRN (`tiny_mla_fields`), a learnable sink and core-attention recompute, the ring a K/V ring in the
+    first step and a latent ring in the second, "sinks": gpt-oss's learnable attention sinks. Returns the harness's `HostAndDevice` mode with the
     second step's copies."""
     import torch
     import fake_gpu
@@ -65,7 +65,9 @@ def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: 
     state = initialize_hdp(pipeline_model_parallel_size=pp)
     if pp > 1:
         _peer_stage_sends_shape((PP_TOKENS, 1, 64))
-    variant = {"": {}, "mla": tiny_mla_fields(), "sinks": dict(softmax_type="learnable")}[attention]
+    mla = {**tiny_mla_fields(), "softmax_type": "learnable", "recompute_granularity": "selective",
+           "recompute_modules": ["core_attn"]}
+    variant = {"": {}, "mla": mla, "sinks": dict(softmax_type="learnable")}[attention]
     config = tiny_llama_config(num_layers=4, **variant)
     config.bf16, config.params_dtype, config.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
     config.use_cpu_initialization, config.mtp_num_layers = False, mtp_depth or None

@@ -257,20 +257,55 @@ MLA_FLAGS = ("--multi-latent-attention --kv-lora-rank 16 --qk-head-dim 12 --qk-p
              "--v-head-dim 8").split()
 
 
-@pytest.mark.parametrize("setting,flag", [
-    (["--softmax-type", "off-by-one"], "--softmax-type off-by-one: the latent ring takes no attention sink"),
-    (["--recompute-granularity", "selective"], "--recompute-modules core_attn: the latent ring does not run"),
-])
-def test_the_latent_ring_is_refused_or_left_out_where_it_cannot_run(setting, flag):
-    """Under an attention sink or core-attention recompute, `--hdp-ring-kind latent` stops in one line naming
-    the setting, and `auto` (the default) plans K/V rings only; without them, auto may pick either."""
+def test_the_latent_ring_runs_under_a_sink_and_core_attention_recompute():
+    """A sink and core-attention recompute take latent rings (the sink after the merge, the latent through
+    the checkpointed call's arguments): `--hdp-ring-kind latent` keeps its meaning, auto (the default)
+    stays the cost model's choice."""
     from megatron_hdp.megatron.training_install import _cost_model
 
-    base = TINY + HDP + MLA_FLAGS
-    args, config = parse_and_check(base + setting + ["--hdp-ring-kind", "latent"], world_size=4)
-    with pytest.raises(ValueError, match=f"^--hdp-ring-kind latent with {flag}"):
-        _cost_model(args, config)
-    args, config = parse_and_check(base + setting, world_size=4)
-    assert _cost_model(args, config).ring_kind == "kv"
-    args, config = parse_and_check(base, world_size=4)
-    assert _cost_model(args, config).ring_kind == "auto"
+    for setting in (["--softmax-type", "learnable"], ["--recompute-granularity", "selective"]):
+        args, config = parse_and_check(TINY + HDP + MLA_FLAGS + setting + ["--hdp-ring-kind", "latent"], world_size=4)
+        assert _cost_model(args, config).ring_kind == "latent"
+        args, config = parse_and_check(TINY + HDP + MLA_FLAGS + setting, world_size=4)
+        assert _cost_model(args, config).ring_kind == "auto"
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--hdp-policy", "megatron-hybrid-cp"] + MLA_FLAGS,
+     "--hdp-ring-kind latent with --hdp-policy megatron-hybrid-cp: that policy plans K/V rings only"),
+    ([], "--hdp-ring-kind latent without --multi-latent-attention"),
+])
+def test_a_latent_ring_kind_no_latent_ring_can_honour_is_refused(extra, needle):
+    """`--hdp-ring-kind latent` with a policy that plans K/V rings only, or without multi-latent attention:
+    refused at flag validation, in one line naming both flags, before anything starts."""
+    with pytest.raises(ValueError) as error:
+        parse_and_check(TINY + HDP + extra + ["--hdp-ring-kind", "latent"], world_size=4)
+    lines = [line for line in str(error.value).splitlines() if "--hdp-ring-kind" in line]
+    assert len(lines) == 1 and needle in lines[0], str(error.value)
+
+
+@pytest.mark.parametrize("extra,kind,why", [
+    (["--hdp-ring-kind", "auto"], "auto", "no --multi-latent-attention"),
+    (["--hdp-ring-kind", "auto", "--hdp-policy", "megatron-hybrid-cp"] + MLA_FLAGS, "auto",
+     "--hdp-policy megatron-hybrid-cp plans K/V rings only"),
+    (["--hdp-policy", "megatron-hybrid-cp"] + MLA_FLAGS, "auto", "--hdp-policy megatron-hybrid-cp plans K/V"),
+    (MLA_FLAGS, "auto", None),
+    ([], None, None),
+])
+def test_auto_falling_back_to_kv_rings_says_why_once(caplog, extra, kind, why):
+    """`auto` (given, or left out with MLA) that can plan K/V rings only logs why, once, at flag validation,
+    and the cost model is then set to kv; where latent rings can run, or no ring kind is in question, no
+    line."""
+    from megatron_hdp.megatron.training_install import _cost_model
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron_hdp.megatron.args"):
+        args, config = parse_and_check(TINY + HDP + extra, world_size=4)
+    lines = [r.getMessage() for r in caplog.records if "ring" in r.getMessage()]
+    if why is None:
+        assert lines == []
+        assert _cost_model(args, config).ring_kind == (kind or "auto")
+    else:
+        assert len(lines) == 1 and lines[0].startswith("--hdp-ring-kind auto: split documents run K/V rings: ")
+        assert why in lines[0]
+        assert _cost_model(args, config).ring_kind == "kv"

@@ -23,8 +23,8 @@ and it patches torch.cuda for the life of the process). What they catch, before 
   flex's window mask copying each ring piece's shifts from the host inside the first windowed layer;
   the same scenario carries learnable attention sinks (gpt-oss's attention) on every ring and kernel;
 * multi-token prediction with learnable sinks together (`hdp_step 1 RANK 1 sinks`), and with multi-latent
-  attention (`hdp_step 1 0 1 mla`): DeepSeek-V3's MLA and MTP, a K/V ring, then a latent ring, on CUDA
-  tensors.
+  attention (`hdp_step 1 0 1 mla`): DeepSeek-V3's MLA and MTP with a learnable sink and core-attention
+  recompute, a K/V ring, then a latent ring, on CUDA tensors.
 """
 
 import os
@@ -109,8 +109,10 @@ def test_multi_latent_attention_step_on_fake_gpu(guard_library):
     and MTP: multi-latent attention with YaRN (HDP's MLA module, RoPE angles of the micro-batch's
     positions, made in its first layer; V narrower than q and k through torch varlen, padded), the K/V
     ring in the first step and the latent ring (up-projection of received latents, latent gradients sent
-    back) in the second, and a multi-token prediction layer of MLA, on CUDA tensors under NCCL's rules, no
-    host sync or blocking copy inside a layer or a micro-batch."""
+    back; its latent through the core-attention checkpoint's arguments, the sink after its merge) in the
+    second, and a multi-token prediction layer of MLA, with a learnable sink and `--recompute-modules
+    core_attn`, on CUDA tensors under NCCL's rules, no host sync or blocking copy inside a layer or a
+    micro-batch."""
     output = _run(guard_library, "hdp_step", "1", "0", "1", "mla")
     assert "of micro-batch tensors (pinned, non-blocking)" in output
     assert "rolls answered from the micro-batches" in output

@@ -11,7 +11,7 @@ from megatron_hdp.attention.backends.base import segment_rows
 from megatron_hdp.attention.core_attention import HDPBatchMeta
 from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.ring_plan import Rows, ring_plan
-from megatron_hdp.attention.zigzag_ring import _backward, _forward
+from megatron_hdp.attention.ring_loop import HeldKV, ring_backward, ring_forward
 from megatron_hdp.comm.ring_program import run_in_process
 from megatron_hdp.data.collate import AttentionGroup
 
@@ -67,14 +67,16 @@ def test_ring_steps_gather_each_set_of_local_rows_once(monkeypatch):
     )
     backend = get_backend("cpu_flash", device=CPU, dtype=torch.float32)
     results = run_in_process(
-        [_forward(*shards[p], plan=plans[p], backend=backend, scale=0.3) for p in range(size)]
+        [ring_forward(shards[p][0], HeldKV(*shards[p][1:]), plan=plans[p], backend=backend, scale=0.3)
+         for p in range(size)]
     )
     fixed = {id(s[0]) for s in shards}  # q does not change during the forward (out and lse do)
     assert not [key for key, n in gathers.items() if key[0] in fixed and n > 1]
     gathers.clear()
     douts = [torch.randn_like(out) for out, _ in results]
     run_in_process(
-        [_backward(douts[p], *shards[p], *results[p], plan=plans[p], backend=backend, scale=0.3) for p in range(size)]
+        [ring_backward(douts[p], shards[p][0], HeldKV(*shards[p][1:]), *results[p], plan=plans[p], backend=backend,
+                       scale=0.3) for p in range(size)]
     )
     fixed |= {id(t) for t in douts} | {id(t) for result in results for t in result}
     repeated = [key for key, n in gathers.items() if key[0] in fixed and n > 1]

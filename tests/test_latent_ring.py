@@ -12,7 +12,10 @@ import pytest
 import torch
 from attention_reference import reference_latent_with_grads
 
-from megatron_hdp.attention.latent_ring import latent_ring_attention, simulated_latent_ring_attention
+from megatron_hdp.attention.backends import get_backend
+from megatron_hdp.attention.latent_ring import LatentKV, latent_ring_attention, simulated_latent_ring_attention
+from megatron_hdp.attention.ring_function import simulated_ring_function
+from megatron_hdp.attention.virtual_ring import VirtualRing
 
 HEADS, QK_DIM, ROPE_DIM, V_DIM, RANK = 4, 6, 2, 4, 5
 DIMS = dict(qk_head_dim=QK_DIM, v_head_dim=V_DIM)
@@ -28,15 +31,19 @@ def _inputs(seqlens, *, dtype=torch.float64, seed=0, heads=HEADS):
     return [x.to(dtype) for x in (q, latent, k_rope, weight / RANK**0.5, dout)]
 
 
-def _check(seqlens, ring_size, *, causal=True, window=None, dtype=torch.float64, tol=1e-10, seed=0):
+def _check(seqlens, ring_size, *, causal=True, window=None, dtype=torch.float64, tol=1e-10, seed=0, sink=False):
+    """The simulated ring against the float64 reference; `sink`: with a learnable sink (a logit per head)."""
     q, latent, k_rope, weight, dout = _inputs(seqlens, dtype=dtype, seed=seed)
+    logits = torch.linspace(-1.0, 2.0, HEADS, dtype=dtype) if sink else None
     want = reference_latent_with_grads(q, latent, k_rope, weight, dout, seqlens, causal=causal, scale=0.3,
-                                       window=window, **DIMS)
-    leaves = [x.requires_grad_() for x in (q, latent, k_rope, weight)]
+                                       window=window, sink=logits, **DIMS)
+    leaves = [x.requires_grad_() for x in (q, latent, k_rope, weight, *([logits] if sink else []))]
     out = simulated_latent_ring_attention(*leaves[:3], up_weight=leaves[3], seqlens=seqlens, ring_size=ring_size,
-                                          causal=causal, softmax_scale=0.3, window=window, **DIMS)
+                                          causal=causal, softmax_scale=0.3, window=window,
+                                          sink=leaves[4] if sink else None, **DIMS)
     got = (out, *torch.autograd.grad(out, leaves, dout))
-    for name, g, w in zip(("out", "dq", "dlatent", "dk_rope", "dup_weight"), got, want):
+    assert len(got) == len(want)
+    for name, g, w in zip(("out", "dq", "dlatent", "dk_rope", "dup_weight", "dsink"), got, want):
         assert g.dtype == dtype and g.shape == w.shape, (name, g.dtype, g.shape)
         torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol, msg=lambda m: f"k={ring_size} {name}: {m}")
 
@@ -51,10 +58,62 @@ def test_every_position_of_rings_of_one_to_five(ring_size):
         _check(seqlens, ring_size, causal=causal, window=window, seed=seed + 10 * k)
 
 
+@pytest.mark.parametrize("ring_size", [1, 2, 3, 4, 5])
+def test_a_sink_on_rings_of_one_to_five(ring_size):
+    """A learnable sink (Megatron's `softmax_offset`, an extra softmax column per head), applied after the
+    ring's merge as on the K/V ring: out and the gradients of q, latent, k_rope, up_weight and the sink
+    (summed over the positions' rows) equal the float64 reference, causal and with a sliding window."""
+    k = ring_size
+    for window, seed in ((None, 4), (3, 5)):
+        _check([1, 2 * k - 1, 2 * k + 1, 23], ring_size, window=window, seed=seed + 10 * k, sink=True)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
 def test_half_and_single_precision(dtype, tol):
     """Results come back in the input dtype; blocks accumulate in fp32."""
     _check([5, 31, 12], 3, dtype=dtype, tol=tol, seed=4)
+
+
+class _RoundedBlocks(LatentKV):
+    """The negative control: each block's weight-gradient product rounded to the input dtype before it is
+    added (what a half-precision matmul of the block would give)."""
+
+    def add_block_grads(self, rows, held, dk, dv, held_grads):
+        before = self.weight_gradient().clone()
+        super().add_block_grads(rows, held, dk, dv, held_grads)
+        self.weight_grad = before + (self.weight_grad - before).to(self.weight.dtype).to(before.dtype)
+
+
+def _weight_grad_error(source_class, seed):
+    """Relative error against float64 of the up-projection weight's gradient the members of a bf16 ring of 5
+    accumulate (their fp32 shares summed, before the cast back to bf16), with sources of `source_class`."""
+    seqlens, size = [40, 57, 33, 64], 5
+    q, latent, k_rope, weight, dout = _inputs(seqlens, dtype=torch.bfloat16, seed=seed)
+    want = reference_latent_with_grads(q, latent, k_rope, weight, dout, seqlens, causal=True, scale=0.3, **DIMS)[4]
+    made = []
+
+    def make(*inputs):
+        made.append(source_class(*inputs, **DIMS))
+        return made[-1]
+
+    ring = VirtualRing.of(seqlens, size, causal=True, device=q.device, window=None)
+    leaves = [x.requires_grad_() for x in (q, latent, k_rope, weight)]
+    outs = simulated_ring_function(ring.shards(*leaves[:3]), shared=leaves[3:], make_source=make, sink=None,
+                                   plans=ring.plans, backend=get_backend("auto", device=q.device, dtype=q.dtype),
+                                   scale=0.3, grad_dtype=None)
+    torch.autograd.grad(ring.packed(outs), leaves[3], dout)
+    got = sum(source.weight_gradient() for source in made[-size:])  # the backward's sources
+    assert got.dtype == torch.float32
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_weight_gradient_accumulates_in_fp32(seed):
+    """In bf16 each member adds every block's dW = dKV^T latent in fp32 (`LatentKV.add_block_grads`): its
+    accumulated share is closer to the float64 gradient than when each block's product is rounded to bf16
+    first (`_RoundedBlocks`, the negative control)."""
+    accumulated, rounded = _weight_grad_error(LatentKV, seed), _weight_grad_error(_RoundedBlocks, seed)
+    assert accumulated < rounded < 1e-2, (accumulated, rounded)
 
 
 def test_a_position_holding_no_token_returns_zero_weight_gradient():
@@ -95,6 +154,8 @@ def test_a_ring_of_one_needs_no_process_group():
 
 
 # --- the core attention's router: whole documents, a latent ring and a K/V ring in one micro-batch (gloo) ---
+ROUTER_SINK = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
+"""A learnable sink's logits (one per head) on every group of the router's micro-batch."""
 DOCS = (5, 6, 9, 4, 7)  # seq 0 whole on rank 0, seq 1 whole on rank 1, seqs 2-3 a latent ring (0, 1), seq 4 a K/V ring (1, 0)
 STARTS = [sum(DOCS[:i]) for i in range(len(DOCS))]
 
@@ -120,13 +181,14 @@ def _router_rank(rank, world_size):
     groups, rows = _packed_rows(rank)
     q, latent, k_rope, weight, dout = _inputs(DOCS, dtype=torch.float32, seed=7)
     leaves = [x[rows].requires_grad_() for x in (q, latent, k_rope)] + [weight.requires_grad_()]
-    q, latent, k_rope, weight = leaves
+    leaves.append(ROUTER_SINK.float().requires_grad_())
+    q, latent, k_rope, weight, sink = leaves
     kv = (latent @ weight.t()).view(len(rows), HEADS, -1)  # the layer's own up-projection (whole and K/V groups)
     key = torch.cat([kv[..., :QK_DIM], k_rope.expand(-1, HEADS, -1)], -1)
     unread = torch.zeros(len(rows), 1, 1).index_fill_(0, torch.arange(*groups[1].tokens), torch.nan)
     key, kv = key + unread, kv + unread  # a latent group's K/V rows are never read: NaN there must not show
     meta = HDPBatchMeta(groups=groups, hdp_global_ranks=(0, 1), position_ids=torch.zeros(len(rows), dtype=torch.long))
-    out = hdp_core_attention(q, key, kv[..., QK_DIM:], meta=meta, softmax_scale=0.3,
+    out = hdp_core_attention(q, key, kv[..., QK_DIM:], meta=meta, softmax_scale=0.3, sink=sink,
                              latent=LatentRingInputs(latent, k_rope, weight, **DIMS))
     out.backward(dout[rows])
     return [x.detach().numpy() for x in (out, *(leaf.grad for leaf in leaves))]
@@ -134,24 +196,26 @@ def _router_rank(rank, world_size):
 
 def test_core_attention_routes_latent_ring_groups_to_the_latent_ring():
     """On 2 gloo ranks, a micro-batch of a whole document, a latent ring group and a K/V ring group
-    (`AttentionGroup.ring_kind`, the plan's): out and the gradients of q, latent, k_rope and the
-    up-projection weight (summed over the ranks) equal Megatron's MLA math in float64."""
+    (`AttentionGroup.ring_kind`, the plan's), with a learnable sink on all of them: out and the gradients
+    of q, latent, k_rope, the up-projection weight and the sink (both summed over the ranks) equal
+    Megatron's MLA math in float64."""
     from megatron_hdp.comm.launch import run_gloo
 
     by_rank = run_gloo(_router_rank, 2, timeout_s=240)
     inputs = _inputs(DOCS, dtype=torch.float32, seed=7)
-    want = reference_latent_with_grads(*inputs, DOCS, causal=True, scale=0.3, **DIMS)
+    want = reference_latent_with_grads(*inputs, DOCS, causal=True, scale=0.3, sink=ROUTER_SINK, **DIMS)
     for rank, got in enumerate(by_rank):
         rows = _packed_rows(rank)[1]
         for name, g, w in zip(("out", "dq", "dlatent", "dk_rope"), got, want):
             torch.testing.assert_close(torch.from_numpy(g).double(), w[rows], rtol=2e-5, atol=2e-5,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
-    weight_grad = sum(torch.from_numpy(got[4]).double() for got in by_rank)
-    torch.testing.assert_close(weight_grad, want[4], rtol=2e-5, atol=2e-5)
+    for index, name in ((4, "dup_weight"), (5, "dsink")):
+        summed = sum(torch.from_numpy(got[index]).double() for got in by_rank)
+        torch.testing.assert_close(summed, want[index], rtol=2e-5, atol=2e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_core_attention_refuses_a_latent_group_without_latent_inputs_or_with_a_sink():
-    from megatron_hdp.attention.core_attention import HDPBatchMeta, LatentRingInputs, hdp_core_attention
+def test_core_attention_refuses_a_latent_group_without_latent_inputs():
+    from megatron_hdp.attention.core_attention import HDPBatchMeta, hdp_core_attention
     from megatron_hdp.attention.layout import AttentionGroup
 
     groups = (AttentionGroup((0, 1), (0,), (8,), (0, 4), ring_kind="latent"),)
@@ -161,7 +225,3 @@ def test_core_attention_refuses_a_latent_group_without_latent_inputs_or_with_a_s
     q = torch.zeros(4, HEADS, QK_DIM + ROPE_DIM)
     with pytest.raises(ValueError, match="runs latent rings in this micro-batch but no latent inputs"):
         hdp_core_attention(q, q, q[..., :V_DIM], meta=meta)
-    # the latent ring takes no attention sink (softmax_type off-by-one / learnable): refused, not dropped
-    latent = LatentRingInputs(torch.zeros(4, 5), torch.zeros(4, 1, ROPE_DIM), torch.zeros(HEADS * 8, 5), **DIMS)
-    with pytest.raises(ValueError, match="latent rings in this micro-batch, which take no attention sink"):
-        hdp_core_attention(q, q, q[..., :V_DIM], meta=meta, latent=latent, sink=torch.zeros(HEADS))

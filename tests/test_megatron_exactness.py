@@ -126,7 +126,8 @@ def _case_config(config, case):
     if recompute == "selective":
         return dataclasses.replace(config, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
     if recompute == "mla_up_proj":
-        return dataclasses.replace(config, recompute_granularity="selective", recompute_modules=["mla_up_proj"])
+        return dataclasses.replace(config, recompute_granularity="selective",
+                                   recompute_modules=["mla_up_proj", "core_attn"])
     if case.get("window"):
         config = dataclasses.replace(config, window_size=case["window"], window_attn_skip_freq=case.get("skip"))
     if case.get("sink"):

@@ -10,9 +10,10 @@ documents on the local kernel, split ones on the K/V ring. Models (`MODELS`): De
 (a query latent, latent norms, YaRN with mscale != mscale_all_dim) on a dense model, and DeepSeek-V2-Lite's
 (no query latent, plain RoPE) on a MoE model shaped as DeepSeek-V3's (a dense first layer by
 `moe_layer_freq`, a shared expert, sigmoid routing with top-k scaling, the per-document load-balancing
-loss and z-loss). Layouts: HDP = 5 (rings of 2 to 5 ranks and whole documents in both steps), TP = 2 with
-sequence parallelism and `--recompute-modules mla_up_proj` x HDP = 2 (against Megatron at TP = 2: see
-that test), PP = 2 x HDP = 2 (the MoE model).
+loss and z-loss), and DeepSeek-V3's attention with a learnable sink (`softmax_type`, gpt-oss's).
+Layouts: HDP = 5 with the sink and core-attention recompute (rings of 2 to 5 ranks and whole documents in
+both steps), TP = 2 with sequence parallelism and `--recompute-modules mla_up_proj core_attn` x HDP = 2
+(against Megatron at TP = 2: see that test), PP = 2 x HDP = 2 (the MoE model).
 The reference launch also checks that the spec `--hdp` builds keeps Megatron's parameter names: the state
 dict and sharded state dict keys of an HDP model equal those of Megatron's MLA spec.
 """
@@ -39,6 +40,7 @@ def _models():
 
     return {
         "mla-yarn-q-latent": tiny_mla_fields(),
+        "mla-yarn-q-latent-sink": {**tiny_mla_fields(), "softmax_type": "learnable"},
         "mla-rope-moe": {**tiny_mla_fields(q_lora_rank=None, rope_type="rope"), **DEEPSEEK_MOE},
     }
 
@@ -100,19 +102,22 @@ LATENT_RING_SIZES = ((2, 4), (3, 5))
 """Per step, the ring sizes that run the latent ring; the others the K/V ring: each size runs both."""
 
 
-def test_mla_on_rings_of_two_to_five_ranks(reference):
+def test_mla_on_rings_of_two_to_five_ranks_with_a_sink_and_core_attention_recompute(reference):
     """HDP = 5, whole documents and rings of 2-5 ranks in each step, the latent ring on some rings and the
-    K/V ring on the others (`LATENT_RING_SIZES`): loss and every gradient (`linear_kv_up_proj`'s and
-    `linear_kv_down_proj`'s included) equal the float64 reference."""
+    K/V ring on the others (`LATENT_RING_SIZES`), a learnable sink on every layer and
+    `--recompute-modules core_attn mlp` (the latent reaches the recomputed ring as an argument of the
+    checkpointed call): loss and every gradient (`linear_kv_up_proj`'s, `linear_kv_down_proj`'s and the
+    sink's included) equal the float64 reference."""
     from test_megatron_exactness import _plan
 
-    name = "mla-yarn-q-latent"
+    name = "mla-yarn-q-latent-sink"
     for step, (_, lengths) in enumerate(BATCHES):
         plan = _plan(lengths, num_ranks=5, seed=RING_SIZES_SEED + step, pp_size=1, idle=False)
         assert {len(s.ring) for s in plan.sequences} == {1, 2, 3, 4, 5}
-    case = dict(fields=_models()[name], latent_ring_sizes=LATENT_RING_SIZES)
+    case = dict(fields=_models()[name], latent_ring_sizes=LATENT_RING_SIZES, recompute="selective")
     results = run_gloo(_hdp, 5, 1, 1, 1, reference[name]["init"], RING_SIZES_SEED, False, case, timeout_s=300)
     _check(reference[name], results)
+    assert any("softmax_offset" in grad for grad in results[0][0]["grads"])
 
 
 def _tp_reference(rank, world_size, init, fields):
@@ -133,10 +138,10 @@ def _tp_reference(rank, world_size, init, fields):
     return reference_steps(ddp, opt, BATCHES, token_multiple=world_size)
 
 
-def test_mla_tensor_and_sequence_parallel_with_up_projection_recompute(reference):
-    """TP = 2 with sequence parallelism x HDP = 2, `--recompute-modules mla_up_proj`, the latent ring in
-    step 1 and the K/V ring in step 2, against Megatron's own MLA at TP = 2 with sequence parallelism: TP
-    rank by TP rank. (Not against TP = 1: Megatron's MLA with
+def test_mla_tensor_and_sequence_parallel_with_up_projection_and_core_attention_recompute(reference):
+    """TP = 2 with sequence parallelism x HDP = 2, `--recompute-modules mla_up_proj core_attn`, the latent
+    ring in step 1 and the K/V ring in step 2, against Megatron's own MLA at TP = 2 with sequence
+    parallelism: TP rank by TP rank. (Not against TP = 1: Megatron's MLA with
     its local spec computes other gradients at TP = 2 than at TP = 1. The shared RoPE key's gradient
     reaches the column-parallel `linear_kv_down_proj` only from the heads of the TP rank that holds its
     columns, since `gather_from_tensor_model_parallel_region` splits the gradient back without a sum; and

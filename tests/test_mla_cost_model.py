@@ -100,6 +100,24 @@ def test_latent_ring_time_by_hand():
     assert DEEPSEEK.layer_ring_buffer_bytes(num_tokens=t, ring_size=k, kind="latent") == (2 + 6 + 2 * 10240 / 1152) * 1152 * t
 
 
+def test_plan_reports_the_peak_ring_buffer_with_the_latent_rings_up_projected_kv():
+    """`megatron-hdp plan`'s `ring MB`: the largest transient ring memory of a member's ring call in one layer,
+    counted by hand for DeepSeek-V3 at TP 8 (10,240 K/V bytes, 1,152 latent bytes per token): a latent ring
+    call of 2 documents on ranks (0, 1) holds 2,000 + 300 tokens per member, 2 latent + 3 fp32 partial
+    buffers (8 x 1,152 B) and the up-projected K/V with its gradient (2 x 10,240 B) per token: 68.3 MB; it
+    outweighs a K/V ring of 500 tokens per member (8 x 10,240 B: 41.0 MB) only because of that K/V."""
+    from megatron_hdp.commands.plan import peak_ring_buffer_bytes
+
+    plan = plan_from_rings([4000, 600, 1000, 50], [(0, 1), (0, 1), (1, 0), (0,)], [0, 0, 1, 1], num_ranks=2,
+                           capacity=4000)
+    latent = tuple(dataclasses.replace(s, ring_kind="latent") if s.id < 2 else s for s in plan.sequences)
+    plan = dataclasses.replace(plan, sequences=latent).validate()
+    assert peak_ring_buffer_bytes(plan, DEEPSEEK) == (8 * 1152 + 2 * 10240) * 2300 == 68_300_800
+    kv_only = dataclasses.replace(plan, sequences=tuple(dataclasses.replace(s, ring_kind="kv") for s in latent))
+    assert peak_ring_buffer_bytes(kv_only, DEEPSEEK) == 8 * 10240 * 2300
+    assert peak_ring_buffer_bytes(plan_from_rings([50], [(0,)], [0], num_ranks=2, capacity=4000), DEEPSEEK) == 0
+
+
 def test_ring_kind_is_validated():
     with pytest.raises(ValueError, match="ring_kind must be one of"):
         dataclasses.replace(DEEPSEEK, ring_kind="mla")

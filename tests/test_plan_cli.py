@@ -22,6 +22,7 @@ def test_plan_command_writes_a_valid_plan(tmp_path, capsys):
     text = capsys.readouterr().out
     for policy in ("balance", "naive", "static"):
         assert f"\n{policy} " in text
+    assert "ring MB" in text  # the transient ring memory (`commands.plan.peak_ring_buffer_bytes`)
     plan = StepPlan.from_dict(json.loads(out.read_text())).validate()
     assert plan.policy == "naive" and plan.num_ranks == 8 and plan.capacity == 4096
     assert plan.lengths == [9000, 3000, 200, 200, 1500, 700, 4096, 4097]

@@ -122,12 +122,14 @@ def test_pretrain_with_sinks_matches_plain_megatron(data_prefix, tmp_path):
 
 
 def test_pretrain_with_multi_latent_attention_matches_whole_documents_on_rings(data_prefix, tmp_path):
-    """`--hdp --multi-latent-attention` (a query latent, latent norms, YaRN): 4 ranks running the longer
-    pieces on latent rings (`--hdp-ring-kind latent`) give the losses of 1 rank running every document
-    whole, step by step. (MLA on K/V rings: through Megatron-LM's script in tests/test_patch.py, and
-    against the float64 reference in tests/test_megatron_mla.py.)"""
+    """`--hdp --multi-latent-attention` (a query latent, latent norms, YaRN) with a learnable sink and
+    core-attention recompute (`--recompute-granularity selective`): 4 ranks running the longer pieces on
+    latent rings (`--hdp-ring-kind latent`) give the losses of 1 rank running every document whole, step
+    by step. (MLA on K/V rings: through Megatron-LM's script in tests/test_patch.py, and against the
+    float64 reference in tests/test_megatron_mla.py.)"""
     data = ["--data-path", data_prefix, "--data-cache-path", str(tmp_path / "cache")]
     argv = TINY + MLA + ["--seq-length", str(SEQ_LENGTH), "--global-batch-size", str(DOCS_PER_STEP),
-                         "--train-iters", "3"] + data
+                         "--train-iters", "3", "--softmax-type", "learnable", "--recompute-granularity",
+                         "selective"] + data
     losses = assert_whole_and_rings_agree(argv, seq_length=SEQ_LENGTH, ring_kinds=("latent",))
     assert len(losses) == 3 and losses[-1] < losses[0]

@@ -131,17 +131,13 @@ def hdp_core_attention(
     `window`: sliding-window attention, query i sees keys i - window .. i of its document (Megatron's
     `window_size = (window, 0)`); None: all earlier keys. `sink` [Hq]: the query heads' sink logits
     (Megatron's `softmax_offset`: zeros for the off-by-one softmax, the parameter for the learnable one),
-    on every group's rows; None: the plain softmax. ValueError before any ring call when a latent ring
-    group has no `latent`, or has a `sink` (the latent ring takes none: the planner gives such layers
-    K/V rings).
+    on every group's rows (latent ring groups too); None: the plain softmax. ValueError before any ring
+    call when a latent ring group has no `latent`.
     """
     check_group_order(meta.groups, num_tokens=q.shape[0])
     if latent is None and any(g.is_ring and g.ring_kind == "latent" for g in meta.groups):
         raise ValueError("the plan runs latent rings in this micro-batch but no latent inputs were given: a latent "
                          "ring needs a multi-latent attention layer (LatentRingInputs)")
-    if sink is not None and any(g.is_ring and g.ring_kind == "latent" for g in meta.groups):
-        raise ValueError("the plan runs latent rings in this micro-batch, which take no attention sink "
-                         "(softmax_type off-by-one / learnable): plan K/V rings (--hdp-ring-kind kv)")
     outputs = []
     for group, segments in zip(meta.groups, meta.segments):
         lo, hi = group.tokens
@@ -150,7 +146,7 @@ def hdp_core_attention(
                 q[lo:hi], latent.latent[lo:hi], latent.k_rope[lo:hi], up_weight=latent.up_weight,
                 seqlens=group.seqlens, ring=meta.global_ring(group), qk_head_dim=latent.qk_head_dim,
                 v_head_dim=latent.v_head_dim, causal=True, softmax_scale=softmax_scale, backend=meta.backend,
-                deterministic=deterministic, window=window,
+                deterministic=deterministic, window=window, sink=sink,
             )
         elif group.is_ring:
             out = ring_attention(

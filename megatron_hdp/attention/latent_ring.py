@@ -36,25 +36,27 @@ partial is what autograd gives Megatron's own `expand` + `cat` of it on this TP 
 Megatron reduces it today. The weight gradient needs no TP reduction (each TP rank owns its rows).
 
 Sliding windows run (the plan is direct, as in the K/V ring). Sinks (Megatron's off-by-one and learnable
-softmax) compose as in the K/V ring: applied to this rank's rows after the merge, the backward program
-fed the rows' (out', lse') — the programs do not change; this function takes none yet.
+softmax) are the K/V ring's: applied to this rank's rows after the merge, whatever circulated, by the
+autograd function both rings share (`ring_function`, over the source `LatentKV`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_hdp.attention.backends import AttentionBackend, get_backend
+from megatron_hdp.attention.backends import get_backend
 from megatron_hdp.attention.layout import check_seqlens
 from megatron_hdp.attention.local import check_window, default_scale
-from megatron_hdp.attention.ring_loop import KVSource, accumulation_dtype, ring_backward, ring_forward
-from megatron_hdp.attention.ring_plan import RingPlan, Rows, ring_plan
+from megatron_hdp.attention.ring_function import ring_function, simulated_ring_function
+from megatron_hdp.attention.ring_loop import KVSource, accumulation_dtype
+from megatron_hdp.attention.ring_plan import Rows, ring_plan
+from megatron_hdp.attention.sink import check_sink
 from megatron_hdp.attention.virtual_ring import VirtualRing
-from megatron_hdp.comm.p2p import Ring, current_ring
-from megatron_hdp.comm.ring_program import run_in_process, run_on_ring
+from megatron_hdp.comm.p2p import current_ring
 
 
 class LatentKV(KVSource):
@@ -82,14 +84,20 @@ class LatentKV(KVSource):
         dkv = torch.cat([dk[..., : self.qk_head_dim], dv], dim=-1).reshape(latent.shape[0], -1)  # W's row order
         rows.add(held_grads[0], dkv @ self.weight)
         rows.add(held_grads[1], dk[..., self.qk_head_dim :].to(held_grads[1].dtype).sum(1, keepdim=True))
-        weight_grad = (dkv.t() @ latent).to(held_grads[0].dtype)
-        self.weight_grad = weight_grad if self.weight_grad is None else self.weight_grad.add_(weight_grad)
+        acc = held_grads[0].dtype  # each block's product in fp32, not rounded to a half dtype first
+        if self.weight_grad is None:
+            self.weight_grad = torch.zeros_like(self.weight, dtype=acc)
+        self.weight_grad.addmm_(dkv.t().to(acc), latent.to(acc))
 
     def weight_gradient(self) -> torch.Tensor:
         """This member's share of the weight's gradient in the accumulation dtype (zeros: it attended nothing)."""
         if self.weight_grad is None:
             return torch.zeros_like(self.weight, dtype=accumulation_dtype(self.weight.dtype))
         return self.weight_grad
+
+    def input_grads(self, part_grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """(latent's, RoPE key's, this member's share of the weight's): the inputs `latent_ring_attention` passes."""
+        return (*part_grads, self.weight_gradient().to(self.weight.dtype))
 
 
 def check_latent_inputs(
@@ -126,24 +134,6 @@ def check_latent_inputs(
         )
 
 
-class _LatentRing(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, latent, k_rope, weight, dims, plan: RingPlan, ring: Ring, backend: AttentionBackend, scale):
-        source = LatentKV(latent, k_rope, weight, **dims)
-        out, lse = run_on_ring(ring_forward(q, source, plan=plan, backend=backend, scale=scale), ring)
-        ctx.save_for_backward(q, latent, k_rope, weight, out, lse)
-        ctx.dims, ctx.plan, ctx.ring, ctx.backend, ctx.scale = dims, plan, ring, backend, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, latent, k_rope, weight, out, lse = ctx.saved_tensors
-        source = LatentKV(latent, k_rope, weight, **ctx.dims)
-        program = ring_backward(dout, q, source, out, lse, plan=ctx.plan, backend=ctx.backend, scale=ctx.scale)
-        dq, (dlatent, dk_rope) = run_on_ring(program, ctx.ring)
-        return dq, dlatent, dk_rope, source.weight_gradient().to(weight.dtype), None, None, None, None, None
-
-
 def latent_ring_attention(
     q: torch.Tensor,
     latent: torch.Tensor,
@@ -160,6 +150,7 @@ def latent_ring_attention(
     group: dist.ProcessGroup | None = None,
     deterministic: bool = False,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multi-latent attention within each document of `seqlens`, split over the ranks of `ring`, moving
     the latent instead of K and V.
@@ -171,8 +162,9 @@ def latent_ring_attention(
     Dv = `v_head_dim`. Returns out [T_local, H, Dv], equal to full (causal) attention over each document
     with K = cat(k_no_pe, k_rope over heads), V = value of the up-projection; differentiable in q,
     latent, k_rope and up_weight (this rank's share of its gradient; the latent's and k_rope's are
-    partials over this TP rank's heads: see the module doc for where TP sums them). ValueError before any
-    message for a bad call, as `ring_attention`. A ring of one attends locally (no message).
+    partials over this TP rank's heads: see the module doc for where TP sums them). `window` and `sink`
+    [H] as `ring_attention`'s (the sink applied to this rank's rows after the merge). ValueError before any
+    message for a bad call, as `ring_attention`. A ring of one runs the same program without a message.
     """
     lengths = check_seqlens(seqlens)
     left = check_window(window, causal=causal)
@@ -182,39 +174,10 @@ def latent_ring_attention(
                         qk_head_dim=qk_head_dim, v_head_dim=v_head_dim)
     kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     scale = default_scale(softmax_scale, q.shape[2])
-    dims = dict(qk_head_dim=qk_head_dim, v_head_dim=v_head_dim)
-    return _LatentRing.apply(q, latent, k_rope, up_weight, dims, plan, members, kernel, scale)
-
-
-class _SimulatedLatentRing(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, plans: tuple[RingPlan, ...], backend, scale, grad_dtype, dims, weight, *shards):
-        size = len(plans)
-        qs, latents, ropes = shards[:size], shards[size : 2 * size], shards[2 * size :]
-        sources = [LatentKV(latents[p], ropes[p], weight, **dims) for p in range(size)]
-        results = run_in_process(
-            [ring_forward(qs[p], sources[p], plan=plans[p], backend=backend, scale=scale) for p in range(size)]
-        )
-        outs = tuple(out for out, _ in results)
-        ctx.save_for_backward(weight, *shards, *outs, *(lse for _, lse in results))
-        ctx.plans, ctx.backend, ctx.scale, ctx.grad_dtype, ctx.dims = plans, backend, scale, grad_dtype, dims
-        return outs
-
-    @staticmethod
-    def backward(ctx, *douts):
-        size = len(ctx.plans)
-        weight, *saved = ctx.saved_tensors
-        qs, latents, ropes = saved[:size], saved[size : 2 * size], saved[2 * size : 3 * size]
-        outs, lses = saved[3 * size : 4 * size], saved[4 * size :]
-        sources = [LatentKV(latents[p], ropes[p], weight, **ctx.dims) for p in range(size)]
-        grads = run_in_process([
-            ring_backward(douts[p], qs[p], sources[p], outs[p], lses[p], plan=ctx.plans[p], backend=ctx.backend,
-                          scale=ctx.scale, grad_dtype=ctx.grad_dtype)
-            for p in range(size)
-        ])
-        dweight = sum(source.weight_gradient() for source in sources)
-        return (None, None, None, None, None, dweight.to(weight.dtype), *(dq for dq, _ in grads),
-                *(parts[0] for _, parts in grads), *(parts[1] for _, parts in grads))
+    check_sink(sink, q)
+    return ring_function(q, (latent, k_rope, up_weight), sink=sink, plan=plan, ring=members, backend=kernel,
+                         scale=scale, make_source=functools.partial(LatentKV, qk_head_dim=qk_head_dim,
+                                                                    v_head_dim=v_head_dim))
 
 
 def simulated_latent_ring_attention(
@@ -233,13 +196,14 @@ def simulated_latent_ring_attention(
     grad_dtype: torch.dtype | None = None,
     deterministic: bool = False,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ring algorithm of `latent_ring_attention` for k = `ring_size` virtual ranks in this process.
 
     Takes and returns whole packed documents (q [T, H, Dn + Dr], latent [T, R], k_rope [T, 1, Dr]; out
     [T, H, Dv]), as `simulated_ring_attention`: each virtual position gets its zigzag shards, the k ring
     programs run in lockstep, and up_weight's gradient is the sum of the k members' shares (what DDP's
-    reduction over the pool gives). For tests and for timing the ring on one device.
+    reduction over the pool gives), as is the sink's. For tests and for timing the ring on one device.
     """
     lengths = check_seqlens(seqlens)
     left = check_window(window, causal=causal)
@@ -248,6 +212,10 @@ def simulated_latent_ring_attention(
                         v_head_dim=v_head_dim)
     kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     scale = default_scale(softmax_scale, q.shape[2])
-    dims = dict(qk_head_dim=qk_head_dim, v_head_dim=v_head_dim)
-    return ring.packed(_SimulatedLatentRing.apply(ring.plans, kernel, scale, grad_dtype, dims, up_weight,
-                                                  *ring.shards(q, latent, k_rope)))
+    check_sink(sink, q)
+    outs = simulated_ring_function(
+        ring.shards(q, latent, k_rope), shared=(up_weight,), sink=sink, plans=ring.plans, backend=kernel,
+        scale=scale, grad_dtype=grad_dtype,
+        make_source=functools.partial(LatentKV, qk_head_dim=qk_head_dim, v_head_dim=v_head_dim),
+    )
+    return ring.packed(outs)

@@ -13,6 +13,7 @@ order of posts and waits (next exchange posted before the current block's comput
 plans), the fp32 merge, and the backward's partials — the gradients of the payload, in the accumulation
 dtype, riding the ring back to their owner (relayed: k hops with the buffer; direct: straight back).
 The deadlock argument is `megatron_hdp.comm.ring_program`'s: every member runs the same program shape.
+The autograd functions that run these programs are `ring_function`'s, one pair for every source.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class KVSource(abc.ABC):
     ) -> None:
         """Add the gradients of the held parts' `rows` for the block's dK, dV into `held_grads` (the
         partials that go back to the owner, accumulation dtype), and keep any of the source's own."""
+
+    def input_grads(self, part_grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The gradients of the tensors the source was made from (`ring_function`'s `inputs`), given those
+        of its `parts` that came back round the ring: the parts' own (the K/V ring's inputs are its parts)."""
+        return part_grads
 
 
 class HeldKV(KVSource):

@@ -8,10 +8,11 @@ passes K and V around again together with the dK/dV partials, which ride the rin
 (k hops); the block gradients come from the kernel's backward fed the final out and lse. Each step
 posts the next exchange before computing, so communication overlaps the block computation.
 
-The algorithm is written once as ring programs (`megatron_hdp.comm.ring_program`): `ring_attention`
-runs this rank's program over point-to-point messages in the HDP communicator (never a process group
-per ring); `simulated_ring_attention` runs all k positions in one process (tests, single-device
-benchmark). A ring of one is the local kernel, with no communication at all.
+The algorithm is written once as ring programs (`megatron_hdp.comm.ring_program`, the block loop of
+`ring_loop` over the source `HeldKV`; the autograd functions are `ring_function`'s, shared with the latent
+ring): `ring_attention` runs this rank's program over point-to-point messages in the HDP communicator
+(never a process group per ring); `simulated_ring_attention` runs all k positions in one process (tests,
+single-device benchmark). A ring of one is the local kernel, with no communication at all.
 
 Several rings (ordering rule): a rank in several rings calls `ring_attention` for them in one global
 order, ascending smallest sequence id of the ring, as every other rank does; the backwards then run in
@@ -48,66 +49,16 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_hdp.attention.backends import AttentionBackend, Segments, get_backend
+from megatron_hdp.attention.backends import Segments, get_backend
 from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.layout import check_seqlens
 from megatron_hdp.attention.local import _LocalAttention, check_qkv, check_window, default_scale, document_window
-from megatron_hdp.attention.ring_loop import HeldKV, ring_backward, ring_forward
-from megatron_hdp.attention.ring_plan import RingPlan, ring_plan
-from megatron_hdp.attention.sink import add_sink, check_sink, sink_grad
+from megatron_hdp.attention.ring_function import ring_function, simulated_ring_function
+from megatron_hdp.attention.ring_loop import HeldKV
+from megatron_hdp.attention.ring_plan import ring_plan
+from megatron_hdp.attention.sink import check_sink
 from megatron_hdp.attention.virtual_ring import VirtualRing
-from megatron_hdp.comm.p2p import Ring, current_ring
-from megatron_hdp.comm.ring_program import RingProgram, run_in_process, run_on_ring
-
-
-def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: RingPlan, backend: AttentionBackend, scale: float
-) -> RingProgram[tuple[torch.Tensor, torch.Tensor]]:
-    """One position's forward: returns (out [T, Hq, Dv] in q's dtype, lse [Hq, T])."""
-    return (yield from ring_forward(q, HeldKV(k, v), plan=plan, backend=backend, scale=scale))
-
-
-def _backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    plan: RingPlan,
-    backend: AttentionBackend,
-    scale: float,
-    grad_dtype: torch.dtype | None = None,
-) -> RingProgram[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """One position's backward: returns (dq, dk, dv) in the dtypes of q, k, v.
-
-    The dK/dV partials travel in `grad_dtype` (default: the accumulation dtype, see the module doc) and
-    are summed in the accumulation dtype on arrival."""
-    source = HeldKV(k, v)
-    dq, (dk, dv) = yield from ring_backward(
-        dout, q, source, out, lse, plan=plan, backend=backend, scale=scale, grad_dtype=grad_dtype
-    )
-    return dq, dk, dv
-
-
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sink, plan: RingPlan, ring: Ring, backend: AttentionBackend, scale: float):
-        out, lse = run_on_ring(_forward(q, k, v, plan=plan, backend=backend, scale=scale), ring)
-        if sink is not None:  # after the merge: the block backward then runs with the rows' lse'
-            out, lse = add_sink(out, lse, sink)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.plan, ctx.ring, ctx.backend, ctx.scale = plan, ring, backend, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        program = _backward(dout, q, k, v, out, lse, plan=ctx.plan, backend=ctx.backend, scale=ctx.scale)
-        dq, dk, dv = run_on_ring(program, ctx.ring)
-        dsink = sink_grad(dout, out, lse, sink) if ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsink, None, None, None, None
+from megatron_hdp.comm.p2p import current_ring
 
 
 def prepare_ring_plan(
@@ -177,42 +128,8 @@ def ring_attention(
         segments = Segments(lengths, lengths, q.device)
         window = document_window(left, segments)
         return _LocalAttention.apply(q, k, v, sink, kernel, segments, bool(causal), scale, window)
-    return _RingAttention.apply(q, k, v, sink, plan, members, kernel, scale)
-
-
-class _SimulatedRing(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, plans: tuple[RingPlan, ...], backend: AttentionBackend, scale: float, grad_dtype, sink, *shards):
-        size = len(plans)
-        qs, ks, vs = shards[:size], shards[size : 2 * size], shards[2 * size :]
-        results = run_in_process(
-            [_forward(qs[p], ks[p], vs[p], plan=plans[p], backend=backend, scale=scale) for p in range(size)]
-        )
-        if sink is not None:  # each position's rows, after the merge, as `ring_attention` does
-            results = [add_sink(out, lse, sink) for out, lse in results]
-        outs = tuple(out for out, _ in results)
-        ctx.save_for_backward(sink, *shards, *outs, *(lse for _, lse in results))
-        ctx.plans, ctx.backend, ctx.scale, ctx.grad_dtype = plans, backend, scale, grad_dtype
-        return outs
-
-    @staticmethod
-    def backward(ctx, *douts):
-        size = len(ctx.plans)
-        sink, *saved = ctx.saved_tensors
-        qs, ks, vs = saved[:size], saved[size : 2 * size], saved[2 * size : 3 * size]
-        outs, lses = saved[3 * size : 4 * size], saved[4 * size :]
-        programs = [
-            _backward(
-                douts[p], qs[p], ks[p], vs[p], outs[p], lses[p], plan=ctx.plans[p], backend=ctx.backend,
-                scale=ctx.scale, grad_dtype=ctx.grad_dtype,
-            )
-            for p in range(size)
-        ]
-        grads = run_in_process(programs)
-        dsink = None
-        if ctx.needs_input_grad[4]:  # every position's rows' share, as the ranks' DDP would sum them
-            dsink = sum(sink_grad(douts[p], outs[p], lses[p], sink) for p in range(size))
-        return (None, None, None, None, dsink, *(g[0] for g in grads), *(g[1] for g in grads), *(g[2] for g in grads))
+    return ring_function(q, (k, v), make_source=HeldKV, sink=sink, plan=plan, ring=members, backend=kernel,
+                         scale=scale)
 
 
 def simulated_ring_attention(
@@ -246,4 +163,6 @@ def simulated_ring_attention(
     check_sink(sink, q)
     kernel = get_backend(backend, device=q.device, dtype=q.dtype, deterministic=deterministic)
     scale = default_scale(softmax_scale, q.shape[2])
-    return ring.packed(_SimulatedRing.apply(ring.plans, kernel, scale, grad_dtype, sink, *ring.shards(q, k, v)))
+    outs = simulated_ring_function(ring.shards(q, k, v), make_source=HeldKV, sink=sink, plans=ring.plans,
+                                   backend=kernel, scale=scale, grad_dtype=grad_dtype)
+    return ring.packed(outs)

@@ -14,8 +14,10 @@ longest document's fastest crossing of every pipeline stage when longer: `bounds
 balance (max / mean rank time), the PP bubble (mean seconds a pipeline spends beyond
 its micro-batches' time, `--vpp` for Megatron's interleaved schedule), rings, micro-batches per rank,
 ring-attention bytes (TB per step), the rings that are latent rings (multi-latent attention models;
-`--ring-kind` forces one kind), the sequences that offload and the planner's wall time (validation
-included). A policy whose plan is estimated to exceed --max-shards or --max-plan-seconds is skipped with
+`--ring-kind` forces one kind), the sequences that offload, the ring buffers (`ring MB`: the most
+transient memory one ring call takes on a member in one layer's backward, beyond the activations the
+capacity holds; a latent ring's up-projected K/V included: `peak_ring_buffer_bytes`) and the planner's
+wall time (validation included). A policy whose plan is estimated to exceed --max-shards or --max-plan-seconds is skipped with
 its reason. The plan of --policy is written as the StepPlan JSON of DESIGN.md (--json) and all plans are
 drawn (--plot).
 `--ep` (and `--etp`) plan and time with Megatron's expert-parallel groups: their HDP ranks run every
@@ -143,8 +145,28 @@ def summary_row(plan, *, cost_model, wall_s: float, bound: float, critical: floa
         "rings_across_nodes": stats.rings_across_nodes,
         "network_tb": stats.network_bytes / 1e12,
         "offloaded": sum(1 for s in plan.sequences if s.offload_ratio > 0),
+        "ring_buffer_mb": peak_ring_buffer_bytes(plan, cost_model) / 1e6,
         "plan_ms": 1e3 * wall_s,
     }
+
+
+def peak_ring_buffer_bytes(plan, cost_model) -> float:
+    """The most transient device memory one ring call of the plan takes on a member in one layer's backward
+    (`CostModel.layer_ring_buffer_bytes`: buffers of what circulates and of its gradient partials, and for
+    a latent ring the up-projected K/V of a block), over every rank, micro-batch and ring call: memory a
+    rank needs beyond its micro-batch's activations (the rings of one micro-batch run one after another)."""
+    by_id = {seq.id: seq for seq in plan.sequences}
+    peak = 0.0
+    for rank in plan.ranks:
+        for microbatch in rank.microbatches:
+            calls: dict[tuple, int] = {}  # (ring, kind) -> this member's tokens in that ring call
+            for shard in microbatch.shards:
+                seq = by_id[shard.seq]
+                if len(seq.ring) > 1:
+                    calls[seq.ring, seq.ring_kind] = calls.get((seq.ring, seq.ring_kind), 0) + shard.num_tokens
+            for (ring, kind), tokens in calls.items():
+                peak = max(peak, cost_model.layer_ring_buffer_bytes(num_tokens=tokens, ring_size=len(ring), kind=kind))
+    return peak
 
 
 def pipeline_bubble(plan) -> float:
@@ -160,7 +182,7 @@ def format_table(rows: list[dict]) -> str:
     """The side-by-side table: one line per policy, `n/a: reason` where a policy refused the batch."""
     header = (f"{'policy':<20}{'step (s)':>10}{'vs bound':>10}{'vs crit.':>10}{'balance':>9}{'bubble s':>9}{'rings':>7}"
               f"{'max ring':>9}{'mb/rank':>9}{'ring TB':>10}{'latent':>7}{'x-node':>8}{'net TB':>9}{'offload':>8}"
-              f"{'plan ms':>9}")
+              f"{'ring MB':>9}{'plan ms':>9}")
     lines = [header, "-" * len(header)]
     for row in rows:
         if "error" in row:
@@ -171,7 +193,8 @@ def format_table(rows: list[dict]) -> str:
             f"{'+%.1f%%' % (100 * row['critical_path_gap']):>10}{row['balance']:>9.3f}"
             f"{row['bubble_s']:>9.3f}{row['rings']:>7}{row['max_ring']:>9}{row['microbatches']:>9}"
             f"{row['attention_tb']:>10.2f}{row['latent_rings']:>7}"
-            f"{row['rings_across_nodes']:>8}{row['network_tb']:>9.2f}{row['offloaded']:>8}{row['plan_ms']:>9.1f}"
+            f"{row['rings_across_nodes']:>8}{row['network_tb']:>9.2f}{row['offloaded']:>8}{row['ring_buffer_mb']:>9.1f}"
+            f"{row['plan_ms']:>9.1f}"
         )
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ from megatron_hdp.megatron.options import flag_name as _flag
 from megatron_hdp.megatron.options import flag_problems
 from megatron_hdp.data.quantization import token_multiple  # noqa: F401  (the padding of this run's flags)
 from megatron_hdp.megatron.training_compat import require_megatron_training
+from megatron_hdp.plan.planner import KV_RING_ONLY_POLICIES
 
 require_megatron_training()
 
@@ -138,12 +139,46 @@ def _incompatibilities(args: Namespace, config: HDPConfig) -> list[str]:
             scheduler_checkout()
         except ValueError as error:
             problems.append(f"--hdp-policy megatron-dynamic-cp: {error}")
+    problems += _ring_kind_problems(args, config)
     if config.hdp_cost_model is not None and not os.path.isfile(config.hdp_cost_model):
         problems.append(
             f"--hdp-cost-model {config.hdp_cost_model}: no such file; write one with `megatron-hdp calibrate` "
             "or leave the flag out for the analytic cost model"
         )
     return problems + flag_problems(args)
+
+
+def _ring_kind_problems(args: Namespace, config: HDPConfig) -> list[str]:
+    """`--hdp-ring-kind latent` where no latent ring can run: without multi-latent attention, or with a
+    policy that plans K/V rings only."""
+    if config.hdp_ring_kind != "latent":
+        return []
+    if not getattr(args, "multi_latent_attention", False):
+        return ["--hdp-ring-kind latent without --multi-latent-attention: the latent ring circulates multi-latent "
+                "attention's latent; drop --hdp-ring-kind or set it to kv"]
+    if config.hdp_policy in KV_RING_ONLY_POLICIES:
+        return [f"--hdp-ring-kind latent with --hdp-policy {config.hdp_policy}: that policy plans K/V rings only "
+                "(Megatron's Hybrid-CP scheduler runs the K/V ring); use --hdp-policy balance or --hdp-ring-kind kv"]
+    return []
+
+
+def _kv_fallback(args: Namespace, config: HDPConfig) -> Optional[str]:
+    """Why split documents run K/V rings only although --hdp-ring-kind (auto, or left out with multi-latent
+    attention) would let the cost model pick latent rings; None when it can."""
+    if config.hdp_ring_kind not in (None, "auto"):
+        return None
+    mla = getattr(args, "multi_latent_attention", False)
+    if not mla:
+        return "no --multi-latent-attention (only its latent can circulate)" if config.hdp_ring_kind else None
+    if config.hdp_policy in KV_RING_ONLY_POLICIES:
+        return f"--hdp-policy {config.hdp_policy} plans K/V rings only"
+    return None
+
+
+def ring_kind_setting(args: Namespace, config: HDPConfig) -> Optional[str]:
+    """The cost model's `ring_kind` for this run: --hdp-ring-kind, "kv" where auto can only plan K/V rings
+    (`_kv_fallback`, said once by `validate_hdp_args`), None (unset): the cost model's own."""
+    return "kv" if _kv_fallback(args, config) else config.hdp_ring_kind
 
 
 def _expert_problems(args: Namespace) -> list[str]:
@@ -176,6 +211,10 @@ def validate_hdp_args(args: Namespace) -> Optional[HDPConfig]:
     if problems:
         raise ValueError("--hdp cannot run with these flags:\n  - " + "\n  - ".join(problems))
     _warn_recompute_mismatch(args, config)
+    fallback = _kv_fallback(args, config)
+    if fallback:
+        logger.warning("--hdp-ring-kind %s: split documents run K/V rings: %s", config.hdp_ring_kind or "auto",
+                       fallback)
     return config
 
 

@@ -15,6 +15,9 @@ chunks; group j -> micro-batch index j on every rank, holding that rank's sub-sa
   (<= C tokens per rank) even when the group's sum exceeds C; the micro-batch's `capacity` is therefore
   max(C, its tokens), and its `est_time` sums one pass per sub-sample. `plan.per_subsample` turns
   this plan into Megatron's execution (a micro-batch per sub-sample, the group barriers).
+  Every ring is a K/V ring (Megatron's Hybrid-CP runs TE's K/V ring): the policy is in
+  `plan.planner.KV_RING_ONLY_POLICIES`, so `--hdp-ring-kind latent` with it is refused at flag validation
+  and `auto` says once that it plans K/V rings (`megatron/args.py`).
 
 Calling the scheduler without a process group: `BalancedCPScheduler.__init__` reads only
 `dp_cp_group.size()`, and `get_groups_and_subsamples` is pure Python over (sample id, length) pairs (its

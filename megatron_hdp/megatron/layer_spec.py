@@ -96,6 +96,12 @@ class HDPCoreAttention(MegatronModule):
     sink_like: ClassVar[str] = "local"
     """Whose `softmax_offset` this leaf makes: Megatron's local `DotProductAttention`'s or TE's."""
 
+    requires_dsa_inputs: ClassVar[bool] = True
+    """Asks Megatron's MLA (the only reader) to pass `x` and `qr` (its 4th QKV value) to the core attention as
+    `core_attention_extra_kwargs`: the checkpointed call's arguments under core-attention recompute.
+    `HDPMLASelfAttention` sends the latent ring's latent and RoPE key that way and takes both out again
+    before this leaf is called (`mla.HDPMLASelfAttention._run_core_attention`)."""
+
     def __init__(
         self,
         config: TransformerConfig,

@@ -30,7 +30,12 @@ The K/V ring runs 2 then the ring over K and V. When the plan gives a ring call 
 latent ring (`AttentionGroup.ring_kind`), the layer also hands the core attention `LatentInputs`
 (`core_attention.LatentRingInputs`): the normalised latent through `linear_kv_up_proj`'s own TP input
 mapping, the rotated RoPE key and `linear_kv_up_proj.weight`; those groups' rows of K and V are not read,
-each ring member up-projects the latent blocks it receives (`attention.latent_ring`). Under the TE spec
+each ring member up-projects the latent blocks it receives (`attention.latent_ring`). The latent and the
+RoPE key travel as the 4th value of `get_query_key_value_tensors`, which Megatron passes to the core
+attention as the keyword `qr` (`HDPCoreAttention.requires_dsa_inputs`) and threads through
+`--recompute-modules core_attn`'s checkpoint as an argument of the checkpointed call (its
+`core_attention_extra_kwargs`), so the recompute attends with the same, detached, latent: core-attention
+recompute and attention sinks run on latent rings as on K/V rings. Under the TE spec
 the norm is the fused one of `linear_kv_up_proj` (a layer-norm linear): the ring applies it with that
 module's own `layer_norm_weight` (and bias), so no parameter is added or renamed (`normalised_latent`).
 With gradient-accumulation fusion, Megatron's linears add their weight gradient into `main_grad`
@@ -89,16 +94,16 @@ def position_angles(rotary: torch.nn.Module, position_ids: torch.Tensor) -> tupl
 class HDPMLASelfAttention(MLASelfAttention):
     """Megatron's MLA self-attention with per-token RoPE and V unpadded (module doc); same parameters."""
 
-    _ring_latent = None
-    """What this micro-batch's latent ring groups attend with, from `get_query_key_value_tensors` to the
-    core attention of the same forward (None: no latent ring in the micro-batch)."""
-
-    def _run_core_attention(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def _run_core_attention(
+        self, *args: Any, x: Any = None, qr: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
         """The plain core-attention call (`MultiLatentAttention`'s pads V to the query's head dim for THD),
-        with the latent ring's inputs when the micro-batch has latent ring groups."""
-        latent, self._ring_latent = self._ring_latent, None
-        if latent is not None:
-            kwargs["latent"] = latent
+        with the latent ring's inputs when the micro-batch has latent ring groups: `qr` is the 4th value of
+        `get_query_key_value_tensors`, the ring's latent and RoPE key (`ring_tensors`), which Megatron hands
+        here as a keyword argument (`HDPCoreAttention.requires_dsa_inputs`), through the core-attention
+        checkpoint as one of the checkpointed call's arguments; `x` (the hidden states) is not needed."""
+        if qr is not None:
+            kwargs["latent"] = self.ring_latent(qr)
         return Attention._run_core_attention(self, *args, **kwargs)
 
     def get_query_key_value_tensors(
@@ -115,12 +120,7 @@ class HDPMLASelfAttention(MLASelfAttention):
         if inference_context is not None or inference_params is not None:
             raise ValueError("HDP's multi-latent attention runs training micro-batches only (no inference context)")
         meta = batch_meta(packed_seq_params, "HDPMLASelfAttention")
-        self._ring_latent = None
         latent_rings = any(g.is_ring and g.ring_kind == "latent" for g in meta.groups)
-        if latent_rings and self.checkpoint_core_attention and self.training:
-            raise ValueError("a latent ring does not run under --recompute-modules core_attn (the recompute would "
-                             "call the core attention without the ring's latent inputs): plan K/V rings "
-                             "(--hdp-ring-kind kv, what --hdp sets with core_attn) or drop core_attn")
         if self.recompute_up_proj:  # --recompute-modules mla_up_proj: the up projections and RoPE, as Megatron's
 
             def up_projections(q_compressed, latent, k_pos_emb):
@@ -135,10 +135,8 @@ class HDPMLASelfAttention(MLASelfAttention):
         else:
             query, latent, k_pos_emb = self.latent_inputs(hidden_states, meta)
             key, value = self.up_project(latent, k_pos_emb)
-        if latent_rings:
-            self._ring_latent = self.ring_latent(latent, k_pos_emb)
-        # q_compressed (the 4th) is read only by DSA's core attention (`requires_dsa_inputs`), not HDP's
-        return query, key, value, None, latent
+        # the 4th value (Megatron's q_compressed) reaches the core attention as `qr` (`_run_core_attention`)
+        return query, key, value, self.ring_tensors(latent, k_pos_emb) if latent_rings else None, latent
 
     def latent_inputs(self, hidden_states: torch.Tensor, meta: HDPBatchMeta) -> LatentInputs:
         """Step 1 of the module doc: (query with RoPE, latent, rotated shared RoPE key) of this rank's tokens."""
@@ -158,20 +156,28 @@ class HDPMLASelfAttention(MLASelfAttention):
         )
         return torch.cat([k_no_pe, k_pos_emb.expand(-1, heads, -1)], dim=-1), value.contiguous()
 
-    def ring_latent(self, latent: torch.Tensor, k_pos_emb: torch.Tensor) -> LatentRingInputs:
-        """The latent ring's inputs of this rank's tokens: the normalised latent as `linear_kv_up_proj` sees
-        its input (`copy_to_tensor_model_parallel_region`, with sequence parallelism the gather: their
-        backward sums the TP ranks' latent gradients, as the linear's own would), the rotated RoPE key and
-        the up-projection's weight (this TP rank's heads)."""
+    def ring_tensors(self, latent: torch.Tensor, k_pos_emb: torch.Tensor) -> torch.Tensor:
+        """[T, kv_lora_rank + qk_pos_emb_head_dim]: what circulates on the latent ring for this rank's tokens,
+        one tensor so that Megatron's core-attention checkpoint takes it as an argument: the normalised
+        latent as `linear_kv_up_proj` sees its input (`copy_to_tensor_model_parallel_region`, with sequence
+        parallelism the gather: their backward sums the TP ranks' latent gradients, as the linear's own
+        would), then the rotated RoPE key."""
         latent = normalised_latent(self.linear_kv_up_proj, latent, self.config)
         if self.config.sequence_parallel and get_pg_size(self.tp_group) > 1:
             latent = gather_from_sequence_parallel_region(latent, group=self.tp_group)
         else:
             latent = copy_to_tensor_model_parallel_region(latent, group=self.tp_group)
+        return torch.cat([latent, k_pos_emb.squeeze(1)], dim=-1)
+
+    def ring_latent(self, ring_tensors: torch.Tensor) -> LatentRingInputs:
+        """The latent ring's inputs from `ring_tensors`' latent and rotated RoPE key, with the up-projection's
+        weight (this TP rank's heads)."""
+        config = self.config
+        latent, k_pos_emb = torch.split(ring_tensors, [config.kv_lora_rank, config.qk_pos_emb_head_dim], dim=-1)
         weight = self.linear_kv_up_proj.weight
-        if self.config.gradient_accumulation_fusion:
+        if config.gradient_accumulation_fusion:
             weight = fused_weight_grad(weight)
-        return LatentRingInputs(latent, k_pos_emb, weight, self.config.qk_head_dim, self.config.v_head_dim)
+        return LatentRingInputs(latent, k_pos_emb.unsqueeze(1), weight, config.qk_head_dim, config.v_head_dim)
 
     def _compressed(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q_compressed, latent, raw k_pos_emb [T, pe]): Megatron's down projections with its TP / SP

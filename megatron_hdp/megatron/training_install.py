@@ -64,7 +64,7 @@ from megatron_hdp.comm.telemetry import (
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.data.loader import HDPDataLoader, HDPStep
 from megatron_hdp.data.resume import truncation_change
-from megatron_hdp.megatron.args import token_multiple, validate_hdp_args
+from megatron_hdp.megatron.args import ring_kind_setting, token_multiple, validate_hdp_args
 from megatron_hdp.megatron.resume_check import wrap_load_base_checkpoint
 from megatron_hdp.megatron.training_compat import check_megatron_version, require_megatron_training
 from megatron_hdp.offload import ActivationOffloader, OffloadConfig, OffloadStats
@@ -178,13 +178,14 @@ def _cost_model(args: Namespace, config: HDPConfig) -> CostModel:
     the model's shape on the named or detected hardware (`_hardware`), or --hdp-cost-model completed from
     it, with this run's TP, EP and expert TP (the HDP ranks an MoE all-to-all couples: the groups Megatron
     will build, checked against them when the data loader is built, `_build_data_loader`), ranks per node
-    (--hdp-ranks-per-node, else the hardware's NVLink domain / TP), recompute and ring kind (`_ring_kind`)."""
+    (--hdp-ranks-per-node, else the hardware's NVLink domain / TP), recompute and ring kind
+    (`args.ring_kind_setting`)."""
     from megatron_hdp.plan.mesh_cost import mesh_cost_model
 
     return mesh_cost_model(
         model=_model_shape(args), hardware=_hardware(config), tp_size=args.tensor_model_parallel_size,
         ep_size=args.expert_model_parallel_size, etp_size=getattr(args, "expert_tensor_parallel_size", None),
-        ranks_per_node=config.hdp_ranks_per_node, ring_kind=_ring_kind(args, config),
+        ranks_per_node=config.hdp_ranks_per_node, ring_kind=ring_kind_setting(args, config),
         recompute_granularity=getattr(args, "recompute_granularity", None) or "none", measured=config.hdp_cost_model,
     )
 
@@ -197,37 +198,6 @@ def _hardware(config: HDPConfig) -> Optional[str]:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return resolve_hardware(flag=config.hdp_hardware, device_name=device, measured=config.hdp_cost_model is not None)
-
-
-def _ring_kind(args: Namespace, config: HDPConfig) -> Optional[str]:
-    """The ring kind the planner may use: --hdp-ring-kind, K/V where a setting of the run blocks the
-    latent ring (`_latent_ring_blockers`), else None (auto)."""
-    ring_kind = config.hdp_ring_kind
-    if ring_kind == "latent" and not getattr(args, "multi_latent_attention", False):
-        raise ValueError("--hdp-ring-kind latent needs --multi-latent-attention (the latent ring circulates its "
-                         "latent); drop the flag or set it to kv")
-    blockers = _latent_ring_blockers(args)
-    if blockers and ring_kind == "latent":
-        flag, why = blockers[0]
-        raise ValueError(f"--hdp-ring-kind latent with {flag}: {why}")
-    if blockers and getattr(args, "multi_latent_attention", False):
-        ring_kind = "kv"  # auto would price latent rings the run cannot execute
-    return ring_kind
-
-
-def _latent_ring_blockers(args: Namespace) -> list[tuple[str, str]]:
-    """(flag, why) for each setting of the run under which the latent ring cannot run: an attention sink
-    (the latent ring takes none) and core-attention recompute (the checkpoint's recompute would run the
-    ring without its latent inputs)."""
-    blockers = []
-    if getattr(args, "softmax_type", "vanilla") != "vanilla":
-        blockers.append((f"--softmax-type {args.softmax_type}",
-                         "the latent ring takes no attention sink; use --hdp-ring-kind kv"))
-    modules = getattr(args, "recompute_modules", None) or ["core_attn"]  # Megatron's default with selective
-    if getattr(args, "recompute_granularity", None) == "selective" and "core_attn" in modules:
-        blockers.append(("--recompute-modules core_attn", "the latent ring does not run under core-attention "
-                         "recompute; use --hdp-ring-kind kv or drop core_attn"))
-    return blockers
 
 
 def _dense_layers(args: Namespace) -> int:

@@ -258,7 +258,8 @@ class CostModel:
         backward (the larger pass), beyond the activations (`a2`): two buffers of what circulates (held,
         arriving), three of its gradient partials (accumulating, leaving, arriving), and for a latent ring
         the up-projected block, its K and V and their gradients (at least 2 kv_bytes_per_token per token).
-        Not planned with (the capacity C leaves room for it); reported by `megatron-hdp plan`."""
+        Not planned with (the capacity C leaves room for it); `megatron-hdp plan` reports the largest over a
+        plan's ring calls (its `ring MB` column, `commands.plan.peak_ring_buffer_bytes`)."""
         if ring_size <= 1:
             return 0.0
         per_token = 2 * self.ring_bytes_per_token(kind) + 3 * self.grad_bytes_per_token(kind)

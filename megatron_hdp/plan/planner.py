@@ -31,6 +31,11 @@ POLICIES: dict[str, PolicyFunction] = {
 VIRTUAL_STAGE_POLICIES = ("balance", "naive", "naive-offload", "static", "megatron-dynamic-cp")
 """Policies whose function takes `vpp_size` (plans for Megatron's interleaved schedule)."""
 
+KV_RING_ONLY_POLICIES = ("megatron-hybrid-cp",)
+"""Policies whose plans give every ring the K/V kind whatever the cost model's `ring_kind` (Megatron's
+Hybrid-CP scheduler runs TE's K/V ring); the others give each ring the kind the cost model picks
+(`plan.assemble`)."""
+
 
 def register_policy(name: str, function: PolicyFunction) -> None:
     """Make `function` the planning function of policy `name` (idempotent; a second function for a
