@@ -11,7 +11,7 @@ narrower experts, a shared expert) at depths 0, 1 and 2.
 import pytest
 
 from megatron_hdp.megatron.args import parse_and_check
-from megatron_hdp.megatron.training_install import _base_cost_model
+from megatron_hdp.megatron.training_install import _cost_model
 from megatron_hdp.plan.presets import ModelShape, analytic_cost_model, hardware_profile
 
 FLAGS = (
@@ -34,7 +34,7 @@ def test_planner_flops_equal_megatrons_count_with_mtp(depth, moe):
     mtp = ["--mtp-num-layers", str(depth)] if depth else []
     args, config = parse_and_check(FLAGS + moe + mtp, world_size=1)
     args.padded_vocab_size = args.vocab_size  # 128: what Megatron pads it to for TP 1 (set at initialize)
-    cost = _base_cost_model(args, config)  # what install() plans with
+    cost = _cost_model(args, config)  # what install() plans with (h100 without a GPU)
     hw = hardware_profile("h100")
     s = args.seq_length
     planned = (cost.a1 * hw.peak_flops * hw.attention_efficiency * s * s
