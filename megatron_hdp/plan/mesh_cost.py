@@ -51,8 +51,9 @@ _DEVICE_PRESETS = (("GB200", "gb200"), ("B300", "b300"), ("B200", "b200"), ("H20
                    ("A100", "a100"))
 """(substring of a CUDA device name, preset), most specific first ("NVIDIA GB200" also holds "B200")."""
 
-_COMPLETED = ("expert_share", "latent_bytes_per_token", "up_projection_time", "intra_node_bandwidth")
-"""Fields a measured file may lack that a run can need (module docstring)."""
+_COMPLETED = {"expert_share": "a MoE model's expert-work spread", "latent_bytes_per_token": "the latent ring",
+              "up_projection_time": "the latent ring", "intra_node_bandwidth": "rings inside an NVLink domain"}
+"""Fields a measured file may lack that a run can need (module docstring), each with what needs it."""
 
 
 def hardware_for_device(name: str) -> Optional[str]:
@@ -143,10 +144,8 @@ def _measured(measured: CostModel | str | Path, *, shape: Optional[ModelShape], 
     if hardware is not None and measured.intra_node_bandwidth is None:
         fill["intra_node_bandwidth"] = hardware.intra_node_bandwidth
     if fill:
-        why = {"expert_share": "a MoE model's expert-work spread", "latent_bytes_per_token": "the latent ring",
-               "up_projection_time": "the latent ring", "intra_node_bandwidth": "rings inside an NVLink domain"}
         logger.warning("cost model %s lacks %s, which this run needs (%s): completed from the analytic model%s",
                        where, ", ".join(name for name in _COMPLETED if name in fill),
-                       "; ".join(dict.fromkeys(why[name] for name in _COMPLETED if name in fill)),
+                       "; ".join(dict.fromkeys(why for name, why in _COMPLETED.items() if name in fill)),
                        " (times scaled to its b1)" if "up_projection_time" in fill else "")
     return dataclasses.replace(measured, **fill)
