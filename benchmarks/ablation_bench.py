@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_hdp.plan.presets import model_shape
+from megatron_hdp.plan.cost.presets import model_shape
 from megatron_hdp.sim.cluster import ClusterSpec
 from megatron_hdp.sim.compare import compare_policies
 from output import finish, print_new_rows
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list of bytes/s of a ring link ('default': the H100 preset's 50e9)")
     parser.add_argument("--steps", type=int, default=2, help="sampled global batches per mix")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default="llama-7b", help="model preset (plan/presets.py MODELS)")
+    parser.add_argument("--model", default="llama-7b", help="model preset (plan/cost/presets.py MODELS)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (a MoE --model)")
     parser.add_argument("--out", default=str(HERE / "results" / "ablation_bench.json"))
     args = parser.parse_args(argv)

@@ -8,7 +8,7 @@ H100, `compare_policies` (the `megatron-hdp simulate` path, seeds as its default
 on one cluster (`ClusterSpec.ep_size`: the experts over EP ranks, so the gradient all-reduce is the
 same for both) twice: with the cost model coupling no EP groups ("EP 1", static and balance: issue 31's
 reference, only `CostModel.expert_parallel_size` differs), and with the EP groups coupled in every
-micro-batch by the all-to-all, with static, balance (EP groups planned as units, `plan.expert_units`) and
+micro-batch by the all-to-all, with static, balance (EP groups planned as units, `plan.search.expert_units`) and
 `balance-ep-unaware` (balance planning every rank as if it ran alone and choosing among its candidates
 so; the runtime then pads each EP group and it waits at every index. Issue 31's "before" column was the
 earlier planner, which chose among its rank-by-rank candidates by their time under the coupling). Reported: speedups over
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_hdp.plan.balance import plan_balance
+from megatron_hdp.plan.policies.balance import plan_balance
 from megatron_hdp.plan.planner import register_policy
 from megatron_hdp.sim.cluster import ClusterSpec
 from megatron_hdp.sim.compare import compare_policies

@@ -37,8 +37,8 @@ import torch
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.data.loader import HDPDataLoader
 from megatron_hdp.harness.build_dataset import synthetic_documents, synthetic_lengths
-from megatron_hdp.megatron.datasets import IndexedDocumentSource, write_indexed_dataset
-from megatron_hdp.plan.presets import analytic_cost_model
+from megatron_hdp.megatron.datasets.sources import IndexedDocumentSource, write_indexed_dataset
+from megatron_hdp.plan.cost.presets import analytic_cost_model
 from output import write_result
 from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
 

@@ -43,7 +43,7 @@ from megatron_hdp.attention import (count_traffic, latent_ring_attention, local_
                                     simulated_latent_ring_attention, simulated_ring_attention, zigzag_token_indices)
 from megatron_hdp.commands.arguments import parse_count
 from megatron_hdp.comm.launch import run_gloo
-from megatron_hdp.plan.presets import ModelShape, analytic_cost_model
+from megatron_hdp.plan.cost.presets import ModelShape, analytic_cost_model
 from output import write_result
 from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
 from ring_bench import timed

@@ -31,7 +31,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from output import finish  # noqa: E402
 
-from megatron_hdp.plan.cost_model import CostModel  # noqa: E402
+from megatron_hdp.plan.cost.model import CostModel  # noqa: E402
 from megatron_hdp.plan.step_plan import StepPlan  # noqa: E402
 from megatron_hdp.sim.cluster import ClusterSpec, format_tokens  # noqa: E402
 from megatron_hdp.sim.compare import compare_policies  # noqa: E402

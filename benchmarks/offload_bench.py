@@ -27,7 +27,7 @@ import torch
 
 from megatron_hdp.offload import ActivationOffloader, OffloadConfig
 from megatron_hdp.offload.reference_model import ReferenceGPT
-from megatron_hdp.plan.presets import ModelShape
+from megatron_hdp.plan.cost.presets import ModelShape
 from output import write_result
 from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
 

@@ -14,7 +14,7 @@ markdown tables between the paper_table markers of benchmarks/README.md.
 
 `--ep N` runs the MoE models as Megatron runs them with --expert-model-parallel-size N: experts and their
 optimizer states sharded over EP (`ClusterSpec.memory_budget`), the HDP ranks of an EP group coupled in
-every micro-batch (the MoE all-to-all) and planned together by `balance` (`plan.expert_units`). Its cells
+every micro-batch (the MoE all-to-all) and planned together by `balance` (`plan.search.expert_units`). Its cells
 join the saved ones (rows "model, EP N" beside the EP-1 rows); EP changes no work, so the compute floor
 is the batch's compute as before (only the gradient reduction, experts' over their expert-data-parallel
 ranks, is smaller).

@@ -20,7 +20,7 @@ the JSON).
 `--repeat N` runs all of it N times (the plans are the same every run; the times are not) and reports
 each time as median and range over the runs (`repeats.py`); the JSON keeps every run.
 `--ep 1,8` plans each batch also with expert parallelism (EP groups of 8 consecutive ranks, planned as
-units by `balance`: `plan.expert_units`), for its planner time beside the plan without EP.
+units by `balance`: `plan.search.expert_units`), for its planner time beside the plan without EP.
 Targets (issue 2): balance <= 1.05 for `balance`; a 1,024-rank plan in <= 100 ms and a 12,288-rank plan
 in <= 1 s; `balance` faster than `megatron-hybrid-cp` on every mix.
 """
@@ -42,12 +42,13 @@ import megatron_hdp.megatron  # noqa: F401  (registers megatron-hybrid-cp)
 from megatron_hdp.commands.plan import parse_count
 from megatron_hdp.commands.plan_budget import estimate_plan
 from megatron_hdp.config import POLICIES, HDPConfig
-from megatron_hdp.megatron import dynamic_cp_policy
-from megatron_hdp.plan import assemble, balance, baselines
-from megatron_hdp.plan.bounds import step_time_lower_bound
+from megatron_hdp.megatron.comparison import dynamic_cp as dynamic_cp_policy
+from megatron_hdp.plan.policies import balance, baselines
+from megatron_hdp.plan.timeline import assemble
+from megatron_hdp.plan.timeline.bounds import step_time_lower_bound
 from megatron_hdp.plan.lengths import DISTRIBUTIONS, sample_global_batch
 from megatron_hdp.plan.planner import make_plan, policy_function
-from megatron_hdp.plan.presets import analytic_cost_model
+from megatron_hdp.plan.cost.presets import analytic_cost_model
 from output import finish, print_new_rows
 from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
 

@@ -30,7 +30,7 @@ def digests() -> dict[str, str]:
     from megatron_hdp.config import HDPConfig
     from megatron_hdp.plan.lengths import sample_global_batch
     from megatron_hdp.plan.planner import make_plan
-    from megatron_hdp.plan.presets import analytic_cost_model
+    from megatron_hdp.plan.cost.presets import analytic_cost_model
 
     cost = analytic_cost_model("llama3-8b")
     out = {}

@@ -10,7 +10,7 @@ from one micro-batch to the next. Megatron offers two ways to run that, compared
   one extra small P2P exchange per transfer). What `install()` sets with PP > 1.
 - `padded`: fixed shapes; every micro-batch of a pipeline padded to the step's longest micro-batch of
   that pipeline (its `seq_length`), including the empty micro-batches the runtime pads a pipeline with
-  (`plan.timing.plan_runtime_counts`; each then costs a full-length forward and backward).
+  (`plan.timeline.timing.plan_runtime_counts`; each then costs a full-length forward and backward).
 
 Part 1 (plans at scale, no timing): the LLaMA-70B PP 4 launch configuration (pool 32, --hdp-capacity 16K,
 8M-token batches of the `byted` and `github` mixes, the analytic H100 cost model): per step, the tokens
@@ -48,8 +48,8 @@ def plan_padding(mix: str, *, steps: int, seed: int = 0) -> dict:
     from megatron_hdp.config import HDPConfig
     from megatron_hdp.plan.lengths import sample_global_batch
     from megatron_hdp.plan.planner import make_plan
-    from megatron_hdp.plan.presets import analytic_cost_model
-    from megatron_hdp.plan.timing import plan_runtime_counts
+    from megatron_hdp.plan.cost.presets import analytic_cost_model
+    from megatron_hdp.plan.timeline.timing import plan_runtime_counts
 
     pool, pp, capacity = 32, 4, 16384
     config = HDPConfig(hdp=True, hdp_capacity=capacity)
@@ -83,9 +83,9 @@ def _pipeline_rank(rank: int, world: int, lengths: list[int], steps: int) -> dic
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_hdp.harness.exactness import reference_forward_step
-    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.core_api.initialize import initialize_hdp
     from megatron_hdp.harness.model import tiny_llama_config
-    from megatron_hdp.megatron.model import build_gpt, wrap_for_training
+    from megatron_hdp.megatron.core_api.model import build_gpt, wrap_for_training
 
     initialize_hdp(pipeline_model_parallel_size=2)
     config = tiny_llama_config(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4,
@@ -96,7 +96,7 @@ def _pipeline_rank(rank: int, world: int, lengths: list[int], steps: int) -> dic
     docs = [rng.integers(0, 512, n + 1) for n in lengths]
 
     def padded_forward_step(data_iterator, model):  # pad to `longest`: the padding tokens carry no loss
-        from megatron_hdp.megatron.forward_step import token_loss
+        from megatron_hdp.megatron.core_api.forward_step import token_loss
 
         raw = torch.from_numpy(next(data_iterator))
         n = len(raw) - 1

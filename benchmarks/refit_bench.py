@@ -5,12 +5,12 @@ policy; each rank's compute is the sum of its documents' forward + backward thro
 layer, measured on this CPU (`DocumentTimer`), so each step has a measured per-rank compute time and a
 measured balance (max / mean):
 
-- calibrated: the cost model fitted to this machine beforehand (`plan.fit.fit_compute`, the fit
+- calibrated: the cost model fitted to this machine beforehand (`plan.cost.fit.fit_compute`, the fit
   `megatron-hdp calibrate` makes, on documents of 32..2048 tokens timed by the same clock), never changed;
 - wrong: the calibrated model with a1 x3, b1 / 3, g x3, never changed. (Every coefficient x3 would
   change no plan: the planner only compares times. A wrong mix of attention and linear cost does.)
 - refit: the wrong model, refitted online from each step's measured per-rank compute
-  (`plan.online_refit.OnlineRefit`, the refit `--hdp-online-refit` runs) after 2 warm-up steps.
+  (`plan.cost.online_refit.OnlineRefit`, the refit `--hdp-online-refit` runs) after 2 warm-up steps.
 
 Goal: the refit run's measured balance is within 5% of the calibrated run's in <= 20 steps, i.e. from
 some step <= 20 on, the mean balance over every window of 4 steps is at most 5% above the calibrated
@@ -37,10 +37,10 @@ import torch
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.offload.reference_model import ReferenceLayer, rope_tables
-from megatron_hdp.plan.fit import fit_compute, fitted_cost_model
-from megatron_hdp.plan.online_refit import OnlineRefit, RefitSettings, compute_features
+from megatron_hdp.plan.cost.fit import fit_compute, fitted_cost_model
+from megatron_hdp.plan.cost.online_refit import OnlineRefit, RefitSettings, compute_features
 from megatron_hdp.plan.planner import make_plan
-from megatron_hdp.plan.presets import ModelShape, analytic_cost_model
+from megatron_hdp.plan.cost.presets import ModelShape, analytic_cost_model
 from output import write_result
 from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
 

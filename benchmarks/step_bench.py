@@ -59,7 +59,7 @@ from pathlib import Path
 
 from megatron_hdp.comm.launch import run_gloo
 from megatron_hdp.harness.cpu_training import EP_UNAWARE, CpuRunSpec, policy_cost_model, train_policies
-from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.cost.model import CostModel
 
 import repeats
 

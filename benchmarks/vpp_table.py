@@ -7,11 +7,11 @@
 
 Each VPP runs `compare_policies` (the `megatron-hdp simulate` path: sampled batches, `make_plan`, the
 step simulator) with every pipeline stage split into that many model chunks (Megatron's interleaved
-schedule, `plan/interleaved.py`). The global batch is fixed at 4 x 16K x 512 tokens, the VPP 1 default,
+schedule, `plan/timeline/interleaved.py`). The global batch is fixed at 4 x 16K x 512 tokens, the VPP 1 default,
 so every row plans the same batches; C follows each VPP's activation memory
 (`ClusterSpec.memory_capacity`). Each row also gives both floors of `compare_policies`: the work floor
 (the batch's compute over every GPU) and the critical-path floor (that, or the longest document's fastest
-crossing of the 4 stages when longer, `plan.bounds.fastest_crossing`), the second being the one a
+crossing of the 4 stages when longer, `plan.timeline.bounds.fastest_crossing`), the second being the one a
 schedule could reach. Writes benchmarks/results/vpp_table.json (with the command and the date) and the
 table between the vpp_table markers of benchmarks/README.md. `--model` and `--ep` run another model (a
 MoE one with its experts over EP ranks, whose HDP ranks the MoE all-to-all couples in every micro-batch:
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megatron_hdp.plan.presets import model_shape
+from megatron_hdp.plan.cost.presets import model_shape
 from megatron_hdp.sim.cluster import ClusterSpec
 from megatron_hdp.sim.compare import compare_policies
 
@@ -51,7 +51,7 @@ FLOOR_MARGIN = 0.15
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vpp", default="1,2,4,5,10", help="comma-separated virtual stages per pipeline stage")
-    parser.add_argument("--model", default=MODEL, help="model preset (plan/presets.py MODELS)")
+    parser.add_argument("--model", default=MODEL, help="model preset (plan/cost/presets.py MODELS)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (a MoE --model)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
     parser.add_argument("--steps", type=int, default=2, help="sampled global batches per cell")

@@ -7,7 +7,7 @@
 # byted, the ByteScale paper's long-tailed mix). ENTRY is the training script: our
 # examples/pretrain_gpt_hdp.py by default, or Megatron-LM's patched pretrain_gpt.py.
 # With DRY_RUN=1 the launchers print the environment and the script's arguments, one per line, instead
-# of launching (tests/test_examples.py parses them with Megatron's parser).
+# of launching (tests/commands/test_examples.py parses them with Megatron's parser).
 
 hdp_load_model() {
     local model_file="$1"

@@ -14,7 +14,7 @@ from functools import partial
 from typing import Optional
 
 import megatron_hdp.megatron as hdp
-from megatron_hdp.megatron.training_compat import require_megatron_training, use_prebuilt_dataset_helpers
+from megatron_hdp.megatron.compat.versions import require_megatron_training, use_prebuilt_dataset_helpers
 
 require_megatron_training()
 use_prebuilt_dataset_helpers()  # the megatron-core wheel has no Makefile for them, but ships them built
@@ -29,8 +29,8 @@ from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
 
-from megatron_hdp.megatron.cpu_shims import apply_cpu_shims, apply_training_cpu_shims  # noqa: E402
-from megatron_hdp.megatron.mock_mix import mock_gpt_dataset_type  # noqa: E402
+from megatron_hdp.megatron.compat.cpu_shims import apply_cpu_shims, apply_training_cpu_shims  # noqa: E402
+from megatron_hdp.megatron.datasets.mock_mix import mock_gpt_dataset_type  # noqa: E402
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

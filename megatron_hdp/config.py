@@ -25,11 +25,11 @@ ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackendName)
 
 RingKindName = Literal["auto", "kv", "latent"]
 RING_KIND_NAMES: tuple[str, ...] = get_args(RingKindName)
-"""`megatron_hdp.plan.cost_model.RING_KIND_SETTINGS` (named here: the config imports nothing of the planner)."""
+"""`megatron_hdp.plan.cost.model.RING_KIND_SETTINGS` (named here: the config imports nothing of the planner)."""
 
 HardwareName = Literal["a100", "h100", "h200", "b200", "b300", "gb200"]
 HARDWARE_NAMES: tuple[str, ...] = get_args(HardwareName)
-"""`megatron_hdp.plan.presets.HARDWARE` by name (named here: the config imports nothing of the planner)."""
+"""`megatron_hdp.plan.cost.presets.HARDWARE` by name (named here: the config imports nothing of the planner)."""
 
 MockMixName = Literal["byted", "github", "wikipedia", "prolong", "wlbllm"]
 MOCK_MIXES: tuple[str, ...] = get_args(MockMixName)
@@ -81,7 +81,7 @@ class HDPConfig:
 
     hdp_hardware: Optional[HardwareName] = None
     """The GPU the planner's cost model describes (its FLOP/s, links and NVLink domain; presets with their
-    sources in plan/presets.py). Unset: detected from the CUDA device's name; a GPU without a preset needs
+    sources in plan/cost/presets.py). Unset: detected from the CUDA device's name; a GPU without a preset needs
     this flag or --hdp-cost-model; a run without a GPU plans as h100."""
 
     hdp_ring_kind: Optional[RingKindName] = None

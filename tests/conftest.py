@@ -1,6 +1,23 @@
-"""Suite-wide set-up: the gloo children of every test start from a fork server that has imported
-megatron-core and the integration once (`comm.launch.preload_in_children`), not each on its own."""
+"""Suite-wide set-up, shared by every folder of tests/.
+
+- The gloo children of every test start from a fork server that has imported megatron-core and the
+  integration once (`comm.launch.preload_in_children`), not each on its own.
+- `demo_data_prefix`: one small Megatron indexed dataset (the demo's: 256 documents, vocabulary 256,
+  up to 256 tokens), built once per session for every test that trains on "some real documents".
+- The helpers the folders share (`plan_reference.py`, `attention_reference.py`, `fake_gpu.py`,
+  `pretrain_harness.py`, ...) sit beside this file, which pytest puts on `sys.path`.
+"""
+
+import pytest
 
 from megatron_hdp.comm.launch import preload_in_children
 
-preload_in_children("megatron.core", "megatron_hdp.megatron.step")
+preload_in_children("megatron.core", "megatron_hdp.megatron.core_api.step")
+
+
+@pytest.fixture(scope="session")
+def demo_data_prefix(tmp_path_factory) -> str:
+    """The path prefix of the demo's indexed dataset, built once per session."""
+    from megatron_hdp.harness.build_dataset import build_demo_dataset
+
+    return build_demo_dataset(tmp_path_factory.mktemp("demo_data"), num_docs=256, vocab_size=256, max_length=256)

@@ -1,5 +1,5 @@
 """Plain Megatron with `--context-parallel-size` > 1 on a CPU without Transformer Engine: the checkpoint users
-bring to a long-context HDP run (the dense chain of tests/test_checkpoints.py saves one this way).
+bring to a long-context HDP run (the dense chain of tests/megatron/test_checkpoints.py saves one this way).
 
 Megatron's context parallelism needs TE's attention (the local `DotProductAttention` refuses CP > 1). What a
 checkpoint holds does not depend on the attention kernel: CP shards neither parameters nor optimizer state

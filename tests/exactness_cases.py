@@ -44,8 +44,8 @@ def build_sp_gpt(config, *, vocab_size: int, max_sequence_length: int):
     """The HDP GPTModel of `build_gpt`, every norm a `SequenceParallelRMSNorm`."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    from megatron_hdp.megatron.layer_spec import get_gpt_layer_with_hdp_spec
-    from megatron_hdp.megatron.model import build_gpt
+    from megatron_hdp.megatron.layers.spec import get_gpt_layer_with_hdp_spec
+    from megatron_hdp.megatron.core_api.model import build_gpt
 
     spec = with_sp_norms(get_gpt_layer_with_hdp_spec(
         num_experts=config.num_moe_experts, normalization=config.normalization, qk_layernorm=config.qk_layernorm,

@@ -29,7 +29,7 @@ What it is made of (test-only; nothing here is importable from the package):
 * `torch.cuda` answers as one H100 would (available, capability 9.0, current device 0).
 
 Run a scenario in a fresh interpreter: `python tests/fake_gpu.py <library.so> <scenario>` (see
-`tests/fake_gpu_scenarios.py`); `tests/test_fake_gpu.py` does that under pytest.
+`tests/fake_gpu_scenarios.py`); `tests/megatron/test_fake_gpu.py` does that under pytest.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def install(*, world_size: int, rank: int):
     from torch.utils._pytree import tree_leaves, tree_map
     from torch.utils.weak import WeakTensorKeyDictionary
 
-    from megatron_hdp.megatron.cpu_shims import _NullEvent, _NullStream
+    from megatron_hdp.megatron.compat.cpu_shims import _NullEvent, _NullStream
 
     assert torch._C._get_accelerator().type == "cuda", "load the guard library with preload() before torch"
     aten = torch.ops.aten

@@ -53,13 +53,13 @@ def _run_hdp_steps(pp: int, me: int, *, fp8_recipe: str = "", tp_only_amax_red: 
 
     mode = fake_gpu.install(world_size=WORLD, rank=me)
     from megatron_hdp.plan.hand_plan import plan_from_rings
-    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.core_api.initialize import initialize_hdp
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_hdp.harness.model import tiny_llama_config, tiny_mla_fields
-    from megatron_hdp.megatron.model import build_gpt
-    from megatron_hdp.megatron.step import HDPTrainer
+    from megatron_hdp.megatron.core_api.model import build_gpt
+    from megatron_hdp.megatron.core_api.step import HDPTrainer
     from megatron_hdp.offload import ActivationOffloader
 
     state = initialize_hdp(pipeline_model_parallel_size=pp)
@@ -150,10 +150,10 @@ def hdp_step_vpp(rank: str = "0") -> None:
 
     mode = fake_gpu.install(world_size=WORLD, rank=int(rank))
     from megatron_hdp.plan.hand_plan import plan_from_rings
-    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.core_api.initialize import initialize_hdp
     from megatron_hdp.harness.model import tiny_llama_config
-    from megatron_hdp.megatron.model import build_gpt_chunks, wrap_chunks_for_training
-    from megatron_hdp.megatron.step import HDPTrainer
+    from megatron_hdp.megatron.core_api.model import build_gpt_chunks, wrap_chunks_for_training
+    from megatron_hdp.megatron.core_api.step import HDPTrainer
     from megatron_hdp.offload import ActivationOffloader
 
     state = initialize_hdp(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
@@ -232,9 +232,9 @@ def window_ring(rank: str, log_path: str) -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_hdp.harness.model import tiny_llama_config
-    from megatron_hdp.megatron.model import build_gpt
-    from megatron_hdp.megatron.initialize import initialize_hdp
-    from megatron_hdp.megatron.step import HDPTrainer
+    from megatron_hdp.megatron.core_api.model import build_gpt
+    from megatron_hdp.megatron.core_api.initialize import initialize_hdp
+    from megatron_hdp.megatron.core_api.step import HDPTrainer
     from megatron_hdp.plan.hand_plan import plan_from_rings
 
     state = initialize_hdp()
@@ -268,7 +268,7 @@ def first_p2p(world_size: str = "4") -> None:
 
     fake_gpu.install(world_size=int(world_size), rank=0)
     from megatron_hdp.attention import ring_attention
-    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.core_api.initialize import initialize_hdp
 
     initialize_hdp()
     q = torch.randn(6, 2, 16, device="cuda", dtype=torch.bfloat16)
@@ -370,7 +370,7 @@ def install_step(rank: str = "0") -> None:
 
     me = int(rank)
     mode = fake_gpu.install(world_size=WORLD, rank=me)
-    from megatron_hdp.megatron.training_compat import require_megatron_training
+    from megatron_hdp.megatron.compat.versions import require_megatron_training
 
     require_megatron_training()
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -380,18 +380,20 @@ def install_step(rank: str = "0") -> None:
     from megatron.training import training
     from megatron.training.global_vars import set_args
 
-    from megatron_hdp.megatron import training_install
-    from megatron_hdp.megatron.args import parse_and_check
-    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.pretrain import install as training_install
+    from megatron_hdp.megatron.pretrain import runtime as hdp_runtime
+    from megatron_hdp.megatron.pretrain import wrappers
+    from megatron_hdp.megatron.pretrain.args import parse_and_check
+    from megatron_hdp.megatron.core_api.initialize import initialize_hdp
     from megatron_hdp.harness.model import tiny_llama_config
-    from megatron_hdp.megatron.model import build_gpt
+    from megatron_hdp.megatron.core_api.model import build_gpt
 
     args, _ = parse_and_check(INSTALL_ARGS, world_size=WORLD)
     set_args(args)
     init_num_microbatches_calculator(me, None, args.global_batch_size, args.micro_batch_size, WORLD)
     initialize_hdp()
     training_install.install(args)
-    runtime = training_install.installed()
+    runtime = hdp_runtime.installed()
 
     prefix = tempfile.mkdtemp() + "/docs"
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
@@ -408,7 +410,7 @@ def install_step(rank: str = "0") -> None:
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0), [ddp])
     built = lambda *a, **k: ([ddp], optimizer, None)  # noqa: E731  (Megatron's get_model + optimizer, done above)
-    chunks, optimizer, _ = training_install._setup_model_and_optimizer(built, runtime)()
+    chunks, optimizer, _ = wrappers.wrap_setup_model_and_optimizer(built, runtime)()
     config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, ddp.no_sync  # as train() sets them
     config.grad_scale_func = optimizer.scale_loss
     assert runtime.offloaders, "--hdp-offload attaches an offloader"
@@ -429,7 +431,7 @@ def install_step(rank: str = "0") -> None:
         )
         optimizer.step()
         training.consume_seqlen_stats_in_iteration()
-        training_install._training_log(lambda: logged.append(iteration), runtime)()  # Megatron's log line: stood in for
+        wrappers.wrap_training_log(lambda: logged.append(iteration), runtime)()  # Megatron's log line: stood in for
     loader.close()
     assert logged == [0, 1], logged
     assert runtime.telemetry.use_cuda, "the telemetry clocks the step with CUDA events"
@@ -456,11 +458,11 @@ def moe_routers(rank: str = "0") -> None:
     me = int(rank)
     mode = fake_gpu.install(world_size=WORLD, rank=me)
     from megatron_hdp.data.collate import collate_microbatch
-    from megatron_hdp.megatron.forward_step import packed_seq_params
+    from megatron_hdp.megatron.core_api.forward_step import packed_seq_params
     from megatron_hdp.plan.hand_plan import plan_from_rings
-    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.core_api.initialize import initialize_hdp
     from megatron_hdp.harness.model import tiny_llama_config
-    from megatron_hdp.megatron.moe_aux_loss import DocumentAuxLossRouter, remember_documents
+    from megatron_hdp.megatron.layers.moe_aux_loss import DocumentAuxLossRouter, remember_documents
 
     from megatron.core.process_groups_config import ProcessGroupCollection
 

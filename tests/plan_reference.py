@@ -1,12 +1,12 @@
 """Independent references for the planner's tests: written from the rules' statements, sharing no code
-with `megatron_hdp.plan.timing` (the waiting rule) or the planner's sharding (which batches fit).
+with `megatron_hdp.plan.timeline.timing` (the waiting rule) or the planner's sharding (which batches fit).
 
 - `reference_finish`: when every rank finishes a plan, given each micro-batch's time, by the waiting rule
-  stated in DESIGN.md: ranks that hold one ring at micro-batch index i run that index together, and so do
+  stated in docs/architecture.md: ranks that hold one ring at micro-batch index i run that index together, and so do
   ranks linked through several rings at one index (a rank in rings (0, 1) and (2, 1) at index 0 makes
   ranks 0, 1 and 2 one group): the group starts when its last member is ready and releases every member
   when its slowest is done. A sweep over indices with its own breadth-first search for the groups.
-  With expert parallelism (EP groups of `ep_size` consecutive ranks, DESIGN.md's constraints) the
+  With expert parallelism (EP groups of `ep_size` consecutive ranks, docs/architecture.md's constraints) the
   members of an EP group run every index together too (the MoE all-to-all), and every member runs the
   group's largest micro-batch count, a rank without any one: `expert_padded`.
 - `member_tokens` / `fits_without_offload`: the zigzag layout's largest member share, from the contract's
@@ -118,7 +118,7 @@ def microbatch_tokens(plan) -> list[list[int]]:
 
 def member_tokens(length: int, ring_size: int) -> int:
     """Most tokens a zigzag member holds: position p has chunks p and 2k-1-p of 2k chunks, chunk j being
-    [floor(j L / 2k), floor((j + 1) L / 2k)) (DESIGN.md, StepPlan contract)."""
+    [floor(j L / 2k), floor((j + 1) L / 2k)) (docs/architecture.md, StepPlan contract)."""
     k = ring_size
     bound = [j * length // (2 * k) for j in range(2 * k + 1)]
     size = [bound[j + 1] - bound[j] for j in range(2 * k)]

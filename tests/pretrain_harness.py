@@ -178,12 +178,12 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
     os.environ["RANK"] = str(rank)  # Megatron's parse_args reads RANK and WORLD_SIZE from the environment
     sys.path[:0] = python_path  # before the first megatron import: a checkout's megatron wins over the wheel
     sys.path.insert(0, str(ROOT / "examples"))
-    from megatron_hdp.megatron.training_compat import require_megatron_training
+    from megatron_hdp.megatron.compat.versions import require_megatron_training
 
     require_megatron_training()
     from megatron.training import training
 
-    from megatron_hdp.megatron import training_install
+    from megatron_hdp.megatron.pretrain import runtime as hdp_runtime
 
     if offload_min_tensor_bytes is not None and "--hdp" in argv:  # the tiny model's tensors move too
         argv = [*argv, "--hdp-offload-min-tensor-bytes", str(offload_min_tensor_bytes)]
@@ -206,10 +206,10 @@ def pretrain_rank(rank: int, world_size: int, argv: list[str], reference_plans: 
     def recording_training_log(loss_dict, *args, **kwargs):
         if "lm loss" in loss_dict:
             losses.append(float(loss_dict["lm loss"]))
-        stats.append(training_install.hdp_statistics())
+        stats.append(hdp_runtime.hdp_statistics())
         consumed.append(training.get_args().consumed_train_samples)  # after Megatron's per-step increment
         iterations.append(training.get_args().curr_iteration + 1)
-        runtime = training_install.installed()
+        runtime = hdp_runtime.installed()
         if runtime is not None:
             ids.append(runtime.last_step.sample_ids.tolist())
             digests.append(runtime.last_step.plan.digest())

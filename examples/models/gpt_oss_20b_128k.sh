@@ -15,13 +15,13 @@
 # model from scratch, it does not continue the published checkpoint.
 #
 # Capacity: a rank (one TP pair) keeps ~1.55 MB of bf16 activations per token over the 24 layers
-# (megatron_hdp.plan.presets: 2*(6h + 2kv + 4ffn*top_k)/TP bytes per token per layer). Model state per GPU:
+# (megatron_hdp.plan.cost.presets: 2*(6h + 2kv + 4ffn*top_k)/TP bytes per token per layer). Model state per GPU:
 # 1.8B dense parameters (attention, embeddings) / TP 2 and 19.1B expert parameters / (TP 2 x EP 8) = 2.1B,
 # x 6 B (bf16 weights, fp32 gradients) = 12.6 GB, + 12 B/param of Adam state over their data-parallel
 # ranks (64 dense, 8 expert; distributed optimizer) = 2.0 GB, leaving ~57 GB of 90% of 80 GB: at most ~37K
 # tokens. --hdp-capacity 32768 (a multiple of TP 2 for sequence parallelism): a 128K document spans a ring
 # of 4 ranks. The 8 ranks of an EP group exchange tokens in every MoE layer, so they run the same number of
-# micro-batches (DESIGN.md, constraints); the router's load-balancing loss is computed per document.
+# micro-batches (docs/architecture.md, constraints); the router's load-balancing loss is computed per document.
 NNODES=16
 GPUS_PER_NODE=8
 MODEL_ARGS=(

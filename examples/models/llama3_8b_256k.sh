@@ -1,7 +1,7 @@
 # Llama-3-8B, documents up to 256K tokens, 8 nodes x 8 H100-80GB (64 GPUs): TP 2, PP 1 -> HDP pool of 32 ranks.
 #
 # Capacity: a rank (one TP pair) keeps ~2.69 MB of bf16 activations per token over the 32 layers
-# (megatron_hdp.plan.presets: 2*(6h + 2kv + 4ffn)/TP bytes per token per layer, flash attention, sequence
+# (megatron_hdp.plan.cost.presets: 2*(6h + 2kv + 4ffn)/TP bytes per token per layer, flash attention, sequence
 # parallel). Model state per GPU is ~25.6 GB (8.0B params / TP2 x 6 B, + 12 B/param of Adam state over
 # DP 32, distributed optimizer), leaving ~46 GB of 90% of 80 GB: at most ~17K tokens. --hdp-capacity 16384:
 # a 256K document is split over a ring of 16 ranks (fewer with offloading); short documents stay whole.

@@ -5,7 +5,7 @@
 # the MLP term). Model state per GPU ~11 GB (attention/embeddings / TP4, experts / (TP4 x EP8), Adam state
 # over DP 128), leaving ~61 GB: at most ~27K tokens. --hdp-capacity 24576 (a multiple of TP 4 for sequence
 # parallelism): a 1M document spans ~43 ranks. Ranks of one EP group exchange tokens in every MoE layer,
-# so the 8 ranks of an EP group must run the same number of micro-batches (DESIGN.md, constraints):
+# so the 8 ranks of an EP group must run the same number of micro-batches (docs/architecture.md, constraints):
 # the balance planner plans each EP group as one unit (docs/cost_model.md). `megatron-hdp simulate --model
 # mixtral-8x7b --gpus 512 --tp 4 --ep 8` prints this arithmetic (it keeps C at a power of two, 16K).
 NNODES=64

@@ -6,7 +6,7 @@ smallest sequence id, then padding (a document of its own). This module walks th
 — the one global order every rank follows, which keeps ring point-to-point traffic free of deadlock —
 and concatenates the outputs in packed order.
 
-It is torch-only: Megatron's `core_attention` leaf (`megatron_hdp.megatron.layer_spec.HDPCoreAttention`)
+It is torch-only: Megatron's `core_attention` leaf (`megatron_hdp.megatron.layers.spec.HDPCoreAttention`)
 applies RoPE and calls `hdp_core_attention`; the per-micro-batch metadata rides in `HDPBatchMeta`, which
 the Megatron side carries inside its `PackedSeqParams`.
 

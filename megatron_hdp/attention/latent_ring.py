@@ -22,7 +22,7 @@ blocks it receives, and the block's dK, dV give (`LatentKV.add_block_grads`)
 Traffic per call and rank (`comm.traffic`): (k-1) latent buffers forward in the input dtype, (k-1)
 latent buffers and k partial buffers backward in the accumulation dtype (fp32 for half precision); a
 latent buffer holds kv_lora_rank + qk_pos_emb_head_dim values per token: the K/V ring's formula with
-that width (`plan.cost_model.CostModel`, `latent_bytes_per_token`). Compute per received token: the
+that width (`plan.cost.model.CostModel`, `latent_bytes_per_token`). Compute per received token: the
 up-projection, 2 R H (Dn + Dv) FLOPs forward, twice that in the backward plus its recompute.
 
 Tensor parallelism. The latent and the RoPE key are the same on every TP rank, each TP rank holding its

@@ -1,6 +1,6 @@
 """Where a ring member's tokens sit in the packed documents: the per-document zigzag as row indices.
 
-The chunk math is `megatron_hdp.plan.layout.zigzag_chunks` (chunk p and 2k-1-p of 2k, floor
+The chunk math is `megatron_hdp.plan.zigzag.zigzag_chunks` (chunk p and 2k-1-p of 2k, floor
 boundaries); this module turns it into the THD rows a rank holds: document after document, chunk p then
 chunk 2k-1-p. Pure functions of the lengths, identical on every rank. `AttentionGroup` names one run of
 those rows that one attention call handles: the contract between the collation (`data/collate.py`)
@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from megatron_hdp.plan.layout import zigzag_chunks
+from megatron_hdp.plan.zigzag import zigzag_chunks
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import torch
 from megatron_hdp.attention.backends.base import BlockWindow, Segments
 from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.layout import zigzag_chunk_lengths
-from megatron_hdp.plan.layout import zigzag_chunks
+from megatron_hdp.plan.zigzag import zigzag_chunks
 
 
 class Rows:

@@ -1,6 +1,6 @@
 """Per-document zigzag ring attention over an arbitrary list of global ranks (HDP dynamic communication).
 
-A long document is held by the k ranks of its ring, each holding chunk p and 2k-1-p of it (DESIGN.md,
+A long document is held by the k ranks of its ring, each holding chunk p and 2k-1-p of it (docs/architecture.md,
 "Ring attention"); several documents sharing one ring are packed (THD). The forward passes the packed
 K and V once around the ring (k-1 hops), attending local q rows to whatever part of the received KV is
 visible (`ring_plan`) and merging the partial results by their log-sum-exp (`merge`). The backward

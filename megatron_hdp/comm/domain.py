@@ -1,6 +1,6 @@
 """`HDPState`: one rank's place in the HDP domain and the mesh around it, as plain data.
 
-The Megatron layer reads it off Megatron's parallel_state (`megatron.initialize.hdp_state`); the step
+The Megatron layer reads it off Megatron's parallel_state (`megatron.core_api.initialize.hdp_state`); the step
 preparation (`data.step_input`) and everything below Megatron take it as an argument, so they run, and
 are tested, without Megatron's globals.
 """
@@ -25,7 +25,7 @@ class HDPState:
     """Model chunks per pipeline stage (virtual pipeline stages; 1: no interleaving)."""
     ep_size: int
     """HDP ranks per expert-parallel group: the consecutive HDP ranks an MoE all-to-all couples (EP when
-    expert TP is TP; `plan.timing.expert_unit_size`)."""
+    expert TP is TP; `plan.cost.experts.expert_unit_size`)."""
     ep_hdp_ranks: tuple[int, ...]
     """HDP ranks of this rank's expert-parallel group (they exchange tokens in every MoE layer)."""
 

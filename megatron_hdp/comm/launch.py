@@ -6,7 +6,7 @@ Every child initializes the default process group (gloo, a free loopback port), 
 exception is re-raised here with the child's traceback, and a run past `timeout_s` kills every child and
 says which ranks had not finished — a multi-rank test never hangs. `run_gloo` returns the values (the
 first failure fails the run); `gloo_reports` yields every rank's outcome as it comes, for runs where a
-rank is meant to fail (tests/test_fault_restart.py kills one).
+rank is meant to fail (tests/megatron/test_fault_restart.py kills one).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Measured per-step telemetry of an HDP run: where each rank's time went (no Megatron import; the
-Megatron-LM driver, `megatron.training_install`, runs it and writes it through Megatron's writers).
+Megatron-LM driver, `megatron.pretrain.install`, runs it and writes it through Megatron's writers).
 
 The plan predicts a step; this module measures it. For every training step and every rank of the HDP
 domain it records
@@ -20,7 +20,7 @@ time (what the rank's own threads did: a rank blocked in a gloo wait uses none, 
 do not inflate each other) and the waits and finalize are wall time.
 
 `gather_rows` gathers the ranks' records over the data-parallel group (outside the step, at Megatron's
-`training_log`: `megatron.training_install.log_telemetry`); `summarize` makes per step the max / mean /
+`training_log`: `megatron.pretrain.runtime.log_telemetry`); `summarize` makes per step the max / mean /
 min over ranks, the measured balance (max / mean compute, next to the plan's `hdp/balance`) and each
 rank's compute and idle, which `write_stats` writes through Megatron's TensorBoard and W&B writers and
 `console_line` prints. `plan_seqlen_stats` gives Megatron's FLOPs

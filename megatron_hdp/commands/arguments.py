@@ -120,7 +120,7 @@ def policy_names() -> tuple[str, ...]:
 
 def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
     """--ep and --etp: the MoE all-to-all couples the HDP ranks of an expert-parallel group, which the
-    planner plans together (`plan.expert_units`)."""
+    planner plans together (`plan.search.expert_units`)."""
     parser.add_argument("--ep", type=positive_int, default=1,
                         help="expert-parallel size (Megatron's --expert-model-parallel-size): the planner runs the "
                              "HDP ranks of an EP group through every micro-batch together")
@@ -129,9 +129,9 @@ def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def expert_unit(args: argparse.Namespace, *, num_ranks: int) -> int:
-    """HDP ranks one MoE all-to-all couples for --tp, --ep, --etp (`plan.timing.expert_unit_size`);
+    """HDP ranks one MoE all-to-all couples for --tp, --ep, --etp (`plan.cost.experts.expert_unit_size`);
     ValueError naming the flags when they do not divide the HDP pool of `num_ranks` ranks."""
-    from megatron_hdp.plan.timing import expert_unit_size
+    from megatron_hdp.plan.cost.experts import expert_unit_size
 
     unit = expert_unit_size(tp_size=args.tp, ep_size=args.ep, etp_size=args.etp)
     if num_ranks % unit:

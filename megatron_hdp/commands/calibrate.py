@@ -34,10 +34,10 @@ _DEVICES = ("cuda", "cpu")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the calibrate subcommand."""
-    from megatron_hdp.plan.presets import HARDWARE, MODELS
+    from megatron_hdp.plan.cost.presets import HARDWARE, MODELS
 
     parser.add_argument("--model", type=one_of(sorted(MODELS), "model"), default="llama-7b",
-                        help="model shape preset (see plan/presets.py)")
+                        help="model shape preset (see plan/cost/presets.py)")
     for name in _SHAPE_FLAGS:
         parser.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=None,
                             help=f"override the preset's {name}")
@@ -83,10 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _from_run(args: argparse.Namespace, shape) -> int:
     """Write the cost model a run learned (saved by its refit, or fitted to its telemetry)."""
-    from megatron_hdp.plan.cost_model import CostModel
-    from megatron_hdp.plan.fit import fit_relative, fitted_cost_model
-    from megatron_hdp.plan.online_refit import REFIT_FILE, RefitSettings, compute_features
-    from megatron_hdp.plan.mesh_cost import mesh_cost_model
+    from megatron_hdp.plan.cost.model import CostModel
+    from megatron_hdp.plan.cost.fit import fit_relative, fitted_cost_model
+    from megatron_hdp.plan.cost.online_refit import REFIT_FILE, RefitSettings, compute_features
+    from megatron_hdp.plan.cost.mesh import mesh_cost_model
     from megatron_hdp.run_logs import per_rank_series, read_plans, read_scalars
 
     source = Path(args.from_run)
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from megatron_hdp.harness.calibrate import calibrate
-    from megatron_hdp.plan.presets import hardware_profile, model_shape
+    from megatron_hdp.plan.cost.presets import hardware_profile, model_shape
 
     shape = model_shape(args.model)
     overrides = {name: getattr(args, name) for name in _SHAPE_FLAGS if getattr(args, name) is not None}

@@ -18,10 +18,10 @@ ring-attention bytes (TB per step), the rings that are latent rings (multi-laten
 transient memory one ring call takes on a member in one layer's backward, beyond the activations the
 capacity holds; a latent ring's up-projected K/V included: `peak_ring_buffer_bytes`) and the planner's
 wall time (validation included). A policy whose plan is estimated to exceed --max-shards or --max-plan-seconds is skipped with
-its reason. The plan of --policy is written as the StepPlan JSON of DESIGN.md (--json) and all plans are
+its reason. The plan of --policy is written as the StepPlan JSON of docs/architecture.md (--json) and all plans are
 drawn (--plot).
 `--ep` (and `--etp`) plan and time with Megatron's expert-parallel groups: their HDP ranks run every
-micro-batch together (the MoE all-to-all), so `balance` plans each group as a unit (`plan.expert_units`).
+micro-batch together (the MoE all-to-all), so `balance` plans each group as a unit (`plan.search.expert_units`).
 `--from` reads plans saved by training (`--hdp-save-plans`), summarises and draws them
 (`commands/saved_plans.py`).
 """
@@ -49,9 +49,9 @@ planning at 16,384 ranks here; 4 x 16,384 x 16K would be 1B tokens and minutes).
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the plan subcommand."""
-    from megatron_hdp.plan.cost_model import RING_KIND_SETTINGS
+    from megatron_hdp.plan.cost.model import RING_KIND_SETTINGS
     from megatron_hdp.plan.lengths import DISTRIBUTIONS
-    from megatron_hdp.plan.presets import HARDWARE, MODELS
+    from megatron_hdp.plan.cost.presets import HARDWARE, MODELS
 
     policies = policy_names()
 
@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=one_of(sorted(MODELS), "model"), default="llama-7b",
                         help="model preset of the analytic cost model")
     parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",
-                        help="hardware preset (plan/presets.py: FLOP/s, links, NVLink domain) of the cost model")
+                        help="hardware preset (plan/cost/presets.py: FLOP/s, links, NVLink domain) of the cost model")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (divides the cost model)")
     parser.add_argument("--ring-kind", type=one_of(RING_KIND_SETTINGS, "ring kind"), default=None,
                         help="K/V ring (kv), multi-latent attention's latent ring (latent), or per ring call the "
@@ -226,8 +226,8 @@ def run(args: argparse.Namespace) -> int:
 
     from megatron_hdp.commands.plan_budget import estimate_plan
     from megatron_hdp.config import HDPConfig
-    from megatron_hdp.plan.bounds import critical_path_floor, fastest_crossing, step_time_lower_bound
-    from megatron_hdp.plan.mesh_cost import mesh_cost_model
+    from megatron_hdp.plan.timeline.bounds import critical_path_floor, fastest_crossing, step_time_lower_bound
+    from megatron_hdp.plan.cost.mesh import mesh_cost_model
     from megatron_hdp.plan.planner import make_plan
 
     config = HDPConfig(hdp=True, hdp_capacity=args.capacity, hdp_policy=args.policy,

@@ -53,7 +53,7 @@ class PlanEstimate:
 
 def estimate_plan(policy: str, lengths: Sequence[int], *, num_ranks: int, capacity: int) -> PlanEstimate:
     """Shards and planning seconds of `policy` on this batch (a policy that will refuse it estimates small)."""
-    from megatron_hdp.plan.baselines import static_cp_size
+    from megatron_hdp.plan.policies.baselines import static_cp_size
 
     lengths = np.asarray(lengths, dtype=np.int64)
     ring_sizes = np.maximum(1, -(-lengths // capacity))  # D(s) without offloading: the most ranks one needs

@@ -38,15 +38,15 @@ SWEEP_CONTEXTS = tuple(k * 1024 for k in (256, 512, 1024, 2048))
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the simulate subcommand."""
-    from megatron_hdp.plan.cost_model import RING_KIND_SETTINGS
+    from megatron_hdp.plan.cost.model import RING_KIND_SETTINGS
     from megatron_hdp.plan.lengths import DISTRIBUTIONS
-    from megatron_hdp.plan.presets import HARDWARE, MODELS
+    from megatron_hdp.plan.cost.presets import HARDWARE, MODELS
     from megatron_hdp.sim.compare import DEFAULT_POLICIES
 
     policies = policy_names()
 
     parser.add_argument("--model", type=one_of(sorted(MODELS), "model"), default="llama-7b",
-                        help="model preset (plan/presets.py MODELS)")
+                        help="model preset (plan/cost/presets.py MODELS)")
     parser.add_argument("--gpus", type=positive_int, default=1024, help="GPUs in the cluster")
     parser.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size")
     parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="K/V ring (kv), multi-latent attention's latent ring (latent), or per ring call the "
                              "faster (auto, the default)")
     parser.add_argument("--hardware", type=one_of(sorted(HARDWARE), "hardware"), default="h100",
-                        help="hardware preset (plan/presets.py HARDWARE)")
+                        help="hardware preset (plan/cost/presets.py HARDWARE)")
     parser.add_argument("--context", type=parse_count, default="2M", help="context length: the longest sequence (e.g. 256K, 2M)")
     parser.add_argument("--dist", default="byted", type=one_of(DISTRIBUTIONS, "length mix"),
                         metavar="{" + ",".join(DISTRIBUTIONS) + "}", help="sequence-length mix")
@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_flags(args: argparse.Namespace) -> None:
     """What depends on several flags, refused naming them (before minutes of simulation)."""
-    from megatron_hdp.plan.presets import model_shape
+    from megatron_hdp.plan.cost.presets import model_shape
 
     if args.gpus % (args.tp * args.pp):
         raise ValueError(f"--gpus {args.gpus} is not a multiple of --tp {args.tp} x --pp {args.pp}")

@@ -1,5 +1,5 @@
 """data layer of megatron_hdp: the drop-in HDP sampler and loader for Megatron datasets (no Megatron
-import here; the Megatron dataset adapters live in `megatron_hdp.megatron.datasets`) and THD collation;
+import here; the Megatron dataset adapters live in `megatron_hdp.megatron.datasets.sources`) and THD collation;
 `blend` splits a blend's tokens by its weights (pure numpy).
 
 Public API: `HDPSampler` (global batches of documents, deterministic and resumable), `HDPDataLoader` /

@@ -17,7 +17,7 @@ raw[i] and its label raw[i + 1], so a chunk [a, b) reads raw tokens [a, b + 1).
 Multi-token prediction of depth D (`mtp_depth`): a chunk reads D more raw tokens (and D more loss-mask
 entries), [a, b + 1 + D) clipped at the document's end, and the micro-batch carries each depth's shifted
 tokens, labels, positions and per-document weighted loss mask (`data/mtp_shift.py`), which Megatron's
-MTP block takes instead of rolling the packed row (`megatron/mtp.py`). With a loss mask the whole
+MTP block takes instead of rolling the packed row (`megatron/layers/mtp.py`). With a loss mask the whole
 document's mask is read once per document (its loss-token count normalises the document's MTP loss).
 """
 

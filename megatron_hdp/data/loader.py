@@ -38,9 +38,9 @@ from megatron_hdp.data.collate import PackedMicroBatch, collate_microbatch
 from megatron_hdp.data.prefetch import close_stream, prefetched
 from megatron_hdp.data.sampler import GlobalBatch, HDPSampler
 from megatron_hdp.data.source import DocumentSource, limit_lengths
-from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.planner import make_plan
-from megatron_hdp.plan.sharding import min_ring_size
+from megatron_hdp.plan.cost.sharding import min_ring_size
 from megatron_hdp.plan.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class HDPStep:
 def pool_length_limit(longest: int, *, num_ranks: int, config: HDPConfig, cost_model: CostModel) -> Optional[int]:
     """The longest document `num_ranks` ranks can hold, or None when even `longest` fits.
 
-    Uses the planner's own ring-size rule (`plan.sharding.min_ring_size`: capacity, zigzag rounding and
+    Uses the planner's own ring-size rule (`plan.cost.sharding.min_ring_size`: capacity, zigzag rounding and
     the offload ratio the cost model lets hide), searched by bisection — the rule needs more ranks for
     longer documents. Policies with a stricter rule (static's power-of-two CP) may still refuse a batch;
     their error then names the samples.
@@ -215,7 +215,7 @@ class HDPDataLoader:
     @property
     def cost_model(self) -> CostModel:
         """The cost model the next step is planned with: the one given, or, when a function was given (e.g.
-        `megatron.training_install.HDPRuntime.current_cost_model`, which the online refit updates), what
+        `megatron.pretrain.runtime.HDPRuntime.current_cost_model`, which the online refit updates), what
         it returns now. Worker processes plan with the model current when they start."""
         return self._cost_model() if callable(self._cost_model) else self._cost_model
 

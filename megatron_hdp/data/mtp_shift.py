@@ -25,7 +25,7 @@ it answers the count 1 (the count after). Counting the micro-batch's own tokens 
 depth-d gradient of a micro-batch whose chunks hold no loss token but whose next positions do (a ring
 chunk inside an SFT prompt): M = 0 there.
 
-`MTPRolls` is what Megatron's MTP block gets for its rolls of one micro-batch (megatron/mtp.py answers
+`MTPRolls` is what Megatron's MTP block gets for its rolls of one micro-batch (megatron/layers/mtp.py answers
 Megatron's `roll_tensor` from it): the chain of each input over depths 0..D.
 """
 
@@ -76,7 +76,7 @@ def shifted_chunk(
 class MTPRolls:
     """What each of Megatron's MTP rolls of one micro-batch gives: the chains of its input ids, labels,
     position ids and loss mask over depths 0..D, a tensor known by identity (why, and the one copy of
-    the labels recognised otherwise: megatron/mtp.py)."""
+    the labels recognised otherwise: megatron/layers/mtp.py)."""
 
     def __init__(self, *, tokens: list[torch.Tensor], labels: list[torch.Tensor], position_ids: list[torch.Tensor],
                  loss_mask: list[torch.Tensor]):
@@ -85,7 +85,7 @@ class MTPRolls:
         self.chains = {"input_ids": tokens, "labels": labels, "position_ids": position_ids, "loss_mask": loss_mask}
         mask = loss_mask[0]
         self.normaliser = torch.zeros_like(mask)
-        """The loss mask Megatron's MTP loss is called with (megatron/mtp.py): one 1, then zeros; its rolls
+        """The loss mask Megatron's MTP loss is called with (megatron/layers/mtp.py): one 1, then zeros; its rolls
         are the loss mask's."""
         self.normaliser.view(-1)[:1] = 1
         self._unit = torch.ones((), dtype=mask.dtype, device=mask.device)
@@ -129,7 +129,7 @@ class MTPRolls:
             raise ValueError(
                 f"HDP cannot roll this tensor ({tensor.dtype}, {tuple(tensor.shape)}) for multi-token prediction: it "
                 "is none of the inputs the micro-batch carries the rolls of (input ids, position ids, labels, loss "
-                "mask). This Megatron rolls something HDP was not written for (megatron_hdp/megatron/mtp.py)"
+                "mask). This Megatron rolls something HDP was not written for (megatron_hdp/megatron/layers/mtp.py)"
             )
         return link
 

@@ -1,6 +1,6 @@
 """`prepare_step`: one step's micro-batches made ready for Megatron's schedule, for both drivers.
 
-The Core-API trainer (`megatron.step.HDPTrainer`) and the Megatron-LM driver (`megatron.training_install`)
+The Core-API trainer (`megatron.core_api.step.HDPTrainer`) and the Megatron-LM driver (`megatron.pretrain.install`)
 hand a step to Megatron's schedule the same way, through this one function; in order (every check that
 can fail comes before the first collective that could hang):
 
@@ -10,7 +10,7 @@ can fail comes before the first collective that could hang):
 2. collate this rank's micro-batches from the plan, unless the data loader already did (each carries the
    offload ratio its plan gives, `PackedMicroBatch.offload_ratio`);
 3. pad with empty micro-batches to the count the step runs (`pad_microbatches`: the counts of
-   `plan.timing.runtime_microbatch_counts`, the one idle-micro-batch rule, which the planner times too);
+   `plan.timeline.timing.runtime_microbatch_counts`, the one idle-micro-batch rule, which the planner times too);
 4. pin them in host memory when the model is on a GPU (the forward step copies each one asynchronously).
 
 `chunk_iterators` then gives each model chunk (virtual pipeline stage) its own iterator over them. No
@@ -26,9 +26,9 @@ import torch
 from megatron_hdp.comm.domain import HDPState
 from megatron_hdp.comm.plan_agreement import check_plan_agreement
 from megatron_hdp.data.collate import MaskReader, PackedMicroBatch, TokenReader, collate_microbatch, empty_microbatch
-from megatron_hdp.plan.interleaved import megatron_constraint_error, satisfies_ring_rule
+from megatron_hdp.plan.timeline.interleaved import megatron_constraint_error, satisfies_ring_rule
 from megatron_hdp.plan.step_plan import StepPlan
-from megatron_hdp.plan.timing import runtime_microbatch_counts
+from megatron_hdp.plan.timeline.timing import runtime_microbatch_counts
 
 
 def check_plan(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> None:
@@ -55,7 +55,7 @@ def check_plan(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = N
 
 def ring_slots(plan: StepPlan) -> list[tuple[int, tuple[int, ...]]]:
     """(micro-batch index, member HDP ranks) of every ring of `plan` (a validated plan puts all members of
-    a ring at one index): the `rings` of `plan.interleaved`, whose pipelines are the HDP ranks."""
+    a ring at one index): the `rings` of `plan.timeline.interleaved`, whose pipelines are the HDP ranks."""
     index_of = {}
     for schedule in plan.ranks:
         for index, mb in enumerate(schedule.microbatches):
@@ -66,8 +66,8 @@ def ring_slots(plan: StepPlan) -> list[tuple[int, tuple[int, ...]]]:
 
 def pipeline_counts(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> list[int]:
     """Micro-batches each HDP rank (with PP: each pipeline) runs for `plan` on this mesh: exactly
-    `plan.timing.runtime_microbatch_counts`, the counts the planner times: its own count (1F1B pipelines
-    need no padding for rings, `plan.interleaved`), with virtual pipeline stages the least counts
+    `plan.timeline.timing.runtime_microbatch_counts`, the counts the planner times: its own count (1F1B pipelines
+    need no padding for rings, `plan.timeline.interleaved`), with virtual pipeline stages the least counts
     Megatron's interleaved schedule runs that keep THE RING RULE written there, raised to its EP group's
     largest, and at least one (`group_size`: microbatch_group_size_per_vp_stage, None: the PP size)."""
     return runtime_microbatch_counts(
@@ -78,7 +78,7 @@ def pipeline_counts(plan: StepPlan, *, state: HDPState, group_size: Optional[int
 
 def check_pipeline_counts(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> list[int]:
     """`pipeline_counts`, checked against Megatron's interleaved-schedule constraints and THE RING RULE
-    (plan.interleaved) before any micro-batch runs: ValueError naming the broken constraint, raised alike
+    (plan.timeline.interleaved) before any micro-batch runs: ValueError naming the broken constraint, raised alike
     on every rank (same plan, same counts), so no rank enters a ring P2P that a peer never reaches."""
     counts = pipeline_counts(plan, state=state, group_size=group_size)
     if state.vpp_size == 1:
@@ -96,7 +96,7 @@ def check_pipeline_counts(plan: StepPlan, *, state: HDPState, group_size: Option
             f"micro-batch counts {counts} of the pipelines break the ring rule of the interleaved schedule for "
             f"rings (micro-batch, pipelines) {rings}: in each set of pipelines linked by rings every count must "
             "be the set's largest or a multiple of microbatch_group_size_per_vp_stage, or ring P2P can deadlock "
-            "(plan.interleaved); pad with plan.interleaved.padded_counts"
+            "(plan.timeline.interleaved); pad with plan.timeline.interleaved.padded_counts"
         )
     return counts
 

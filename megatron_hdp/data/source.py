@@ -12,7 +12,7 @@ of the next piece. Every next-token prediction of the document is trained exactl
 uncut document; only attention stops at the piece boundary (each piece is its own sequence).
 
 The Megatron adapters (indexed `.bin/.idx`, GPTDataset, BlendedDataset, SFT) live in
-`megatron_hdp.megatron.datasets`, the only layer allowed to import Megatron; this module holds the
+`megatron_hdp.megatron.datasets.sources`, the only layer allowed to import Megatron; this module holds the
 protocol, the document cutting, the map-style adapter for datasets that carry a `lengths` array, and the
 checks every adapter shares: too-short samples and the explicit truncate-or-reject rule for over-long ones.
 """

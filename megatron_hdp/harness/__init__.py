@@ -2,7 +2,7 @@
 
 - `cpu_training`: the demo's and step_bench's CPU training runs, policy against policy, timed and predicted.
 - `exactness`: HDP on several ranks against ordinary single-process training of the same batch.
-- `model`: the tiny Llama-style model shape the harnesses and tests build (with `megatron.model`).
+- `model`: the tiny Llama-style model shape the harnesses and tests build (with `megatron.core_api.model`).
 - `gpu_smoke`: two training steps on the GPUs of this machine (the selftest's training run).
 - `run_pretrain`: a Megatron-LM pretrain script on a CPU-only PyTorch (`python -m megatron_hdp.harness.run_pretrain`).
 - `build_dataset`: Megatron indexed datasets for the demo, tests and examples.

@@ -1,5 +1,5 @@
 """Write a real Megatron indexed dataset (`PREFIX.bin` + `PREFIX.idx`) with megatron-core's own builder
-(`megatron_hdp.megatron.datasets.write_indexed_dataset`).
+(`megatron_hdp.megatron.datasets.sources.write_indexed_dataset`).
 
 Inputs: a seeded synthetic corpus (the demo's and the tests'), text files or JSONL, or token files.
 
@@ -31,7 +31,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from megatron_hdp.megatron.datasets import indexed_dataset_exists, write_indexed_dataset
+from megatron_hdp.megatron.datasets.sources import indexed_dataset_exists, write_indexed_dataset
 from megatron_hdp.plan.lengths import SYNTHETIC as SYNTHETIC_MIXES
 from megatron_hdp.plan.lengths import synthetic_lengths as mix_lengths
 

@@ -6,7 +6,7 @@ forward + backward on one document of each length s of a sweep:
     T(s)   = a1 * s^2 + b1 * s + g     fitted to the fastest of a few timed steps
     Act(s) = a2 * s + b2               fitted to the bytes of the distinct storages autograd keeps
 
-Both fits are the project's one fit (`megatron_hdp.plan.fit`: non-negative least squares, T's relative to
+Both fits are the project's one fit (`megatron_hdp.plan.cost.fit`: non-negative least squares, T's relative to
 each time so that short sequences count as much as long ones). A MoE shape's layer runs a dense MLP of
 the mean width a token runs through (`ModelShape.mlp_widths`: its top-k experts, shared experts, dense
 layers), and `expert_share` is measured as the seconds per token of a gated MLP of the routed experts'
@@ -32,9 +32,9 @@ import torch
 import torch.utils.checkpoint
 
 from megatron_hdp.offload.reference_model import ReferenceLayer, rope_tables
-from megatron_hdp.plan.cost_model import CostModel
-from megatron_hdp.plan.fit import fit_activation, fit_compute, fitted_cost_model
-from megatron_hdp.plan.presets import ModelShape
+from megatron_hdp.plan.cost.model import CostModel
+from megatron_hdp.plan.cost.fit import fit_activation, fit_compute, fitted_cost_model
+from megatron_hdp.plan.cost.presets import ModelShape
 
 logger = logging.getLogger(__name__)
 

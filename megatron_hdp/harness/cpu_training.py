@@ -51,14 +51,14 @@ import torch.distributed as dist
 
 import megatron_hdp.megatron  # noqa: F401  (registers megatron-hybrid-cp, which HYBRID_CP plans with)
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.cost.model import CostModel
 
 logger = logging.getLogger(__name__)
 
 HYBRID_CP = "megatron-hybrid-cp"
 """Megatron's Hybrid-CP as Megatron executes it: its scheduler's plan run one forward/backward pass per
 sub-sample (<= C tokens per rank per pass), a barrier over all ranks after each group
-(`plan.per_subsample.per_subsample_plan`)."""
+(`megatron.comparison.per_subsample.per_subsample_plan`)."""
 HYBRID_CP_GROUPED = "megatron-hybrid-cp-grouped"
 """Ours, not Megatron's: Megatron's grouping run through our runtime as one micro-batch per group and rank
 (up to several times C tokens per pass, no barrier): the planner policy `megatron-hybrid-cp` as is."""
@@ -192,7 +192,7 @@ def planned_batches(spec: CpuRunSpec, state, config: HDPConfig, cost_model: Cost
             yield plan, token_reader(spec.seed + step, lengths)
         return
     from megatron_hdp.data.loader import HDPDataLoader
-    from megatron_hdp.megatron.datasets import IndexedDocumentSource
+    from megatron_hdp.megatron.datasets.sources import IndexedDocumentSource
 
     loader_config = dataclasses.replace(
         config, hdp_policy=planner_policy(policy), hdp_global_batch_tokens=spec.tokens_per_step, hdp_overlong_documents="truncate"
@@ -223,8 +223,8 @@ def _model_config(spec: CpuRunSpec):
 
 def _build(spec: CpuRunSpec, state):
     from megatron_hdp.harness.exactness import VOCAB_SIZE
-    from megatron_hdp.megatron.model import build_gpt, wrap_for_training
-    from megatron_hdp.megatron.step import HDPTrainer
+    from megatron_hdp.megatron.core_api.model import build_gpt, wrap_for_training
+    from megatron_hdp.megatron.core_api.step import HDPTrainer
 
     torch.manual_seed(spec.seed)
     model = build_gpt(_model_config(spec), vocab_size=VOCAB_SIZE, max_sequence_length=spec.max_length)
@@ -420,13 +420,13 @@ def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches_per_size: int = 2)
     micro-batches. Every rank runs `microbatches_per_size` ring micro-batches of each ring size of the fit
     (rings tiling the ranks, one document of k C tokens each), `spec.timing_repeats` times after an untimed
     step, each phase keeping its fewest CPU seconds as the steps do, and the jitter is fitted to the lead
-    of each ring's slowest member in each phase (`plan.fit.fit_jitter`).
+    of each ring's slowest member in each phase (`plan.cost.fit.fit_jitter`).
 
     Before issue 24's fix the jitter was the median rank-to-rank standard deviation of whole documents,
     which are never coupled: rings' slowest members lead their mean by more than a normal spread of that
     deviation gives (CPU, rings of 8: 10-16 % of the mean against 1.42 x 6-8 %), and static, coupled in
     every phase, was predicted 0.02 s short in every pair."""
-    from megatron_hdp.plan.fit import fit_jitter
+    from megatron_hdp.plan.cost.fit import fit_jitter
     from megatron_hdp.plan.hand_plan import plan_from_rings
 
     world = trainer.state.hdp_size
@@ -486,7 +486,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
     """The cost model of this model on this CPU, in CPU seconds of the runtime's own micro-batches (median
     over ranks, which run them at once):
 
-    - per layer T(s) = a1 s^2 + b1 s + g: `plan.fit.fit_compute` (non-negative least squares, relative
+    - per layer T(s) = a1 s^2 + b1 s + g: `plan.cost.fit.fit_compute` (non-negative least squares, relative
       error) over whole documents of `spec.fit_lengths`, one per rank;
     - `jitter` from `measure_jitter`;
     - with expert parallelism, `expert_share` from `measure_expert_share`;
@@ -501,7 +501,7 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
       difference of two timings; timed one after the other (as before issue 24's fix), a change of the
       host's speed between them moved it 20x from run to run.
     """
-    from megatron_hdp.plan.fit import fit_compute, fitted_cost_model
+    from megatron_hdp.plan.cost.fit import fit_compute, fitted_cost_model
 
     world = trainer.state.hdp_size
     alone = [(r,) for r in range(world)]
@@ -616,7 +616,7 @@ def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, grad_bytes:
 
 def _fastest(runs: list) -> "BusyTimes":
     """Each phase's fewest CPU seconds over `runs` (BusyTimes of the same plan)."""
-    from megatron_hdp.megatron.step import BusyTimes
+    from megatron_hdp.megatron.core_api.step import BusyTimes
 
     return BusyTimes(
         before=min(r.before for r in runs),
@@ -640,8 +640,8 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     and predicted, and what this run measured (the same when nothing came from outside).
     """
     silence_megatron_warnings()
-    from megatron_hdp.plan.per_subsample import per_subsample_plan
-    from megatron_hdp.megatron.initialize import initialize_hdp
+    from megatron_hdp.megatron.comparison.per_subsample import per_subsample_plan
+    from megatron_hdp.megatron.core_api.initialize import initialize_hdp
 
     state = initialize_hdp(seed=spec.seed, expert_model_parallel_size=spec.ep_size)
     config = HDPConfig(hdp=True, hdp_capacity=spec.capacity, hdp_offload=False)

@@ -7,7 +7,7 @@ only layer that imports Megatron: `step.forward_backward` passes its arguments t
 `get_forward_backward_func()` unchanged, with no HDP code on the way). The HDP run loads the reference's
 initial weights — each parameter sliced the way its TP rank / PP stage / EP rank holds it — trains the
 same global batches, and reports its loss and gradients with the metadata to compare them shard by
-shard (`expected_shard`). Used by tests/test_megatron_exactness.py and the demo's self-check.
+shard (`expected_shard`). Used by tests/megatron/test_megatron_exactness.py and the demo's self-check.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def global_name(name: str, *, layer_offset: int, expert_offset: int) -> str:
 
 def shard_infos(model: torch.nn.Module) -> dict[str, ShardInfo]:
     """ShardInfo of every parameter of this rank's model chunk (a GPTModel, maybe inside DDP), by local name."""
-    from megatron_hdp.megatron.initialize import expert_parallel_coordinate, tensor_parallel_coordinate
+    from megatron_hdp.megatron.core_api.initialize import expert_parallel_coordinate, tensor_parallel_coordinate
 
     inner = getattr(model, "module", model)
     layers = inner.decoder.layers
@@ -158,7 +158,7 @@ def reference_forward_step(data_iterator, model, *, multiple: int = 1):
     the TP ranks) with loss mask 0: under the causal mask the padding changes no real token's result."""
     from functools import partial
 
-    from megatron_hdp.megatron.forward_step import token_loss
+    from megatron_hdp.megatron.core_api.forward_step import token_loss
 
     raw = torch.from_numpy(next(data_iterator))
     length, pad = raw.shape[0] - 1, -(raw.shape[0] - 1) % multiple
@@ -176,7 +176,7 @@ def reference_steps(
     multiple of `token_multiple` tokens (`reference_forward_step`); per step its loss and grads."""
     from functools import partial
 
-    from megatron_hdp.megatron.step import forward_backward, sync_grads_at_schedule_end
+    from megatron_hdp.megatron.core_api.step import forward_backward, sync_grads_at_schedule_end
 
     sync_grads_at_schedule_end([model])
     results = []

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node N -m megatron_hdp.harness.gpu_smoke              # every local GPU
 
 `megatron-hdp selftest` runs both. The model, its DDP and optimizer come from the integration layer
-(`megatron_hdp.megatron.model`: only `megatron_hdp/megatron/` imports Megatron).
+(`megatron_hdp.megatron.core_api.model`: only `megatron_hdp/megatron/` imports Megatron).
 """
 
 import os
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_hdp.harness.model import tiny_llama_config
-from megatron_hdp.megatron.initialize import initialize_hdp
-from megatron_hdp.megatron.model import build_gpt, wrap_for_training
-from megatron_hdp.megatron.step import HDPTrainer
+from megatron_hdp.megatron.core_api.initialize import initialize_hdp
+from megatron_hdp.megatron.core_api.model import build_gpt, wrap_for_training
+from megatron_hdp.megatron.core_api.step import HDPTrainer
 from megatron_hdp.plan.hand_plan import plan_from_rings
 
 

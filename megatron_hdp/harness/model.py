@@ -2,7 +2,7 @@
 run build (RoPE, GQA, SwiGLU, RMSNorm, no biases, untied embeddings; fp32 for exactness on CPU).
 
 Only the shape lives here: the TransformerConfig sized by parallel_state, the GPTModel, its DDP and
-optimizer are the integration layer's (`megatron_hdp.megatron.model`), which a real run uses the same
+optimizer are the integration layer's (`megatron_hdp.megatron.core_api.model`), which a real run uses the same
 way with its own shape.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_hdp.megatron.model import TransformerConfig, transformer_config
+from megatron_hdp.megatron.core_api.model import TransformerConfig, transformer_config
 
 
 def tiny_llama_config(
@@ -31,8 +31,8 @@ def tiny_llama_config(
     **fields: Any,
 ) -> TransformerConfig:
     """A tiny fp32 Llama-style TransformerConfig, sized by parallel_state (TP, PP, virtual stages, EP as
-    initialized: `megatron.model.transformer_config`). With `moe_aux_loss_coeff` > 0 the router adds
-    Megatron's load-balancing loss ("aux_loss"; under HDP per document: megatron_hdp.megatron.moe_aux_loss).
+    initialized: `megatron.core_api.model.transformer_config`). With `moe_aux_loss_coeff` > 0 the router adds
+    Megatron's load-balancing loss ("aux_loss"; under HDP per document: megatron_hdp.megatron.layers.moe_aux_loss).
     `fields`: further config fields, e.g. `tiny_mla_fields()` for multi-latent attention."""
     moe: dict[str, Any] = {}
     if num_moe_experts:

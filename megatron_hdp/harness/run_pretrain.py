@@ -26,11 +26,11 @@ def run_script(script: str, argv: list[str]) -> None:
     path = Path(script).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"pretrain script {script} not found")
-    from megatron_hdp.megatron.training_compat import require_megatron_training, use_prebuilt_dataset_helpers
+    from megatron_hdp.megatron.compat.versions import require_megatron_training, use_prebuilt_dataset_helpers
 
     require_megatron_training()
     use_prebuilt_dataset_helpers()
-    from megatron_hdp.megatron.cpu_shims import apply_cpu_shims, apply_training_cpu_shims
+    from megatron_hdp.megatron.compat.cpu_shims import apply_cpu_shims, apply_training_cpu_shims
 
     if apply_cpu_shims():
         apply_training_cpu_shims()

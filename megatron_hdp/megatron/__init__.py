@@ -11,12 +11,12 @@ this package's attribute once imported. Importing the package registers the Mega
 policies (`policies`: `megatron-hybrid-cp`) with plan/'s registry.
 """
 
-from megatron_hdp.megatron import policies as _policies  # noqa: F401  (registers the policies)
+from megatron_hdp.megatron.comparison import registry as _registry  # noqa: F401  (registers the policies)
 
 _LAZY = {
-    "add_hdp_args": "megatron_hdp.megatron.args",
-    "validate_hdp_args": "megatron_hdp.megatron.args",
-    "install": "megatron_hdp.megatron.training_install",
+    "add_hdp_args": "megatron_hdp.megatron.pretrain.args",
+    "validate_hdp_args": "megatron_hdp.megatron.pretrain.args",
+    "install": "megatron_hdp.megatron.pretrain.install",
 }
 
 

@@ -6,7 +6,7 @@
     loss.backward()                                  # may run later (1F1B), outside the context
     stats = offloader.pop_step_stats()               # once per step
 
-What `ratio` means: the plan's r (ByteScale Eq. 3, `plan/sharding.py`) is the fraction of the
+What `ratio` means: the plan's r (ByteScale Eq. 3, `plan/cost/sharding.py`) is the fraction of the
 micro-batch's layer activations to move, and the planner's memory model is (1 - r) * Act(t) per layer.
 The last `num_resident_layers` R of the L attached layers must stay (their backward starts as soon as
 the forward ends, before any prefetch of theirs could land), so each other layer moves its first saved

@@ -13,7 +13,7 @@ aten/src/ATen/core/CachingHostAllocator.h: `c10::llvm::PowerOf2Ceil(size)`; torc
 exactly that) and none above `MAX_PIECE_BYTES`: the binary digits of the buffer's bucket, a multiple of
 1/8 of the request's power of two and of a page. So the pinned bytes of a buffer are its bucket, at
 most 12.5% (or one page) above the request, and `bytes_allocated` is what the allocator really pinned.
-The planner's host-memory budget uses the same bound (`plan.cost_model.HOST_BUFFER_OVERHEAD`).
+The planner's host-memory budget uses the same bound (`plan.cost.model.HOST_BUFFER_OVERHEAD`).
 
 A piece handed back while an H2D copy may still be reading it carries that copy's event; whoever takes
 it next makes its own stream wait for the event before writing (`HostBuffer.ready`).

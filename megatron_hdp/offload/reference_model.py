@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_hdp.plan.presets import ModelShape
+from megatron_hdp.plan.cost.presets import ModelShape
 
 _ROPE_BASE = 10000.0
 

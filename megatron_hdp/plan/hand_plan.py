@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from megatron_hdp.plan.layout import zigzag_chunks
+from megatron_hdp.plan.zigzag import zigzag_chunks
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
 
 

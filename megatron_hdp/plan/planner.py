@@ -15,9 +15,9 @@ import numbers
 from typing import Callable, Sequence
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.plan.balance import plan_balance
-from megatron_hdp.plan.baselines import plan_naive, plan_naive_offload, plan_static
-from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.policies.balance import plan_balance
+from megatron_hdp.plan.policies.baselines import plan_naive, plan_naive_offload, plan_static
+from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.step_plan import StepPlan
 
 PolicyFunction = Callable[..., StepPlan]
@@ -34,7 +34,7 @@ VIRTUAL_STAGE_POLICIES = ("balance", "naive", "naive-offload", "static", "megatr
 KV_RING_ONLY_POLICIES = ("megatron-hybrid-cp",)
 """Policies whose plans give every ring the K/V kind whatever the cost model's `ring_kind` (Megatron's
 Hybrid-CP scheduler runs TE's K/V ring); the others give each ring the kind the cost model picks
-(`plan.assemble`)."""
+(`plan.timeline.assemble`)."""
 
 
 def register_policy(name: str, function: PolicyFunction) -> None:

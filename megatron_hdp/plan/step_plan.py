@@ -1,6 +1,6 @@
 """StepPlan: who holds which tokens of which sequence in which micro-batch, for one training step.
 
-The JSON form (`to_dict`) is the contract of DESIGN.md; the planner, the simulator, the sampler and the
+The JSON form (`to_dict`) is the contract of docs/architecture.md; the planner, the simulator, the sampler and the
 runtime all read this one object. A plan is frozen data and checks itself (`validate`): every token held
 exactly once, rings consistent with the zigzag layout, capacities respected, ring members aligned on one
 micro-batch index (ring attention needs all members in the same micro-batch at the same time).
@@ -17,8 +17,7 @@ from typing import Any, Optional, Sequence, TypeVar
 
 import numpy as np
 
-from megatron_hdp.plan.cost_model import RING_KINDS
-from megatron_hdp.plan.layout import Interval, zigzag_chunk_bounds, zigzag_chunks
+from megatron_hdp.plan.zigzag import Interval, zigzag_chunk_bounds, zigzag_chunks
 
 PLAN_VERSION = 1
 
@@ -266,7 +265,7 @@ def _all_valid(plan: "StepPlan") -> bool:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """The plan of one global batch over `num_ranks` HDP ranks (see DESIGN.md, StepPlan JSON)."""
+    """The plan of one global batch over `num_ranks` HDP ranks (see docs/architecture.md, StepPlan JSON)."""
 
     policy: str
     num_ranks: int
@@ -280,7 +279,7 @@ class StepPlan:
     In the JSON only when > 1, so plans without virtual stages read and write as before."""
     group_size: Optional[int] = None
     """Megatron's microbatch_group_size_per_vp_stage G the plan was made (and timed) for, with virtual
-    stages: the runtime runs the step with it (`megatron.step.step_group_size`). None: the runtime's
+    stages: the runtime runs the step with it (`megatron.core_api.step.step_group_size`). None: the runtime's
     configured G (pp by default), as plans before this field. In the JSON as "microbatch_group_size", only when set."""
     version: int = PLAN_VERSION
     _digest: list = field(default_factory=list, repr=False, compare=False)
@@ -423,7 +422,7 @@ class StepPlan:
 
     # --- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """The plan in the JSON schema of DESIGN.md."""
+        """The plan in the JSON schema of docs/architecture.md."""
         return {
             "version": self.version,
             "policy": self.policy,
@@ -506,3 +505,8 @@ class StepPlan:
         if not self._digest:
             self._digest.append(hashlib.sha256(self.to_json().encode()).hexdigest())
         return self._digest[0]
+
+
+RING_KINDS = ("kv", "latent")
+"""The rings a split document can run: K and V circulate (`attention.zigzag_ring`), or multi-latent
+attention's latent and RoPE key do and every member up-projects them (`attention.latent_ring`)."""

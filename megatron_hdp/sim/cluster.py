@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatron_hdp.plan.cost_model import RING_KIND_SETTINGS, CostModel
-from megatron_hdp.plan.interleaved import uncapped_warmup
-from megatron_hdp.plan.mesh_cost import mesh_cost_model
-from megatron_hdp.plan.presets import HardwareProfile, ModelShape, hardware_profile, model_shape
-from megatron_hdp.plan.timing import expert_unit_size
+from megatron_hdp.plan.cost.model import RING_KIND_SETTINGS, CostModel
+from megatron_hdp.plan.timeline.interleaved import uncapped_warmup
+from megatron_hdp.plan.cost.mesh import mesh_cost_model
+from megatron_hdp.plan.cost.presets import HardwareProfile, ModelShape, hardware_profile, model_shape
+from megatron_hdp.plan.cost.experts import expert_unit_size
 
 _SUFFIX = {"K": 1024, "M": 1024**2, "G": 1024**3}
 MEMORY_RESERVE = 0.10
@@ -62,7 +62,7 @@ class ClusterSpec:
     ep_size: int = 1
     """Expert-parallel size (Megatron's --expert-model-parallel-size): each rank holds num_experts / EP of
     every MoE layer's experts, and the MoE all-to-all couples the HDP ranks of an EP group
-    (`plan.timing.expert_unit_size`)."""
+    (`plan.cost.experts.expert_unit_size`)."""
     etp_size: Optional[int] = None
     """Expert tensor-parallel size (--expert-tensor-parallel-size); None: TP, Megatron's default."""
     ring_kind: Optional[str] = None
@@ -122,7 +122,7 @@ class ClusterSpec:
 
     @property
     def expert_unit(self) -> int:
-        """HDP ranks one MoE all-to-all couples (`plan.timing.expert_unit_size`): EP when expert TP is TP."""
+        """HDP ranks one MoE all-to-all couples (`plan.cost.experts.expert_unit_size`): EP when expert TP is TP."""
         return expert_unit_size(tp_size=self.tp_size, ep_size=self.ep_size, etp_size=self.expert_tp_size)
 
     def parameters_per_gpu(self) -> tuple[float, float]:
@@ -143,7 +143,7 @@ class ClusterSpec:
         return self.allreduce_bandwidth or self.hardware_profile.ring_bandwidth
 
     def cost_model(self) -> CostModel:
-        """This cluster's mesh through the one builder (`plan.mesh_cost.mesh_cost_model`): the calibrated
+        """This cluster's mesh through the one builder (`plan.cost.mesh.mesh_cost_model`): the calibrated
         cost model when a JSON was given, else the analytic one for this model/TP, on the hardware with
         `ring_bandwidth` / `intra_node_bandwidth` in place of its links when set, this cluster's ranks per
         node (gpus_per_node / TP, else the builder's rule: the NVLink domain / TP), ring kind and the HDP

@@ -5,7 +5,7 @@ budget, clipped to the context length) with `make_plan`, and every plan runs thr
 with the cluster's gradient all-reduce. Throughput is total tokens over total simulated time.
 
 Two floors bound every policy from above in throughput: the work floor (`compute_floor`: the batch's
-compute spread over every GPU) and the critical-path floor (`plan.bounds.critical_path_floor`: also no
+compute spread over every GPU) and the critical-path floor (`plan.timeline.bounds.critical_path_floor`: also no
 step shorter than its longest document's fastest crossing of the pipeline). With PP the second can sit
 well below the first in tokens/s, and only the second is a throughput some schedule might reach.
 """
@@ -21,8 +21,8 @@ from typing import Optional, Sequence
 from tqdm import tqdm
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.plan.bounds import critical_path_floor, fastest_crossing
-from megatron_hdp.plan.cost_model import CostModel
+from megatron_hdp.plan.timeline.bounds import critical_path_floor, fastest_crossing
+from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.lengths import sample_global_batch
 from megatron_hdp.plan.planner import make_plan, policy_function
 from megatron_hdp.plan.step_plan import StepPlan

@@ -7,7 +7,7 @@ wait uses none) — and the runtime's waits follow from the plan: ring members r
 together, layer by layer, so it ends for all of them when the slowest is done (the layers are identical,
 so waiting per layer adds up to waiting once per forward and once per backward); the gradient all-reduce
 starts when the last rank arrives. `dedicated_step_time` replays the measured phases through exactly
-those waits — the one timing model of `megatron_hdp.plan.timing`, which the planner and the simulator use — so
+those waits — the one timing model of `megatron_hdp.plan.timeline.timing`, which the planner and the simulator use — so
 it is the step time the same ranks would reach on dedicated cores, and the measurement a prediction of
 `simulate_step(..., rules=PolicyRules())` is held against. With expert parallelism the members of an EP
 group also run each micro-batch index together (their MoE all-to-all): a member's measured CPU seconds
@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Collection, Sequence
 
 from megatron_hdp.plan.step_plan import StepPlan
-from megatron_hdp.plan.timing import coupled_finish, plan_groups
+from megatron_hdp.plan.timeline.timing import coupled_finish, plan_groups
 
 
 def dedicated_step_time(

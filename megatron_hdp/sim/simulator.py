@@ -16,22 +16,22 @@ What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding n
   Following the cost model's overlap rule (ByteScale Eq. 3 with its windows,
   `CostModel.exposed_offload_time`), the D2H copy overlaps one layer's forward and the H2D prefetch one
   layer's backward; what exceeds either window is exposed.
-- Ring coupling (`plan.timing.plan_groups`, the planner's rule): the members of a ring run ring attention
+- Ring coupling (`plan.timeline.timing.plan_groups`, the planner's rule): the members of a ring run ring attention
   layer by layer together, so a micro-batch that shares a ring with other ranks starts when all of them
   are ready, and releases them together when the slowest is done (its busy part is its own work; the
   rest is idle). Coupling is transitive: ranks linked through several rings at the same micro-batch
   index move as one group.
 - Padding: after its own micro-batches a rank runs the runtime's empty ones (with virtual pipeline
   stages where the interleaved schedule and the ring rule need them, with EP up to its group's largest
-  count; an idle rank one), each at the micro-batch overhead (`plan.timing`).
+  count; an idle rank one), each at the micro-batch overhead (`plan.timeline.timing`).
 - Expert parallelism (`CostModel.expert_parallel_size`): micro-batch i of every member of an EP group is
-  coupled like a ring (the MoE all-to-all of every layer), `plan.timing.expert_links`, and each member
-  runs the group's mean of the routed expert work at that index (`plan.timing.spread_expert_work`).
-- PP: every stage runs its ops in Megatron's order (`plan.interleaved.stage_order`: 1F1B with a warm-up
+  coupled like a ring (the MoE all-to-all of every layer), `plan.timeline.timing.expert_links`, and each member
+  runs the group's mean of the routed expert work at that index (`plan.cost.experts.spread_expert_work`).
+- PP: every stage runs its ops in Megatron's order (`plan.timeline.interleaved.stage_order`: 1F1B with a warm-up
   of p-1-s forwards, or with `plan.vpp_size` v > 1 virtual stages the interleaved order, each op one
   model chunk's forward or backward at 1/v of the stage's time), forward = 1/3 and backward = 2/3 of the
   micro-batch time (backward does twice the forward's FLOPs and ring traffic); a forward waits for the
-  previous virtual stage's forward, a backward for the next one's (`plan.interleaved.dependency`). PP
+  previous virtual stage's forward, a backward for the next one's (`plan.timeline.interleaved.dependency`). PP
   bubbles and the stalls of unequal micro-batches come out of these dependencies. A ring couples its
   members' op of every (stage, chunk, forward/backward) of its micro-batch.
 - Gradient all-reduce: once every rank is done, a ring all-reduce of the bf16 gradients of one
@@ -48,11 +48,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_hdp.plan.cost_model import CostModel
-from megatron_hdp.plan.interleaved import dependency, stage_order
-from megatron_hdp.plan.pipeline import FORWARD_SHARE
+from megatron_hdp.plan.cost.model import CostModel
+from megatron_hdp.plan.timeline.interleaved import dependency, stage_order
+from megatron_hdp.plan.cost.model import FORWARD_SHARE
 from megatron_hdp.plan.step_plan import MicroBatch, StepPlan
-from megatron_hdp.plan.timing import jitter_lead, plan_groups, plan_runtime_counts, spread_expert_work
+from megatron_hdp.plan.cost.experts import spread_expert_work
+from megatron_hdp.plan.timeline.timing import jitter_lead, plan_groups, plan_runtime_counts
 
 
 @dataclass(frozen=True)
@@ -396,7 +397,7 @@ def simulate_step(
             pending += run(group, stage, op)
 
     # Ring members share one micro-batch index and the runtime's counts keep the ring rule
-    # (`plan.interleaved`), so coupled ops never wait on each other in a cycle.
+    # (`plan.timeline.interleaved`), so coupled ops never wait on each other in a cycle.
     stuck = [(r, s) for r in range(n) for s in range(p) if len(ops[r][s]) < len(orders[r][s])]
     assert not stuck, f"simulation stalled at rank-stages {stuck[:4]}: the plan breaks the ring rule"
     rank_of_mb = np.repeat(np.arange(n), np.diff(bounds))

@@ -3,7 +3,7 @@
 `flash_attn_varlen_func` does not take an external out/lse in its backward, so this backend calls the
 two functions it is built on, `_flash_attn_varlen_forward` and `_flash_attn_varlen_backward` of
 `flash_attn.flash_attn_interface` (as ring-flash-attention does), by keyword. lse comes back as
-[Hq, Tq] float32. Not run in this repository's CI; `tests/test_attention_backends_flash.py` calls it
+[Hq, Tq] float32. Not run in this repository's CI; `tests/attention/test_attention_backends_flash.py` calls it
 through stand-ins with the exact parameter lists of flash-attn v2.6.3, v2.7.x and v2.8.3.
 
 Versions (read from Dao-AILab/flash-attention's `flash_attn/flash_attn_interface.py` at those tags):

@@ -6,7 +6,7 @@ order inside a segment), so fully masked tiles are skipped. The forward returns 
 from `grads_by_recompute` (one extra forward). V's head dim may differ from Q's and K's (multi-latent
 attention): flex takes it natively (inductor's kernel has separate QK and V head dims, each rounded up to
 a power of two inside the kernel). Not run on a GPU in this repository's CI (flex has no
-CPU backward); `tests/test_attention_kernels.py` checks on CPU what does not need one.
+CPU backward); `tests/attention/test_attention_kernels.py` checks on CPU what does not need one.
 
 Varying lengths. HDP packs a different number of tokens T into every micro-batch. flex runs compiled
 with dynamic shapes (`torch.compile(flex_attention, dynamic=True)`): one graph for every T. A static

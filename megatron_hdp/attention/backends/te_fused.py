@@ -41,7 +41,7 @@ signature): all arguments go by keyword, and the two call shapes of 2.x are told
 parameters `fused_attn_bwd` has: up to 2.14 it takes a `dqkv_dtype`; from 2.15 it takes
 `o_format` / `do_format` / `dqkv_layout` instead (which default to "sbhd", so "thd" must be passed).
 Another major version is refused, with the installed version in the message. Not run in this
-repository's CI (no GPU there): `tests/test_attention_gpu.py` checks it against the float64
+repository's CI (no GPU there): `tests/attention/test_attention_gpu.py` checks it against the float64
 reference wherever TE and a GPU are present.
 """
 

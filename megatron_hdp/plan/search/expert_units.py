@@ -1,0 +1,314 @@
+"""Expert-parallel groups planned as units: the members of an EP group are the lanes of one unit.
+
+With expert parallelism the MoE all-to-all of every layer couples micro-batch i of every member of an EP
+group (Megatron's fixed groups of e consecutive HDP ranks, `timing.expert_groups`): every member runs the
+group's largest micro-batch count, and index i lasts as long as its slowest member. A plan made rank by
+rank pays for both at run time (padding micro-batches, and a wait at every index). Here every index of a
+unit is a *row* of e lanes, planned together, so that the lanes of a row run micro-batches of about one
+time and every lane runs the unit's count:
+
+1. ring sizes (`unit_ring_sizes`): a ring of k ranks takes k mod e lanes of a row of its last unit, and
+   the other lanes of that row can match its member time only with other rings' shards: whole sequences
+   of at most C tokens take at most a whole C-token document's time. Rows are formed as step 3 will form
+   them; the rings of a row whose free lanes would idle more than growing its rings to the next multiple
+   of e adds (ring traffic; zigzag work is otherwise conserved over k) grow, and then fill whole units,
+   where their equal zigzag shards wait for nobody;
+2. rings of more than one unit, aligned at one index in every unit they span: `placement.place_rings`
+   over the G = D / e units, a ring of k ranks on ceil(k / e) of them, its last unit's other lanes free;
+3. the rest in rows (`ring_rows`, `fill_holes`, `whole_rows`): rings of at most e ranks (*lane rings*)
+   heaviest first, each into a row of about its member time with lanes free (step 2's rows included),
+   else the row that idles fewer lane-seconds, a new one or a slower one; whole sequences, heaviest first,
+   into free lanes where they fit the row's time and C (best fit); the rest in rows of e bins in order of
+   time, each sequence into the bin of least time with room, a new row when none has room, so a row's
+   bins hold alike sequences. The last `fine_work` lane-seconds go into rows of C / FINE_PARTS tokens:
+   light rows to balance the units with;
+4. rows to units (`placement.lpt` heaviest first from each unit's ring finish, then `refine.refine_local`
+   on the units' times: moves and swaps of whole rows), each unit's rows after its step-2 rows.
+
+Every lane of a unit holds the unit's rows, so the runtime pads nothing (a lane with nothing at an index
+runs an empty micro-batch at the micro-batch overhead, as the runtime's padding would). Rings of several
+units couple units as rings couple ranks, at the one index they share. `balance` plans this way and rank
+by rank, and keeps the plan of least predicted step time (timed with the EP coupling either way): on
+small batches a plan rank by rank may already run its EP groups in step.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from megatron_hdp.plan.cost.model import CostModel
+from megatron_hdp.plan.search.placement import lpt, place_rings
+from megatron_hdp.plan.search.refine import refine_local
+from megatron_hdp.plan.cost.sharding import max_member_tokens, member_times, needed_offload_ratio, whole_times
+
+ROW_TOLERANCE = 0.1
+"""A lane ring joins a row whose time is at most this fraction above its member time."""
+
+FINE_PARTS = 4
+"""The light rows of the last `fine_work` lane-seconds hold C / FINE_PARTS tokens a lane."""
+
+Option = tuple[np.ndarray, np.ndarray]
+"""(ring sizes, offload ratios) of every sequence: one choice of `widening.widening_options`."""
+
+
+def unit_ring_sizes(lengths: np.ndarray, option: Option, *, ep_size: int, capacity: int, cost_model: CostModel,
+                    pp_size: int = 1) -> Option:
+    """`option` with rings grown to whole units where that pays (step 1 of the module doc).
+
+    The rings of k ranks not a multiple of e take k mod e lanes of a row (of their last unit); heaviest
+    first, each joins the first row with lanes free whose time is within `ROW_TOLERANCE` above its member
+    time, else opens one (as `ring_rows` will). A row's free lanes hold whole sequences of at most C
+    tokens, at most `full` seconds (a whole C-token document): they idle free x (T - full) lane-seconds
+    when its time T is above that. The rings of such a row grow to the next multiple of e when the work
+    that adds (ring traffic and latency: size w(size) - k w(k) lane-seconds each) is less. A wider ring
+    holds fewer tokens a member, so it fits wherever the narrower one did, at the smallest offload ratio
+    that lets its members hold their shards; a ring stays as it is where it cannot grow (zigzag chunks of
+    a document of fewer than 2 x size tokens would be empty)."""
+    ring_sizes, offload_ratios = option
+    sizes, ratios = ring_sizes.copy(), offload_ratios.copy()
+    odd = np.flatnonzero((ring_sizes > 1) & (ring_sizes % ep_size != 0))
+    if not len(odd):
+        return sizes, ratios
+    full = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
+    weights = member_times(lengths[odd], ring_sizes[odd], cost_model=cost_model, pp_size=pp_size)
+    rows: list[list] = []  # [time, free lanes, ring ids]
+    for j in np.lexsort((odd, -weights)).tolist():
+        lanes = int(ring_sizes[odd[j]]) % ep_size
+        row = next((row for row in rows if row[1] >= lanes and row[0] <= weights[j] * (1 + ROW_TOLERANCE)), None)
+        if row is None:
+            row = [float(weights[j]), ep_size, []]
+            rows.append(row)
+        row[1] -= lanes
+        row[2].append(j)
+    for time, free, members in rows:
+        idle = free * max(0.0, time - full)
+        grown = {}
+        for j in members:
+            s, k = int(lengths[odd[j]]), int(ring_sizes[odd[j]])
+            size = -(-k // ep_size) * ep_size
+            if size <= s // 2:
+                grown[j] = size
+        added = sum(size * float(member_times([lengths[odd[j]]], [size], cost_model=cost_model, pp_size=pp_size)[0])
+                    - int(ring_sizes[odd[j]]) * float(weights[j]) for j, size in grown.items())
+        if grown and added < idle:
+            for j, size in grown.items():
+                seq = int(odd[j])
+                sizes[seq] = size
+                ratios[seq] = needed_offload_ratio(cost_model, num_tokens=max_member_tokens(int(lengths[seq]), size),
+                                                   capacity=capacity)
+    return sizes, ratios
+
+
+def unit_options(options: Sequence[Option], *, lengths: np.ndarray, capacity: int, cost_model: CostModel,
+                 pp_size: int = 1) -> list[Option]:
+    """The distinct `unit_ring_sizes` of `options` (EP: `cost_model.expert_parallel_size`), in their order."""
+    out, seen = [], set()
+    for option in options:
+        sizes, ratios = unit_ring_sizes(lengths, option, ep_size=cost_model.expert_parallel_size, capacity=capacity,
+                                        cost_model=cost_model, pp_size=pp_size)
+        key = sizes.tobytes()
+        if key not in seen:
+            seen.add(key)
+            out.append((sizes, ratios))
+    return out
+
+
+@dataclass
+class Row:
+    """One micro-batch index of a unit: what each of its lanes runs, the time of the rings in it (0 for a
+    row of whole sequences), and the lanes still free."""
+
+    lanes: list[list[int]]
+    time: float
+    free: list[int]
+
+
+@dataclass
+class UnitLayout:
+    """The rows of every unit: `lead[u]` the rows of unit u's rings of several units (at the indices
+    `placement.place_rings` aligned them to), `given[u]` its other rows; `row_times[r]` row r's time."""
+
+    ep_size: int
+    rows: list[Row]
+    lead: list[list[int]]
+    given: list[list[int]]
+    row_times: np.ndarray
+
+    def schedules(self, *, lightest_first: Sequence[bool] = (False,)) -> Iterator[list[list[list[int]]]]:
+        """Every rank's micro-batches (lists of sequence ids): each unit's lead rows, then its other rows
+        heaviest first and/or lightest first (with PP the order changes the pipeline's bubbles). Every lane
+        of a unit runs the unit's count; a lane with nothing at an index runs an empty micro-batch."""
+        for flip in lightest_first:
+            schedule = []
+            for unit, lead in enumerate(self.lead):
+                mine = sorted(self.given[unit], key=lambda r: (-self.row_times[r], r))
+                if flip:
+                    mine.reverse()
+                for lane in range(self.ep_size):
+                    schedule.append([list(self.rows[r].lanes[lane]) for r in lead + mine])
+            yield schedule
+
+    def rings(self, num_sequences: int) -> list[tuple[int, ...]]:
+        """Every sequence's ring: the ranks holding it, in rank order (one rank: it is whole)."""
+        rings: list[list[int]] = [[] for _ in range(num_sequences)]
+        for unit, (lead, mine) in enumerate(zip(self.lead, self.given)):
+            for r in lead + mine:
+                for lane, mb in enumerate(self.rows[r].lanes):
+                    for seq in mb:
+                        rings[seq].append(unit * self.ep_size + lane)
+        return [tuple(sorted(members)) for members in rings]
+
+
+def place_units(
+    *,
+    ring_sizes: np.ndarray,
+    weights: np.ndarray,
+    tokens: np.ndarray,
+    num_ranks: int,
+    ep_size: int,
+    capacity: int,
+    overhead: float,
+    fine_work: float,
+) -> UnitLayout:
+    """Steps 2-4 of the module doc. `weights`: each sequence's member seconds at its ring size (whole:
+    its time on one rank); `overhead`: a micro-batch's fixed seconds; `fine_work`: lane-seconds of the
+    light rows."""
+    num_units = num_ranks // ep_size
+    span = -(-ring_sizes // ep_size)  # units a ring touches
+    wide = np.flatnonzero(span > 1)
+    order = wide[np.lexsort((wide, -weights[wide], -span[wide]))].tolist()
+    layout = place_rings(order, ring_sizes=span, weights=weights, num_ranks=num_units)
+    rows: list[Row] = []
+    lead: list[list[int]] = [[] for _ in range(num_units)]
+    for unit in range(num_units):
+        for seq in layout.ring_microbatches[unit]:
+            units = layout.rings[seq]
+            taken = ep_size if unit != units[-1] else int(ring_sizes[seq]) - ep_size * (len(units) - 1)
+            lead[unit].append(len(rows))
+            rows.append(Row([[seq] if lane < taken else [] for lane in range(ep_size)], float(weights[seq]),
+                            list(range(taken, ep_size))))
+    floating = len(rows)
+    lane_ids = np.flatnonzero((ring_sizes > 1) & (span == 1))
+    whole_ids = np.flatnonzero(ring_sizes == 1)
+    ring_rows(rows, lane_ids[np.lexsort((lane_ids, -weights[lane_ids]))].tolist(), ring_sizes=ring_sizes,
+              weights=weights, ep_size=ep_size, whole_work=float(weights[whole_ids].sum()))
+    left = fill_holes(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -weights[whole_ids]))].tolist(),
+                      weights=weights, tokens=tokens, capacity=capacity)
+    rows += whole_rows(left, weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity, fine_work=fine_work)
+    seconds = weights.tolist()
+    row_times = np.array([overhead + max(sum(map(seconds.__getitem__, lane)) for lane in row.lanes) for row in rows])
+    base = np.zeros(num_units)
+    for unit, mine in enumerate(lead):
+        base[unit] = layout.finish[unit] + overhead * len(mine)
+    row_order = sorted(range(floating, len(rows)), key=lambda r: (-row_times[r], r))
+    given = lpt(row_order, weights=row_times, loads=base.copy())
+    given = refine_local(given, weights=row_times, base=base)
+    return UnitLayout(ep_size, rows, lead, given, row_times)
+
+
+def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, weights: np.ndarray, ep_size: int,
+              whole_work: float) -> None:
+    """The lane rings of `order` (heaviest first) into `rows` (those there: rows of rings of several units,
+    some lanes of their last unit free). A ring joins the row of least time T >= its member time w with
+    lanes free when T is within `ROW_TOLERANCE` of w, else that row or a new one, whichever idles fewer
+    lane-seconds. Whole sequences not yet counted for free lanes (`whole_work` less the free lanes so far,
+    `spare`) could run in the row's k lanes instead: joining idles k (T - w) of them, at most `spare`; a
+    new row leaves e - k lanes free for w, (e - k) w idle beyond `spare`."""
+    holes = sum(row.time * len(row.free) for row in rows)
+    for seq in order:
+        k, w = int(ring_sizes[seq]), float(weights[seq])
+        at = min((i for i, row in enumerate(rows) if len(row.free) >= k and row.time >= w),
+                 key=lambda i: (rows[i].time, i), default=None)
+        if at is not None and rows[at].time > w * (1 + ROW_TOLERANCE):
+            spare = max(0.0, whole_work - holes)
+            if min(k * (rows[at].time - w), spare) > max(0.0, (ep_size - k) * w - spare):
+                at = None
+        if at is None:
+            rows.append(Row([[] for _ in range(ep_size)], w, list(range(ep_size))))
+            holes += ep_size * w
+            at = len(rows) - 1
+        row = rows[at]
+        holes -= k * row.time
+        for lane in row.free[:k]:
+            row.lanes[lane].append(seq)
+        del row.free[:k]
+
+
+def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
+               capacity: int) -> list[int]:
+    """Whole sequences of `order` (heaviest first, and so longest first: a whole sequence's time grows with
+    its length) into the free lanes (holes) of the ring rows `rows`, each into the hole of least time left
+    that takes it (<= `capacity` tokens a hole): they run while the lane waits for the row's rings.
+    Returns the sequences left, in order.
+
+    Both the times and the lengths of `order` fall, so a hole takes every sequence from some position on
+    (`first`: where both its time left and its room suffice); holes wait in a heap on that position and
+    join the holes open to the current sequence, a heap on time left, when it is reached."""
+    order = list(order)
+    neg_weights = -weights[order]
+    neg_tokens = -tokens[order]
+
+    def first(seconds: float, room: int) -> int:
+        return max(int(np.searchsorted(neg_weights, -seconds)), int(np.searchsorted(neg_tokens, -room)))
+
+    holes = [[row.time, i, lane] for i, row in enumerate(rows) for lane in row.free]
+    room = [capacity] * len(holes)
+    waiting = [(first(seconds, capacity), h) for h, (seconds, _, _) in enumerate(holes)]
+    heapq.heapify(waiting)
+    open_holes: list[tuple[float, int]] = []
+    left = []
+    for at, seq in enumerate(order):
+        while waiting and waiting[0][0] <= at:
+            h = heapq.heappop(waiting)[1]
+            heapq.heappush(open_holes, (holes[h][0], h))
+        if not open_holes:
+            left.append(seq)
+            if not waiting:
+                left += order[at + 1:]
+                break
+            continue
+        _, h = heapq.heappop(open_holes)
+        rows[holes[h][1]].lanes[holes[h][2]].append(seq)
+        holes[h][0] -= float(weights[seq])
+        room[h] -= int(tokens[seq])
+        if room[h] > 0 and holes[h][0] > 0:
+            heapq.heappush(waiting, (max(at + 1, first(holes[h][0], room[h])), h))
+    return left
+
+
+def whole_rows(order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: int,
+               fine_work: float) -> list[Row]:
+    """Rows of the whole sequences of `order` (heaviest first): each into the bin of least time with room
+    in the open row (an empty bin takes a sequence longer than C, which offloading lets one rank hold), a
+    new row when none has room: of bins of `capacity` tokens while `fine_work` lane-seconds or more are
+    left, else of capacity / FINE_PARTS. The open row's bins are a heap on (time, bin)."""
+    rows: list[Row] = []
+    left = float(weights[list(order)].sum()) if len(order) else 0.0
+    bins: list[list[int]] = []
+    room: list[int] = []
+    heap: list[tuple[float, int]] = []
+    for seq in order:
+        w, t = float(weights[seq]), int(tokens[seq])
+        full = []
+        while heap and room[heap[0][1]] < t and bins[heap[0][1]]:
+            full.append(heapq.heappop(heap))
+        if not heap:
+            if bins:
+                rows.append(Row(bins, 0.0, []))
+            budget = capacity if left >= fine_work else max(1, capacity // FINE_PARTS)
+            bins, room, full = [[] for _ in range(ep_size)], [budget] * ep_size, []
+            heap = [(0.0, b) for b in range(ep_size)]
+        time, b = heapq.heappop(heap)
+        bins[b].append(seq)
+        room[b] -= t
+        heapq.heappush(heap, (time + w, b))
+        for entry in full:
+            heapq.heappush(heap, entry)
+        left -= w
+    if bins:
+        rows.append(Row(bins, 0.0, []))
+    return rows

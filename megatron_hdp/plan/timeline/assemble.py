@@ -1,0 +1,212 @@
+"""Turn a policy's decisions (rings, offload ratios, per-rank micro-batches) into a timed StepPlan.
+
+Every policy (balance, naive, static) ends here, so their plans are timed by the one cost model the same
+way and can be compared side by side:
+
+- a micro-batch's time is `cost_model.microbatch_time` of its shards on one pipeline stage (documents on
+  one ring share one ring exchange, as at run time);
+- the kind of each ring (K/V or, for multi-latent attention, latent) is decided once per ring call (the
+  sequences on one ring in one micro-batch), from the sequences' lengths and ceil(s/k) tokens per member
+  by `CostModel.ring_kind_for`, so every member times the call with the same kind; the plan records it
+  (`SequencePlacement.ring_kind`), and the simulator prices each ring by it;
+- a rank's `est_time` is its busy time, the sum of its micro-batch times, the runtime's padding
+  micro-batches included (`timing.runtime_microbatch_counts`: 1F1B pipelines run their own counts, with
+  virtual stages the least counts the interleaved schedule and the ring rule allow); with PP it is
+  the makespan of its pipeline alone in Megatron's order (`pipeline.pipelines_finish`, all pipelines at
+  once: (m + pp - 1) t for m equal micro-batches of time t in 1F1B, (m + (pp - 1) / v) t interleaved,
+  set by the heaviest micro-batches when they differ);
+- `est_step_time` is the time the last rank reaches the gradient all-reduce, from the timeline of
+  `timing.py` (the one step-time model): a ring micro-batch starts only when every member has finished
+  its previous micro-batch and ends for all of them when the slowest is done; with PP op by op through
+  the pipeline order, so waits that fall in a pipeline's bubbles cost nothing (the simulator's timeline,
+  to 1e-9). A plan whose rings start in step with equal member times has est_step_time = max est_time.
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from megatron_hdp.plan.cost.model import CostModel
+from megatron_hdp.plan.zigzag import zigzag_chunks
+from megatron_hdp.plan.timeline.pipeline import pipelines_finish
+from megatron_hdp.plan.cost.sharding import whole_times
+from megatron_hdp.plan.cost.experts import spread_expert_work
+from megatron_hdp.plan.timeline.timing import (coupled_finish, expert_links, link_groups, pipeline_step_finish,
+                                               runtime_microbatch_counts)
+from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, build_many
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a plan is built, restoring its previous state after.
+
+    A 32M-token plan is ~100K small objects (shards, micro-batches, placements, heap entries) created in
+    one go; with the collector on, every 700 allocations trigger a scan and the older generations are
+    rescanned as the plan grows — a third of the planning time. None of these objects form reference
+    cycles, so reference counting frees them all without the collector.
+
+    On the way out the objects allocated meanwhile are promoted to the oldest generation (`gc.freeze()`
+    then `gc.unfreeze()`: a few list splices, O(1)) instead of being left in generation 0, where the first
+    allocation after `gc.enable()` would scan all of them (~20 ms for a 32M-token plan). The trade-off:
+    every object young at that moment — the plan's and any other code's — is only examined by the next
+    full collection, so cyclic garbage among them is reclaimed later (memory, not correctness); objects
+    that die first (a step's plan) are freed by reference counting and are never scanned at all. The
+    promotion is skipped when the application has frozen objects itself (`gc.get_freeze_count()`), whose
+    freeze `unfreeze()` would undo.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            if not gc.get_freeze_count():
+                gc.freeze()
+                gc.unfreeze()
+            gc.enable()
+
+
+@gc_paused()
+def assemble_plan(
+    *,
+    policy: str,
+    lengths: Sequence[int],
+    rings: Sequence[tuple[int, ...]],
+    offload_ratios: Sequence[float],
+    schedule: Sequence[Sequence[Sequence[int]]],
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int = 1,
+    vpp_size: int = 1,
+    group_size: int | None = None,
+) -> StepPlan:
+    """Build the StepPlan: `schedule[rank]` lists that rank's micro-batches, each a list of sequence ids.
+    `group_size`: the microbatch_group_size_per_vp_stage G the plan carries and is timed with (None:
+    Megatron's default, pp_size).
+
+    A sequence with a ring of k > 1 ranks must appear in one micro-batch of each member; the member at
+    ring position p holds zigzag chunks p and 2k-1-p. The micro-batch capacity is C, or the tokens held
+    when offloading lets a member hold more.
+    """
+    num_ranks = len(schedule)
+    lengths = list(map(int, lengths))
+    in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
+    positions: dict[int, dict[int, int]] = {
+        seq: {rank: p for p, rank in enumerate(rings[seq])} for seq in np.flatnonzero(in_ring).tolist()
+    }
+    # The one shard of each whole sequence, built in one go (see `build_many`) and indexed by sequence.
+    whole_ids = np.flatnonzero(~in_ring).tolist()
+    whole_shards = build_many(Shard, whole_ids, [((0, lengths[seq]),) for seq in whole_ids])
+    if len(whole_ids) < len(lengths):
+        by_seq = np.empty(len(lengths), dtype=object)
+        by_seq[whole_ids] = whole_shards
+        whole_shards = by_seq.tolist()
+    # A micro-batch of whole sequences takes the micro-batch overhead plus each sequence's whole time
+    # (the cost model is additive over shards); micro-batches with ring shards go through the cost model.
+    whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size).tolist()
+    overhead = cost_model.microbatch_time([], pp_size=pp_size)
+    ring_index: dict[int, int] = {}
+    kinds = ["kv"] * len(lengths)
+    times: list[list[float]] = []
+    tokens: list[list[int]] = []
+    schedules: list[list[MicroBatch]] = []
+    for rank, microbatches in enumerate(schedule):
+        built: list[MicroBatch] = []
+        rank_times: list[float] = []
+        rank_tokens: list[int] = []
+        for index, seqs in enumerate(microbatches):
+            if positions.keys().isdisjoint(seqs):  # whole sequences only
+                shards = tuple(map(whole_shards.__getitem__, seqs))
+                held = sum(map(lengths.__getitem__, seqs))
+                time = overhead + sum(map(whole.__getitem__, seqs))
+            else:
+                shards, costs = [], []
+                _decide_ring_kinds(seqs, rings=rings, lengths=lengths, kinds=kinds, cost_model=cost_model,
+                                   decided=ring_index)
+                for seq in seqs:
+                    where = positions.get(seq)
+                    k = 1 if where is None else len(where)
+                    chunks = ((0, lengths[seq]),) if k == 1 else zigzag_chunks(lengths[seq], k, where[rank])
+                    if k > 1:
+                        ring_index.setdefault(seq, index)
+                    shards.append(Shard(seq, chunks))
+                    costs.append((lengths[seq], sum(end - start for start, end in chunks), rings[seq] if k > 1 else (),
+                                  kinds[seq]))
+                shards = tuple(shards)
+                held = sum(c[1] for c in costs)
+                time = cost_model.microbatch_time(costs, pp_size=pp_size)
+            rank_times.append(time)
+            rank_tokens.append(held)
+            built.append(MicroBatch(shards, max(capacity, held), time))
+        schedules.append(built)
+        times.append(rank_times)
+        tokens.append(rank_tokens)
+    ep_size = cost_model.expert_parallel_size
+    counts = runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size, ep_size=ep_size, vpp_size=vpp_size,
+                                       rings={rings[seq] for seq in ring_index}, group_size=group_size)
+    for rank, count in enumerate(counts):
+        tokens[rank] += [0] * (count - len(times[rank]))
+        times[rank] += [overhead] * (count - len(times[rank]))  # the runtime's padding micro-batches
+    times = spread_expert_work(times, tokens, ep_size=ep_size,
+                               seconds_per_token=cost_model.expert_seconds_per_token(pp_size=pp_size))
+    alone = pipelines_finish(times, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
+    ranks = [RankSchedule(rank, tuple(built), own) for rank, (built, own) in enumerate(zip(schedules, alone))]
+    step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
+                     jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
+    ratios = np.asarray(offload_ratios, dtype=np.float64).tolist()
+    sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios, kinds))
+    assert len(ranks) == num_ranks
+    return StepPlan(policy=policy, num_ranks=num_ranks, capacity=capacity, sequences=sequences,
+                    ranks=tuple(ranks), est_step_time=step, pp_size=pp_size, vpp_size=vpp_size,
+                    group_size=group_size)
+
+
+def _decide_ring_kinds(
+    seqs: Sequence[int], *, rings: Sequence[tuple[int, ...]], lengths: Sequence[int], kinds: list[str],
+    cost_model: CostModel, decided: dict[int, int],
+) -> None:
+    """Write into `kinds` the ring kind of every ring call of the micro-batch `seqs` not decided yet (its
+    sequences not in `decided`): one per ring, from ceil(s/k) tokens per member of each of its sequences,
+    so that every member of the ring, holding the same sequences in its micro-batch, decides alike."""
+    calls: dict[tuple[int, ...], list[int]] = {}
+    for seq in seqs:
+        if len(rings[seq]) > 1 and seq not in decided:
+            calls.setdefault(rings[seq], []).append(seq)
+    for ring, members in calls.items():
+        k = len(ring)
+        tokens = [-(-lengths[seq] // k) for seq in members]
+        attention = sum(cost_model.a1 * lengths[seq] * t for seq, t in zip(members, tokens))
+        kind = cost_model.ring_kind_for(num_tokens=sum(tokens), attention=attention, ring_size=k,
+                                        bandwidth=cost_model.ring_link_bandwidth(ring))
+        for seq in members:
+            kinds[seq] = kind
+
+
+def step_time(
+    times: Sequence[Sequence[float]],
+    *,
+    rings: Sequence[tuple[int, ...]],
+    ring_index: dict[int, int],
+    pp_size: int = 1,
+    ep_size: int = 1,
+    jitter: float = 0.0,
+    vpp_size: int = 1,
+    group_size: int | None = None,
+) -> float:
+    """Time the last rank finishes when ring micro-batches (and, with `ep_size` > 1, every micro-batch
+    of an expert-parallel group; `times` padded as the runtime runs them) wait for all their members and
+    release them together, with the cost model's `jitter` (`timing.coupled_finish`; with PP every op of
+    Megatron's pipeline order coupled the same way, `timing.pipeline_step_finish`, with `vpp_size` model
+    chunks per stage and groups of `group_size`)."""
+    links = [(index, rings[seq]) for seq, index in ring_index.items()]
+    groups = link_groups(links + expert_links([len(t) for t in times], ep_size))
+    if pp_size > 1:
+        end = pipeline_step_finish(times, groups, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size,
+                                   jitter=jitter)
+    else:
+        end = coupled_finish([times], groups, jitter=jitter)
+    return float(end.max(initial=0.0))
