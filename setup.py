@@ -13,7 +13,7 @@ setup(
     package_data={"megatron_hdp": ["py.typed"]},
     # torch and megatron-core are installed by the Makefile on Python 3.11 (CPU wheel, --no-deps
     # megatron-core); a plain `pip install .` on Python >= 3.12 resolves them normally. The versions are
-    # README.md's "Supported versions" table (tests/test_versions.py holds the two together).
+    # README.md's "Supported versions" table (tests/commands/test_versions.py holds the two together).
     # psutil: megatron-core's torch_dist checkpoint writer (filesystem_async.py) needs it and does not declare it
     install_requires=["torch>=2.6", "megatron-core>=0.19,<0.21", "numpy", "scipy", "tqdm", "psutil"],
     extras_require={
