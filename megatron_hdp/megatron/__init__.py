@@ -1,14 +1,14 @@
-"""megatron layer of megatron_hdp: the integration with Megatron-Core / Megatron-LM APIs, and only that
-(flags, install(), initialize, layer spec, model building, forward step and schedule, datasets, CPU
-shims, Megatron's own policies), and the only layer that imports Megatron; what drives it for evidence
-(CPU training runs, exactness references, GPU smoke, dataset building) lives in `harness/` and reaches
-Megatron through these modules' functions.
+"""megatron layer of megatron_hdp: the integration with Megatron-Core / Megatron-LM, and only that; the
+only layer that imports Megatron. Sub-packages, bottom to top (tests/test_layers.py holds the order):
+`compat/` (supported releases, CPU shims), `layers/` (the layer spec with HDP's core attention, MLA, MTP,
+the MoE aux loss) and `datasets/` (Megatron's datasets as document sources), `core_api/` (initialize,
+model building, forward step, `HDPTrainer`), `pretrain/` (Megatron-LM: flags, `install()` and the
+functions it wraps); `comparison/` (Megatron's own schedulers as planner policies) beside them, never
+importing the pretrain path. What drives the integration for evidence lives in `harness/`.
 
-The Megatron-LM entry points are exported lazily, so importing this package does not import
-megatron.training (which is slow and needs the version check in `training_compat`). The module behind
-`install` is `training_install`, not `install`: a submodule named like the function would replace it as
-this package's attribute once imported. Importing the package registers the Megatron layer's planner
-policies (`policies`: `megatron-hybrid-cp`) with plan/'s registry.
+The Megatron-LM entry points (`install`, `add_hdp_args`, `validate_hdp_args`) are exported lazily, so
+importing this package does not import megatron.training (slow, and checked by `compat.versions`).
+Importing it registers Megatron's schedulers with plan/'s policy registry (`comparison.registry`).
 """
 
 from megatron_hdp.megatron.comparison import registry as _registry  # noqa: F401  (registers the policies)

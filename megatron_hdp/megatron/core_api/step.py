@@ -1,7 +1,7 @@
 """The HDP training step: this rank's own micro-batches through Megatron's schedule, then DDP and optimizer.
 
 One step, on every rank:
-1. `data.prepare.prepare_step`, the step preparation the Megatron-LM driver (`training_install`) shares:
+1. `data.prepare.prepare_step`, the step preparation the Megatron-LM driver (`pretrain.wrappers`) shares:
    the plan checked on every rank (valid, sized for this domain, runnable counts, the same digest
    everywhere), this rank's micro-batches collated, padded to the count the step runs, pinned for a GPU;
    with virtual pipeline stages the step runs the micro-batch group size its plan carries (`step_group_size`);
