@@ -11,8 +11,9 @@ The plan space, the one every policy's plans for a pool without pipelines or exp
 
 - every document is whole on one rank or split over a ring of k >= 2 ranks (k <= its length / 2, so
   zigzag chunks are non-empty) whose fullest member fits the capacity C, with offloading where the
-  configuration allows it (`sharding.fits`: Eq. 3's hidden copies and the host memory); documents of
-  at most C tokens may be split too (a ring can shorten the step when one document sets it);
+  configuration allows it (`sharding.fits`: Eq. 3's hidden copies and the host memory); a document of
+  at most C tokens stays whole (balance's rule; splitting one can shorten a step that one short
+  document sets, but left to the solver it made 5-document cases unprovable in a minute);
 - a rank runs micro-batch slots 0, 1, ... in order; a slot holds either whole documents of at most C
   tokens together (a whole document longer than C, offloading, alone) or the shards of one ring, at the
   same slot on every member (the ring rule); a slot before a rank's last used one that holds nothing
