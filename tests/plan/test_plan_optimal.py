@@ -1,0 +1,86 @@
+"""`optimal` (plan/policies/optimal.py, a MILP) against references that share no code with it.
+
+- whole documents only: every split of the documents over ranks and micro-batches of <= C tokens,
+  enumerated here, timed as overhead x micro-batches + whole times per rank (the additive cost model);
+- with rings: the brute force of test_plan_brute_force, which relaxes the ring rule (any gap, not one
+  micro-batch index) and the packing (ceil(tokens / C) micro-batches), so it is at most the optimum; on
+  the instances where its best plan is one the runtime can run (one long document, short ones beside
+  or after it) the two are equal;
+- balance's plan lies in the optimum's space, so it is never faster;
+- refusals in one line, before any solve.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from megatron_hdp.config import HDPConfig
+from megatron_hdp.plan.policies.optimal import plan_optimal
+from megatron_hdp.plan.planner import make_plan
+from megatron_hdp.plan.cost.sharding import whole_times
+from test_plan_brute_force import CAPACITY, CM, brute_force
+
+CONFIG = HDPConfig(hdp_capacity=CAPACITY, hdp_offload=False)
+
+
+def _whole_optimum(lengths: list[int], num_ranks: int) -> float:
+    """Least step time of whole documents: every rank assignment, each rank's documents in every
+    partition into micro-batches of <= C tokens (the fewest micro-batches is all that matters)."""
+    weight = whole_times(lengths, cost_model=CM).tolist()
+    overhead = CM.microbatch_time([])
+
+    def fewest_bins(docs: list[int]) -> int:
+        for bins in range(1, len(docs) + 1):
+            for labels in itertools.product(range(bins), repeat=len(docs)):
+                loads = [0] * bins
+                for d, b in zip(docs, labels):
+                    loads[b] += lengths[d]
+                if max(loads) <= CAPACITY and len(set(labels)) == bins:
+                    return bins
+        return 1  # no documents: the runtime's one empty micro-batch
+
+    best = float("inf")
+    for owner in itertools.product(range(num_ranks), repeat=len(lengths)):
+        step = max(overhead * fewest_bins([d for d in range(len(lengths)) if owner[d] == r])
+                   + sum(weight[d] for d in range(len(lengths)) if owner[d] == r) for r in range(num_ranks))
+        best = min(best, step)
+    return best
+
+
+@pytest.mark.parametrize("lengths, num_ranks", [([900, 700, 400, 300, 200], 2), ([600, 500, 450, 100], 3)])
+def test_whole_documents_match_the_enumerated_optimum(lengths, num_ranks):
+    plan = plan_optimal(lengths, num_ranks=num_ranks, config=CONFIG, cost_model=CM)
+    assert plan.est_step_time == pytest.approx(_whole_optimum(lengths, num_ranks), rel=1e-6)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_rings_match_the_brute_force_where_it_is_exact(num_ranks):
+    """One long document and one short one per rank (test_plan_brute_force's hand instance): the brute
+    force's best plan is a runnable one, so the optimum equals it; it never beats the relaxed brute force."""
+    lengths = [CAPACITY + 1] + [200] * num_ranks
+    optimum = plan_optimal(lengths, num_ranks=num_ranks, config=CONFIG, cost_model=CM).est_step_time
+    relaxed = brute_force(num_ranks, lengths, incumbent=float("inf"))
+    assert optimum == pytest.approx(relaxed, rel=1e-6)
+
+
+@pytest.mark.parametrize("lengths, num_ranks", [([1500, 1100, 700, 300, 250], 3), ([2000, 900, 600, 150], 2)])
+def test_never_faster_than_the_relaxed_brute_force_nor_slower_than_balance(lengths, num_ranks):
+    plan = plan_optimal(lengths, num_ranks=num_ranks, config=CONFIG, cost_model=CM)
+    balance = make_plan(lengths, num_ranks=num_ranks, config=CONFIG, cost_model=CM, policy="balance")
+    relaxed = brute_force(num_ranks, lengths, incumbent=float("inf"))
+    assert relaxed * (1 - 1e-6) <= plan.est_step_time <= balance.est_step_time * (1 + 1e-6)
+    assert plan.policy == "optimal" and plan.validate() is plan
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(lengths=[100] * 13), "at most 12 documents, got 13"),
+    (dict(num_ranks=9), "at most 8 ranks, got 9"),
+    (dict(pp_size=2), "pp_size 2"),
+])
+def test_refuses_what_it_does_not_plan_in_one_line(change, words):
+    args = {"lengths": [100, 200], "num_ranks": 2, "pp_size": 1, **change}
+    with pytest.raises(ValueError, match=words) as error:
+        make_plan(args.pop("lengths"), config=CONFIG, cost_model=CM, policy="optimal", **args)
+    assert "\n" not in str(error.value)
