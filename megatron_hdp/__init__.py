@@ -53,6 +53,13 @@ _PUBLIC = {
     "prepare_model_for_hdp": "megatron_hdp.megatron.layers.spec",
     "log_token_level_mtp_loss": "megatron_hdp.megatron.layers.mtp",
     "HDPTrainer": "megatron_hdp.megatron.core_api.step",
+    # post-training (RL, SFT)
+    "plan_rollouts": "megatron_hdp.posttrain.planning",
+    "samples_of_rank": "megatron_hdp.posttrain.planning",
+    "loss_weights": "megatron_hdp.posttrain.weights",
+    "Rollouts": "megatron_hdp.posttrain.batch",
+    "PostTrainer": "megatron_hdp.posttrain.runtime",
+    "LocalShard": "megatron_hdp.posttrain.runtime",
     # data
     "HDPSampler": "megatron_hdp.data",
     "HDPDataLoader": "megatron_hdp.data",

@@ -32,13 +32,15 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "offload": frozenset({"config", "plan", "comm"}),
     "data": frozenset({"config", "plan", "comm", "attention"}),
     "megatron": frozenset({"config", "plan", "comm", "attention", "offload", "data"}),
-    "harness": frozenset({"config", "plan", "sim", "comm", "attention", "offload", "data", "megatron"}),
+    "posttrain": frozenset({"config", "plan", "comm", "attention", "offload", "data", "megatron"}),
+    "harness": frozenset({"config", "plan", "sim", "comm", "attention", "offload", "data", "megatron", "posttrain"}),
     "commands": frozenset({"config", "run_logs", "plan", "sim", "comm", "attention", "offload", "data", "megatron",
-                           "harness"}),
+                           "posttrain", "harness"}),
 }
 """Layer (a subpackage, or a top-level module) -> the layers below it, the only ones it may import.
 From docs/architecture.md: plan/ and sim/ are pure; comm/, attention/, offload/, data/ use torch, not Megatron;
-megatron/ is the integration (the only layer that imports Megatron), harness/ drives it for evidence,
+megatron/ is the integration (the only layer that imports Megatron), posttrain/ the door for RL and SFT
+frameworks over it (its planning half pure), harness/ drives it for evidence,
 commands/ are the CLI."""
 MAY_IMPORT["__init__"] = frozenset(MAY_IMPORT)  # the public API: names every layer's entry points, lazily
 
@@ -273,8 +275,12 @@ for name in sys.argv[1:]:
 """
 
 
+PURE_POSTTRAIN = ("megatron_hdp.posttrain", "megatron_hdp.posttrain.planning", "megatron_hdp.posttrain.weights")
+"""posttrain/'s planning half: a framework's driver plans without torch or Megatron."""
+
+
 def _pure_modules() -> list[str]:
-    names = ["megatron_hdp.config", "megatron_hdp.run_logs"]
+    names = ["megatron_hdp.config", "megatron_hdp.run_logs", *PURE_POSTTRAIN]
     for layer in ("plan", "sim"):
         if (ROOT / layer).is_dir():
             names.append(f"megatron_hdp.{layer}")

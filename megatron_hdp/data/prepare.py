@@ -19,7 +19,7 @@ Megatron import: the rank's place in the mesh comes in as an `HDPState`.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -31,13 +31,16 @@ from megatron_hdp.plan.step_plan import StepPlan
 from megatron_hdp.plan.timeline.timing import runtime_microbatch_counts
 
 
-def check_plan(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None) -> None:
+def check_plan(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = None,
+               check_inputs: Optional[Callable[[StepPlan], None]] = None) -> None:
     """ValueError on every rank unless `plan` is valid for this domain and the same on every rank.
 
     The comm layer's `check_plan_agreement` over all ranks (every TP rank and PP stage must run the same
     plan too), with this domain's checks as its local check: a rank that rejects the plan still joins the
     digest all-gather, so no peer hangs in it. The local check includes the counts the pipelines will run
-    (`check_pipeline_counts`; `group_size`: microbatch_group_size_per_vp_stage)."""
+    (`check_pipeline_counts`; `group_size`: microbatch_group_size_per_vp_stage). `check_inputs(plan)`, when
+    given, checks this rank's inputs against the plan inside the same local check (a ValueError from it
+    fails every rank alike, before any ring message)."""
 
     def fits_domain(plan: StepPlan) -> None:
         plan.validate()
@@ -49,6 +52,8 @@ def check_plan(plan: StepPlan, *, state: HDPState, group_size: Optional[int] = N
             raise ValueError(f"the plan was made for vpp_size={plan.vpp_size} but the model has {state.vpp_size} "
                              "virtual pipeline stages per PP rank: plan with the model's vpp_size")
         check_pipeline_counts(plan, state=state, group_size=group_size)
+        if check_inputs is not None:
+            check_inputs(plan)
 
     check_plan_agreement(plan, check=fits_domain)
 

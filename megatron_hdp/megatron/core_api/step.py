@@ -158,10 +158,10 @@ def sync_grads_at_schedule_end(
 
 
 def forward_backward(chunks: Sequence[torch.nn.Module], forward_step: Callable, data_iterator: Any, *,
-                     num_microbatches: int, seq_length: int) -> list[dict]:
-    """Forward and backward of `num_microbatches` micro-batches (one sequence each) over `chunks` by
-    Megatron's schedule (`get_forward_backward_func`: none, 1F1B or interleaved, as parallel_state was
-    initialized); the loss dictionaries the last pipeline stage collected."""
+                     num_microbatches: int, seq_length: int, forward_only: bool = False) -> list[dict]:
+    """Forward and backward (only the forward with `forward_only`) of `num_microbatches` micro-batches
+    (one sequence each) over `chunks` by Megatron's schedule (`get_forward_backward_func`: none, 1F1B or
+    interleaved, as parallel_state was initialized); the loss dictionaries the last pipeline stage collected."""
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data_iterator,
@@ -169,7 +169,7 @@ def forward_backward(chunks: Sequence[torch.nn.Module], forward_step: Callable, 
         num_microbatches=num_microbatches,
         seq_length=seq_length,
         micro_batch_size=1,
-        forward_only=False,
+        forward_only=forward_only,
     )
 
 

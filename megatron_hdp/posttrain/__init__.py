@@ -1,0 +1,28 @@
+"""The door for RL and SFT frameworks: in-memory ragged batches in, exact log-probs, entropy and gradients out.
+
+Planning (`posttrain.planning`, `posttrain.weights`) is pure and imports without torch or Megatron, so a
+driver can plan and ship the plan; running (`posttrain.runtime.PostTrainer`) uses the Core-API step.
+Names resolve lazily, so importing this package imports neither. See docs/posttrain.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_NAMES = {
+    "plan_rollouts": "megatron_hdp.posttrain.planning",
+    "samples_of_rank": "megatron_hdp.posttrain.planning",
+    "loss_weights": "megatron_hdp.posttrain.weights",
+    "Rollouts": "megatron_hdp.posttrain.batch",
+    "PostTrainer": "megatron_hdp.posttrain.runtime",
+    "LocalShard": "megatron_hdp.posttrain.runtime",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_NAMES[name]), name)

@@ -1,0 +1,192 @@
+"""The post-training door is exact: log-probs, entropy, the objective, its metrics and every gradient equal a
+plain single-process forward of the same Megatron model over each sample alone.
+
+The reference (one process, Megatron's stock local layer spec, each sample its own [1, N] batch, float64
+log-softmax of the full-vocabulary logits, the loss summed sample by sample with plain `.sum()`) shares no
+code with `megatron_hdp.posttrain`. The HDP side runs one 4-rank launch that goes through several meshes
+in turn — HDP 4; TP 2 x HDP 2; PP 2 x HDP 2 (1F1B); EP 2 across HDP 4 with a MoE model — each under a
+random plan (rings of 2-4 ranks that overlap, uneven micro-batch counts, an idle rank), and the same
+batch on one rank in the reference's launch (1 rank and 4 ranks agree). The loss is a clipped
+policy-gradient term, an entropy bonus, a KL-like term against a side field and a GSPO-like sequence
+ratio (a per-sample sum across the sample's ring), with token-mean weights from `loss_weights`.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_hdp.comm.launch import run_gloo
+
+LENGTHS = [37, 5, 64, 12, 23, 50, 9, 3, 2, 30]
+"""Tokens per sample (prompt + response)."""
+NUM_EXPERTS = 4
+MESHES = [("hdp4", 1, 1, 1), ("tp2", 2, 1, 1), ("pp2", 1, 2, 1), ("ep2-moe", 1, 1, 2)]
+"""(name, TP, PP, EP) of each mesh the 4-rank launch runs."""
+
+
+def _rollouts():
+    """The batch: tokens, a response mask, advantages, old log-probs, per-sample temperatures, weights."""
+    from megatron_hdp.harness.exactness import VOCAB_SIZE
+    from megatron_hdp.posttrain.batch import Rollouts
+    from megatron_hdp.posttrain.weights import loss_weights
+
+    rng = np.random.default_rng(5)
+    ids = tuple(f"s{i}" for i in range(len(LENGTHS)))
+    tokens = {sid: rng.integers(0, VOCAB_SIZE, n) for sid, n in zip(ids, LENGTHS)}
+    masks = {sid: (np.arange(n) >= n // 3).astype(np.float32) for sid, n in zip(ids, LENGTHS)}
+    weights = loss_weights([masks[s] for s in ids], mode="token-mean")
+    fields = {
+        "mask": masks,
+        "advantage": {sid: np.full(n, rng.normal(), dtype=np.float32) for sid, n in zip(ids, LENGTHS)},
+        "old": {sid: rng.normal(-5.0, 0.3, n).astype(np.float32) for sid, n in zip(ids, LENGTHS)},
+        "weights": dict(zip(ids, weights)),
+    }
+    temperature = {sid: float(t) for sid, t in zip(ids, rng.uniform(0.7, 1.3, len(ids)))}
+    return Rollouts(sample_ids=ids, tokens=tokens, fields=fields, scalars={"temperature": temperature})
+
+
+def token_losses(logprobs, entropy, fields, sample_sum):
+    """The test's loss per token (the caller's code, shared by both sides): clipped PG, entropy bonus, a
+    k3 KL against `old`, and a GSPO-like sequence ratio from per-sample sums."""
+    mask, advantage, old = fields["mask"], fields["advantage"], fields["old"]
+    ratio = torch.exp(logprobs - old)
+    pg = -torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage)
+    kl = torch.exp(old - logprobs) - (old - logprobs) - 1
+    seq_ratio = torch.exp(sample_sum((logprobs - old) * mask) / sample_sum(mask).clamp(min=1))
+    return (pg - 0.01 * entropy + 0.1 * kl + 0.05 * seq_ratio * advantage) * mask, seq_ratio
+
+
+def _model(kind, *, hdp):
+    from megatron_hdp.harness.exactness import VOCAB_SIZE
+    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.megatron.core_api.model import build_gpt
+
+    experts = NUM_EXPERTS if kind == "moe" else None
+    config = tiny_llama_config(num_moe_experts=experts)
+    return build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=hdp)
+
+
+def _reference_of(model, rollouts):
+    """Per sample alone: float64 log-softmax of the stock model's logits; the objective, metrics, grads."""
+    results, objective, ratio_sum = {}, 0.0, 0.0
+    model.zero_grad()
+    for sid in rollouts.sample_ids:
+        tokens = torch.as_tensor(rollouts.tokens[sid])
+        logits = model(input_ids=tokens[None], position_ids=torch.arange(len(tokens))[None], attention_mask=None)
+        logits = logits[0, :-1].double() / rollouts.scalars["temperature"][sid]
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logprobs = logp_all.gather(-1, tokens[1:, None]).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        fields = {name: torch.as_tensor(v[sid][1:]).double() for name, v in rollouts.fields.items()}
+        losses, seq_ratio = token_losses(logprobs, entropy, fields, lambda x: x.sum().expand(x.shape))
+        loss = (fields["weights"] * losses).sum()
+        loss.backward()
+        objective += float(loss)
+        ratio_sum += float(seq_ratio[0])
+        zero = np.zeros(1)
+        results[sid] = (np.concatenate([zero, logprobs.detach().numpy()]), np.concatenate([zero, entropy.detach().numpy()]))
+    grads = {name: p.grad.detach().numpy().copy() for name, p in model.named_parameters()}
+    return {"samples": results, "objective": objective, "seq_ratio": ratio_sum, "grads": grads}
+
+
+def _posttrain_run(state, kind, init, rollouts, plan):
+    """Forward (every sample, gathered) and one train step of HDP's PostTrainer on this mesh."""
+    from megatron_hdp.harness.exactness import load_full_weights, local_grads
+    from megatron_hdp.megatron.core_api.model import wrap_for_training
+    from megatron_hdp.posttrain.runtime import PostTrainer
+
+    model = _model(kind, hdp=True)
+    load_full_weights(model, init)
+    ddp, optimizer = wrap_for_training(model, clip_grad=0.0)
+    trainer = PostTrainer(model=ddp, optimizer=optimizer, state=state)
+    samples = trainer.forward(plan, rollouts, gather="all")
+    own = trainer.forward(plan, rollouts, gather="own")
+
+    def loss_fn(shard):
+        losses, seq_ratio = token_losses(shard.logprobs, shard.entropy, shard.fields, shard.sample_sum)
+        return losses, {"seq_ratio": (seq_ratio * shard.sample_head, shard.sample_head)}
+
+    stats = trainer.train_step(plan, rollouts, loss_fn=loss_fn)
+    return {"samples": {k: (v.logprobs, v.entropy) for k, v in samples.items()}, "own": sorted(own),
+            "objective": stats.objective, "seq_ratio": stats.metrics["seq_ratio"],
+            "grads": {name: g for name, g in local_grads(ddp).items()}, "rings": stats.num_rings}
+
+
+def _init(tp=1, pp=1, ep=1):
+    from megatron_hdp.megatron.core_api.initialize import initialize_hdp
+
+    return initialize_hdp(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          expert_model_parallel_size=ep, seed=7)
+
+
+def _reference(rank, world_size):
+    """The reference of each model kind, and the same batch through PostTrainer on this one rank."""
+    from megatron_hdp.harness.exactness import full_weights
+    from megatron_hdp.megatron.core_api.initialize import destroy_hdp
+    from megatron_hdp.plan.hand_plan import random_plan
+
+    rollouts = _rollouts()
+    out = {}
+    for kind in ("dense", "moe"):
+        _init()
+        model = _model(kind, hdp=False)
+        init = full_weights(model)
+        out[kind] = {"init": init, **_reference_of(model, rollouts)}
+        destroy_hdp()
+    state = _init()
+    plan = random_plan([n - 1 for n in LENGTHS], num_ranks=1, seed=3)
+    out["one-rank"] = _posttrain_run(state, "dense", out["dense"]["init"], rollouts, plan)
+    destroy_hdp()
+    return out
+
+
+def _hdp(rank, world_size, inits, meshes=tuple(MESHES)):
+    from megatron_hdp.megatron.core_api.initialize import destroy_hdp
+    from megatron_hdp.plan.hand_plan import random_plan
+
+    rollouts = _rollouts()
+    out = {}
+    for name, tp, pp, ep in meshes:
+        state = _init(tp, pp, ep)
+        plan = random_plan([n - 1 for n in LENGTHS], num_ranks=state.hdp_size, seed=11 + tp + 2 * pp + 3 * ep,
+                           pp_size=pp)
+        kind = "moe" if ep > 1 else "dense"
+        out[name] = _posttrain_run(state, kind, inits[kind], rollouts, plan)
+        destroy_hdp()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_gloo(_reference, 1, timeout_s=300)[0]
+
+
+def _check(got, want, what):
+    from megatron_hdp.harness.exactness import expected_shard
+
+    for sid, (logprobs, entropy) in want["samples"].items():
+        np.testing.assert_allclose(got["samples"][sid][0], logprobs, rtol=0, atol=1e-6, err_msg=f"{what} {sid} log-probs")
+        np.testing.assert_allclose(got["samples"][sid][1], entropy, rtol=0, atol=1e-6, err_msg=f"{what} {sid} entropy")
+    assert got["objective"] == pytest.approx(want["objective"], rel=1e-5, abs=1e-7), what
+    assert got["seq_ratio"][1] == len(LENGTHS) and got["seq_ratio"][0] == pytest.approx(want["seq_ratio"], rel=1e-5)
+    for name, (info, grad) in got["grads"].items():
+        expected = expected_shard(torch.as_tensor(want["grads"][name]), info).float()
+        torch.testing.assert_close(torch.as_tensor(grad), expected, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{what}: grad of {name} (TP rank {info.tp_rank}): {m}")
+
+
+def test_one_rank_matches_the_reference(reference):
+    _check(reference["one-rank"], reference["dense"], "one rank")
+
+
+def test_four_ranks_match_the_reference_on_every_mesh(reference):
+    inits = {kind: reference[kind]["init"] for kind in ("dense", "moe")}
+    results = run_gloo(_hdp, 4, inits, timeout_s=400)
+    for name, tp, pp, ep in MESHES:
+        want = reference["moe" if ep > 1 else "dense"]
+        owners = set()
+        for rank, result in enumerate(results):
+            _check(result[name], want, f"{name} rank {rank}")
+            owners.update(result[name]["own"])
+            assert result[name]["rings"] > 0, f"{name}: the plan split no sample"
+        assert owners == set(want["samples"]), f"{name}: gather='own' does not cover each sample"
