@@ -129,3 +129,22 @@ assert isinstance(plan, megatron_hdp.StepPlan) and len(plan.sequences) == 4
 def test_a_driver_without_torch_plans_through_the_public_api():
     result = subprocess.run([sys.executable, "-c", _PLAN_WITHOUT_TORCH], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def cross_folder_test_imports(tests: Path) -> list[str]:
+    """`from test_x import ...` statements that reach a test module of another folder of `tests`: such a
+    folder would not run alone (shared helpers belong at the top of tests/, beside conftest.py)."""
+    found = []
+    for path in sorted(tests.glob("*/test_*.py")):
+        for line in path.read_text().splitlines():
+            match = re.match(r"\s*from (test_\w+) import", line)
+            if match and not (path.parent / f"{match.group(1)}.py").exists():
+                found.append(f"{path.relative_to(tests)}: {line.strip()}")
+    return found
+
+
+def test_each_test_folder_runs_alone(tmp_path):
+    assert cross_folder_test_imports(REPO / "tests") == []
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "plan" / "test_a.py").write_text("from test_b import X\n")  # planted: test_b is elsewhere
+    assert cross_folder_test_imports(tmp_path) == ["plan/test_a.py: from test_b import X"]

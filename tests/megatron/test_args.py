@@ -6,18 +6,13 @@ import logging
 from argparse import ArgumentParser
 
 import pytest
+from megatron_flags import HDP, TINY
 
 from megatron_hdp.attention.backends import BACKENDS
 from megatron_hdp.config import POLICIES, HDPConfig
 from megatron_hdp.data.quantization import token_multiple
 from megatron_hdp.megatron.pretrain.args import add_hdp_args, parse_and_check, validate_hdp_args
 
-TINY = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256 "
-    "--micro-batch-size 1 --global-batch-size 8 --train-iters 3 --lr 1e-3 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 128 --attention-dropout 0.0"
-).split()
-HDP = ["--hdp", "--calculate-per-token-loss"]
 
 
 def test_every_field_is_a_flag_with_its_docstring_as_help():

@@ -10,10 +10,10 @@ import pytest
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
-from test_args import HDP, TINY
-from test_attention_backends_flash import fake_flash_attn
-from test_attention_backends_flash import install as install_flash_attn
-from test_attention_backends_te import install_fake_te
+from megatron_flags import HDP, TINY
+from flash_attn_stand_in import fake_flash_attn
+from flash_attn_stand_in import install as install_flash_attn
+from te_stand_in import install_fake_te
 
 from megatron_hdp.attention import local_varlen_attention, simulated_ring_attention
 from megatron_hdp.attention.backends import KernelShape, flash_attn_varlen, te_fused

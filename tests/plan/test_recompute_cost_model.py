@@ -52,7 +52,7 @@ def test_calibration_under_full_recompute_keeps_only_the_layer_input():
     ("full", [], True), (None, ["--recompute-granularity", "selective"], True),
 ])
 def test_validate_hdp_args_warns_when_the_cost_model_was_measured_otherwise(tmp_path, caplog, recorded, flags, warns):
-    from test_args import HDP, TINY
+    from megatron_flags import HDP, TINY
 
     from megatron_hdp.megatron.pretrain.args import parse_and_check
 
