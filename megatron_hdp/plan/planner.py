@@ -1,7 +1,7 @@
 """The planner's one entry point: lengths of a global batch in, a validated StepPlan out.
 
 Policies live in a registry, name -> planning function (the signature of `make_plan` minus `policy`).
-plan/ registers its own (`balance`, `naive`, `naive-offload`, `static`); a policy that needs more than plan/ may use —
+plan/ registers its own (`balance`, `naive`, `naive-offload`, `static`, `rl-static-cp`); a policy that needs more than plan/ may use —
 `megatron-hybrid-cp` and `megatron-dynamic-cp`, adapters over Megatron's own schedulers — is registered by the layer that
 holds it, when that layer is imported, through `register_policy`. plan/ names no upper layer, not even
 as a module path in a string: the import that registers a policy is always visible in the layer that
@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.policies.balance import plan_balance
 from megatron_hdp.plan.policies.baselines import plan_naive, plan_naive_offload, plan_static
+from megatron_hdp.plan.policies.rl_static_cp import plan_rl_static_cp
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.step_plan import StepPlan
 
@@ -25,6 +26,7 @@ PolicyFunction = Callable[..., StepPlan]
 
 POLICIES: dict[str, PolicyFunction] = {
     "balance": plan_balance, "naive": plan_naive, "naive-offload": plan_naive_offload, "static": plan_static,
+    "rl-static-cp": plan_rl_static_cp,
 }
 """The registry: policy name -> planning function. Add to it with `register_policy`."""
 
