@@ -103,6 +103,7 @@ def plan_rl_static_cp(
         if all(int(held[part].sum()) <= capacity for split in splits for part in split):
             break
         count += 1
+        assert count <= len(lengths), "with a part per sequence every part fits: Karmarkar-Karp gives singletons"
     schedule: list[list[list[int]]] = [[] for _ in range(num_ranks)]
     rings: list[tuple[int, ...]] = [()] * len(lengths)
     for g, split in enumerate(splits):
