@@ -2,6 +2,7 @@
 Dynamic-CP scheduler (issue 39), on the `rl-rollouts` mix.
 
     MEGATRON_LM_DIR=/tmp/mlm-dev python benchmarks/rl_rollouts.py [--steps 2] [--output results/rl_rollouts.json]
+    python benchmarks/rl_rollouts.py --combine-step-runs RUN1.json ... --output results/step_bench_rl_rollouts.json
 
 Cells: an 8B dense model (llama3-8b, TP 2) and a 30B-A3B MoE (qwen3-30b-a3b, TP 1, EP 8), on 64 and 256
 H100s, at 32K and 128K maximum length (the response cap clips the mix), C from GPU memory as `simulate`
@@ -11,12 +12,18 @@ MEGATRON_LM_DIR, else its column says n/a) and `balance`, on the same sampled gl
 gives tokens/s, balance's speedup over each, the work floor's over rl-static-cp (no schedule beats it:
 the batch's compute spread over every GPU), and whether issue 39's targets (>= 1.6x over rl-static-cp,
 >= 1.1x over Dynamic CP) hold.
+
+`--combine-step-runs` gathers `step_bench.py --mix rl-rollouts --policies balance,rl-static-cp` runs (one
+file each, so that each survives a shared host's slowness) into one result: per run the measured speedup of
+balance over rl-static-cp (median step times) and the prediction's, and step_bench's per-step speedup
+errors (`step_bench.judge_prediction`), then medians and ranges over the runs (`step_bench.over_runs`).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import sys
 from pathlib import Path
@@ -62,6 +69,43 @@ def table(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def combine_step_runs(paths: list[str], output: str) -> dict:
+    """The step_bench runs in `paths` as one result (module doc); prints a row per run and the medians."""
+    import step_bench
+
+    runs, first = [], None
+    for path in paths:
+        record = json.loads(Path(path).read_text())
+        first = first or record
+        for run in record["runs"]:
+            run["file"] = path
+            run["prediction"] = step_bench.judge_prediction(run["rows"], out_of_sample=bool(record["cost_model_from"]))
+            runs.append(run)
+    print(f"{'run':<34}{'balance s':>10}{'static-CP s':>12}{'measured':>9}{'predicted':>10}{'error':>8}"
+          f"{'per-step |error| median':>25}")
+    for run in runs:
+        s = run["summary"]
+        measured = s["rl-static-cp"]["step_time_s"] / s["balance"]["step_time_s"]
+        predicted = s["rl-static-cp"]["predicted_time_s"] / s["balance"]["predicted_time_s"]
+        sample = "out_of_sample" if "out_of_sample" in run["prediction"] else "in_sample"
+        per_step = run["prediction"][sample]["speedup_over_rl-static-cp"]["median_abs_error"]
+        run["speedup"] = {"measured": measured, "predicted": predicted, "sample": sample}
+        print(f"{Path(run['file']).name:<34}{s['balance']['step_time_s']:>10.3f}{s['rl-static-cp']['step_time_s']:>12.3f}"
+              f"{measured:>8.2f}x{predicted:>9.2f}x{predicted / measured - 1:>+8.1%}{per_step:>25.1%}")
+    combined = step_bench.over_runs(runs)
+    print(f"over {len(runs)} runs, median [range]:")
+    for policy, figures in combined["summary"].items():
+        print(f"  {policy:<14} step s {step_bench.repeats.format_spread(figures['step_time_s'], '{:.3f}')}")
+    print(step_bench.format_prediction(combined["prediction"]))
+    result = {"command": "python benchmarks/rl_rollouts.py --combine-step-runs " + " ".join(paths),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"), "files": paths,
+              "runs_command": first["command"], "spec": first["spec"], "cost_model_from": first["cost_model_from"],
+              **combined, "runs": runs}
+    Path(output).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {output}")
+    return result
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2, help="global batches per cell")
@@ -70,8 +114,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpus", default="64,256")
     parser.add_argument("--contexts", default="32,128", help="maximum lengths in K tokens")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--combine-step-runs", nargs="+", default=None, metavar="RUN.json",
+                        help="gather step_bench runs of balance and rl-static-cp (module doc) instead of simulating")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args(argv)
+    if args.combine_step_runs:
+        combine_step_runs(args.combine_step_runs, args.output)
+        return 0
     cells = []
     for model in args.models.split(","):
         for gpus in map(int, args.gpus.split(",")):
