@@ -11,7 +11,8 @@ Policies: balance, static, naive (ours), megatron-hybrid-cp — Megatron's Hybri
 way Megatron executes it (one forward/backward pass per sub-sample, <= C tokens per rank per pass, a
 barrier over all ranks after each group) — and megatron-hybrid-cp-grouped, ours: Megatron's grouping run
 through our runtime as one micro-batch per group and rank (several times C tokens per pass, no barrier),
-which is not what Megatron runs (`megatron_hdp.harness.cpu_training.HYBRID_CP_GROUPED`).
+which is not what Megatron runs (`megatron_hdp.harness.cpu_training.HYBRID_CP_GROUPED`). `rl-static-cp`
+is the RL frameworks' static CP (`megatron_hdp/plan/policies/rl_static_cp.py`; with `--mix rl-rollouts`).
 
 The tiny Llama-style GPT (Megatron-Core, HDP core attention) trains the same global batches — ByteScale's
 long-tailed "byted" mix scaled down, clipped to --max-length, with --capacity so that several documents
@@ -188,9 +189,9 @@ def prediction_errors(rows: list[dict], key: str) -> dict:
     return {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors), "steps": len(errors)}
 
 
-BASES = ("static", "megatron-hybrid-cp", EP_UNAWARE)
+BASES = ("static", "megatron-hybrid-cp", EP_UNAWARE, "rl-static-cp")
 """The policies speedups are given over (those a run has): the static mesh, Megatron's Hybrid-CP as
-Megatron runs it, and with expert parallelism `balance` planned without it."""
+Megatron runs it, with expert parallelism `balance` planned without it, and the RL frameworks' static CP."""
 
 
 def speedup_errors(rows: list[dict], key: str, base: str) -> dict:
@@ -278,11 +279,12 @@ def format_prediction(prediction: dict) -> str:
 
 def format_table(summary: dict[str, dict]) -> str:
     """The results table, with the speedups of the dedicated-core step time over `static`, over Megatron's
-    Hybrid-CP as Megatron runs it and over EP-unaware balance ("-" where the run has no such policy)."""
+    Hybrid-CP as Megatron runs it, over EP-unaware balance and over the RL frameworks' static CP ("-"
+    where the run has no such policy)."""
     bases = {name: summary.get(name, {}).get("step_time_s") for name in BASES}
     header = (f"{'policy':<26} {'step s':>8} {'pred s':>8} {'pred err':>9} {'fit err':>8} {'wall s':>8} "
               f"{'busy s':>8} {'balance':>8} {'max mb':>7} {'rings':>6} {'attn MiB':>9} {'vs static':>10} "
-              f"{'vs hcp':>7} {'vs ep-unaware':>14}")
+              f"{'vs hcp':>7} {'vs ep-unaware':>14} {'vs rl-static-cp':>15}")
     lines = [header, "-" * len(header)]
     for policy, s in summary.items():
         speedups = [f"{base / s['step_time_s']:.2f}x" if base else "-" for base in bases.values()]
@@ -290,7 +292,7 @@ def format_table(summary: dict[str, dict]) -> str:
             f"{policy:<26} {s['step_time_s']:>8.3f} {s['predicted_time_s']:>8.3f} {s['prediction_error']:>+9.1%} "
             f"{s['in_run_fit_prediction_error']:>+8.1%} {s['wall_time_s']:>8.3f} {s['max_busy_time_s']:>8.3f} "
             f"{s['balance']:>8.2f} {s['microbatches_max']:>7.0f} {s['rings_per_step']:>6.1f} "
-            f"{s['attention_mib_per_step']:>9.2f} {speedups[0]:>10} {speedups[1]:>7} {speedups[2]:>14}"
+            f"{s['attention_mib_per_step']:>9.2f} {speedups[0]:>10} {speedups[1]:>7} {speedups[2]:>14} {speedups[3]:>15}"
         )
     return "\n".join(lines)
 

@@ -31,7 +31,7 @@ HardwareName = Literal["a100", "h100", "h200", "b200", "b300", "gb200"]
 HARDWARE_NAMES: tuple[str, ...] = get_args(HardwareName)
 """`megatron_hdp.plan.cost.presets.HARDWARE` by name (named here: the config imports nothing of the planner)."""
 
-MockMixName = Literal["byted", "github", "wikipedia", "prolong", "wlbllm"]
+MockMixName = Literal["byted", "github", "rl-rollouts", "wikipedia", "prolong", "wlbllm"]
 MOCK_MIXES: tuple[str, ...] = get_args(MockMixName)
 """`megatron_hdp.plan.lengths.DISTRIBUTIONS` by name (named here: the config imports no numpy)."""
 

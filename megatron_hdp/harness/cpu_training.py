@@ -189,7 +189,7 @@ def planned_batches(spec: CpuRunSpec, state, config: HDPConfig, cost_model: Cost
         for step, lengths in enumerate(global_batches(spec)):
             plan = make_plan(lengths, num_ranks=state.hdp_size, config=config, cost_model=cost_model,
                              policy=planner_policy(policy))
-            yield plan, token_reader(spec.seed + step, lengths)
+            yield plan, token_reader(spec.seed + step, plan.lengths)  # rl-static-cp plans padded sequences
         return
     from megatron_hdp.data.loader import HDPDataLoader
     from megatron_hdp.megatron.datasets.sources import IndexedDocumentSource

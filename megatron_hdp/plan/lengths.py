@@ -14,10 +14,14 @@ the 128K-256K bucket has mean 180K. Everything else follows (4K-128K: 19% of sam
 256K-2M: 0.60% of samples, mean 360K).
 GitHub, published: samples > 128K hold 16.2% of tokens, > 256K hold 9.8%. Assumed: bucket means 1,200
 (<= 4K), 15K (4K-128K), 180K (128K-256K), 400K (256K-2M) and 85% of samples <= 4K (mean length 3.9K).
+
+`rl-rollouts` (issue 39): RL post-training rollouts, prompt + response, 1K-128K tokens, in the same bucket
+form (`_rl_rollouts`, where the sources and what is assumed are written out).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +74,53 @@ def _github() -> tuple[Bucket, ...]:
     return tuple(Bucket(lo, hi, w * mean / m, m) for (lo, hi), w, m in zip(bounds, shares, means))
 
 
-SYNTHETIC: dict[str, tuple[Bucket, ...]] = {"byted": _byted(), "github": _github()}
+ROLLOUT_MEDIAN = 4 * K
+"""`rl-rollouts`: median rollout length (prompt + response), tokens."""
+ROLLOUT_SIGMA = 1.2
+"""`rl-rollouts`: standard deviation of the log-length."""
+ROLLOUT_RANGE = (1 * K, 128 * K)
+"""`rl-rollouts`: the lengths it holds (the log-normal restricted to this range)."""
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def _rl_rollouts() -> tuple[Bucket, ...]:
+    """RL rollouts (prompt + response): a log-normal of median `ROLLOUT_MEDIAN` and log-sigma
+    `ROLLOUT_SIGMA` restricted to `ROLLOUT_RANGE`, as octave buckets [2^i K, 2^(i+1) K] with the
+    log-normal's mass and conditional mean in each (the truncated power law inside a bucket then
+    reproduces the bucket's mean, as for ByteScale's mixes).
+
+    Published, what pins it: response lengths in reasoning RL are one long-tailed mode, and the longest
+    few responses dominate the rollout (Seer, arXiv 2511.14617: the last 10% of requests take up to half
+    of the rollout time; TLT, arXiv 2511.16665, and DARTS, arXiv 2605.30859, call the distribution a
+    "persistent long tail"); the cap on a response is 16K-96K in published runs (DAPO, arXiv 2503.14476:
+    max response 20,480 = 16,384 + a 4,096 overlong buffer, prompts <= 2,048; Seer: 65,536 for Moonlight,
+    40,960 for Qwen2-VL-72B, 98,304 for Kimi K2); DeepSeek-R1-Zero's mean response grows to about 10K
+    tokens over its RL run (arXiv 2501.12948, Fig. 3, read off the plot).
+    Assumed (no paper we found publishes the percentiles): the log-normal shape, median 4K and sigma 1.2.
+    Mass outside [1K, 128K] (12% below, 0.2% above) is dropped and the rest renormalised, which leaves a
+    median of ~4.9K, a mean of ~9K (R1-Zero's late-training order), 5% of rollouts above ~31K holding
+    ~28% of the tokens, 4.5% above 32K and 1% above 64K. A context limit
+    (`sample_global_batch(max_length=...)`) clips lengths as a framework's response cap truncates rollouts:
+    at 32K, 4.5% of rollouts sit at the cap.
+    """
+    mu, sigma = math.log(ROLLOUT_MEDIAN), ROLLOUT_SIGMA
+    lo, hi = ROLLOUT_RANGE
+    edges = [lo]
+    while edges[-1] < hi:
+        edges.append(min(hi, 2 * edges[-1]))
+    z = [(math.log(e) - mu) / sigma for e in edges]
+    mass = [_normal_cdf(b) - _normal_cdf(a) for a, b in zip(z, z[1:])]
+    # E[X; a < X < b] of a log-normal: exp(mu + sigma^2 / 2) (Phi(z_b - sigma) - Phi(z_a - sigma))
+    partial = [math.exp(mu + sigma**2 / 2) * (_normal_cdf(b - sigma) - _normal_cdf(a - sigma)) for a, b in zip(z, z[1:])]
+    total = sum(mass)
+    return tuple(Bucket(a + (i > 0), b, m / total, p / m)
+                 for i, (a, b, m, p) in enumerate(zip(edges, edges[1:], mass, partial)))
+
+
+SYNTHETIC: dict[str, tuple[Bucket, ...]] = {"byted": _byted(), "github": _github(), "rl-rollouts": _rl_rollouts()}
 DISTRIBUTIONS = tuple(SYNTHETIC) + tuple(REAL_MIXES)
 
 
@@ -136,7 +186,7 @@ def _bucket_sample(bucket: Bucket, count: int, rng: np.random.Generator) -> np.n
 
 
 def synthetic_lengths(name: str, *, num_sequences: int, seed: int = 0) -> np.ndarray:
-    """`num_sequences` lengths of the synthetic mix `name` ('byted' or 'github'), seeded."""
+    """`num_sequences` lengths of the synthetic mix `name` ('byted', 'github' or 'rl-rollouts'), seeded."""
     if name not in SYNTHETIC:
         raise ValueError(f"unknown synthetic mix {name!r}; known: {', '.join(SYNTHETIC)}")
     if num_sequences <= 0:

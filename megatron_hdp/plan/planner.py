@@ -1,8 +1,8 @@
 """The planner's one entry point: lengths of a global batch in, a validated StepPlan out.
 
 Policies live in a registry, name -> planning function (the signature of `make_plan` minus `policy`).
-plan/ registers its own (`balance`, `naive`, `naive-offload`, `static`, and `optimal`, the exact plan of a
-small pool); a policy that needs more than plan/ may use —
+plan/ registers its own (`balance`, `naive`, `naive-offload`, `static`, `rl-static-cp`, and `optimal`, the
+exact plan of a small pool); a policy that needs more than plan/ may use —
 `megatron-hybrid-cp` and `megatron-dynamic-cp`, adapters over Megatron's own schedulers — is registered by the layer that
 holds it, when that layer is imported, through `register_policy`. plan/ names no upper layer, not even
 as a module path in a string: the import that registers a policy is always visible in the layer that
@@ -20,6 +20,7 @@ from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.policies.balance import plan_balance
 from megatron_hdp.plan.policies.baselines import plan_naive, plan_naive_offload, plan_static
 from megatron_hdp.plan.policies.optimal import plan_optimal
+from megatron_hdp.plan.policies.rl_static_cp import plan_rl_static_cp
 from megatron_hdp.plan.step_plan import StepPlan
 
 PolicyFunction = Callable[..., StepPlan]
@@ -27,7 +28,7 @@ PolicyFunction = Callable[..., StepPlan]
 
 POLICIES: dict[str, PolicyFunction] = {
     "balance": plan_balance, "naive": plan_naive, "naive-offload": plan_naive_offload, "static": plan_static,
-    "optimal": plan_optimal,
+    "rl-static-cp": plan_rl_static_cp, "optimal": plan_optimal,
 }
 """The registry: policy name -> planning function. Add to it with `register_policy`."""
 

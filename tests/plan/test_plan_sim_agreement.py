@@ -40,7 +40,7 @@ def _batches():
 def _policies():
     import megatron_hdp.megatron  # noqa: F401  (registers Megatron's policies)
 
-    for name in POLICIES:
+    for name in (*POLICIES, "rl-static-cp"):  # and the comparison policy no training run takes
         if name == "megatron-dynamic-cp" and not os.environ.get("MEGATRON_LM_DIR"):
             continue  # needs a Megatron-LM dev checkout (its own tests cover it)
         yield name

@@ -30,7 +30,7 @@ def test_plan_alone_registers_only_its_own_policies():
             "print(','.join(POLICIES)); sys.exit('megatron_hdp.megatron' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO, env=ENV)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["balance,naive,naive-offload,static,optimal"]
+    assert result.stdout.split() == ["balance,naive,naive-offload,static,rl-static-cp,optimal"]
 
 
 def test_megatron_layer_registers_hybrid_cp_and_it_plans_as_the_adapter():

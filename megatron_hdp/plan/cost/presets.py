@@ -249,6 +249,11 @@ MODELS: dict[str, ModelShape] = {
     # of ffn 2880 with top-4, vocab 201088; attention sinks and a 128-token window on alternate layers change
     # neither FLOPs per token (a window only caps the attention term of half the layers) nor activations
     "gpt-oss-20b": ModelShape(24, 2880, 64, 8, 2880, 201088, num_experts=32, moe_router_topk=4, head_dim=64),
+    # Qwen/Qwen3-30B-A3B config.json: 48 layers, hidden 2048, 32 query / 4 KV heads of head_dim 128, every
+    # layer MoE (mlp_only_layers []) with 128 experts of moe_intermediate_size 768, top-8, no shared expert,
+    # vocab 151936 (30.5B parameters, 3.3B active); the RL frameworks' dynamic-CP reports use it (issue 39)
+    "qwen3-30b-a3b": ModelShape(48, 2048, 32, 4, 6144, 151936, num_experts=128, moe_router_topk=8,
+                                moe_ffn_hidden_size=768, head_dim=128),
     # deepseek-ai/DeepSeek-V3 config.json (= inference/configs/config_671B.json): 61 layers, the first 3
     # dense (intermediate_size 18432), then 256 routed experts (moe_intermediate_size 2048) + 1 shared,
     # top-8; MLA with q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128; one MTP module
