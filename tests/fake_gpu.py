@@ -29,7 +29,8 @@ What it is made of (test-only; nothing here is importable from the package):
 * `torch.cuda` answers as one H100 would (available, capability 9.0, current device 0).
 
 Run a scenario in a fresh interpreter: `python tests/fake_gpu.py <library.so> <scenario>` (see
-`tests/fake_gpu_scenarios.py`); `tests/megatron/test_fake_gpu.py` does that under pytest.
+`tests/fake_gpu_scenarios.py`); under pytest, `tests/megatron/test_fake_gpu.py` runs each in a process forked from
+one interpreter that has made these imports once (`tests/fake_gpu_server.py`).
 """
 
 from __future__ import annotations
@@ -111,26 +112,15 @@ def _in_layer() -> str | None:
     return None
 
 
-def install(*, world_size: int, rank: int):
-    """Enter the fake GPU: patch torch.cuda, push FakeTensorMode and the host/device mode, register
-    and initialise the NCCL-rules default process group. Returns the `HostAndDevice` mode (its records)."""
+def patch_torch_cuda() -> None:
+    """Have `torch.cuda` answer as one H100 would (available, capability 9.0, current device 0; streams and
+    events that do nothing). Process-wide and repeatable; done before Megatron is imported, which binds
+    some of these functions at import (`tensor_parallel.random`: `_lazy_init`)."""
     import torch
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import (
-        FakeTensor,
-        FakeTensorDeviceMismatchError,
-        FakeTensorMode,
-        unset_fake_temporarily,
-    )
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves, tree_map
-    from torch.utils.weak import WeakTensorKeyDictionary
 
     from megatron_hdp.megatron.compat.cpu_shims import _NullEvent, _NullStream
 
     assert torch._C._get_accelerator().type == "cuda", "load the guard library with preload() before torch"
-    aten = torch.ops.aten
     cuda = torch.cuda
     cuda.is_available = lambda: True
     cuda.device_count = lambda: 1
@@ -140,6 +130,7 @@ def install(*, world_size: int, rank: int):
     cuda.get_device_name = lambda device=None: "fake H100"
     cuda.synchronize = lambda device=None: None
     cuda.empty_cache = lambda: None
+
     class TimedEvent(_NullEvent):
         """A CUDA event with timing; fake kernels take no time."""
 
@@ -157,6 +148,26 @@ def install(*, world_size: int, rank: int):
         setattr(cuda, name, lambda device=None: 0)
     cuda.reset_peak_memory_stats = lambda device=None: None
     torch.backends.cuda.is_flash_attention_available = lambda: True
+
+
+def install(*, world_size: int, rank: int):
+    """Enter the fake GPU: patch torch.cuda, push FakeTensorMode and the host/device mode, register
+    and initialise the NCCL-rules default process group. Returns the `HostAndDevice` mode (its records)."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import (
+        FakeTensor,
+        FakeTensorDeviceMismatchError,
+        FakeTensorMode,
+        unset_fake_temporarily,
+    )
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves, tree_map
+    from torch.utils.weak import WeakTensorKeyDictionary
+
+    patch_torch_cuda()
+    aten = torch.ops.aten
 
     def is_cuda(device) -> bool:
         if device is None:
@@ -540,20 +551,32 @@ def _all_gather_object_on_cuda(dist, torch):
     return all_gather_object
 
 
-def main(argv: list[str]) -> int:
-    library, scenario = argv[1], argv[2]
-    preload(Path(library))
+def run_scenario(scenario: str, *args: str) -> None:
+    """Run `fake_gpu_scenarios.<scenario>(*args)` in this process (the guard preloaded), print
+    'scenario NAME: ok' or the traceback, and end the process (0 or 1) without its teardown: with the fake
+    CUDA guard preloaded it aborted twice in one CI run on a loaded host ("terminate called without an
+    active exception" from a C++ destructor, after "ok"; never reproduced on an idle one), which is not
+    what any scenario tests."""
     sys.path.insert(0, str(Path(__file__).parent))
-    import fake_gpu_scenarios
+    try:
+        import fake_gpu_scenarios
 
-    getattr(fake_gpu_scenarios, scenario)(*argv[3:])
-    print(f"scenario {scenario}: ok", flush=True)
+        getattr(fake_gpu_scenarios, scenario)(*args)
+        print(f"scenario {scenario}: ok", flush=True)
+        code = 0
+    except BaseException:  # noqa: BLE001 - the traceback is the report
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
     sys.stderr.flush()
-    # The verdict is in. Skip the interpreter's teardown: with the fake CUDA guard preloaded it aborted
-    # twice in one CI run on a loaded host ("terminate called without an active exception" from a C++
-    # destructor, after "ok"; never reproduced on an idle one), which is not what any scenario tests.
-    os._exit(0)
+    os._exit(code)
+
+
+def main(argv: list[str]) -> None:
+    """`python tests/fake_gpu.py <library.so> <scenario> [args...]`: one scenario in this fresh interpreter."""
+    preload(Path(argv[1]))
+    run_scenario(argv[2], *argv[3:])
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    main(sys.argv)

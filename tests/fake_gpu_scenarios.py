@@ -1,4 +1,5 @@
-"""Scenarios the fake-GPU harness runs, each in a fresh interpreter (`tests/fake_gpu.py`).
+"""Scenarios the fake-GPU harness runs, each in a process of its own (`tests/fake_gpu.py`,
+`tests/fake_gpu_server.py`).
 
 Each builds what a GPU user builds (Megatron GPTModel with the HDP spec on "cuda", DDP, optimizer, the
 torch varlen attention backend, activation offloading) inside a world whose default process group

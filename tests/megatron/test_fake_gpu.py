@@ -1,7 +1,8 @@
 """CUDA/NCCL code paths on this CPU machine, through the fake-GPU harness (`tests/fake_gpu.py`).
 
-Each scenario runs in a fresh interpreter (the harness must load its CUDA guard before torch is imported,
-and it patches torch.cuda for the life of the process). What they catch, before the fix of each:
+Each scenario runs in a process of its own (the harness must load its CUDA guard before torch is imported,
+and it patches torch.cuda for the life of the process), forked from one interpreter that imported torch and
+Megatron once for the module (`tests/fake_gpu_server.py`). What they catch, before the fix of each:
 * issue 13 fault 1: a micro-batch left on the host fed to a CUDA model (`FakeTensorDeviceMismatchError`
   in the embedding);
 * fault 2: the step statistics mixing CPU and CUDA tensors / CPU tensors in NCCL collectives;
@@ -27,8 +28,6 @@ and it patches torch.cuda for the life of the process). What they catch, before 
   recompute, a K/V ring, then a latent ring, on CUDA tensors.
 """
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -49,9 +48,15 @@ def guard_library() -> Path:
         pytest.skip(f"cannot build the fake CUDA guard ({type(err).__name__}): {err}")
 
 
-def _command(library: Path, scenario: str, *args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return dict(args=[sys.executable, str(HERE / "fake_gpu.py"), str(library), scenario, *args], env=env, cwd=ROOT)
+@pytest.fixture(scope="module")
+def server(guard_library, tmp_path_factory):
+    """The interpreter that imports torch and Megatron once; each scenario runs in a process forked from
+    it (`tests/fake_gpu_server.py`), as alone as in a fresh interpreter."""
+    from fake_gpu_server import FakeGpuServer
+
+    server = FakeGpuServer(guard_library, tmp_path_factory.mktemp("fake_gpu"))
+    yield server
+    server.close()
 
 
 def _checked(returncode: int, output: str) -> str:
@@ -60,51 +65,39 @@ def _checked(returncode: int, output: str) -> str:
     return output
 
 
-def _run(library: Path, scenario: str, *args: str) -> str:
-    result = subprocess.run(**_command(library, scenario, *args), capture_output=True, text=True, timeout=600)
-    return _checked(result.returncode, result.stdout + result.stderr)
+def _run(server, scenario: str, *args: str) -> str:
+    return _run_ranks(server, scenario, [args], timeout_s=600)[0]
 
 
 RANKS = ("0", "1")
 """The played ranks of the 2-rank scenarios. Each process plays its rank alone (its peers' collectives
-answered by the harness), so a world's ranks run at once: on 2 cores that halves their import time."""
+answered by the harness), so a world's ranks run at once: on 2 cores that halves their wall time."""
 
 
-def _run_ranks(library: Path, scenario: str, args: list[tuple[str, ...]], timeout_s: float = 300) -> list[str]:
+def _run_ranks(server, scenario: str, args: list[tuple[str, ...]], timeout_s: float = 300) -> list[str]:
     """`scenario` with each argument tuple at once, one process each (the ranks of one played world):
     their outputs, in order; every process is ended by the timeout."""
-    processes = [
-        subprocess.Popen(**_command(library, scenario, *a), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for a in args
-    ]
-    try:
-        outputs = [p.communicate(timeout=timeout_s)[0] for p in processes]
-    finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [_checked(p.returncode, output) for p, output in zip(processes, outputs)]
+    return [_checked(*result) for result in server.run([(scenario, *a) for a in args], timeout_s=timeout_s)]
 
 
-def test_harness_enforces_nccl_and_device_rules(guard_library):
-    assert "scenario harness_rules: ok" in _run(guard_library, "harness_rules")
+def test_harness_enforces_nccl_and_device_rules(server):
+    assert "scenario harness_rules: ok" in _run(server, "harness_rules")
 
 
 @pytest.mark.parametrize("pp_size,mtp_depth,attention", [("1", "1", "sinks"), ("2", "0", "")])
-def test_hdp_step_on_fake_gpu(guard_library, pp_size, mtp_depth, attention):
+def test_hdp_step_on_fake_gpu(server, pp_size, mtp_depth, attention):
     """Two HDP steps as each global rank of 2 (both played at once) of a bf16 GPTModel with the HDP spec, torch varlen
     attention, activation offloading, Megatron DDP and optimizer: PP=1 (HDP rank of 2, a ring over both
     ranks and whole documents, with gpt-oss's learnable attention sinks and a multi-token prediction layer
     attending on the same ring, its rolls from the micro-batch: MTP and sinks together) and PP=2 (one
     pipeline stage). No blocking host-to-device copy between a micro-batch's own transfer and its backward
     (issue 21 item 7: cu_seqlens, ring row indices)."""
-    for output in _run_ranks(guard_library, "hdp_step", [(pp_size, rank, mtp_depth, attention) for rank in RANKS]):
+    for output in _run_ranks(server, "hdp_step", [(pp_size, rank, mtp_depth, attention) for rank in RANKS]):
         assert "of micro-batch tensors (pinned, non-blocking)" in output
         assert ("rolls answered from the micro-batches" in output) == (mtp_depth != "0")
 
 
-def test_multi_latent_attention_step_on_fake_gpu(guard_library):
+def test_multi_latent_attention_step_on_fake_gpu(server):
     """`test_hdp_step_on_fake_gpu`'s PP=1 rank 0 (a ring and whole documents) with DeepSeek-V3's attention
     and MTP: multi-latent attention with YaRN (HDP's MLA module, RoPE angles of the micro-batch's
     positions, made in its first layer; V narrower than q and k through torch varlen, padded), the K/V
@@ -113,43 +106,43 @@ def test_multi_latent_attention_step_on_fake_gpu(guard_library):
     second, and a multi-token prediction layer of MLA, with a learnable sink and `--recompute-modules
     core_attn`, on CUDA tensors under NCCL's rules, no host sync or blocking copy inside a layer or a
     micro-batch."""
-    output = _run(guard_library, "hdp_step", "1", "0", "1", "mla")
+    output = _run(server, "hdp_step", "1", "0", "1", "mla")
     assert "of micro-batch tensors (pinned, non-blocking)" in output
     assert "rolls answered from the micro-batches" in output
 
 
-def test_virtual_pipeline_step_on_fake_gpu(guard_library):
+def test_virtual_pipeline_step_on_fake_gpu(server):
     """Two HDP steps as each PP stage of 2 with 2 virtual pipeline stages: model chunks on "cuda", a DDP
     and an offloader per chunk, Megatron's interleaved schedule with overlapped P2P."""
-    for output in _run_ranks(guard_library, "hdp_step_vpp", [(rank,) for rank in RANKS]):
+    for output in _run_ranks(server, "hdp_step_vpp", [(rank,) for rank in RANKS]):
         assert "micro-batch copies (pinned, non-blocking) over 2 chunks" in output
 
 
-def test_moe_router_losses_on_fake_gpu(guard_library):
+def test_moe_router_losses_on_fake_gpu(server):
     """HDP's MoE routers (per-document load-balancing loss and z-loss) of three layers over a plan's
     micro-batches, forward and backward: no blocking host-to-device copy between a micro-batch's transfer
     and its backward (issue 21 item 7: the documents' lengths and the z-loss padding mask, every layer)."""
-    for output in _run_ranks(guard_library, "moe_routers", [(rank,) for rank in RANKS]):
+    for output in _run_ranks(server, "moe_routers", [(rank,) for rank in RANKS]):
         assert "none blocking" in output
 
 
-def test_host_sync_inside_a_layer_is_caught(guard_library):
+def test_host_sync_inside_a_layer_is_caught(server):
     """The README says the harness catches a host sync inside a layer: `.item()` in a TransformerLayer's
     forward and in a backward raise `HostSyncInLayer`; outside a layer it passes (recorded)."""
-    assert "scenario host_sync_rule: ok" in _run(guard_library, "host_sync_rule")
+    assert "scenario host_sync_rule: ok" in _run(server, "host_sync_rule")
 
 
-def test_first_nccl_operation_is_not_a_ring(guard_library):
+def test_first_nccl_operation_is_not_a_ring(server):
     """initialize_hdp on 4 ranks, then ring attention among ranks 0 and 1."""
-    assert "scenario first_p2p: ok" in _run(guard_library, "first_p2p", "4")
+    assert "scenario first_p2p: ok" in _run(server, "first_p2p", "4")
 
 
-def test_megatron_install_path_on_fake_gpu(guard_library):
+def test_megatron_install_path_on_fake_gpu(server):
     """What install() wires into megatron.training, called as train() calls it, as each HDP rank of 2:
     the HDP loader over an indexed dataset, two steps through the patched get_forward_backward_func
     (Megatron's schedule, offloading, finalize timed by the telemetry), then the patched training_log
     (hdp_statistics, the measured telemetry gathered over the HDP domain; the last rank prints it)."""
-    outputs = _run_ranks(guard_library, "install_step", [(rank,) for rank in RANKS])
+    outputs = _run_ranks(server, "install_step", [(rank,) for rank in RANKS])
     assert all("micro-batch copies (pinned, non-blocking)" in output for output in outputs)
     # the last rank prints the telemetry; CUDA events are read one step late
     assert " [HDP measured] iteration        1 |" in outputs[-1]
@@ -159,7 +152,7 @@ FP8_RUNS = [("delayed", "0"), ("delayed", "1"), ("tensorwise", "0")]
 
 
 @pytest.mark.parametrize("recipe,tp_only", FP8_RUNS, ids=["delayed", "delayed-tp-only-amax", "tensorwise"])
-def test_ranks_with_different_microbatch_counts_post_the_same_collectives(guard_library, tmp_path, recipe, tp_only):
+def test_ranks_with_different_microbatch_counts_post_the_same_collectives(server, tmp_path, recipe, tp_only):
     """Two played HDP ranks of one world (rank 0 runs two micro-batches, rank 1 one) with Megatron's FP8
     and TE's amax reductions stood in for (`fake_te_fp8`): on every communicator both belong to, they
     post the same collectives in the same order with the same sizes (NCCL pairs the n-th collective of
@@ -167,7 +160,7 @@ def test_ranks_with_different_microbatch_counts_post_the_same_collectives(guard_
     import json
 
     logs_at = [tmp_path / f"rank{rank}.json" for rank in RANKS]
-    _run_ranks(guard_library, "fp8_collectives",
+    _run_ranks(server, "fp8_collectives",
                [(rank, recipe, tp_only, str(log)) for rank, log in zip(RANKS, logs_at)])
     results = [json.loads(log.read_text()) for log in logs_at]
     if "refused" in results[0] or "refused" in results[1]:
@@ -180,7 +173,7 @@ def test_ranks_with_different_microbatch_counts_post_the_same_collectives(guard_
         assert logs[0][key] == logs[1][key], f"communicator {key}: rank 0 posted {logs[0][key]}, rank 1 {logs[1][key]}"
 
 
-def test_windowed_rings_post_matching_p2p_on_fake_gpu(guard_library, tmp_path):
+def test_windowed_rings_post_matching_p2p_on_fake_gpu(server, tmp_path):
     """gpt-oss's attention: a learnable sink on both layers (`softmax_type="learnable"`, applied after each
     ring's merge, its parameter's gradient reduced with the others) and a causal sliding window (Megatron's
     `window_size=(12, 0)` on layer 1, layer 2 full) under HDP, two
@@ -196,7 +189,7 @@ def test_windowed_rings_post_matching_p2p_on_fake_gpu(guard_library, tmp_path):
     from fake_gpu_scenarios import WINDOW_WORLD
 
     paths = [tmp_path / f"rank{rank}.json" for rank in range(WINDOW_WORLD)]
-    _run_ranks(guard_library, "window_ring", [(str(rank), str(path)) for rank, path in enumerate(paths)])
+    _run_ranks(server, "window_ring", [(str(rank), str(path)) for rank, path in enumerate(paths)])
     logs = [json.loads(path.read_text()) for path in paths]
     world = ",".join(map(str, range(WINDOW_WORLD))) + "#0"  # the default group: the rings' communicator
     assert set().union(*(log["p2p"] for log in logs)) == {world}, [list(log["p2p"]) for log in logs]
