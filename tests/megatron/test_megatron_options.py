@@ -106,7 +106,7 @@ def test_every_decision_has_its_evidence():
     for field, (decision, evidence) in table().items():
         assert decision in ("honoured", "refused"), (field, decision)
         if decision == "honoured":
-            test = re.match(r"`(tests/\w+\.py)(?:::(\w+))?`", evidence)
+            test = re.match(r"`(tests/[\w/]+\.py)(?:::(\w+))?`", evidence)
             assert test, f"{field}: an honoured option names its test, got {evidence!r}"
             path = ROOT / test.group(1)
             assert path.is_file(), f"{field}: {test.group(1)} does not exist"
