@@ -122,6 +122,7 @@ def test_plan_with_default_batch_at_16384_ranks_stays_bounded():
     tokens, longest = (int(batch.split(word)[0].split()[-1].replace(",", "")) for word in (" tokens", ";"))
     assert 128 << 20 <= tokens < (128 << 20) + longest and "capped at 128M" in batch  # whole documents overshoot
     assert "skipped:" in lines["static"] and "--max-shards" in lines["static"]
+    assert "skipped:" in lines["rl-static-cp"] and "--max-shards" in lines["rl-static-cp"]
     assert "skipped:" in lines["megatron-hybrid-cp"] and "--max-plan-seconds" in lines["megatron-hybrid-cp"]
     assert "n/a" not in lines["balance"] and "n/a" not in lines["naive"]
 
