@@ -18,8 +18,7 @@ imports neither torch nor Megatron, so a driver without them can plan (`make_pla
   `ActivationOffloader`.
 """
 
-import importlib
-from typing import Any
+from megatron_hdp.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -73,13 +72,7 @@ _PUBLIC = {
 }
 """Public name -> the module it is read from (on first use)."""
 
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_PUBLIC[name]), name)
+__all__, __getattr__ = lazy_exports(__name__, _PUBLIC)
 
 
 def __dir__() -> list[str]:

@@ -23,6 +23,7 @@ import megatron_hdp
 ROOT = Path(megatron_hdp.__file__).parent
 
 MAY_IMPORT: dict[str, frozenset[str]] = {
+    "lazy_exports": frozenset(),
     "config": frozenset(),
     "run_logs": frozenset(),
     "plan": frozenset({"config"}),
@@ -30,9 +31,9 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "comm": frozenset({"config", "plan"}),
     "attention": frozenset({"config", "plan", "comm"}),
     "offload": frozenset({"config", "plan", "comm"}),
-    "data": frozenset({"config", "plan", "comm", "attention"}),
+    "data": frozenset({"lazy_exports", "config", "plan", "comm", "attention"}),
     "megatron": frozenset({"config", "plan", "comm", "attention", "offload", "data"}),
-    "posttrain": frozenset({"config", "plan", "comm", "attention", "offload", "data", "megatron"}),
+    "posttrain": frozenset({"lazy_exports", "config", "plan", "comm", "attention", "offload", "data", "megatron"}),
     "harness": frozenset({"config", "plan", "sim", "comm", "attention", "offload", "data", "megatron", "posttrain"}),
     "commands": frozenset({"config", "run_logs", "plan", "sim", "comm", "attention", "offload", "data", "megatron",
                            "posttrain", "harness"}),
@@ -84,7 +85,7 @@ TOP_MODULE_LAYER = {
 }
 """The sub-layer of each module at the top of plan/ and megatron/ (a new top-level module must be placed)."""
 
-NO_TORCH = frozenset({"__init__", "config", "run_logs", "plan", "sim"})
+NO_TORCH = frozenset({"__init__", "lazy_exports", "config", "run_logs", "plan", "sim"})
 """Layers that never import torch (nor anything built on it)."""
 TORCH_BUILT = ("torch", "transformer_engine", "flash_attn", "apex", "megatron")
 MEGATRON_ALLOWED = frozenset({"megatron"})

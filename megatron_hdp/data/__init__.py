@@ -8,8 +8,7 @@ Public API: `HDPSampler` (global batches of documents, deterministic and resumab
 Resolved lazily, so that importing one numpy-only submodule of this package does not import torch.
 """
 
-import importlib
-from typing import Any
+from megatron_hdp.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "HDPDataLoader": "megatron_hdp.data.loader",
@@ -22,10 +21,4 @@ _EXPORTS = {
     "MapStyleSource": "megatron_hdp.data.source",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

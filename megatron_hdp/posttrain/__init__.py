@@ -7,8 +7,7 @@ Names resolve lazily, so importing this package imports neither. See docs/posttr
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_hdp.lazy_exports import lazy_exports
 
 _NAMES = {
     "plan_rollouts": "megatron_hdp.posttrain.planning",
@@ -19,10 +18,4 @@ _NAMES = {
     "LocalShard": "megatron_hdp.posttrain.runtime",
 }
 
-__all__ = sorted(_NAMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_NAMES[name]), name)
+__all__, __getattr__ = lazy_exports(__name__, _NAMES)
