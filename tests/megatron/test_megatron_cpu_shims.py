@@ -15,7 +15,26 @@ def _check_shims(rank, world_size):
         raise TypeError("isinstance() arg 2 must be a type, a tuple of types, or a union")
 
     mtp.is_inference_column_parallel_linear = isinstance_over_mocks
+    from megatron.core.fusions import fused_bias_swiglu
+    from megatron.core.transformer.moe import router
+
+    from megatron_hdp.megatron.compat.versions import require_megatron_training
+
+    require_megatron_training()
+    from megatron.training import initialize  # imported Megatron's compiled swiglu under its own name
+
+    compiled = (fused_bias_swiglu.swiglu, initialize.bias_swiglu, vars(router.TopKRouter)["_apply_expert_bias"])
+    assert all(hasattr(function, "_torchdynamo_orig_callable") for function in compiled)
     assert apply_cpu_shims() and apply_cpu_shims()  # idempotent
+    # patch 7: Megatron's fused functions are the plain ones they wrapped, wherever they are named, and so
+    # are those of modules imported later; the values are the formula's
+    assert (fused_bias_swiglu.swiglu, initialize.bias_swiglu, vars(router.TopKRouter)["_apply_expert_bias"]) == tuple(
+        function._torchdynamo_orig_callable for function in compiled)
+    from megatron.core.fusions import fused_weighted_squared_relu  # not loaded before the shims
+
+    assert not hasattr(fused_weighted_squared_relu.weighted_squared_relu, "_torchdynamo_orig_callable")
+    y = torch.linspace(-2.0, 2.0, 8).reshape(2, 4)
+    torch.testing.assert_close(fused_bias_swiglu.bias_swiglu_impl(y, None), torch.nn.functional.silu(y[:, :2]) * y[:, 2:])
     # patch 6: without TE no module is TE's inference linear, so main's MTP layer can be built
     assert HAVE_TE or mtp.is_inference_column_parallel_linear(torch.nn.Linear(2, 2)) is False
     # patch 1: CUDA devices become the CPU; type() names the CUDA type for Megatron's asserts

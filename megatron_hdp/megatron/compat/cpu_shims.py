@@ -6,7 +6,8 @@ found-inf flags, grad-norm clipping, DDP's buffers), `torch.cuda.synchronize/cur
 RNG tracker. On a CPU build these raise "Torch not compiled with CUDA enabled". The patches below make
 them CPU operations and nothing else; with CUDA present `apply_cpu_shims()` does nothing. Patch 5:
 the distributed optimizer's checkpoints with torch's own Adam (no TE or Apex) and fp32 parameters.
-Patch 6: Megatron-LM main's MTP layer built without Transformer Engine.
+Patch 6: Megatron-LM main's MTP layer built without Transformer Engine. Patch 7: Megatron's fused
+elementwise functions run eagerly (no Inductor C++ build in every process).
 
 Each patch is small and named after what it fixes; `apply_cpu_shims()` is idempotent and checks the
 Megatron-Core version it was written against.
@@ -14,7 +15,9 @@ Megatron-Core version it was written against.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -249,6 +252,29 @@ def _patch_mtp_inference_linear() -> None:
         mtp.is_inference_column_parallel_linear = lambda module: False
 
 
+def _run_jit_fusions_eagerly() -> None:
+    """Patch 7: Megatron's fused elementwise functions (`megatron.core.jit.jit_fuser`: `torch.compile`
+    since torch 2.2, on swiglu, bias-dropout-add, the router's softmax, ...) run as the plain functions
+    they wrap. On a CPU each one is a Dynamo trace and an Inductor C++ build in every process, about half
+    of a tiny `pretrain` run (Megatron's `_warmup_jit_function` compiles them before the first step), and
+    the values are the same up to rounding. Modules imported later get Megatron's own no-op decorator
+    (`disable_jit_fuser`); functions already compiled in loaded modules (and their classes, and the names
+    other modules imported them under) are put back to their originals. `torch.compile` stays on for
+    everything else (our flex attention)."""
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron") or module is None:
+            continue
+        classes = [value for value in vars(module).values() if inspect.isclass(value) and value.__module__ == name]
+        for owner in (module, *classes):
+            for attribute, value in list(vars(owner).items()):
+                original = getattr(value, "_torchdynamo_orig_callable", None)
+                if inspect.isfunction(original) and original.__module__.startswith("megatron."):
+                    setattr(owner, attribute, original)
+
+
 def check_mcore_version() -> str:
     """The installed Megatron-Core version; a warning once when the shims were not tested against it."""
     from megatron.core import package_info
@@ -273,6 +299,7 @@ def apply_cpu_shims() -> bool:
     _patch_moe_split_sizes()
     _patch_distributed_optimizer_checkpoints()
     _patch_mtp_inference_linear()
+    _run_jit_fusions_eagerly()
     mode = CudaDeviceToCpu()
     mode.__enter__()  # stays on the torch-function mode stack for the life of the process
     _APPLIED.append(mode)
