@@ -5,8 +5,10 @@ The reference (one process, Megatron's stock local layer spec, each sample its o
 log-softmax of the full-vocabulary logits, the loss summed sample by sample with plain `.sum()`) shares no
 code with `megatron_hdp.posttrain`. The HDP side runs one 4-rank launch that goes through several meshes
 in turn — HDP 4; TP 2 x HDP 2; PP 2 x HDP 2 (1F1B); EP 2 across HDP 4 with a MoE model — each under a
-random plan (rings of 2-4 ranks that overlap, uneven micro-batch counts, an idle rank), and the same
-batch on one rank in the reference's launch (1 rank and 4 ranks agree). The loss is a clipped
+random plan (rings of 2-4 ranks that overlap, uneven micro-batch counts, an idle rank), one 5-rank launch
+with a ring of all 5 for the dense model, a model with learnable attention sinks (gpt-oss) and one with
+multi-latent attention (DeepSeek), and the same batch on one rank in the reference's launch (1 rank and
+4 ranks agree). The loss is a clipped
 policy-gradient term, an entropy bonus, a KL-like term against a side field and a GSPO-like sequence
 ratio (a per-sample sum across the sample's ring), with token-mean weights from `loss_weights`.
 """
@@ -19,9 +21,10 @@ from megatron_hdp.comm.launch import run_gloo
 
 LENGTHS = [37, 5, 64, 12, 23, 50, 9, 3, 2, 30]
 """Tokens per sample (prompt + response)."""
-NUM_EXPERTS = 4
-MESHES = [("hdp4", 1, 1, 1), ("tp2", 2, 1, 1), ("pp2", 1, 2, 1), ("ep2-moe", 1, 1, 2)]
-"""(name, TP, PP, EP) of each mesh the 4-rank launch runs."""
+MESHES = [("hdp4", 1, 1, 1, "dense"), ("tp2", 2, 1, 1, "dense"), ("pp2", 1, 2, 1, "dense"), ("ep2-moe", 1, 1, 2, "moe")]
+"""(name, TP, PP, EP, model kind) of each mesh the 4-rank launch runs."""
+FIVE_RANK_MESHES = [("hdp5", 1, 1, 1, "dense"), ("hdp5-sinks", 1, 1, 1, "sinks"), ("hdp5-mla", 1, 1, 1, "mla")]
+"""The same for the 5-rank launch: its plans put a sample on a ring of all 5 ranks."""
 
 
 def _rollouts():
@@ -57,13 +60,19 @@ def token_losses(logprobs, entropy, fields, sample_sum):
 
 
 def _model(kind, *, hdp):
+    """The tiny GPT of `kind`: dense, MoE (4 experts, top 2), learnable sinks, or multi-latent attention
+    (the reference with Megatron's own MLA layer: `exactness_cases.reference_mla_block`)."""
+    from exactness_cases import reference_mla_block
+
     from megatron_hdp.harness.exactness import VOCAB_SIZE
-    from megatron_hdp.harness.model import tiny_llama_config
+    from megatron_hdp.harness.model import tiny_llama_config, tiny_mla_fields
     from megatron_hdp.megatron.core_api.model import build_gpt
 
-    experts = NUM_EXPERTS if kind == "moe" else None
-    config = tiny_llama_config(num_moe_experts=experts)
-    return build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=hdp)
+    fields = {"dense": {}, "moe": {"num_moe_experts": 4}, "sinks": {"softmax_type": "learnable"},
+              "mla": tiny_mla_fields()}[kind]
+    config = tiny_llama_config(**fields)
+    spec = reference_mla_block(config) if kind == "mla" and not hdp else None
+    return build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=hdp, transformer_layer_spec=spec)
 
 
 def _reference_of(model, rollouts):
@@ -127,7 +136,7 @@ def _reference(rank, world_size):
 
     rollouts = _rollouts()
     out = {}
-    for kind in ("dense", "moe"):
+    for kind in ("dense", "moe", "sinks", "mla"):
         _init()
         model = _model(kind, hdp=False)
         init = full_weights(model)
@@ -140,18 +149,18 @@ def _reference(rank, world_size):
     return out
 
 
-def _hdp(rank, world_size, inits, meshes=tuple(MESHES)):
+def _hdp(rank, world_size, inits, meshes):
     from megatron_hdp.megatron.core_api.initialize import destroy_hdp
     from megatron_hdp.plan.hand_plan import random_plan
 
     rollouts = _rollouts()
     out = {}
-    for name, tp, pp, ep in meshes:
+    for name, tp, pp, ep, kind in meshes:
         state = _init(tp, pp, ep)
         plan = random_plan([n - 1 for n in LENGTHS], num_ranks=state.hdp_size, seed=11 + tp + 2 * pp + 3 * ep,
                            pp_size=pp)
-        kind = "moe" if ep > 1 else "dense"
-        out[name] = _posttrain_run(state, kind, inits[kind], rollouts, plan)
+        out[name] = {**_posttrain_run(state, kind, inits[kind], rollouts, plan),
+                     "largest_ring": max(len(sequence.ring) for sequence in plan.sequences)}
         destroy_hdp()
     return out
 
@@ -179,11 +188,14 @@ def test_one_rank_matches_the_reference(reference):
     _check(reference["one-rank"], reference["dense"], "one rank")
 
 
-def test_four_ranks_match_the_reference_on_every_mesh(reference):
-    inits = {kind: reference[kind]["init"] for kind in ("dense", "moe")}
-    results = run_gloo(_hdp, 4, inits, timeout_s=400)
-    for name, tp, pp, ep in MESHES:
-        want = reference["moe" if ep > 1 else "dense"]
+@pytest.mark.parametrize("world_size, meshes", [(4, MESHES), (5, FIVE_RANK_MESHES)], ids=["4-ranks", "5-ranks"])
+def test_many_ranks_match_the_reference_on_every_mesh(reference, world_size, meshes):
+    inits = {kind: reference[kind]["init"] for kind in ("dense", "moe", "sinks", "mla")}
+    results = run_gloo(_hdp, world_size, inits, tuple(meshes), timeout_s=400)
+    for name, tp, pp, ep, kind in meshes:
+        want = reference[kind]
+        if world_size == 5:
+            assert results[0][name]["largest_ring"] == 5, f"{name}: no sample on a ring of 5"
         owners = set()
         for rank, result in enumerate(results):
             _check(result[name], want, f"{name} rank {rank}")
