@@ -98,15 +98,17 @@ def expert_padded(times: Sequence[Sequence[float]], *, empty: float, ep_size: in
 
 
 def expert_spread(times: Sequence[Sequence[float]], tokens: Sequence[Sequence[float]], *, per_token: float,
-                  ep_size: int) -> list[list[float]]:
+                  ep_size: int, alltoall_per_token: float = 0.0) -> list[list[float]]:
     """`times` (padded by `expert_padded`) when the MoE all-to-all shares the routed expert work of each
     index evenly over the EP group: every member's own tokens' expert seconds (`per_token` each) are
-    replaced by the group's mean at that index; `tokens` padded alike (0 for padding)."""
+    replaced by the group's mean at that index, and every member waits for the all-to-all's transfers,
+    `alltoall_per_token` per token of the group's fullest member at that index; `tokens` padded alike (0
+    for padding)."""
     out = []
     for first in range(0, len(times), ep_size):
         t = np.array(times[first:first + ep_size], dtype=np.float64)
         n = np.array(tokens[first:first + ep_size], dtype=np.float64)
-        out += (t + per_token * (n.mean(axis=0) - n)).tolist()
+        out += (t + per_token * (n.mean(axis=0) - n) + alltoall_per_token * n.max(axis=0)).tolist()
     return out
 
 

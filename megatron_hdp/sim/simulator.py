@@ -26,7 +26,8 @@ What is modelled, per HDP rank r (a pipeline of `pp_size` stages, each holding n
   count; an idle rank one), each at the micro-batch overhead (`plan.timeline.timing`).
 - Expert parallelism (`CostModel.expert_parallel_size`): micro-batch i of every member of an EP group is
   coupled like a ring (the MoE all-to-all of every layer), `plan.timeline.timing.expert_links`, and each member
-  runs the group's mean of the routed expert work at that index (`plan.cost.experts.spread_expert_work`).
+  runs the group's mean of the routed expert work at that index, and the all-to-all's own transfers
+  (`plan.cost.experts.spread_expert_work`).
 - PP: every stage runs its ops in Megatron's order (`plan.timeline.interleaved.stage_order`: 1F1B with a warm-up
   of p-1-s forwards, or with `plan.vpp_size` v > 1 virtual stages the interleaved order, each op one
   model chunk's forward or backward at 1/v of the stage's time), forward = 1/3 and backward = 2/3 of the
@@ -321,13 +322,15 @@ def simulate_step(
     for r in range(n):
         costs[r] += [[padding, 0.0, 0.0, 0.0, 1.0]] * int(extra[r])
         has_ring[r] += [False] * int(extra[r])
-    spreads = cost_model.expert_parallel_size > 1 and cost_model.expert_share > 0
+    alltoall = cost_model.expert_alltoall_seconds_per_token(pp_size=p)
+    spreads = cost_model.expert_parallel_size > 1 and (cost_model.expert_share > 0 or alltoall > 0)
     if spreads:  # tokens per micro-batch, the padding ones holding none
         held = np.bincount(shards.microbatch, weights=shards.tokens, minlength=len(mb_costs))
         tokens = [held[bounds[r]:bounds[r + 1]].tolist() + [0.0] * int(extra[r]) for r in range(n)]
         spread = spread_expert_work([[c[0] for c in mine] for mine in costs], tokens,
                                     ep_size=cost_model.expert_parallel_size,
-                                    seconds_per_token=cost_model.expert_seconds_per_token(pp_size=p))
+                                    seconds_per_token=cost_model.expert_seconds_per_token(pp_size=p),
+                                    alltoall_seconds_per_token=alltoall)
         costs = [[[seconds, *c[1:]] for c, seconds in zip(mine, compute)] for mine, compute in zip(costs, spread)]
     coupled = plan_groups(plan, barrier_per_microbatch=rules.barrier_per_microbatch,
                           ep_size=cost_model.expert_parallel_size)

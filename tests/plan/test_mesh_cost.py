@@ -12,7 +12,7 @@ import pytest
 
 from megatron_hdp.config import HARDWARE_NAMES
 from megatron_hdp.plan.cost.mesh import hardware_for_device, mesh_cost_model, resolve_hardware
-from megatron_hdp.plan.cost.presets import HARDWARE, hardware_profile, model_shape
+from megatron_hdp.plan.cost.presets import HARDWARE, analytic_cost_model, hardware_profile, model_shape
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_hdp"
 
@@ -83,8 +83,10 @@ def test_a_measured_file_supplies_what_it_measured_and_is_completed_in_one_line(
     with caplog.at_level(logging.WARNING, logger="megatron_hdp.plan.cost.mesh"):
         model = mesh_cost_model(model=shape, hardware="b200", tp_size=8, ep_size=8, ring_kind="latent", measured=path)
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
-        f"cost model {path} lacks expert_share, latent_bytes_per_token, up_projection_time, intra_node_bandwidth, "
-        "which this run needs (a MoE model's expert-work spread; the latent ring; rings inside an NVLink domain)"]
+        f"cost model {path} lacks expert_share, expert_alltoall_bytes_per_token, latent_bytes_per_token, "
+        "up_projection_time, intra_node_bandwidth, which this run needs (a MoE model's expert-work spread; the "
+        "MoE all-to-all's transfers; the latent ring; rings inside an NVLink domain)"]
+    assert model.expert_alltoall_bytes_per_token == pytest.approx(2 * 7168 * 8 * 59 / 61 / 8)  # bytes: unscaled
     assert (model.a1, model.b1, model.g, model.ring_bandwidth, model.kv_bytes_per_token) == (1e-9, 3e-6, 1e-4, 40e9, 100.0)
     # DeepSeek-V3 at TP 8: latent 512 + RoPE 64 values in bf16; up-projection 2 x 512 x 16 heads x 256 FLOPs
     # per token, the linear FLOPs per token counted by hand below, 3x for the backward
@@ -191,3 +193,28 @@ def test_refit_features_spread_the_expert_work_over_the_ep_group():
     features = compute_features(plan, num_layers=1, expert_parallel_size=2, expert_share=0.5)
     np.testing.assert_allclose(features[:, 1], [120.0, 60.0])
     np.testing.assert_allclose(compute_features(plan, num_layers=1)[:, 1], [150.0, 30.0])
+
+
+def test_the_moe_all_to_all_costs_its_bytes_over_the_ep_groups_link():
+    """The all-to-all's own time, from the published shapes: Mixtral-8x7B (hidden 4096, top-2, every layer
+    MoE) sends 2 x 4096 x 2 bytes per token per layer in bf16 at TP 1; DeepSeek-V3 (hidden 7168, top-8,
+    58 of 61 layers MoE plus one MTP layer) 2 x 7168 x 8 x 59 / 61 over TP 8. With EP e, 7/8 of it leaves
+    a rank of an EP 8 group, four times a layer, over NVLink (the group inside an 8-GPU node: 450 GB/s on
+    an H100) or the NIC (EP 32 spans 4 nodes: 50 GB/s); dense models and EP 1 pay nothing. The refit
+    takes that known term off the measured times: the rank with 100 + 50 tokens in an EP 2 group where
+    its partner holds 30 (and a padding micro-batch) waits 100 + 50 token-times, and so does its partner."""
+    from megatron_hdp.plan.cost.online_refit import alltoall_seconds
+    from megatron_hdp.plan.hand_plan import plan_from_rings
+
+    assert analytic_cost_model("mixtral-8x7b").expert_alltoall_bytes_per_token == 2 * 4096 * 2
+    deepseek = analytic_cost_model("deepseek-v3", tp_size=8).expert_alltoall_bytes_per_token
+    assert deepseek == pytest.approx(2 * 7168 * 8 * 59 / 61 / 8, rel=1e-12)
+    assert analytic_cost_model("llama-7b").expert_alltoall_bytes_per_token == 0
+    ep8 = mesh_cost_model(model="mixtral-8x7b", hardware="h100", ep_size=8)
+    assert ep8.expert_alltoall_seconds_per_token() == pytest.approx(4 * 16384 * 7 / 8 / 450e9 * 32, rel=1e-12)
+    ep32 = mesh_cost_model(model="mixtral-8x7b", hardware="h100", ep_size=32)
+    assert ep32.expert_alltoall_seconds_per_token(pp_size=2) == pytest.approx(4 * 16384 * 31 / 32 / 50e9 * 16, rel=1e-12)
+    assert mesh_cost_model(model="mixtral-8x7b", hardware="h100").expert_alltoall_seconds_per_token() == 0
+    plan = plan_from_rings([100, 50, 30], [(0,), (0,), (1,)], [0, 1, 0], num_ranks=2, capacity=128)
+    ep2 = dataclasses.replace(ep8, expert_parallel_size=2)
+    np.testing.assert_allclose(alltoall_seconds(plan, ep2), [150 * ep2.expert_alltoall_seconds_per_token()] * 2)

@@ -97,3 +97,21 @@ def test_saved_refit_is_restored_and_exported_by_calibrate(tmp_path):
     assert load_refit(tmp_path, model=WRONG) is None
     assert main(["calibrate", "--from-run", str(tmp_path / "ckpt"), "--output", str(tmp_path / "cm.json")]) == 0
     assert CostModel.from_json(tmp_path / "cm.json") == refit.model
+
+
+def test_the_all_to_all_is_taken_off_before_the_fit():
+    """Under EP 2 with a MoE model, measured compute = the learned terms + the all-to-all's transfers
+    (`alltoall_seconds`, checked against the published shapes in test_mesh_cost.py): the refit learns the
+    true coefficients, not ones inflated by the transfers."""
+    from megatron_hdp.plan.cost.mesh import mesh_cost_model
+    from megatron_hdp.plan.cost.online_refit import alltoall_seconds
+
+    true = mesh_cost_model(model="mixtral-8x7b", hardware="h100", ep_size=2)
+    assert true.expert_alltoall_seconds_per_token() > 0
+    refit = OnlineRefit(dataclasses.replace(true, b1=true.b1 * 1.2), RefitSettings(warmup_steps=0, max_step=2.0))
+    for seed in range(4):
+        plan = _plan(seed, true)
+        features = compute_features(plan, num_layers=true.num_layers, expert_parallel_size=2,
+                                    expert_share=true.expert_share)
+        refit.observe(plan, features @ [true.a1, true.b1, true.g] + alltoall_seconds(plan, true))
+    assert refit.model.b1 == pytest.approx(true.b1, rel=1e-6) and refit.model.a1 == pytest.approx(true.a1, rel=1e-6)

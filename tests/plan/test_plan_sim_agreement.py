@@ -93,17 +93,21 @@ def test_step_time_follows_the_independent_waiting_rule(cost_model):
             assert plan.est_step_time == pytest.approx(step, rel=1e-9), f"{policy} on {name}"
 
 
-@pytest.mark.parametrize("ep_size,expert_share", [(2, 0.0), (4, 0.0), (2, 0.7), (4, 0.7)])
-def test_expert_parallel_step_time_follows_the_independent_waiting_rule(ep_size, expert_share):
+@pytest.mark.parametrize("ep_size,expert_share,alltoall_bytes", [(2, 0.0, 0.0), (4, 0.0, 0.0), (2, 0.7, 0.0),
+                                                                  (4, 0.7, 0.0), (4, 0.7, 4096.0)])
+def test_expert_parallel_step_time_follows_the_independent_waiting_rule(ep_size, expert_share, alltoall_bytes):
     """With expert parallelism every policy's predicted step (planner and simulator, to 1e-9) is the
     waiting rule of `plan_reference` with EP groups of consecutive ranks running every index together,
     each member running its group's largest count (`expert_padded`) and, with an expert share, the group's
-    mean routed expert work at each index (`expert_spread`), and the planner's rank times are the
+    mean routed expert work at each index (`expert_spread`), with all-to-all bytes the transfers of its
+    fullest member at each index (4 per layer, (e - 1) / e of each token's bytes over the ring link), and
+    the planner's rank times are the
     simulator's busy times, padding included. The EP-aware `balance` plans its groups as units: the same
     count on every member, so on the two larger batches here the runtime pads none of its EP groups."""
     cost_model = CostModel.from_dict({**SLOW_RING.to_dict(), "expert_parallel_size": ep_size,
-                                      "expert_share": expert_share})
+                                      "expert_share": expert_share, "expert_alltoall_bytes_per_token": alltoall_bytes})
     per_token = expert_share * cost_model.b1 * cost_model.num_layers
+    alltoall_per_token = 4 * alltoall_bytes * (ep_size - 1) / ep_size / cost_model.ring_bandwidth * cost_model.num_layers
     for name, lengths, num_ranks, capacity, offload in _batches():
         for policy in _policies():
             config = HDPConfig(hdp_capacity=capacity, hdp_offload=offload)
@@ -112,7 +116,8 @@ def test_expert_parallel_step_time_follows_the_independent_waiting_rule(ep_size,
             times = expert_padded([[mb.est_time for mb in r.microbatches] for r in plan.ranks],
                                   empty=cost_model.microbatch_time([]), ep_size=ep_size)
             tokens = expert_padded(microbatch_tokens(plan), empty=0, ep_size=ep_size)
-            times = expert_spread(times, tokens, per_token=per_token, ep_size=ep_size)
+            times = expert_spread(times, tokens, per_token=per_token, ep_size=ep_size,
+                                  alltoall_per_token=alltoall_per_token)
             step = max(reference_finish(plan, times, barrier_per_index=rules.barrier_per_microbatch, ep_size=ep_size))
             timeline = simulate_step(plan, cost_model, rules=rules, grad_bytes=0)
             where = f"{policy} on {name}, EP {ep_size}"

@@ -103,7 +103,8 @@ def plan_megatron_hybrid_cp(
     times = spread_expert_work([[mb.est_time for mb in mbs] for mbs in per_rank],
                                [[mb.num_tokens for mb in mbs] for mbs in per_rank],
                                ep_size=cost_model.expert_parallel_size,
-                               seconds_per_token=cost_model.expert_seconds_per_token())
+                               seconds_per_token=cost_model.expert_seconds_per_token(),
+                               alltoall_seconds_per_token=cost_model.expert_alltoall_seconds_per_token())
     schedules = [RankSchedule(rank, mbs, sum(t)) for rank, (mbs, t) in enumerate(zip(per_rank, times))]
     step_time = sum(max(t[j] for t in times) for j in range(len(sample_id_groups)))
     sequences = tuple(SequencePlacement(i, int(n), rings[i]) for i, n in enumerate(lengths))

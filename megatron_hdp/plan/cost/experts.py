@@ -36,19 +36,23 @@ def expert_groups(num_ranks: int, ep_size: int) -> list[range]:
 
 
 def spread_expert_work(times: Sequence[Sequence[float]], tokens: Sequence[Sequence[float]], *, ep_size: int,
-                       seconds_per_token: float) -> list[list[float]]:
-    """`times[r][i]` with every expert-parallel group's routed expert work shared out at each index: the
-    all-to-all sends each token to the members holding its experts, so with uniform routing member m of a
-    group at index i runs seconds_per_token * (mean over the group of tokens[.][i]) of expert work instead
-    of seconds_per_token * tokens[m][i]. `times` and `tokens` (tokens each rank holds in each micro-batch,
-    0 for a padding one) are padded as the runtime runs them (equal counts inside a group); the group's
-    total work is unchanged. `seconds_per_token`: `CostModel.expert_seconds_per_token`."""
+                       seconds_per_token: float, alltoall_seconds_per_token: float = 0.0) -> list[list[float]]:
+    """`times[r][i]` with every expert-parallel group's routed expert work shared out at each index, and
+    the all-to-all that shares it: the all-to-all sends each token to the members holding its experts, so
+    with uniform routing member m of a group at index i runs seconds_per_token * (mean over the group of
+    tokens[.][i]) of expert work instead of seconds_per_token * tokens[m][i] (the group's total work is
+    unchanged), and every member waits alltoall_seconds_per_token * (max over the group of tokens[.][i])
+    for the all-to-all itself, which ends with its largest sender. `times` and `tokens` (tokens each rank
+    holds in each micro-batch, 0 for a padding one) are padded as the runtime runs them (equal counts
+    inside a group). `seconds_per_token`, `alltoall_seconds_per_token`: `CostModel.expert_seconds_per_token`,
+    `CostModel.expert_alltoall_seconds_per_token`."""
     out = [list(map(float, t)) for t in times]
-    if ep_size <= 1 or not seconds_per_token:
+    if ep_size <= 1 or not (seconds_per_token or alltoall_seconds_per_token):
         return out
     for group in expert_groups(len(times), ep_size):
         for index in range(len(times[group[0]])):
-            mean = sum(tokens[r][index] for r in group) / len(group)
+            held = [tokens[r][index] for r in group]
+            mean, largest = sum(held) / len(group), max(held)
             for r in group:
-                out[r][index] += seconds_per_token * (mean - tokens[r][index])
+                out[r][index] += seconds_per_token * (mean - tokens[r][index]) + alltoall_seconds_per_token * largest
     return out

@@ -9,8 +9,8 @@ What decides each field:
 - the model shape and the run's TP and recompute: the analytic coefficients (`presets.analytic_cost_model`);
 - a measured file (`megatron-hdp calibrate`, or a Core-API caller's own CostModel) replaces what it
   measured: a1, b1, g, a2, b2, the bandwidths, latency, jitter, ring block overhead, host memory, the
-  activation dtype and its K/V bytes. A field the run needs that it lacks (0: `expert_share` of a MoE
-  model, `latent_bytes_per_token` / `up_projection_time` of multi-latent attention; None:
+  activation dtype and its K/V bytes. A field the run needs that it lacks (0: `expert_share` and
+  `expert_alltoall_bytes_per_token` of a MoE model, `latent_bytes_per_token` / `up_projection_time` of multi-latent attention; None:
   `intra_node_bandwidth`) is completed from the analytic model, with one log line naming the fields;
   the analytic times are scaled to the file's (the up-projection is a linear layer: the file's b1 times
   the analytic ratio), so only ratios and byte counts come from the analytic model;
@@ -51,7 +51,8 @@ _DEVICE_PRESETS = (("GB200", "gb200"), ("B300", "b300"), ("B200", "b200"), ("H20
                    ("A100", "a100"))
 """(substring of a CUDA device name, preset), most specific first ("NVIDIA GB200" also holds "B200")."""
 
-_COMPLETED = {"expert_share": "a MoE model's expert-work spread", "latent_bytes_per_token": "the latent ring",
+_COMPLETED = {"expert_share": "a MoE model's expert-work spread",
+              "expert_alltoall_bytes_per_token": "the MoE all-to-all's transfers", "latent_bytes_per_token": "the latent ring",
               "up_projection_time": "the latent ring", "intra_node_bandwidth": "rings inside an NVLink domain"}
 """Fields a measured file may lack that a run can need (module docstring), each with what needs it."""
 
@@ -139,6 +140,7 @@ def _measured(measured: CostModel | str | Path, *, shape: Optional[ModelShape], 
                                        recompute_granularity=measured.recompute_granularity)
         scale = measured.b1 / analytic.b1 if analytic.b1 else 0.0
         wanted = {"expert_share": analytic.expert_share, "latent_bytes_per_token": analytic.latent_bytes_per_token,
+                  "expert_alltoall_bytes_per_token": analytic.expert_alltoall_bytes_per_token,
                   "up_projection_time": analytic.up_projection_time * scale}
         fill = {name: value for name, value in wanted.items() if value and not getattr(measured, name)}
     if hardware is not None and measured.intra_node_bandwidth is None:

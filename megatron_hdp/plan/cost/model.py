@@ -109,6 +109,13 @@ class CostModel:
     does its group's mean of it at every micro-batch index (`plan.cost.experts.spread_expert_work`). Analytic:
     the routed experts' share of the linear FLOPs (`presets.analytic_cost_model`); fitted on the CPU by
     `benchmarks/step_bench.py` from an EP group where one member holds all the tokens."""
+    expert_alltoall_bytes_per_token: float = 0.0
+    """Bytes one MoE all-to-all moves per token a rank holds, per layer averaged over the model's layers,
+    were every routed copy to leave the rank: the hidden state (activation dtype) times top-k, over TP
+    (sequence parallel), times the MoE layers' share of the layers (0 for a dense model). With
+    `expert_parallel_size` e > 1 the share (e - 1) / e of it crosses the EP group's links, four times per
+    layer (dispatch and combine, forward and backward), not overlapped with compute (Megatron's alltoall
+    dispatcher runs them on the compute stream): `expert_alltoall_seconds_per_token`."""
     ring_block_overhead: float = 0.0
     """Seconds per document, per extra ring step, per layer that no transfer hides: a split document costs
     2 (k-1) more attention-kernel calls (one block per ring step, forward and backward) than a whole one.
@@ -158,7 +165,7 @@ class CostModel:
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise ValueError(f"cost model {f.name} must be a finite number, got {value!r}")
         for name in ("a1", "b1", "g", "a2", "b2", "kv_bytes_per_token", "ring_latency", "ring_block_overhead",
-                     "jitter", "latent_bytes_per_token", "up_projection_time"):
+                     "jitter", "latent_bytes_per_token", "up_projection_time", "expert_alltoall_bytes_per_token"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost model coefficient {name} must be >= 0, got {getattr(self, name)}")
         for name in ("ring_bandwidth", "d2h_bandwidth", "h2d_bandwidth"):
@@ -186,6 +193,17 @@ class CostModel:
         """Routed-expert seconds of one token on one pipeline stage (its layers, forward + backward): what the
         EP all-to-all spreads over the group (`plan.cost.experts.spread_expert_work`)."""
         return self.expert_share * self.b1 * self.num_layers / pp_size
+
+    def expert_alltoall_seconds_per_token(self, *, pp_size: int = 1) -> float:
+        """Seconds the MoE all-to-alls of one pipeline stage (its layers, forward + backward) take per token
+        of the EP group's most loaded member: each member sends (e - 1) / e of its tokens' routed copies
+        over its link (inside a node when the group fits one: `size_bandwidth`), and the collective ends
+        with its largest sender (`plan.cost.experts.spread_expert_work`). 0 without expert parallelism."""
+        e = self.expert_parallel_size
+        if e <= 1 or not self.expert_alltoall_bytes_per_token:
+            return 0.0
+        per_layer = 4 * self.expert_alltoall_bytes_per_token * (e - 1) / e / self.size_bandwidth(e)
+        return per_layer * self.num_layers / pp_size
 
     def ring_bytes_per_token(self, kind: str = "kv") -> float:
         """Bytes of one token of what a ring of `kind` circulates, in one layer: K and V, or the latent."""

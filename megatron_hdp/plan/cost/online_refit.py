@@ -9,7 +9,8 @@ under attention) a rank's compute is linear in the coefficients:
 summed over the rank's shards (t tokens of a document of s tokens) and micro-batches; under expert
 parallelism a rank's b1 work at micro-batch index i is (1 - x) t_i of its own tokens plus x times its
 EP group's mean tokens at i (x = `expert_share`: the all-to-all spreads the routed experts' work,
-`plan.cost.experts.spread_expert_work`). `OnlineRefit`
+`plan.cost.experts.spread_expert_work`; the all-to-all's own transfers, a known term, are taken off the
+measured times: `alltoall_seconds`). `OnlineRefit`
 keeps the last `window` (features, measured) rows, and after `warmup_steps` refits the coefficients
 with the project's one fit (`plan.cost.fit.fit_relative`: non-negative least squares on relative error, each
 row divided by its measured time, so long and short steps weigh alike), dropping rows whose relative
@@ -69,24 +70,44 @@ def compute_features(plan: StepPlan | dict, *, num_layers: int, expert_parallel_
 
     `plan` is a StepPlan or its JSON dict (as saved by --hdp-save-plans).
     """
-    if isinstance(plan, dict):
-        plan = StepPlan.from_dict(plan)
+    plan = _plan_of(plan)
     lengths = {seq.id: seq.length for seq in plan.sequences}
     layers = num_layers / plan.pp_size
     features = np.zeros((plan.num_ranks, len(COMPUTE_COEFFICIENTS)))
-    tokens: list[list[float]] = []
     for rank in range(plan.num_ranks):
-        tokens.append([])
         for mb in plan.microbatches(rank):
             for shard in mb.shards:
                 features[rank, 0] += lengths[shard.seq] * shard.num_tokens
-            tokens[rank].append(float(mb.num_tokens))
             features[rank, 2] += 1
-    width = max(map(len, tokens), default=0)  # ranks short of an EP partner's count run padding (0 tokens)
-    tokens = [row + [0.0] * (width - len(row)) for row in tokens]
+    tokens = _padded_tokens(plan)
     spread = spread_expert_work(tokens, tokens, ep_size=expert_parallel_size, seconds_per_token=expert_share)
     features[:, 1] = [sum(row) for row in spread]
     return features * layers
+
+
+def alltoall_seconds(plan: StepPlan | dict, model: CostModel) -> np.ndarray:
+    """[ranks]: the MoE all-to-all's own seconds in each rank's predicted compute for `plan` under `model`
+    (`CostModel.expert_alltoall_seconds_per_token`): a known term, not one the refit learns, so it is
+    taken off the measured times before the fit."""
+    plan = _plan_of(plan)
+    tokens = _padded_tokens(plan)
+    zeros = [[0.0] * len(row) for row in tokens]
+    per_token = model.expert_alltoall_seconds_per_token(pp_size=plan.pp_size)
+    spread = spread_expert_work(zeros, tokens, ep_size=model.expert_parallel_size, seconds_per_token=0.0,
+                                alltoall_seconds_per_token=per_token)
+    return np.array([sum(row) for row in spread])
+
+
+def _plan_of(plan: StepPlan | dict) -> StepPlan:
+    return StepPlan.from_dict(plan) if isinstance(plan, dict) else plan
+
+
+def _padded_tokens(plan: StepPlan) -> list[list[float]]:
+    """Tokens of each rank's micro-batches, every rank padded to the largest count with empty ones (a rank
+    short of an EP partner's count runs padding: 0 tokens)."""
+    tokens = [[float(mb.num_tokens) for mb in plan.microbatches(rank)] for rank in range(plan.num_ranks)]
+    width = max(map(len, tokens), default=0)
+    return [row + [0.0] * (width - len(row)) for row in tokens]
 
 
 class OnlineRefit:
@@ -109,6 +130,7 @@ class OnlineRefit:
         measured = np.asarray(compute_seconds, dtype=float)
         if measured.shape != (features.shape[0],):
             raise ValueError(f"{measured.shape[0]} measured times for a plan of {features.shape[0]} ranks")
+        measured = measured - alltoall_seconds(plan, self.model)
         self.steps_seen += 1
         if self.steps_seen <= self.settings.warmup_steps:
             return self.model

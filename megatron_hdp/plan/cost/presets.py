@@ -185,6 +185,11 @@ class ModelShape:
         expert = self.moe_ffn_hidden_size or self.ffn_hidden_size
         return expert * self.moe_router_topk * self._moe_layers() / self.num_layers
 
+    def routed_copies_per_token(self) -> float:
+        """Mean over the decoder's layers (the MTP layers' spread over them) of the routed copies of one
+        token the expert-parallel all-to-all dispatches: top-k in an MoE layer, 0 in a dense one."""
+        return self.moe_router_topk * self._moe_layers() / self.num_layers if self.num_experts else 0.0
+
     def num_parameters(self) -> int:
         """Parameter count (embeddings counted once each way; MoE counts every expert; routers and norms
         of the latents left out). An MTP layer is one more layer like the decoder's last, with its
@@ -365,4 +370,5 @@ def analytic_cost_model(
         latent_bytes_per_token=dtype_bytes * shape.latent_channels,
         up_projection_time=shape.up_projection_flops / tp_size / (hw.peak_flops * hw.efficiency),
         expert_share=2 * n_mlp * h * shape.routed_expert_widths() / linear_flops,
+        expert_alltoall_bytes_per_token=dtype_bytes * h * shape.routed_copies_per_token() / tp_size,
     )

@@ -152,7 +152,8 @@ def assemble_plan(
         tokens[rank] += [0] * (count - len(times[rank]))
         times[rank] += [overhead] * (count - len(times[rank]))  # the runtime's padding micro-batches
     times = spread_expert_work(times, tokens, ep_size=ep_size,
-                               seconds_per_token=cost_model.expert_seconds_per_token(pp_size=pp_size))
+                               seconds_per_token=cost_model.expert_seconds_per_token(pp_size=pp_size),
+                               alltoall_seconds_per_token=cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size))
     alone = pipelines_finish(times, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
     ranks = [RankSchedule(rank, tuple(built), own) for rank, (built, own) in enumerate(zip(schedules, alone))]
     step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,

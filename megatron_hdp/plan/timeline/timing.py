@@ -29,7 +29,9 @@ coupling (`sim.simulator`):
   group (`expert_links`), like a ring over the group at every index. It also moves the routed experts'
   work: a member's experts run the tokens routed to them from every member, so at index i each member
   does its group's mean of the routed expert work (uniform routing), a padding micro-batch included,
-  in place of its own tokens' (`spread_expert_work`, `CostModel.expert_share`).
+  in place of its own tokens' (`spread_expert_work`, `CostModel.expert_share`), and waits for the
+  all-to-all's own transfers, which end with the group's most loaded member
+  (`CostModel.expert_alltoall_seconds_per_token`).
 
 tests/plan/test_timing_model.py holds the planner's step time, this module and the simulator to 1e-9 on
 random plans; tests/plan/test_plan_sim_agreement.py does so for random PP and VPP plans with rings.
