@@ -120,6 +120,25 @@ def test_lower_bound_terms():
         whole_times([10], cost_model=CM)[0] * 4)
 
 
+def test_lower_bound_counts_the_all_to_all_every_token_waits_for():
+    """Short documents only, under EP 8 with the MoE all-to-all's transfers: every token's holder waits at
+    least its own tokens' transfers, so the bound is (whole times + per-token transfers x all tokens) / D
+    when no document alone is longer; and no policy's plan is below it."""
+    from megatron_hdp.plan.cost.mesh import mesh_cost_model
+
+    cost_model = mesh_cost_model(model="mixtral-8x7b", hardware="h100", tp_size=4, ep_size=8)
+    per_token = cost_model.expert_alltoall_seconds_per_token()
+    assert per_token > 0
+    lengths = [int(n) for n in np.random.default_rng(3).integers(200, 4000, 400)]
+    bound = step_time_lower_bound(lengths, num_ranks=16, capacity=8192, cost_model=cost_model)
+    expected = (whole_times(lengths, cost_model=cost_model).sum() + per_token * sum(lengths)) / 16
+    assert bound == pytest.approx(expected, rel=1e-12)
+    for policy in ("balance", "naive", "static"):
+        plan = make_plan(lengths, num_ranks=16, config=HDPConfig(hdp_capacity=8192), cost_model=cost_model,
+                         policy=policy)
+        assert plan.est_step_time >= bound * (1 - 1e-9), policy
+
+
 @pytest.mark.parametrize("num_ranks", [3, 4, 6])
 def test_balance_is_at_most_a_little_above_the_optimum_on_small_batches(num_ranks):
     """Whole sequences only: the optimum is brute-forced for every size (rings: test_plan_brute_force.py);

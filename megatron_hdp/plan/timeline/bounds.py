@@ -12,6 +12,10 @@ with step time T has
   ring of k members does k x T_member(s, k) work, which grows with k (the whole sequence's linear and
   attention work, or, when larger, the ring traffic, 2 (k - 1) + k f kv-bytes per token held). So
   D x T >= W(T) = sum of T_whole over short sequences + sum of k_s(T) x T_member(s, k_s(T)).
+  Under expert parallelism every member of an EP group waits for the MoE all-to-all's transfers at each
+  index, at least its own tokens' (`CostModel.expert_alltoall_seconds_per_token` per token), so W(T) also
+  holds that for every token of the batch; the spread expert work moves work inside a group but keeps its
+  total.
 
 W(T) falls as T rises, so the smallest T meeting all three is found by bisection (`widening.settle_target`
 with no slack, the same search the planner's ring widening uses with slack). Micro-batch overheads, waits
@@ -56,9 +60,10 @@ def step_time_lower_bound(
     short = lengths <= capacity
     whole = whole_times(lengths[short], cost_model=cost_model, pp_size=pp_size)
     slowest = float(whole.max(initial=0.0))
+    other_work = float(whole.sum()) + cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size) * float(lengths.sum())
     long_lengths, counts = np.unique(lengths[~short], return_counts=True)
     if not len(long_lengths):
-        return max(float(whole.sum()) / num_ranks, slowest)
+        return max(other_work / num_ranks, slowest)
     fewest = {}
     for s in long_lengths.tolist():
         try:
@@ -68,7 +73,7 @@ def step_time_lower_bound(
             fewest[s] = num_ranks  # no plan exists; keep the bound finite
     sizer = RingSizer(long_lengths.tolist(), fewest, widest=lambda s: num_ranks, cost_model=cost_model,
                       pp_size=pp_size, fractional=True)
-    return settle_target(sizer, counts=counts.tolist(), other_work=float(whole.sum()),
+    return settle_target(sizer, counts=counts.tolist(), other_work=other_work,
                          floor=max(slowest, sizer.floor()), num_ranks=num_ranks, slack=0.0, from_below=True)
 
 
