@@ -124,12 +124,15 @@ def compute_floor(lengths: Sequence[int], cost_model: CostModel, *, num_ranks: i
     """Seconds of compute no plan of this batch can go below, whatever its placement.
 
     Every GPU does at most 1/(pp x HDP ranks) of the batch's compute (attention and linear work, which no
-    placement changes), with no ring traffic, offload, waits or bubbles. With PP one more limit holds: a
+    placement changes, and under expert parallelism the MoE all-to-all's transfers each token's holder
+    waits for: `plan.timeline.bounds`), with no ring traffic, offload, waits or bubbles. With PP one more limit holds: a
     micro-batch passes the stages one after another, so a document spread over all HDP ranks (rings
     span at most that many pipelines) still keeps its pipelines busy for 1/HDP of its whole-model
     compute. One long document can therefore set the floor on its own when PP > 1.
     """
-    per_document = [cost_model.layer_compute_time(seq_len=n, num_tokens=n) * cost_model.num_layers for n in lengths]
+    alltoall = cost_model.expert_alltoall_seconds_per_token()
+    per_document = [cost_model.layer_compute_time(seq_len=n, num_tokens=n) * cost_model.num_layers + alltoall * n
+                    for n in lengths]
     return max(sum(per_document) / (pp_size * num_ranks), max(per_document, default=0.0) / num_ranks)
 
 

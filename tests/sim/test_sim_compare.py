@@ -151,6 +151,19 @@ def test_compute_floor_with_pp_is_set_by_one_long_document():
     assert compute_floor([1_000] * 64, cost, num_ranks=8, pp_size=4) == pytest.approx(64 * whole_model[1] / 32)
 
 
+def test_compute_floor_under_expert_parallelism_holds_the_all_to_all_every_token_waits_for():
+    """Mixtral-8x7B at TP 4 with EP 8 (the group over 4 nodes: the NIC): each token adds 4 x 2 h top-k / TP
+    bytes x 7/8 over 50 GB/s per layer to the floor, and balance's predicted step stays above it."""
+    spec = ClusterSpec("mixtral-8x7b", num_gpus=64, tp_size=4, ep_size=8)
+    cost = spec.cost_model()
+    lengths = [3_000] * 40 + [20_000] * 4
+    compute = sum(cost.num_layers * (cost.a1 * n * n + cost.b1 * n) for n in lengths)
+    transfers = 4 * (2 * 4096 * 2 / 4) * 7 / 8 / 50e9 * cost.num_layers * sum(lengths)
+    assert compute_floor(lengths, cost, num_ranks=16, pp_size=1) == pytest.approx((compute + transfers) / 16, rel=1e-9)
+    plan = make_plan(lengths, num_ranks=16, config=HDPConfig(hdp_capacity=spec.rank_capacity), cost_model=cost)
+    assert plan.est_step_time >= compute_floor(lengths, cost, num_ranks=16, pp_size=1)
+
+
 def _check_png(path):
     assert_real_picture(path)
 
