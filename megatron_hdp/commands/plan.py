@@ -13,6 +13,10 @@ bound of the work (`bounds.step_time_lower_bound`) and to the critical-path floo
 longest document's fastest crossing of every pipeline stage when longer: `bounds.critical_path_floor`),
 balance (max / mean rank time), the PP bubble (mean seconds a pipeline spends beyond
 its micro-batches' time, `--vpp` for Megatron's interleaved schedule), rings, micro-batches per rank,
+the padding micro-batches the runtime adds to the plan's own (`pad mb`: a rank without any runs one;
+with --ep every member of an EP group runs its group's largest count, with --vpp the counts Megatron's
+interleaved schedule needs: `timing.plan_runtime_counts`; balance's unit plans need none under EP, a
+rank-by-rank plan it keeps because it times faster may),
 ring-attention bytes (TB per step), the rings that are latent rings (multi-latent attention models;
 `--ring-kind` forces one kind), the sequences that offload, the ring buffers (`ring MB`: the most
 transient memory one ring call takes on a member in one layer's backward, beyond the activations the
@@ -131,7 +135,11 @@ def _batch(args: argparse.Namespace) -> tuple[list[int], str]:
 def summary_row(plan, *, cost_model, wall_s: float, bound: float, critical: float) -> dict:
     """One table row (and JSON record) of a plan's statistics; `bound` is the batch's step-time lower bound
     of the work, `critical` its critical-path floor."""
+    from megatron_hdp.plan.timeline.timing import plan_runtime_counts
+
     stats = plan.summary(cost_model)
+    padding = sum(plan_runtime_counts(plan, ep_size=cost_model.expert_parallel_size)) - sum(
+        len(r.microbatches) for r in plan.ranks)
     return {
         "policy": plan.policy,
         "step_s": plan.est_step_time,
@@ -141,6 +149,7 @@ def summary_row(plan, *, cost_model, wall_s: float, bound: float, critical: floa
         "rings": stats.num_rings,
         "max_ring": max(stats.ring_sizes, default=1),
         "microbatches": f"{stats.min_microbatches}-{stats.max_microbatches}",
+        "padding": padding,
         "bubble_s": pipeline_bubble(plan),
         "attention_tb": stats.attention_bytes / 1e12,
         "latent_rings": stats.latent_rings,
@@ -183,7 +192,7 @@ def pipeline_bubble(plan) -> float:
 def format_table(rows: list[dict]) -> str:
     """The side-by-side table: one line per policy, `n/a: reason` where a policy refused the batch."""
     header = (f"{'policy':<20}{'step (s)':>10}{'vs bound':>10}{'vs crit.':>10}{'balance':>9}{'bubble s':>9}{'rings':>7}"
-              f"{'max ring':>9}{'mb/rank':>9}{'ring TB':>10}{'latent':>7}{'x-node':>8}{'net TB':>9}{'offload':>8}"
+              f"{'max ring':>9}{'mb/rank':>9}{'pad mb':>8}{'ring TB':>10}{'latent':>7}{'x-node':>8}{'net TB':>9}{'offload':>8}"
               f"{'ring MB':>9}{'plan ms':>9}")
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -193,7 +202,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{row['policy']:<20}{row['step_s']:>10.3f}{'+%.1f%%' % (100 * row['gap']):>10}"
             f"{'+%.1f%%' % (100 * row['critical_path_gap']):>10}{row['balance']:>9.3f}"
-            f"{row['bubble_s']:>9.3f}{row['rings']:>7}{row['max_ring']:>9}{row['microbatches']:>9}"
+            f"{row['bubble_s']:>9.3f}{row['rings']:>7}{row['max_ring']:>9}{row['microbatches']:>9}{row['padding']:>8}"
             f"{row['attention_tb']:>10.2f}{row['latent_rings']:>7}"
             f"{row['rings_across_nodes']:>8}{row['network_tb']:>9.2f}{row['offloaded']:>8}{row['ring_buffer_mb']:>9.1f}"
             f"{row['plan_ms']:>9.1f}"

@@ -147,3 +147,19 @@ def test_a_bug_of_ours_is_one_line_naming_its_type(monkeypatch, capsys):
     code, _, err = _run_main(["plan", "--dist", "github", "--ranks", "8", "--capacity", "4K"], capsys)
     assert code == 1 and err.count("\n") == 1
     assert "internal error (RuntimeError): something we did not foresee" in err and "--verbose" in err
+
+
+def test_the_plan_table_counts_the_padding_micro_batches_the_runtime_adds():
+    """Rank 0 runs two micro-batches, rank 1 none, ranks 2 and 3 one each. Without EP only the idle rank 1
+    pads (one micro-batch); in EP groups of 2 it runs its partner rank 0's two."""
+    import dataclasses
+
+    from megatron_hdp.commands.plan import summary_row
+    from megatron_hdp.plan.cost.presets import analytic_cost_model
+    from megatron_hdp.plan.hand_plan import plan_from_rings
+
+    plan = plan_from_rings([100, 50, 30, 20], [(0,), (0,), (2,), (3,)], [0, 1, 0, 0], num_ranks=4, capacity=128)
+    cost_model = analytic_cost_model("mixtral-8x7b")
+    rows = [summary_row(plan, cost_model=dataclasses.replace(cost_model, expert_parallel_size=ep), wall_s=0.0,
+                        bound=1.0, critical=1.0) for ep in (1, 2)]
+    assert [row["padding"] for row in rows] == [1, 2]
