@@ -16,11 +16,19 @@ loss-free padding micro-batch at run time (`data.prepare.pad_microbatches`), so 
 gradient reduction; MoE expert-parallel groups are planned as units when `cost_model` carries the unit
 (`mesh_cost_model(..., ep_size=...)` or `HDPTrainer.planning_cost_model`); pipelines and virtual stages
 are planned as in pre-training (`pp_size`, `vpp_size`).
+
+Prompt lengths do not enter the plan: a prompt token costs the forward and backward of any other (the
+response attends to it, and its activations are kept for the backward), so a placement by token count
+is the placement by work. They decide which predictions carry a loss: `response_masks` turns each
+sample's prompt length into its token-aligned response mask (the `loss_masks` of `weights.loss_weights`,
+the mask a `loss_fn` multiplies by), checked against its token count.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
+
+import numpy as np
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.model import CostModel
@@ -57,6 +65,23 @@ def plan_rollouts(
         raise ValueError("cannot plan an empty batch: pass the token count of at least one sample")
     return make_plan(plan_lengths(num_tokens), num_ranks=num_ranks, config=config, cost_model=cost_model,
                      pp_size=pp_size, vpp_size=vpp_size, policy=policy)
+
+
+def response_masks(num_tokens: Sequence[int], prompt_lengths: Sequence[int]) -> list[np.ndarray]:
+    """Token-aligned float32 response masks: for the sample of `num_tokens[i]` = N tokens whose first
+    `prompt_lengths[i]` = p are its prompt, entry t (predicting token t: module docstring) is 1 when t is a
+    response token (t >= max(p, 1)) and 0 otherwise (entry 0 predicts nothing). ValueError naming the first
+    sample whose prompt is not shorter than the sample (no response token to learn from), or whose counts
+    do not match."""
+    if len(prompt_lengths) != len(num_tokens):
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(num_tokens)} samples: pass one per sample")
+    masks = []
+    for index, (count, prompt) in enumerate(zip(plan_lengths(num_tokens), prompt_lengths)):
+        if isinstance(prompt, bool) or int(prompt) != prompt or not 0 <= prompt <= count:
+            raise ValueError(f"sample {index} has a prompt of {prompt!r} tokens in {count + 1}: a prompt length is an "
+                             f"integer from 0 to {count} (at least one response token)")
+        masks.append((np.arange(count + 1) >= max(int(prompt), 1)).astype(np.float32))
+    return masks
 
 
 def samples_of_rank(plan: StepPlan, rank: int) -> list[int]:

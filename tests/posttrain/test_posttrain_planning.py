@@ -99,3 +99,18 @@ def test_modes_that_depend_on_microbatches_are_refused_naming_the_replacement(mo
 def test_a_horizon_tied_to_padding_is_refused():
     with pytest.raises(ValueError, match="needs a fixed horizon"):
         loss_weights(MASKS, mode="seq-mean-token-sum-norm")
+
+
+def test_prompt_lengths_become_response_masks_and_bad_ones_are_refused():
+    """A 6-token sample with a 2-token prompt t0 t1: predictions 1..5 predict t1..t5, of which t2..t5 are the
+    response; a prompt of 0 or 1 leaves every prediction a response one; the whole sample as prompt, a
+    fraction, or a count per sample that does not match is refused naming the sample."""
+    from megatron_hdp.posttrain.planning import response_masks
+
+    masks = response_masks([6, 6, 6, 3], [2, 0, 1, 2])
+    assert [m.tolist() for m in masks] == [[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1], [0, 0, 1]]
+    assert all(m.dtype == np.float32 for m in masks)
+    for prompts, match in (([2, 6], "sample 1 has a prompt of 6 tokens in 6"), ([1.5, 1], "sample 0"),
+                           ([1], "1 prompt lengths for 2 samples")):
+        with pytest.raises(ValueError, match=match):
+            response_masks([6, 6], prompts)
