@@ -23,6 +23,9 @@ each time as median and range over the runs (`repeats.py`); the JSON keeps every
 units by `balance`: `plan.search.expert_units`), for its planner time beside the plan without EP.
 Targets (issue 2): balance <= 1.05 for `balance`; a 1,024-rank plan in <= 100 ms and a 12,288-rank plan
 in <= 1 s; `balance` faster than `megatron-hybrid-cp` on every mix.
+`--features ep8,mla-auto-ep32,vpp10` times issue 41's cells instead (`FEATURE_CELLS`: EP, multi-latent
+attention with auto ring kinds, VPP with 512 pipelines; `balance` only, github and byted) against their
+budgets, into results/plan_bench_features.json.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from megatron_hdp.plan.timeline.bounds import step_time_lower_bound
 from megatron_hdp.plan.lengths import DISTRIBUTIONS, sample_global_batch
 from megatron_hdp.plan.planner import make_plan, policy_function
 from megatron_hdp.plan.cost.presets import analytic_cost_model
+from megatron_hdp.sim.cluster import ClusterSpec
 from output import finish, print_new_rows
 from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
 
@@ -81,7 +85,8 @@ class _AssemblyClock:
             module.assemble_plan = self._original
 
 
-def measure(policy: str, lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model, repeats: int) -> dict:
+def measure(policy: str, lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model, repeats: int,
+            pp_size: int = 1, vpp_size: int = 1) -> dict:
     """Plan once per repeat; keep the fastest run's timings and the plan's statistics.
 
     Each repeat times the policy call (wall and CPU: a plan's GC cost included, since `gc_paused` runs
@@ -90,13 +95,14 @@ def measure(policy: str, lengths: list[int], *, num_ranks: int, config: HDPConfi
     ~100K objects of an earlier plan is not charged to the next one.
     """
     function = policy_function(policy)
+    stages = {"pp_size": pp_size, **({"vpp_size": vpp_size} if vpp_size > 1 else {})}
     best = None
     fastest_validate = fastest_make = float("inf")
     for _ in range(repeats):
         plan = None
         with _AssemblyClock() as clock:
             wall, cpu = time.perf_counter(), time.process_time()
-            plan = function(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model, pp_size=1)
+            plan = function(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model, **stages)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         start = time.perf_counter()
         plan.validate()
@@ -105,13 +111,13 @@ def measure(policy: str, lengths: list[int], *, num_ranks: int, config: HDPConfi
             best = (wall, cpu, clock.seconds, plan)
         plan = None
         start = time.perf_counter()
-        plan = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model, policy=policy)
+        plan = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model, policy=policy, **stages)
         fastest_make = min(fastest_make, time.perf_counter() - start)
         plan = None
     wall, cpu, assembly, plan = best
     stats = plan.summary(cost_model)
     bound = step_time_lower_bound(lengths, num_ranks=num_ranks, capacity=config.hdp_capacity, cost_model=cost_model,
-                                  max_offload_ratio=config.max_offload_ratio)
+                                  pp_size=pp_size, max_offload_ratio=config.max_offload_ratio)
     mean = float(np.mean([r.est_time for r in plan.ranks]))
     return {
         "step_s": plan.est_step_time,
@@ -195,6 +201,77 @@ def plan_all(args: argparse.Namespace, cost_models: dict, batches: dict[str, lis
     return records
 
 
+FEATURE_CELLS = {
+    # name: (model, TP, PP, VPP, EP, HDP ranks); the ring kind is the cost model's ("auto": per ring group the
+    # faster of the K/V and the latent ring, which is multi-latent attention's choice)
+    "ep1": ("llama-7b", 1, 1, 1, 1, (1024, 16384)),
+    "ep8": ("llama-7b", 1, 1, 1, 8, (1024, 16384)),
+    "ep32": ("llama-7b", 1, 1, 1, 32, (1024, 16384)),
+    "mla-auto": ("deepseek-v3", 8, 1, 1, 1, (1024, 16384)),
+    "mla-auto-ep32": ("deepseek-v3", 8, 1, 1, 32, (1024, 16384)),
+    "vpp4": ("llama-70b", 8, 4, 4, 1, (512,)),
+    "vpp10": ("llama-70b", 8, 4, 10, 1, (512,)),
+}
+"""`--features`: issue 41's cells, `balance` with every feature on. EP couples HDP ranks in groups of EP
+(`plan.search.expert_units`); MLA cells plan DeepSeek-V3 with auto ring kinds; VPP cells plan 512 pipelines
+of 4 stages (llama-70b on 16,384 GPUs, TP 8, as benchmarks/vpp_table.py) with C from GPU memory."""
+
+FEATURE_MIXES = "github,byted"
+
+FEATURE_BUDGET_MS = {512: 1000.0, 1024: 100.0, 16384: 300.0}
+"""Issue 41's budgets for balance's CPU time (median): by HDP ranks (512: the VPP cells' pipelines)."""
+
+
+def plan_features(args: argparse.Namespace, batches: dict[str, list[int]]) -> list[dict]:
+    """One run of the feature cells (`FEATURE_CELLS`) over every mix: `balance` timed once per cell (policy,
+    validate, make_plan), each row printed as it is measured."""
+    records = []
+    for name in args.features.split(","):
+        if name not in FEATURE_CELLS:
+            raise ValueError(f"--features {name!r} is not one of {', '.join(FEATURE_CELLS)}")
+        model, tp, pp, vpp, ep, rank_counts = FEATURE_CELLS[name]
+        for mix, num_ranks in ((m, r) for m in args.mixes.split(",") for r in rank_counts):
+            spec = ClusterSpec(model, num_gpus=num_ranks * tp * pp, tp_size=tp, pp_size=pp, vpp_size=vpp)
+            capacity = spec.memory_capacity() if pp > 1 else args.capacity
+            cost_model = dataclasses.replace(spec.cost_model(), expert_parallel_size=ep)
+            if model == "llama-7b":  # plan_bench's own rows: topology unknown to the cost model
+                cost_model = dataclasses.replace(cost_model, ranks_per_node=None)
+            lengths = batches[mix]
+            record = {"cell": name, "model": model, "mix": mix, "ranks": num_ranks, "pp": pp, "vpp": vpp, "ep": ep,
+                      "capacity": capacity, "ring_kind": cost_model.ring_kind, "policy": "balance",
+                      "sequences": len(lengths), "budget_ms": FEATURE_BUDGET_MS[num_ranks]}
+            record.update(measure("balance", lengths, num_ranks=num_ranks, config=HDPConfig(hdp=True, hdp_capacity=capacity),
+                                  cost_model=cost_model, repeats=1, pp_size=pp, vpp_size=vpp))
+            records.append(record)
+            print_new_rows(features_table, [record])
+    return records
+
+
+FEATURE_HEAD = f"{'cell':<14}{'model':<12}{'mix':<8}{'ranks':>6}{'pp':>3}{'vpp':>4}{'ep':>4}"
+
+
+def features_table(records: list[dict]) -> str:
+    """The feature cells: plan quality and balance's CPU and make_plan times against the budget."""
+    header = f"{FEATURE_HEAD}{'step s':>9}{'vs LB':>8}{'bal':>7}{'rings':>7}{'cpu ms':>8}{'make ms':>9}{'budget':>8}"
+    lines = [header, "-" * len(header)]
+    for r in records:
+        lines.append(f"{r['cell']:<14}{r['model']:<12}{r['mix']:<8}{r['ranks']:>6}{r['pp']:>3}{r['vpp']:>4}{r['ep']:>4}"
+                     f"{r['step_s']:>9.3f}{'+%.1f%%' % (100 * r['gap']):>8}{r['balance']:>7.3f}{r['rings']:>7}"
+                     f"{r['cpu_ms']:>8.0f}{r['make_plan_ms']:>9.0f}{r['budget_ms']:>8.0f}")
+    return "\n".join(lines)
+
+
+def features_spread_table(records: list[dict]) -> str:
+    """The feature cells' times over the runs, ms as median [min, max]."""
+    times = ("cpu_ms", "make_plan_ms")
+    header = FEATURE_HEAD + "".join(f"{t:>22}" for t in times) + f"{'budget':>8}"
+    lines = [header, "-" * len(header)]
+    for r in records:
+        lines.append(f"{r['cell']:<14}{r['model']:<12}{r['mix']:<8}{r['ranks']:>6}{r['pp']:>3}{r['vpp']:>4}{r['ep']:>4}"
+                     + "".join(f"{format_spread(r[t], '{:.0f}'):>22}" for t in times) + f"{r['budget_ms']:>8.0f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=parse_count, default=parse_count("32M"))
@@ -203,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="llama-7b,llama3-8b")
     parser.add_argument("--hardware", default="h100")
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--mixes", default=",".join(DISTRIBUTIONS))
+    parser.add_argument("--mixes", default=None, help=f"comma list of length mixes (default: all, "
+                        f"{','.join(DISTRIBUTIONS)}; with --features {FEATURE_MIXES})")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--ranks-per-node", default="none",
                         help="comma list of HDP ranks per node for the cost model; none: topology unknown")
@@ -215,17 +293,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-plan-seconds", type=float, default=300.0,
                         help="skip a policy whose planning `plan_budget.estimate_plan` puts above this (n/a row)")
-    parser.add_argument("--out", default=str(HERE / "results" / "plan_bench.json"))
+    parser.add_argument("--features", default=None,
+                        help=f"comma list of feature cells to time instead of the grid ({', '.join(FEATURE_CELLS)})")
+    parser.add_argument("--out", default=None, help="result JSON (default: results/plan_bench.json, with "
+                        "--features results/plan_bench_features.json)")
     args = parser.parse_args(argv)
+    args.mixes = args.mixes or (FEATURE_MIXES if args.features else ",".join(DISTRIBUTIONS))
 
     cost_models = {m: analytic_cost_model(m, args.hardware, tp_size=args.tp) for m in args.models.split(",")}
     batches = {mix: sample_global_batch(mix, num_tokens=args.tokens, seed=args.seed) for mix in args.mixes.split(",")}
     load_before = os.getloadavg()
-    runs = repeat_measurement(lambda: {"records": plan_all(args, cost_models, batches)}, args.repeat)
+    if args.features:
+        runs = repeat_measurement(lambda: {"records": plan_features(args, batches)}, args.repeat)
+        rows, spread_rows = features_table, features_spread_table
+    else:
+        runs = repeat_measurement(lambda: {"records": plan_all(args, cost_models, batches)}, args.repeat)
+        rows, spread_rows = table, spread_table
     combined = over_runs(runs)
-    text = table(combined["records"])
+    text = rows(combined["records"])
     if args.repeat > 1:
-        text += f"\n\nover {args.repeat} runs, median [min, max]:\n" + spread_table(combined["spread"]["records"])
+        text += f"\n\nover {args.repeat} runs, median [min, max]:\n" + spread_rows(combined["spread"]["records"])
     result = {
         "benchmark": "plan_bench",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -236,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                   "seed": args.seed, "cost_models": {m: cm.to_dict() for m, cm in cost_models.items()}},
         **combined,
     }
-    finish(text, result, args.out)
+    default = "plan_bench_features.json" if args.features else "plan_bench.json"
+    finish(text, result, args.out or str(HERE / "results" / default))
     return 0
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from megatron_hdp.plan.timeline.assemble import assemble_plan
+from megatron_hdp.plan.search import packing
 from megatron_hdp.plan.search.packing import best_fit, pack_for_pipeline
 from megatron_hdp.plan.timeline.pipeline import pipeline_time, pipelines_finish
 from megatron_hdp.plan.cost.presets import analytic_cost_model
@@ -172,3 +173,22 @@ def test_many_pipelines_at_once_are_each_pipeline_alone():
     with pytest.raises(ValueError, match="break the ring rule"):
         pipelines_finish([[1.0] * 8, [1.0] * 12, [1.0] * 13], pp_size=4, vpp_size=2, group_size=8,
                          groups={(1, 0): 0, (2, 0): 0})
+
+
+@pytest.mark.parametrize("pp, vpp", [(4, 1), (4, 2)])
+def test_packing_many_pipelines_at_once_picks_what_each_alone_picks(pp, vpp, monkeypatch):
+    """`pack_for_pipelines` times every rank's candidate packings in numpy passes (`pipelines_finish`);
+    each rank must get the very bins it gets alone, timed one candidate at a time by `pipeline_time`."""
+    rng = np.random.default_rng(7)
+    ranks = []
+    for _ in range(12):  # 12 ranks x >= 8 candidates each: past VECTOR_MIN_CANDIDATES
+        sizes = rng.integers(50, 3000, size=int(rng.integers(1, 30))).tolist()
+        times = [float(CM.layer_compute_time(seq_len=s, num_tokens=s)) for s in sizes]
+        ranks.append((sizes, times, [0.3] * int(rng.integers(0, 3))))
+    ranks.append(([], [], [0.3]))  # a rank with only its rings
+    assert 12 * 8 >= packing.VECTOR_MIN_CANDIDATES
+    together = packing.pack_for_pipelines(ranks, capacity=4096, overhead=CM.g, pp_size=pp, vpp_size=vpp)
+    monkeypatch.setattr(packing, "VECTOR_MIN_CANDIDATES", 10**9)  # one Python pass per candidate
+    alone = [pack_for_pipeline(s, t, capacity=4096, leading=lead, overhead=CM.g, pp_size=pp, vpp_size=vpp)
+             for s, t, lead in ranks]
+    assert together == alone

@@ -68,7 +68,7 @@ from megatron_hdp.plan.timeline.assemble import assemble_plan, gc_paused
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.expert_units import place_units, unit_options
 from megatron_hdp.plan.timeline.interleaved import group_size_fits
-from megatron_hdp.plan.search.packing import pack_for_pipeline
+from megatron_hdp.plan.search.packing import pack_for_pipelines
 from megatron_hdp.plan.search.placement import fill_gaps, lpt, place_rings, place_rings_by_time
 from megatron_hdp.plan.search.refine import PipelineCost, refine_exact, refine_local
 from megatron_hdp.plan.timeline.bounds import gap, step_time_lower_bound
@@ -302,7 +302,7 @@ def _finish(
     for seq, ring in ring_of.items():
         rings[seq] = ring
     seconds = weights.tolist()  # Python floats: indexing them per item is far cheaper than the array
-    leads, packed = [], []
+    leads, jobs = [], []
     for rank in range(num_ranks):
         whole = (rank,)  # one tuple shared by all the rank's whole sequences
         for mb in leading[rank]:
@@ -313,11 +313,10 @@ def _finish(
         for seq in items:
             rings[seq] = whole
         times = [overhead + sum(map(seconds.__getitem__, mb)) for mb in leading[rank]]
-        bins = pack_for_pipeline(list(map(lengths.__getitem__, items)), list(map(seconds.__getitem__, items)),
-                                 capacity=capacity, leading=times, overhead=overhead, pp_size=pp_size,
-                                 vpp_size=vpp_size)
+        jobs.append((list(map(lengths.__getitem__, items)), list(map(seconds.__getitem__, items)), times))
         leads.append([list(mb) for mb in leading[rank]])
-        packed.append([[items[j] for j in b] for b in bins])
+    packed = [[[items[j] for j in b] for b in bins] for items, bins in zip(
+        given, pack_for_pipelines(jobs, capacity=capacity, overhead=overhead, pp_size=pp_size, vpp_size=vpp_size))]
     best = None
     most_rings = max(map(len, leads), default=0)
     for shift in RING_SHIFTS if pp_size > 1 else (0,):

@@ -59,6 +59,15 @@ PIPELINE_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16)
 """With PP, the token budgets tried for whole-sequence micro-batches: C divided by these."""
 
 
+VECTOR_MIN_CANDIDATES = 64
+"""From this many candidate packings on, `pack_for_pipelines` times them all in numpy passes over
+pipelines (`pipeline.pipelines_finish`) instead of one Python pass each (`pipeline.pipeline_time`):
+the same recurrence with the same float operations, so the same makespans to the bit."""
+
+VECTOR_COLUMNS = 1024
+"""Candidate packings timed per numpy pass (bounds its op-by-pipeline array's memory)."""
+
+
 def pack_for_pipeline(
     sizes: Sequence[int],
     times: Sequence[float],
@@ -84,27 +93,75 @@ def pack_for_pipeline(
     runtime's padding micro-batches (at `overhead`) after them. `times` are the sequences' stage times.
     With pp_size = 1 it is plain best-fit decreasing at C.
     """
-    if pp_size == 1 or not sizes:
-        return best_fit(sizes, capacity=capacity)
+    return pack_for_pipelines([(sizes, times, leading)], capacity=capacity, overhead=overhead, pp_size=pp_size,
+                              vpp_size=vpp_size)[0]
+
+
+def pack_for_pipelines(
+    ranks: Sequence[tuple[Sequence[int], Sequence[float], Sequence[float]]],
+    *,
+    capacity: int,
+    overhead: float,
+    pp_size: int,
+    vpp_size: int = 1,
+) -> list[list[list[int]]]:
+    """`pack_for_pipeline` of many pipeline ranks, each given as (sizes, times, leading): the same bins,
+    with every rank's candidate packings timed together (`VECTOR_MIN_CANDIDATES`)."""
+    if pp_size == 1:
+        return [best_fit(sizes, capacity=capacity) for sizes, _, _ in ranks]
     # packing stays importable on its own
     from megatron_hdp.plan.timeline.interleaved import padded_counts
-    from megatron_hdp.plan.timeline.pipeline import pipeline_time
 
-    def makespan(bin_times: list[float]) -> float:
-        count = len(leading) + len(bin_times)
-        padding = padded_counts([count], pp_size=pp_size, vpp_size=vpp_size)[0] - count
-        return pipeline_time(list(leading) + bin_times + [overhead] * padding, pp_size=pp_size, vpp_size=vpp_size)
+    padded: dict[int, int] = {}  # count -> the count Megatron runs (padded_counts, per count once)
 
-    budgets = [max(1, capacity // parts) for parts in PIPELINE_BUDGETS]
-    if vpp_size > 1:
-        natural = len(leading) + len(best_fit(sizes, capacity=capacity))
-        room = padded_counts([natural], pp_size=pp_size, vpp_size=vpp_size)[0] - len(leading)  # real bins that fit
-        budgets += [max(1, -(-sum(sizes) // (room + extra * pp_size))) for extra in range(2)]
-    best: tuple[float, list[list[int]]] | None = None
-    for budget in sorted(set(budgets), reverse=True):
-        bins = sorted(best_fit(sizes, capacity=budget), key=lambda b: -sum(times[i] for i in b))
-        for order in (bins, bins[::-1]):  # heaviest first, lightest first
-            time = makespan([overhead + sum(times[i] for i in b) for b in order])
+    def pad(run: list[float]) -> list[float]:
+        count = len(run)
+        if count not in padded:
+            padded[count] = padded_counts([count], pp_size=pp_size, vpp_size=vpp_size)[0]
+        return run + [overhead] * (padded[count] - count)
+
+    candidates: list[list[tuple[list[list[int]], list[float]]]] = []
+    for sizes, times, leading in ranks:
+        mine: list[tuple[list[list[int]], list[float]]] = []
+        candidates.append(mine)
+        if not sizes:
+            continue
+        budgets = [max(1, capacity // parts) for parts in PIPELINE_BUDGETS]
+        if vpp_size > 1:
+            natural = len(leading) + len(best_fit(sizes, capacity=capacity))
+            room = padded_counts([natural], pp_size=pp_size, vpp_size=vpp_size)[0] - len(leading)  # real bins that fit
+            budgets += [max(1, -(-sum(sizes) // (room + extra * pp_size))) for extra in range(2)]
+        for budget in sorted(set(budgets), reverse=True):
+            work = [(sum(map(times.__getitem__, b)), b) for b in best_fit(sizes, capacity=budget)]
+            work.sort(key=lambda item: -item[0])  # stable: heaviest first, ties in packing order
+            bins = [b for _, b in work]
+            seconds = [overhead + w for w, _ in work]
+            # each order's run: the pipeline's stage times, padded as the runtime runs them
+            mine.append((bins, pad(list(leading) + seconds)))  # heaviest first
+            mine.append((bins[::-1], pad(list(leading) + seconds[::-1])))  # lightest first
+    makespans = iter(_makespans([run for mine in candidates for _, run in mine], pp_size=pp_size, vpp_size=vpp_size))
+    out = []
+    for (sizes, _, _), mine in zip(ranks, candidates):
+        best: tuple[float, list[list[int]]] | None = None
+        for order, _ in mine:
+            time = next(makespans)
             if best is None or time < best[0] * (1 - 1e-12):
                 best = (time, order)
-    return best[1]
+        out.append(best[1] if best else best_fit(sizes, capacity=capacity))
+    return out
+
+
+def _makespans(runs: list[list[float]], *, pp_size: int, vpp_size: int) -> list[float]:
+    """`pipeline.pipeline_time` of each run (stage times of one pipeline), in numpy passes over many."""
+    from megatron_hdp.plan.timeline.pipeline import pipeline_time, pipelines_finish
+
+    if len(runs) < VECTOR_MIN_CANDIDATES:
+        return [pipeline_time(run, pp_size=pp_size, vpp_size=vpp_size) for run in runs]
+    by_count = sorted(range(len(runs)), key=lambda i: len(runs[i]))  # a pass's length is its longest count
+    out = [0.0] * len(runs)
+    for at in range(0, len(runs), VECTOR_COLUMNS):
+        chunk = by_count[at:at + VECTOR_COLUMNS]
+        for i, end in zip(chunk, pipelines_finish([runs[i] for i in chunk], pp_size=pp_size,
+                                                  vpp_size=vpp_size).tolist()):
+            out[i] = end
+    return out
