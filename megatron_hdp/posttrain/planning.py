@@ -11,6 +11,11 @@ project's label convention, `data/collate.py`): plan position i reads t_i and pr
 Token-aligned values (log-probs, entropy, every side field) are indexed by the *predicted* token: entry t
 (1 <= t < N) belongs to the prediction of t_t from t_0..t_{t-1}; entry 0 predicts nothing.
 
+Prompt lengths (optional): sample i's first P_i tokens are its prompt (0 <= P_i < N_i). The plan carries
+them (`StepPlan.prompt_lengths`, in its JSON), so every worker knows which predictions carry loss: the
+response mask (`response_masks`) is 1 at entry t iff t >= max(P_i, 1), i.e. on the prediction of every
+response token, and `PostTrainer` hands it to `loss_fn` as the field `"response_mask"`.
+
 Every sample is placed exactly once (`StepPlan.validate`); a rank the plan leaves without work runs one
 loss-free padding micro-batch at run time (`data.prepare.pad_microbatches`), so it never hangs in the
 gradient reduction; MoE expert-parallel groups are planned as units when `cost_model` carries the unit
@@ -20,7 +25,10 @@ are planned as in pre-training (`pp_size`, `vpp_size`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
+
+import numpy as np
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.model import CostModel
@@ -43,6 +51,7 @@ def plan_lengths(num_tokens: Sequence[int]) -> list[int]:
 def plan_rollouts(
     num_tokens: Sequence[int],
     *,
+    prompt_lengths: Optional[Sequence[int]] = None,
     num_ranks: int,
     config: HDPConfig,
     cost_model: CostModel,
@@ -52,11 +61,25 @@ def plan_rollouts(
 ) -> StepPlan:
     """The StepPlan of a post-training batch whose sample i has `num_tokens[i]` tokens (prompt and
     response), over `num_ranks` HDP ranks with the capacity and policy of `config` (`policy` overrides
-    it). Sequence i of the plan is sample i (plan length N_i - 1: module docstring)."""
+    it). Sequence i of the plan is sample i (plan length N_i - 1: module docstring). `prompt_lengths`: each
+    sample's prompt tokens, carried by the plan for its response mask (module docstring)."""
     if not len(num_tokens):
         raise ValueError("cannot plan an empty batch: pass the token count of at least one sample")
-    return make_plan(plan_lengths(num_tokens), num_ranks=num_ranks, config=config, cost_model=cost_model,
+    plan = make_plan(plan_lengths(num_tokens), num_ranks=num_ranks, config=config, cost_model=cost_model,
                      pp_size=pp_size, vpp_size=vpp_size, policy=policy)
+    if prompt_lengths is None:
+        return plan
+    return dataclasses.replace(plan, prompt_lengths=tuple(prompt_lengths)).validate()  # names a bad prompt
+
+
+def response_masks(plan: StepPlan, samples: Optional[Sequence[int]] = None) -> list[np.ndarray]:
+    """The float32 token-aligned response mask of each of `samples` (plan indices; default all) of a plan
+    with prompt lengths: entry t is 1 iff t >= max(prompt, 1) (module docstring)."""
+    if plan.prompt_lengths is None:
+        raise ValueError("this plan carries no prompt lengths: plan with plan_rollouts(..., prompt_lengths=...)")
+    indices = range(len(plan.sequences)) if samples is None else samples
+    return [(np.arange(plan.sequences[i].length + 1) >= max(plan.prompt_lengths[i], 1)).astype(np.float32)
+            for i in indices]
 
 
 def samples_of_rank(plan: StepPlan, rank: int) -> list[int]:
