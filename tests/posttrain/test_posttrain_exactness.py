@@ -10,8 +10,11 @@ with a ring of all 5 for the dense model, a model with learnable attention sinks
 multi-latent attention (DeepSeek), and the same batch on one rank in the reference's launch (1 rank and
 4 ranks agree). The loss is a clipped
 policy-gradient term, an entropy bonus, a KL-like term against a side field and a GSPO-like sequence
-ratio (a per-sample sum across the sample's ring), with token-mean weights from `loss_weights`.
+ratio (a per-sample sum across the sample's ring), with token-mean weights from `loss_weights`; on the HDP
+side the loss mask is the response mask the plan makes from its prompt lengths (`response_masks`).
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -21,6 +24,8 @@ from megatron_hdp.comm.launch import run_gloo
 
 LENGTHS = [37, 5, 64, 12, 23, 50, 9, 3, 2, 30]
 """Tokens per sample (prompt + response)."""
+PROMPTS = tuple(n // 3 for n in LENGTHS)
+"""Prompt tokens per sample: the reference's loss mask is 1 from token n // 3 on; HDP's is the plan's response mask."""
 MESHES = [("hdp4", 1, 1, 1, "dense"), ("tp2", 2, 1, 1, "dense"), ("pp2", 1, 2, 1, "dense"), ("ep2-moe", 1, 1, 2, "moe")]
 """(name, TP, PP, EP, model kind) of each mesh the 4-rank launch runs."""
 FIVE_RANK_MESHES = [("hdp5", 1, 1, 1, "dense"), ("hdp5-sinks", 1, 1, 1, "sinks"), ("hdp5-mla", 1, 1, 1, "mla")]
@@ -36,7 +41,7 @@ def _rollouts():
     rng = np.random.default_rng(5)
     ids = tuple(f"s{i}" for i in range(len(LENGTHS)))
     tokens = {sid: rng.integers(0, VOCAB_SIZE, n) for sid, n in zip(ids, LENGTHS)}
-    masks = {sid: (np.arange(n) >= n // 3).astype(np.float32) for sid, n in zip(ids, LENGTHS)}
+    masks = {sid: (np.arange(n) >= p).astype(np.float32) for sid, n, p in zip(ids, LENGTHS, PROMPTS)}
     weights = loss_weights([masks[s] for s in ids], mode="token-mean")
     fields = {
         "mask": masks,
@@ -99,7 +104,8 @@ def _reference_of(model, rollouts):
 
 
 def _posttrain_run(state, kind, init, rollouts, plan):
-    """Forward (every sample, gathered) and one train step of HDP's PostTrainer on this mesh."""
+    """Forward (every sample, gathered) and one train step of HDP's PostTrainer on this mesh, its loss
+    masked by the response mask of the plan's prompt lengths (not by the rollouts' "mask")."""
     from megatron_hdp.harness.exactness import load_full_weights, local_grads
     from megatron_hdp.megatron.core_api.model import wrap_for_training
     from megatron_hdp.posttrain.runtime import PostTrainer
@@ -111,8 +117,11 @@ def _posttrain_run(state, kind, init, rollouts, plan):
     samples = trainer.forward(plan, rollouts, gather="all")
     own = trainer.forward(plan, rollouts, gather="own")
 
+    plan = dataclasses.replace(plan, prompt_lengths=PROMPTS)
+
     def loss_fn(shard):
-        losses, seq_ratio = token_losses(shard.logprobs, shard.entropy, shard.fields, shard.sample_sum)
+        fields = {**shard.fields, "mask": shard.fields["response_mask"]}
+        losses, seq_ratio = token_losses(shard.logprobs, shard.entropy, fields, shard.sample_sum)
         return losses, {"seq_ratio": (seq_ratio * shard.sample_head, shard.sample_head)}
 
     stats = trainer.train_step(plan, rollouts, loss_fn=loss_fn)
