@@ -11,7 +11,8 @@ multi-latent attention (DeepSeek), and the same batch on one rank in the referen
 4 ranks agree). The loss is a clipped
 policy-gradient term, an entropy bonus, a KL-like term against a side field and a GSPO-like sequence
 ratio (a per-sample sum across the sample's ring), with token-mean weights from `loss_weights`; on the HDP
-side the loss mask is the response mask the plan makes from its prompt lengths (`response_masks`).
+side the loss mask is the response mask the plan makes from its prompt lengths (`response_masks`), and
+the 4-rank launch ends with a step on one sample, where the ranks without it run a padding micro-batch.
 """
 
 import dataclasses
@@ -130,6 +131,32 @@ def _posttrain_run(state, kind, init, rollouts, plan):
             "grads": {name: g for name, g in local_grads(ddp).items()}, "rings": stats.num_rings}
 
 
+def _idle_ranks_step(state, init):
+    """One sample (s3) over the whole HDP domain: the ranks without it run a padding micro-batch through
+    `loss_fn`, which reads the plan's response mask there too. Returns the step's objective."""
+    from megatron_hdp.config import HDPConfig
+    from megatron_hdp.harness.exactness import load_full_weights
+    from megatron_hdp.megatron.core_api.model import wrap_for_training
+    from megatron_hdp.plan.cost.presets import analytic_cost_model
+    from megatron_hdp.posttrain.batch import Rollouts
+    from megatron_hdp.posttrain.planning import plan_rollouts, response_masks
+    from megatron_hdp.posttrain.runtime import PostTrainer
+    from megatron_hdp.posttrain.weights import loss_weights
+
+    model = _model("dense", hdp=True)
+    load_full_weights(model, init)
+    ddp, optimizer = wrap_for_training(model, clip_grad=0.0)
+    full = _rollouts()
+    plan = plan_rollouts([LENGTHS[3]], prompt_lengths=[PROMPTS[3]], num_ranks=state.hdp_size,
+                         config=HDPConfig(hdp_capacity=64), cost_model=analytic_cost_model("llama-7b"))
+    rollouts = Rollouts(sample_ids=("s3",), tokens={"s3": full.tokens["s3"]},
+                        fields={"weights": {"s3": loss_weights(response_masks(plan), mode="token-mean")[0]}},
+                        scalars={"temperature": {"s3": full.scalars["temperature"]["s3"]}})
+    trainer = PostTrainer(model=ddp, optimizer=optimizer, state=state)
+    stats = trainer.train_step(plan, rollouts, loss_fn=lambda shard: shard.logprobs * shard.fields["response_mask"])
+    return stats.objective
+
+
 def _init(tp=1, pp=1, ep=1):
     from megatron_hdp.megatron.core_api.initialize import initialize_hdp
 
@@ -171,6 +198,9 @@ def _hdp(rank, world_size, inits, meshes):
         out[name] = {**_posttrain_run(state, kind, inits[kind], rollouts, plan),
                      "largest_ring": max(len(sequence.ring) for sequence in plan.sequences)}
         destroy_hdp()
+    if world_size == 4:
+        out["idle"] = _idle_ranks_step(_init(), inits["dense"])
+        destroy_hdp()
     return out
 
 
@@ -211,3 +241,7 @@ def test_many_ranks_match_the_reference_on_every_mesh(reference, world_size, mes
             owners.update(result[name]["own"])
             assert result[name]["rings"] > 0, f"{name}: the plan split no sample"
         assert owners == set(want["samples"]), f"{name}: gather='own' does not cover each sample"
+    if world_size == 4:  # reference: the mean log-prob of s3's response predictions (t >= its prompt)
+        logprobs = reference["dense"]["samples"]["s3"][0]
+        want = float(np.mean(logprobs[max(PROMPTS[3], 1):]))
+        assert [r["idle"] for r in results] == pytest.approx([want] * 4, rel=1e-5), "a rank without samples"
