@@ -55,6 +55,7 @@ _PUBLIC = {
     # post-training (RL, SFT)
     "plan_rollouts": "megatron_hdp.posttrain.planning",
     "samples_of_rank": "megatron_hdp.posttrain.planning",
+    "response_masks": "megatron_hdp.posttrain.planning",
     "loss_weights": "megatron_hdp.posttrain.weights",
     "Rollouts": "megatron_hdp.posttrain.batch",
     "PostTrainer": "megatron_hdp.posttrain.runtime",

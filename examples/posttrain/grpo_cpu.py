@@ -23,8 +23,6 @@ from functools import partial
 
 import numpy as np
 
-from megatron_hdp.posttrain import response_masks
-
 VOCAB = 128
 TOLERANCE = 1e-5
 LR, ADAM_EPS = 1e-4, 1e-4
@@ -78,7 +76,7 @@ def make_rollouts(step: int, args: argparse.Namespace, sampler=None) -> dict:
         for g, length in enumerate(lengths):
             response = sampler(prompt, length) if sampler else rng.integers(0, VOCAB, length)
             tokens = np.concatenate([prompt, response]).astype(np.int64)
-            mask = response_masks([len(tokens)], [len(prompt)])[0]
+            mask = (np.arange(len(tokens)) >= len(prompt)).astype(np.float32)
             samples[f"p{p}g{g}"] = {"tokens": tokens, "mask": mask, "prompt": p}
     return samples
 

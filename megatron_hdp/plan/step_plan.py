@@ -281,8 +281,11 @@ class StepPlan:
     """Megatron's microbatch_group_size_per_vp_stage G the plan was made (and timed) for, with virtual
     stages: the runtime runs the step with it (`megatron.core_api.step.step_group_size`). None: the runtime's
     configured G (pp by default), as plans before this field. In the JSON as "microbatch_group_size", only when set."""
+    prompt_lengths: Optional[tuple[int, ...]] = None
+    """Post-training: the prompt tokens of each sequence's sample (0 <= prompt <= length), whose predictions
+    carry no loss (`posttrain.planning.response_masks`). In the JSON only when set."""
     version: int = PLAN_VERSION
-    _digest: list = field(default_factory=list, repr=False, compare=False)
+    _digest: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -321,10 +324,22 @@ class StepPlan:
                              f"{self.vpp_size}) and at least pp_size={self.pp_size} (Megatron's interleaved schedule)")
         if [r.rank for r in self.ranks] != list(range(self.num_ranks)):
             raise ValueError(f"ranks must be listed 0..{self.num_ranks - 1} in order")
+        if self.prompt_lengths is not None:
+            self._check_prompts()
         if not _all_valid(self):
             self._check_each()
         self._check_ring_kinds()
         return self
+
+    def _check_prompts(self) -> None:
+        """One prompt length per sequence, each leaving its sample at least one response token."""
+        if len(self.prompt_lengths) != len(self.sequences):
+            raise ValueError(f"the plan has {len(self.prompt_lengths)} prompt lengths for {len(self.sequences)} "
+                             "sequences: give one per sequence")
+        for seq, prompt in zip(self.sequences, self.prompt_lengths):
+            if isinstance(prompt, bool) or int(prompt) != prompt or not 0 <= prompt <= seq.length:
+                raise ValueError(f"sequence {seq.id} has a prompt of {prompt} tokens but {seq.length + 1} tokens in "
+                                 "all: pass prompt lengths with 0 <= prompt < tokens (at least one response token)")
 
     def _check_ring_kinds(self) -> None:
         """Every ring kind is known, "latent" only on rings of more than one rank, and the sequences on one
@@ -431,6 +446,7 @@ class StepPlan:
             "pp_size": self.pp_size,
             **({"vpp_size": self.vpp_size} if self.vpp_size > 1 else {}),
             **({"microbatch_group_size": self.group_size} if self.group_size is not None else {}),
+            **({"prompt_lengths": list(self.prompt_lengths)} if self.prompt_lengths is not None else {}),
             "sequences": [
                 {"id": s.id, "length": s.length, "ring": list(s.ring), "offload_ratio": s.offload_ratio,
                  **({"ring_kind": s.ring_kind} if s.ring_kind != "kv" else {})}
@@ -468,6 +484,7 @@ class StepPlan:
             pp_size=data.get("pp_size", 1),
             vpp_size=data.get("vpp_size", 1),
             group_size=data.get("microbatch_group_size"),
+            prompt_lengths=tuple(data["prompt_lengths"]) if "prompt_lengths" in data else None,
             sequences=tuple(
                 SequencePlacement(s["id"], s["length"], tuple(s["ring"]), s.get("offload_ratio", 0.0),
                                   s.get("ring_kind", "kv"))

@@ -9,6 +9,7 @@ collated inputs and labels are indices, and gathering tokens and side fields at 
 zigzag-shards and next-token-shifts every field exactly as the labels are (the token-aligned convention of
 `posttrain.planning`: the value at token t goes with the prediction of token t). Scalars are spread over
 their sample's tokens. A rank needs only the samples of its own shards (`planning.samples_of_rank`).
+A plan with prompt lengths adds the field `RESPONSE_MASK` (`Rollouts.with_response_mask`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import torch
 
 from megatron_hdp.data.collate import PackedMicroBatch, collate_microbatch
 from megatron_hdp.plan.step_plan import StepPlan
+from megatron_hdp.posttrain.planning import response_masks
+
+RESPONSE_MASK = "response_mask"
+"""The field a plan with prompt lengths adds: 1 on the prediction of each response token (`planning.response_masks`)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,9 @@ class Rollouts:
         if len(plan.sequences) != len(self.sample_ids):
             raise ValueError(f"the plan holds {len(plan.sequences)} samples but the rollouts name "
                              f"{len(self.sample_ids)}: plan the same batch")
+        if plan.prompt_lengths is not None and RESPONSE_MASK in self.fields:
+            raise ValueError(f"the rollouts give a field {RESPONSE_MASK!r} but the plan's prompt lengths make it: "
+                             "rename your field or plan without prompt_lengths")
         for index in samples:
             sid = self.sample_ids[index]
             if sid not in self.tokens:
@@ -60,6 +68,14 @@ class Rollouts:
             for name, values in self.scalars.items():
                 if sid not in values:
                     raise ValueError(f"scalar {name!r} of sample {sid!r} is missing: give it for every sample")
+
+    def with_response_mask(self, plan: StepPlan, samples: Sequence[int]) -> "Rollouts":
+        """These rollouts with the field `RESPONSE_MASK` of the named `samples` (plan indices) when `plan`
+        carries prompt lengths; unchanged otherwise."""
+        if plan.prompt_lengths is None:
+            return self
+        masks = dict(zip((self.sample_ids[i] for i in samples), response_masks(plan, samples)))
+        return dataclasses.replace(self, fields={**self.fields, RESPONSE_MASK: masks})
 
 
 @dataclass

@@ -11,21 +11,24 @@ project's label convention, `data/collate.py`): plan position i reads t_i and pr
 Token-aligned values (log-probs, entropy, every side field) are indexed by the *predicted* token: entry t
 (1 <= t < N) belongs to the prediction of t_t from t_0..t_{t-1}; entry 0 predicts nothing.
 
+Prompt lengths (optional): sample i's first P_i tokens are its prompt (0 <= P_i < N_i). The plan carries
+them (`StepPlan.prompt_lengths`, in its JSON), so every worker knows which predictions carry loss: the
+response mask (`response_masks`) is 1 at entry t iff t >= max(P_i, 1), i.e. on the prediction of every
+response token, and `PostTrainer` hands it to `loss_fn` as the field `"response_mask"`.
+
 Every sample is placed exactly once (`StepPlan.validate`); a rank the plan leaves without work runs one
 loss-free padding micro-batch at run time (`data.prepare.pad_microbatches`), so it never hangs in the
 gradient reduction; MoE expert-parallel groups are planned as units when `cost_model` carries the unit
 (`mesh_cost_model(..., ep_size=...)` or `HDPTrainer.planning_cost_model`); pipelines and virtual stages
 are planned as in pre-training (`pp_size`, `vpp_size`).
-
-Prompt lengths do not enter the plan: a prompt token costs the forward and backward of any other (the
-response attends to it, and its activations are kept for the backward), so a placement by token count
-is the placement by work. They decide which predictions carry a loss: `response_masks` turns each
-sample's prompt length into its token-aligned response mask (the `loss_masks` of `weights.loss_weights`,
-the mask a `loss_fn` multiplies by), checked against its token count.
+They do not move the placement: a prompt token costs the forward and backward of any other (the response
+attends to it, and its activations are kept for the backward), so a placement by token count is the
+placement by work.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import numpy as np
@@ -51,6 +54,7 @@ def plan_lengths(num_tokens: Sequence[int]) -> list[int]:
 def plan_rollouts(
     num_tokens: Sequence[int],
     *,
+    prompt_lengths: Optional[Sequence[int]] = None,
     num_ranks: int,
     config: HDPConfig,
     cost_model: CostModel,
@@ -60,28 +64,25 @@ def plan_rollouts(
 ) -> StepPlan:
     """The StepPlan of a post-training batch whose sample i has `num_tokens[i]` tokens (prompt and
     response), over `num_ranks` HDP ranks with the capacity and policy of `config` (`policy` overrides
-    it). Sequence i of the plan is sample i (plan length N_i - 1: module docstring)."""
+    it). Sequence i of the plan is sample i (plan length N_i - 1: module docstring). `prompt_lengths`: each
+    sample's prompt tokens, carried by the plan for its response mask (module docstring)."""
     if not len(num_tokens):
         raise ValueError("cannot plan an empty batch: pass the token count of at least one sample")
-    return make_plan(plan_lengths(num_tokens), num_ranks=num_ranks, config=config, cost_model=cost_model,
+    plan = make_plan(plan_lengths(num_tokens), num_ranks=num_ranks, config=config, cost_model=cost_model,
                      pp_size=pp_size, vpp_size=vpp_size, policy=policy)
+    if prompt_lengths is None:
+        return plan
+    return dataclasses.replace(plan, prompt_lengths=tuple(prompt_lengths)).validate()  # names a bad prompt
 
 
-def response_masks(num_tokens: Sequence[int], prompt_lengths: Sequence[int]) -> list[np.ndarray]:
-    """Token-aligned float32 response masks: for the sample of `num_tokens[i]` = N tokens whose first
-    `prompt_lengths[i]` = p are its prompt, entry t (predicting token t: module docstring) is 1 when t is a
-    response token (t >= max(p, 1)) and 0 otherwise (entry 0 predicts nothing). ValueError naming the first
-    sample whose prompt is not shorter than the sample (no response token to learn from), or whose counts
-    do not match."""
-    if len(prompt_lengths) != len(num_tokens):
-        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(num_tokens)} samples: pass one per sample")
-    masks = []
-    for index, (count, prompt) in enumerate(zip(plan_lengths(num_tokens), prompt_lengths)):
-        if isinstance(prompt, bool) or int(prompt) != prompt or not 0 <= prompt <= count:
-            raise ValueError(f"sample {index} has a prompt of {prompt!r} tokens in {count + 1}: a prompt length is an "
-                             f"integer from 0 to {count} (at least one response token)")
-        masks.append((np.arange(count + 1) >= max(int(prompt), 1)).astype(np.float32))
-    return masks
+def response_masks(plan: StepPlan, samples: Optional[Sequence[int]] = None) -> list[np.ndarray]:
+    """The float32 token-aligned response mask of each of `samples` (plan indices; default all) of a plan
+    with prompt lengths: entry t is 1 iff t >= max(prompt, 1) (module docstring)."""
+    if plan.prompt_lengths is None:
+        raise ValueError("this plan carries no prompt lengths: plan with plan_rollouts(..., prompt_lengths=...)")
+    indices = range(len(plan.sequences)) if samples is None else samples
+    return [(np.arange(plan.sequences[i].length + 1) >= max(plan.prompt_lengths[i], 1)).astype(np.float32)
+            for i in indices]
 
 
 def samples_of_rank(plan: StepPlan, rank: int) -> list[int]:

@@ -1,11 +1,12 @@
 """`PostTrainer`: forward-only log-probs and entropy, and exact train steps, for in-memory rollouts under HDP.
 
 Both calls run the same preparation as pre-training (`data.prepare`: the plan checked on every rank, with
-the rollouts checked inside that check; this rank's micro-batches collated by `posttrain.batch`; padding
-micro-batches up to the count the step runs) and Megatron's own schedule (`megatron.core_api.step.
-forward_backward`: none, 1F1B or interleaved), with a forward step that asks the model for its
-vocabulary-parallel logits and turns them, one micro-batch at a time, into each token's log-probability
-of its label and entropy (`megatron.core_api.logprobs`), after dividing by the sample's temperature.
+the rollouts checked inside that check; this rank's micro-batches collated by `posttrain.batch`, with the
+field "response_mask" when the plan carries prompt lengths; padding micro-batches up to the count the step
+runs) and Megatron's own schedule (`megatron.core_api.step.forward_backward`: none, 1F1B or interleaved),
+with a forward step that asks the model for its vocabulary-parallel logits and turns them, one micro-batch
+at a time, into each token's log-probability of its label and entropy (`megatron.core_api.logprobs`),
+after dividing by the sample's temperature.
 
 The train step's gradient is that of sum(w * l) over the global batch, whatever the placement: each
 micro-batch returns (K * sum of its w * l, its token count) to Megatron, whose per-token loss
@@ -120,6 +121,7 @@ class PostTrainer:
             rollouts.check(plan, samples)
 
         check_plan(plan, state=self.state, group_size=group, check_inputs=check_inputs)
+        rollouts = rollouts.with_response_mask(plan, samples)
         batches = collate_rollouts(plan, rollouts, rank=self.state.hdp_rank, pad_to_multiple=self.pad_to_multiple,
                                    samples=samples)
         padded = pad_microbatches(plan, [b.packed for b in batches], state=self.state,

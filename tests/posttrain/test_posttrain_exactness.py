@@ -10,8 +10,12 @@ with a ring of all 5 for the dense model, a model with learnable attention sinks
 multi-latent attention (DeepSeek), and the same batch on one rank in the reference's launch (1 rank and
 4 ranks agree). The loss is a clipped
 policy-gradient term, an entropy bonus, a KL-like term against a side field and a GSPO-like sequence
-ratio (a per-sample sum across the sample's ring), with token-mean weights from `loss_weights`.
+ratio (a per-sample sum across the sample's ring), with token-mean weights from `loss_weights`; on the HDP
+side the loss mask is the response mask the plan makes from its prompt lengths (`response_masks`), and
+the 4-rank launch ends with a step on one sample, where the ranks without it run a padding micro-batch.
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -21,6 +25,8 @@ from megatron_hdp.comm.launch import run_gloo
 
 LENGTHS = [37, 5, 64, 12, 23, 50, 9, 3, 2, 30]
 """Tokens per sample (prompt + response)."""
+PROMPTS = tuple(n // 3 for n in LENGTHS)
+"""Prompt tokens per sample: the reference's loss mask is 1 from token n // 3 on; HDP's is the plan's response mask."""
 MESHES = [("hdp4", 1, 1, 1, "dense"), ("tp2", 2, 1, 1, "dense"), ("pp2", 1, 2, 1, "dense"), ("ep2-moe", 1, 1, 2, "moe")]
 """(name, TP, PP, EP, model kind) of each mesh the 4-rank launch runs."""
 FIVE_RANK_MESHES = [("hdp5", 1, 1, 1, "dense"), ("hdp5-sinks", 1, 1, 1, "sinks"), ("hdp5-mla", 1, 1, 1, "mla")]
@@ -36,7 +42,7 @@ def _rollouts():
     rng = np.random.default_rng(5)
     ids = tuple(f"s{i}" for i in range(len(LENGTHS)))
     tokens = {sid: rng.integers(0, VOCAB_SIZE, n) for sid, n in zip(ids, LENGTHS)}
-    masks = {sid: (np.arange(n) >= n // 3).astype(np.float32) for sid, n in zip(ids, LENGTHS)}
+    masks = {sid: (np.arange(n) >= p).astype(np.float32) for sid, n, p in zip(ids, LENGTHS, PROMPTS)}
     weights = loss_weights([masks[s] for s in ids], mode="token-mean")
     fields = {
         "mask": masks,
@@ -99,7 +105,8 @@ def _reference_of(model, rollouts):
 
 
 def _posttrain_run(state, kind, init, rollouts, plan):
-    """Forward (every sample, gathered) and one train step of HDP's PostTrainer on this mesh."""
+    """Forward (every sample, gathered) and one train step of HDP's PostTrainer on this mesh, its loss
+    masked by the response mask of the plan's prompt lengths (not by the rollouts' "mask")."""
     from megatron_hdp.harness.exactness import load_full_weights, local_grads
     from megatron_hdp.megatron.core_api.model import wrap_for_training
     from megatron_hdp.posttrain.runtime import PostTrainer
@@ -111,14 +118,43 @@ def _posttrain_run(state, kind, init, rollouts, plan):
     samples = trainer.forward(plan, rollouts, gather="all")
     own = trainer.forward(plan, rollouts, gather="own")
 
+    plan = dataclasses.replace(plan, prompt_lengths=PROMPTS)
+
     def loss_fn(shard):
-        losses, seq_ratio = token_losses(shard.logprobs, shard.entropy, shard.fields, shard.sample_sum)
+        fields = {**shard.fields, "mask": shard.fields["response_mask"]}
+        losses, seq_ratio = token_losses(shard.logprobs, shard.entropy, fields, shard.sample_sum)
         return losses, {"seq_ratio": (seq_ratio * shard.sample_head, shard.sample_head)}
 
     stats = trainer.train_step(plan, rollouts, loss_fn=loss_fn)
     return {"samples": {k: (v.logprobs, v.entropy) for k, v in samples.items()}, "own": sorted(own),
             "objective": stats.objective, "seq_ratio": stats.metrics["seq_ratio"],
             "grads": {name: g for name, g in local_grads(ddp).items()}, "rings": stats.num_rings}
+
+
+def _idle_ranks_step(state, init):
+    """One sample (s3) over the whole HDP domain: the ranks without it run a padding micro-batch through
+    `loss_fn`, which reads the plan's response mask there too. Returns the step's objective."""
+    from megatron_hdp.config import HDPConfig
+    from megatron_hdp.harness.exactness import load_full_weights
+    from megatron_hdp.megatron.core_api.model import wrap_for_training
+    from megatron_hdp.plan.cost.presets import analytic_cost_model
+    from megatron_hdp.posttrain.batch import Rollouts
+    from megatron_hdp.posttrain.planning import plan_rollouts, response_masks
+    from megatron_hdp.posttrain.runtime import PostTrainer
+    from megatron_hdp.posttrain.weights import loss_weights
+
+    model = _model("dense", hdp=True)
+    load_full_weights(model, init)
+    ddp, optimizer = wrap_for_training(model, clip_grad=0.0)
+    full = _rollouts()
+    plan = plan_rollouts([LENGTHS[3]], prompt_lengths=[PROMPTS[3]], num_ranks=state.hdp_size,
+                         config=HDPConfig(hdp_capacity=64), cost_model=analytic_cost_model("llama-7b"))
+    rollouts = Rollouts(sample_ids=("s3",), tokens={"s3": full.tokens["s3"]},
+                        fields={"weights": {"s3": loss_weights(response_masks(plan), mode="token-mean")[0]}},
+                        scalars={"temperature": {"s3": full.scalars["temperature"]["s3"]}})
+    trainer = PostTrainer(model=ddp, optimizer=optimizer, state=state)
+    stats = trainer.train_step(plan, rollouts, loss_fn=lambda shard: shard.logprobs * shard.fields["response_mask"])
+    return stats.objective
 
 
 def _init(tp=1, pp=1, ep=1):
@@ -162,6 +198,9 @@ def _hdp(rank, world_size, inits, meshes):
         out[name] = {**_posttrain_run(state, kind, inits[kind], rollouts, plan),
                      "largest_ring": max(len(sequence.ring) for sequence in plan.sequences)}
         destroy_hdp()
+    if world_size == 4:
+        out["idle"] = _idle_ranks_step(_init(), inits["dense"])
+        destroy_hdp()
     return out
 
 
@@ -202,3 +241,7 @@ def test_many_ranks_match_the_reference_on_every_mesh(reference, world_size, mes
             owners.update(result[name]["own"])
             assert result[name]["rings"] > 0, f"{name}: the plan split no sample"
         assert owners == set(want["samples"]), f"{name}: gather='own' does not cover each sample"
+    if world_size == 4:  # reference: the mean log-prob of s3's response predictions (t >= its prompt)
+        logprobs = reference["dense"]["samples"]["s3"][0]
+        want = float(np.mean(logprobs[max(PROMPTS[3], 1):]))
+        assert [r["idle"] for r in results] == pytest.approx([want] * 4, rel=1e-5), "a rank without samples"

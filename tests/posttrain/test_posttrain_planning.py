@@ -9,7 +9,7 @@ import pytest
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.presets import analytic_cost_model
 from megatron_hdp.plan.step_plan import StepPlan
-from megatron_hdp.posttrain.planning import plan_rollouts, sample_owner, samples_of_rank
+from megatron_hdp.posttrain.planning import plan_rollouts, response_masks, sample_owner, samples_of_rank
 from megatron_hdp.posttrain.weights import MODES, REFUSED, loss_weights
 
 COUNTS = [200, 12, 40, 9, 2, 150, 33, 70]
@@ -101,16 +101,42 @@ def test_a_horizon_tied_to_padding_is_refused():
         loss_weights(MASKS, mode="seq-mean-token-sum-norm")
 
 
-def test_prompt_lengths_become_response_masks_and_bad_ones_are_refused():
-    """A 6-token sample with a 2-token prompt t0 t1: predictions 1..5 predict t1..t5, of which t2..t5 are the
-    response; a prompt of 0 or 1 leaves every prediction a response one; the whole sample as prompt, a
-    fraction, or a count per sample that does not match is refused naming the sample."""
-    from megatron_hdp.posttrain.planning import response_masks
+PROMPTS = [150, 0, 39, 3, 1, 20, 32, 69]
+"""Prompt tokens of each sample of COUNTS: long, none, all but the last token, ..."""
 
-    masks = response_masks([6, 6, 6, 3], [2, 0, 1, 2])
-    assert [m.tolist() for m in masks] == [[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1], [0, 0, 1]]
-    assert all(m.dtype == np.float32 for m in masks)
-    for prompts, match in (([2, 6], "sample 1 has a prompt of 6 tokens in 6"), ([1.5, 1], "sample 0"),
-                           ([1], "1 prompt lengths for 2 samples")):
-        with pytest.raises(ValueError, match=match):
-            response_masks([6, 6], prompts)
+
+def test_prompt_lengths_travel_with_the_plan_and_its_json():
+    plan = _plan(prompt_lengths=PROMPTS)
+    assert plan.prompt_lengths == tuple(PROMPTS)
+    again = StepPlan.from_json(plan.to_json())
+    assert again.prompt_lengths == tuple(PROMPTS) and again.digest() == plan.digest()
+    assert plan.digest() != _plan().digest()  # the plan-agreement check covers the prompts
+    assert "prompt_lengths" not in json.loads(_plan().to_json())  # plans without prompts read as before
+    assert [(s.ring, s.length) for s in plan.sequences] == [(s.ring, s.length) for s in _plan().sequences]
+
+
+def test_the_response_mask_marks_the_prediction_of_each_response_token():
+    """Reference: token t of sample i (t_0..t_{N-1}) is a response token iff t >= P_i, and entry t is the
+    prediction of token t, which exists only for t >= 1."""
+    plan = _plan(prompt_lengths=PROMPTS)
+    masks = response_masks(plan)
+    for count, prompt, mask in zip(COUNTS, PROMPTS, masks):
+        want = [1.0 if t >= prompt and t >= 1 else 0.0 for t in range(count)]
+        assert mask.tolist() == want
+    assert [m.tolist() for m in response_masks(plan, [6, 1])] == [masks[6].tolist(), masks[1].tolist()]
+    with pytest.raises(ValueError, match="carries no prompt lengths"):
+        response_masks(_plan())
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ([200] + PROMPTS[1:], "sequence 0 has a prompt of 200 tokens but 200 tokens in all"),
+    (PROMPTS[:3] + [-1] + PROMPTS[4:], "sequence 3 has a prompt of -1 tokens"),
+    (PROMPTS[:2] + [2.5] + PROMPTS[3:], "sequence 2 has a prompt of 2.5 tokens"),
+    (PROMPTS[:-1], "7 prompt lengths for 8 sequences"),
+])
+def test_bad_prompt_lengths_are_refused_in_one_line(prompts, message):
+    with pytest.raises(ValueError, match=message):
+        _plan(prompt_lengths=prompts)
+    broken = json.loads(_plan().to_json()) | {"prompt_lengths": prompts}
+    with pytest.raises(ValueError, match=message):
+        StepPlan.from_dict(broken).validate()  # a shipped plan is checked the same way
