@@ -14,16 +14,16 @@ Token-aligned values (log-probs, entropy, every side field) are indexed by the *
 Prompt lengths (optional): sample i's first P_i tokens are its prompt (0 <= P_i < N_i). The plan carries
 them (`StepPlan.prompt_lengths`, in its JSON), so every worker knows which predictions carry loss: the
 response mask (`response_masks`) is 1 at entry t iff t >= max(P_i, 1), i.e. on the prediction of every
-response token, and `PostTrainer` hands it to `loss_fn` as the field `"response_mask"`.
+response token, and `PostTrainer` hands it to `loss_fn` as the field `"response_mask"`. They do not
+move the placement: a prompt token costs the forward and backward of any other (the response attends to
+it, and its activations are kept for the backward), so a placement by token count is the placement by
+work.
 
 Every sample is placed exactly once (`StepPlan.validate`); a rank the plan leaves without work runs one
 loss-free padding micro-batch at run time (`data.prepare.pad_microbatches`), so it never hangs in the
 gradient reduction; MoE expert-parallel groups are planned as units when `cost_model` carries the unit
 (`mesh_cost_model(..., ep_size=...)` or `HDPTrainer.planning_cost_model`); pipelines and virtual stages
 are planned as in pre-training (`pp_size`, `vpp_size`).
-They do not move the placement: a prompt token costs the forward and backward of any other (the response
-attends to it, and its activations are kept for the backward), so a placement by token count is the
-placement by work.
 """
 
 from __future__ import annotations

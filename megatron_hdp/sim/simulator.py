@@ -53,7 +53,6 @@ from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.timeline.interleaved import dependency, stage_order
 from megatron_hdp.plan.cost.model import FORWARD_SHARE
 from megatron_hdp.plan.step_plan import MicroBatch, StepPlan
-from megatron_hdp.plan.cost.experts import spread_expert_work
 from megatron_hdp.plan.timeline.timing import jitter_lead, plan_groups, plan_runtime_counts
 
 
@@ -327,10 +326,7 @@ def simulate_step(
     if spreads:  # tokens per micro-batch, the padding ones holding none
         held = np.bincount(shards.microbatch, weights=shards.tokens, minlength=len(mb_costs))
         tokens = [held[bounds[r]:bounds[r + 1]].tolist() + [0.0] * int(extra[r]) for r in range(n)]
-        spread = spread_expert_work([[c[0] for c in mine] for mine in costs], tokens,
-                                    ep_size=cost_model.expert_parallel_size,
-                                    seconds_per_token=cost_model.expert_seconds_per_token(pp_size=p),
-                                    alltoall_seconds_per_token=alltoall)
+        spread = cost_model.expert_coupled_times([[c[0] for c in mine] for mine in costs], tokens, pp_size=p)
         costs = [[[seconds, *c[1:]] for c, seconds in zip(mine, compute)] for mine, compute in zip(costs, spread)]
     coupled = plan_groups(plan, barrier_per_microbatch=rules.barrier_per_microbatch,
                           ep_size=cost_model.expert_parallel_size)

@@ -37,7 +37,6 @@ from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.zigzag import zigzag_chunks
 from megatron_hdp.megatron.comparison.scheduler_groups import check_pool_holds, rings_and_schedule
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
-from megatron_hdp.plan.cost.experts import spread_expert_work
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +99,8 @@ def plan_megatron_hybrid_cp(
 
     # a barrier closes every group: the step is the sum over groups of the slowest rank, each rank of an EP
     # group running the group's mean routed expert work of that group
-    times = spread_expert_work([[mb.est_time for mb in mbs] for mbs in per_rank],
-                               [[mb.num_tokens for mb in mbs] for mbs in per_rank],
-                               ep_size=cost_model.expert_parallel_size,
-                               seconds_per_token=cost_model.expert_seconds_per_token(),
-                               alltoall_seconds_per_token=cost_model.expert_alltoall_seconds_per_token())
+    times = cost_model.expert_coupled_times([[mb.est_time for mb in mbs] for mbs in per_rank],
+                                            [[mb.num_tokens for mb in mbs] for mbs in per_rank])
     schedules = [RankSchedule(rank, mbs, sum(t)) for rank, (mbs, t) in enumerate(zip(per_rank, times))]
     step_time = sum(max(t[j] for t in times) for j in range(len(sample_id_groups)))
     sequences = tuple(SequencePlacement(i, int(n), rings[i]) for i, n in enumerate(lengths))

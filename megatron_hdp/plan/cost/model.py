@@ -45,6 +45,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from megatron_hdp.plan.cost.experts import spread_expert_work
 from megatron_hdp.plan.step_plan import RING_KINDS
 
 
@@ -204,6 +205,16 @@ class CostModel:
             return 0.0
         per_layer = 4 * self.expert_alltoall_bytes_per_token * (e - 1) / e / self.size_bandwidth(e)
         return per_layer * self.num_layers / pp_size
+
+    def expert_coupled_times(self, times: Sequence[Sequence[float]], tokens: Sequence[Sequence[float]], *,
+                             pp_size: int = 1) -> list[list[float]]:
+        """`times[r][i]` (micro-batch times, padded as the runtime runs them) under this model's EP coupling:
+        each group's routed expert work shared out and the all-to-all's transfers added at every index
+        (`plan.cost.experts.spread_expert_work` at `expert_seconds_per_token` and
+        `expert_alltoall_seconds_per_token`). What the planner, the simulator and the Hybrid-CP estimate time."""
+        return spread_expert_work(times, tokens, ep_size=self.expert_parallel_size,
+                                  seconds_per_token=self.expert_seconds_per_token(pp_size=pp_size),
+                                  alltoall_seconds_per_token=self.expert_alltoall_seconds_per_token(pp_size=pp_size))
 
     def ring_bytes_per_token(self, kind: str = "kv") -> float:
         """Bytes of one token of what a ring of `kind` circulates, in one layer: K and V, or the latent."""

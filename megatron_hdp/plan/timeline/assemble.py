@@ -34,7 +34,6 @@ from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.zigzag import zigzag_chunks
 from megatron_hdp.plan.timeline.pipeline import pipelines_finish
 from megatron_hdp.plan.cost.sharding import whole_times
-from megatron_hdp.plan.cost.experts import spread_expert_work
 from megatron_hdp.plan.timeline.timing import (coupled_finish, expert_links, link_groups, pipeline_step_finish,
                                                runtime_microbatch_counts)
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, build_many
@@ -151,9 +150,7 @@ def assemble_plan(
     for rank, count in enumerate(counts):
         tokens[rank] += [0] * (count - len(times[rank]))
         times[rank] += [overhead] * (count - len(times[rank]))  # the runtime's padding micro-batches
-    times = spread_expert_work(times, tokens, ep_size=ep_size,
-                               seconds_per_token=cost_model.expert_seconds_per_token(pp_size=pp_size),
-                               alltoall_seconds_per_token=cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size))
+    times = cost_model.expert_coupled_times(times, tokens, pp_size=pp_size)
     alone = pipelines_finish(times, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
     ranks = [RankSchedule(rank, tuple(built), own) for rank, (built, own) in enumerate(zip(schedules, alone))]
     step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
