@@ -32,7 +32,9 @@ counting C so that a ring slot holds nothing else; u non-increasing in i with u[
 F[r,i] >= F[r,i-1] + overhead u[r,i] + whole times; S[s] >= F[r,i-1] and F[r,i] >= S[s] + T(s, k) for
 every member (big-M on a[s,r,i]); Z >= F[r,last]. Every choice's true finish times satisfy the rows and
 any feasible F is at least them, so min Z is the optimum. Cuts that do not change it: Z >= total busy
-time / D, and ranks ordered by their number of slots (ranks are interchangeable without a topology).
+time / D and Z >= each rank's busy time; ranks and equal-length documents in one canonical order
+(`_break_symmetries`); ring sizes no plan within the upper bound needs left out (`prune_ring_sizes`),
+and every time below that bound (the big M: balance's plan or a greedy one, whichever is faster).
 """
 
 from __future__ import annotations
@@ -295,6 +297,10 @@ def _formulation(lengths: Sequence[int], options: list[list[RingOption]], *, num
             for k in (k for k in w[s] if k > 1):
                 own[y[s, k, r]] = -(ring_time[s][w[s][k]] - overhead)
         m.row(own, lower=0.0)
+    for most in range(1, num_ranks):  # at most `most` rings wider than num_ranks / (most + 1) run at once
+        wide = {w[s][k]: -ring_time[s][w[s][k]] for s in range(n) for k in w[s] if k * (most + 1) > num_ranks}
+        if wide:
+            m.row({z: float(most), **wide}, lower=0.0)
     _break_symmetries(m, lengths, w=w, x=x, a=a, q=q, num_ranks=num_ranks)
     return m, {"w": w, "x": x, "a": a, "q": q}
 
