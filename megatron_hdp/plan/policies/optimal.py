@@ -59,6 +59,9 @@ MAX_RANKS = 8
 INTEGRALITY_TOLERANCE = 1e-5
 """HiGHS takes a binary within 1e-6 of 0 or 1 as integral, which lets a big-M row slip by that much of the
 big M (the step time of a simple plan); the solver's objective and its plan's timing agree within ten times that."""
+MILLISECONDS = 1e3
+"""The MILP's unit of time per second: HiGHS lets a row slip by 1e-6 in the model's units (its MIP
+feasibility tolerance, which SciPy does not expose), 1 ns in milliseconds, a microsecond in seconds."""
 TIME_LIMIT = 120.0
 """Seconds the solver may take before `plan_optimal` gives up (it returns only proven optima)."""
 
@@ -189,14 +192,16 @@ def plan_optimal(
                                    cost_model=cost_model).est_step_time
     big = min(upper_bound, _greedy_step(lengths, options, num_ranks=num_ranks)) * (1 + 1e-6)
     options = prune_ring_sizes(options, num_ranks=num_ranks, overhead=overhead, step=big)
-    m, cols = _formulation(lengths, options, num_ranks=num_ranks, capacity=capacity, overhead=overhead, big=big)
+    in_ms = [[dataclasses.replace(o, time=o.time * MILLISECONDS) for o in opts] for opts in options]
+    m, cols = _formulation(lengths, in_ms, num_ranks=num_ranks, capacity=capacity, overhead=overhead * MILLISECONDS,
+                           big=big * MILLISECONDS)
     result = m.solve(time_limit=time_limit)
     if result.status != 0:
         raise ValueError(f"policy optimal found no proven optimum within {time_limit:g} s ({result.message}); "
                          "use balance, or fewer documents or ranks")
     return _plan(result.x, lengths=lengths, options=options, **cols, num_ranks=num_ranks,
-                 capacity=capacity, cost_model=cost_model, objective=float(result.fun),
-                 tolerance=1e-9 * result.fun + INTEGRALITY_TOLERANCE * big)
+                 capacity=capacity, cost_model=cost_model, objective=float(result.fun) / MILLISECONDS,
+                 tolerance=1e-9 * big + INTEGRALITY_TOLERANCE * big)
 
 
 def prune_ring_sizes(options: list[list[RingOption]], *, num_ranks: int, overhead: float,
