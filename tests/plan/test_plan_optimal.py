@@ -126,3 +126,17 @@ def test_bound_never_exceeds_the_optimum(num_ranks, capacity, offload, lengths):
                                   max_offload_ratio=config.max_offload_ratio)
     assert bound <= optimum * (1 + 1e-9)
     assert bound >= optimum / 1.13  # optimum / bound 1.08-1.13; before the piece and wide-ring terms 1.11-1.26
+
+
+@pytest.mark.parametrize("num_ranks, lengths", [  # benchmarks/optimal_gap.py's case 17, and case 10 of its
+    (7, [1572, 3556, 1879, 905, 149, 2111]),       # 4-rank run: balance was 23% and 7% above the optimum
+    (4, [1078, 348, 3732, 1427, 1097]),
+])
+def test_balance_narrows_a_ring_to_free_a_rank(num_ranks, lengths):
+    """The optimum keeps the longest document on a ring one rank narrower than the settled target gives,
+    so that documents near C do not share a rank; balance's targets above the settled one find it."""
+    config = HDPConfig(hdp_capacity=2048, hdp_offload=False)
+    cost_model = analytic_cost_model("llama-7b")
+    optimum = plan_optimal(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model).est_step_time
+    balance = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model, policy="balance")
+    assert balance.est_step_time == pytest.approx(optimum, rel=1e-6)
