@@ -40,25 +40,20 @@ LADDER = 0.85
 """Alternative targets step down from the settled one by this factor (`widening_options`)."""
 
 NARROWER_STEPS = 2
-"""Alternative targets above the settled one (`narrower_targets`)."""
+"""Alternative targets above the settled one, one ring narrower each (`narrower_targets`)."""
 
 PIPELINE_CAPS = (1, 2, 4, 8)
 """With PP, ring member times are capped at one full micro-batch's time divided by these."""
 
 
 def narrower_targets(sizer: RingSizer, target: float, *, fewest: dict[int, int]) -> list[float]:
-    """Targets above the settled one, `target` / LADDER^i, up to the first that keeps every ring at D(s): the
-    settled target spreads the work evenly, but a ring one rank narrower can free a rank for whole
-    sequences that would otherwise share one (three documents near C, a ring of 4 on 7 ranks; the exact
-    planner's optimum, benchmarks/optimal_gap.py)."""
-    goals = []
-    goal = target / LADDER
-    while len(goals) < NARROWER_STEPS:
-        goals.append(goal)
-        if sizer.sizes_for(goal) == fewest:
-            break
-        goal /= LADDER
-    return goals
+    """Up to NARROWER_STEPS targets above `target`, the least that put some ring one rank narrower than
+    `target` does (that ring's member time one rank narrower; never below D(s)): the settled target
+    spreads the work evenly, but a narrower ring can free a rank for whole sequences that would otherwise
+    share one (three documents near C beside a ring of 4 on 7 ranks; benchmarks/optimal_gap.py)."""
+    chosen = sizer.sizes_for(target)
+    goals = sorted({sizer.member(s, k - 1) for s, k in chosen.items() if k > fewest[s]})
+    return [goal for goal in goals if goal > target][:NARROWER_STEPS]
 
 
 def widening_options(
@@ -80,8 +75,9 @@ def widening_options(
     - lower targets, LADDER^i x the settled one down to the floor: the settled target assumes perfect
       spreading, but ring members must share a micro-batch index, so e.g. two 3-rank rings on 4 ranks
       strand a rank that a ring of 4 would use;
-    - higher ones, up to NARROWER_STEPS (`narrower_targets`): a narrower ring can free a rank for whole
-      sequences that would otherwise share one;
+    - higher ones, each the least that narrows some ring by one rank, up to NARROWER_STEPS
+      (`narrower_targets`): a narrower ring can free a rank for whole sequences that would otherwise
+      share one;
     - with PP, caps of a full micro-batch's time / PIPELINE_CAPS (PP-Balance: a ring micro-batch much
       heavier than the pipeline's others sets the 1F1B bubble; wider rings make it lighter).
     """
