@@ -69,7 +69,7 @@ from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.expert_units import place_units, unit_options
 from megatron_hdp.plan.timeline.interleaved import group_size_fits
 from megatron_hdp.plan.search.packing import pack_for_pipeline
-from megatron_hdp.plan.search.placement import fill_gaps, lpt, place_rings, place_rings_by_time
+from megatron_hdp.plan.search.placement import fill_gaps, lpt, narrowest_first, place_rings, place_rings_by_time
 from megatron_hdp.plan.search.refine import PipelineCost, refine_exact, refine_local
 from megatron_hdp.plan.timeline.bounds import gap, step_time_lower_bound
 from megatron_hdp.plan.cost.sharding import member_times, shard_sequences, whole_times
@@ -84,6 +84,10 @@ PLACEMENT_MARGIN = 0.02
 more ranks through rings at different indices, so a cost-model error costs it more waits (a demo step
 where a 1% predicted gain measured worse than the aligned plan: benchmarks/results/observations.json,
 entry "placement-margin")."""
+
+NARROW_FIRST_POOL = 64
+"""Largest pool on which the by-time placement also takes the rings narrowest first (`narrowest_first`):
+where a few rings of different sizes decide the step; at 1,024 ranks it cost 40 ms of a 65 ms plan."""
 
 RETRY_GAP = 1.02
 """A plan whose step exceeds both the mean rank time and the lower bound by more than this factor tries
@@ -233,12 +237,14 @@ def _build(
     can_replace = plan.est_step_time * (1 - PLACEMENT_MARGIN) > floor
     # rings that leave ranks idle, or a topology the aligned placement ignores: also place them by time
     if order and can_replace and ((plan.est_step_time > RETRY_GAP * max(mean, floor)) or nodes is not None):
-        timed = place_rings_by_time(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
-                                    overhead=overhead, domains=nodes)
-        left = fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
-        candidate = _finish(timed.leading, timed.rings, timed.finish, left, **common)
-        if candidate.est_step_time < plan.est_step_time * (1 - PLACEMENT_MARGIN):
-            plan = candidate
+        narrow = narrowest_first(order, ring_sizes=ring_sizes) if num_ranks <= NARROW_FIRST_POOL else order
+        for ring_order in [order] + ([narrow] if narrow != order else []):
+            timed = place_rings_by_time(ring_order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
+                                        overhead=overhead, domains=nodes)
+            left = fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
+            candidate = _finish(timed.leading, timed.rings, timed.finish, left, **common)
+            if candidate.est_step_time < plan.est_step_time * (1 - PLACEMENT_MARGIN):
+                plan = candidate
     return plan
 
 
