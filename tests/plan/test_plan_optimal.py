@@ -150,3 +150,13 @@ def test_balance_places_narrow_rings_before_a_wide_one():
     optimum = plan_optimal(lengths, num_ranks=4, config=config, cost_model=cost_model).est_step_time
     balance = make_plan(lengths, num_ranks=4, config=config, cost_model=cost_model, policy="balance")
     assert balance.est_step_time == pytest.approx(optimum, rel=1e-6)
+
+
+def test_balance_climbs_to_ring_sizes_no_single_target_gives():
+    """optimal_gap case 25 (7% above the optimum before): the optimum's rings are not the sizes any one
+    step-time target gives; the climb one ring size at a time reaches it."""
+    lengths, config = [1068, 889, 777, 508, 720], HDPConfig(hdp_capacity=512, hdp_offload=True)
+    cost_model = analytic_cost_model("llama-7b")
+    optimum = plan_optimal(lengths, num_ranks=5, config=config, cost_model=cost_model).est_step_time
+    balance = make_plan(lengths, num_ranks=5, config=config, cost_model=cost_model, policy="balance")
+    assert balance.est_step_time == pytest.approx(optimum, rel=1e-6)

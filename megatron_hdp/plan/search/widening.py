@@ -26,12 +26,8 @@ import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.cost.ring_sizes import RingSizer, settle_target
-from megatron_hdp.plan.cost.sharding import (
-    fits,
-    max_member_tokens,
-    needed_offload_ratio,
-    whole_times,
-)
+from megatron_hdp.plan.cost.sharding import whole_times
+from megatron_hdp.plan.search.neighbours import ring_offload
 
 WIDEN_SLACK = 0.01
 """Room left for packing: the target must exceed the spread-out work by this fraction."""
@@ -123,10 +119,8 @@ def widening_options(
             if k == fewest[s]:
                 continue
             if (s, k) not in widened:  # options share most (length, ring size) pairs
-                held = max_member_tokens(s, k)
-                widened[s, k] = (needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
-                                 if fits(cost_model, seq_len=s, ring_size=k, num_tokens=held, capacity=capacity,
-                                         max_offload_ratio=max_offload_ratio, pp_size=pp_size) else None)
+                widened[s, k] = ring_offload(s, k, cost_model=cost_model, capacity=capacity,
+                                             max_offload_ratio=max_offload_ratio, pp_size=pp_size)
             if widened[s, k] is not None:
                 sizes[holders[s]] = k
                 ratios[holders[s]] = widened[s, k]
