@@ -34,7 +34,10 @@ every member (big-M on a[s,r,i]); Z >= F[r,last]. Every choice's true finish tim
 any feasible F is at least them, so min Z is the optimum. Cuts that do not change it: Z >= total busy
 time / D and Z >= each rank's busy time; ranks and equal-length documents in one canonical order
 (`_break_symmetries`); ring sizes no plan within the upper bound needs left out (`prune_ring_sizes`),
-and every time below that bound (the big M: balance's plan or a greedy one, whichever is faster).
+and every time below that bound (the big M: balance's plan or a greedy one, whichever is faster);
+Z >= (summed times of the rings wider than D / (p + 1)) / p for p = 1 .. D - 1 (p + 1 such rings need
+more than D ranks, so at most p run at once, and two on one rank run in different slots). Times are in
+milliseconds in the model (`MILLISECONDS`).
 """
 
 from __future__ import annotations
