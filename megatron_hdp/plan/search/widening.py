@@ -38,6 +38,10 @@ LADDER = 0.85
 NARROWER_STEPS = 2
 """Alternative targets above the settled one, one ring narrower each (`narrower_targets`)."""
 
+NARROWER_POOL = 64
+"""Largest pool given the narrower targets: where one rank freed matters (the exact planner's cases); at
+1,024 ranks (github, llama-7b) their plans cost 45 ms of 130 and none won."""
+
 PIPELINE_CAPS = (1, 2, 4, 8)
 """With PP, ring member times are capped at one full micro-batch's time divided by these."""
 
@@ -71,9 +75,9 @@ def widening_options(
     - lower targets, LADDER^i x the settled one down to the floor: the settled target assumes perfect
       spreading, but ring members must share a micro-batch index, so e.g. two 3-rank rings on 4 ranks
       strand a rank that a ring of 4 would use;
-    - higher ones, each the least that narrows some ring by one rank, up to NARROWER_STEPS
-      (`narrower_targets`): a narrower ring can free a rank for whole sequences that would otherwise
-      share one;
+    - on pools of at most NARROWER_POOL ranks, higher ones, each the least that narrows some ring by one
+      rank, up to NARROWER_STEPS (`narrower_targets`): a narrower ring can free a rank for whole
+      sequences that would otherwise share one;
     - with PP, caps of a full micro-batch's time / PIPELINE_CAPS (PP-Balance: a ring micro-batch much
       heavier than the pipeline's others sets the 1F1B bubble; wider rings make it lighter).
     """
@@ -103,7 +107,8 @@ def widening_options(
             targets.append(step)
             step *= LADDER
         targets.append(lowest)
-        targets += narrower_targets(sizer, target, fewest=fewest)
+        if num_ranks <= NARROWER_POOL:
+            targets += narrower_targets(sizer, target, fewest=fewest)
         if pp_size > 1:
             targets += [max(lowest, min(target, full_microbatch / parts)) for parts in PIPELINE_CAPS]
     options, seen = [], set()
