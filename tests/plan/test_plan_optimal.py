@@ -160,3 +160,10 @@ def test_balance_climbs_to_ring_sizes_no_single_target_gives():
     optimum = plan_optimal(lengths, num_ranks=5, config=config, cost_model=cost_model).est_step_time
     balance = make_plan(lengths, num_ranks=5, config=config, cost_model=cost_model, policy="balance")
     assert balance.est_step_time == pytest.approx(optimum, rel=1e-6)
+
+
+def test_an_upper_bound_below_the_optimum_costs_a_second_solve_not_the_answer():
+    lengths = [1500, 1100, 700, 300, 250]
+    free = plan_optimal(lengths, num_ranks=3, config=CONFIG, cost_model=CM, upper_bound=float("inf"))
+    cut = plan_optimal(lengths, num_ranks=3, config=CONFIG, cost_model=CM, upper_bound=0.5 * free.est_step_time)
+    assert cut.est_step_time == pytest.approx(free.est_step_time, rel=1e-9)

@@ -62,6 +62,10 @@ MAX_RANKS = 8
 INTEGRALITY_TOLERANCE = 1e-5
 """HiGHS takes a binary within 1e-6 of 0 or 1 as integral, which lets a big-M row slip by that much of the
 big M (the step time of a simple plan); the solver's objective and its plan's timing agree within ten times that."""
+UPPER_MARGIN = 1e-3
+"""Relative room above the upper bound (the big M): HiGHS declared a model infeasible whose optimum sat
+1e-5 below it (optimal_gap case 11, balance's plan optimal); a solve still infeasible is retried under
+the greedy plan's step."""
 MILLISECONDS = 1e3
 """The MILP's unit of time per second: HiGHS lets a row slip by 1e-6 in the model's units (its MIP
 feasibility tolerance, which SciPy does not expose), 1 ns in milliseconds, a microsecond in seconds."""
@@ -183,7 +187,8 @@ def plan_optimal(
 
     `upper_bound` (seconds): the step time of a plan known to lie in the module doc's space (default: the
     `balance` policy's plan of the batch), used only to cut the search (module doc: big-M, pruned ring
-    sizes); a value below the optimum makes the solve infeasible, which is reported, never hidden.
+    sizes); a value below the optimum makes that solve infeasible, and the solver runs again under a
+    greedy plan's step.
     """
     _refuse(lengths, num_ranks=num_ranks, cost_model=cost_model, pp_size=pp_size)
     capacity = config.hdp_capacity
@@ -193,16 +198,20 @@ def plan_optimal(
     if upper_bound is None:
         upper_bound = plan_balance(list(lengths), num_ranks=num_ranks, config=config,
                                    cost_model=cost_model).est_step_time
-    big = min(upper_bound, _greedy_step(lengths, options, num_ranks=num_ranks)) * (1 + 1e-6)
-    options = prune_ring_sizes(options, num_ranks=num_ranks, overhead=overhead, step=big)
-    in_ms = [[dataclasses.replace(o, time=o.time * MILLISECONDS) for o in opts] for opts in options]
-    m, cols = _formulation(lengths, in_ms, num_ranks=num_ranks, capacity=capacity, overhead=overhead * MILLISECONDS,
-                           big=big * MILLISECONDS)
-    result = m.solve(time_limit=time_limit)
+    greedy = _greedy_step(lengths, options, num_ranks=num_ranks)
+    for step in sorted({min(upper_bound, greedy), greedy}):
+        big = step * (1 + UPPER_MARGIN)
+        kept = prune_ring_sizes(options, num_ranks=num_ranks, overhead=overhead, step=big)
+        in_ms = [[dataclasses.replace(o, time=o.time * MILLISECONDS) for o in opts] for opts in kept]
+        m, cols = _formulation(lengths, in_ms, num_ranks=num_ranks, capacity=capacity,
+                               overhead=overhead * MILLISECONDS, big=big * MILLISECONDS)
+        result = m.solve(time_limit=time_limit)
+        if result.status != 2:  # 2: infeasible; under the greedy plan's step it is not, so try that next
+            break
     if result.status != 0:
         raise ValueError(f"policy optimal found no proven optimum within {time_limit:g} s ({result.message}); "
                          "use balance, or fewer documents or ranks")
-    return _plan(result.x, lengths=lengths, options=options, **cols, num_ranks=num_ranks,
+    return _plan(result.x, lengths=lengths, options=kept, **cols, num_ranks=num_ranks,
                  capacity=capacity, cost_model=cost_model, objective=float(result.fun) / MILLISECONDS,
                  tolerance=1e-9 * big + INTEGRALITY_TOLERANCE * big)
 
