@@ -1,6 +1,6 @@
 """How far `balance` is from the optimum, and the lower bound below it, on small seeded random batches.
 
-    python benchmarks/optimal_gap.py [--cases 200] [--time-limit 30] [--max-ranks 8] [--max-docs 12]
+    python benchmarks/optimal_gap.py [--cases 200] [--time-limit 30] [--max-ranks 8] [--max-docs 12] [--optimum-from JSON]
                                      [--out benchmarks/results/optimal_gap.json]
 
 Each case draws 5-12 documents, 2-8 ranks, a capacity C of 512, 1,024 or 2,048 tokens and offloading on
@@ -11,11 +11,14 @@ planning logic with balance) and the optimum over `bounds.step_time_lower_bound`
 first says how good balance is, the second how far the bound (the only measuring stick at scale) sits
 below the best plan. A case the solver does not prove within --time-limit seconds is counted, not
 used. Prints each case as it is solved, then the distribution (median, p90, worst) and the worst cases.
+`--optimum-from` takes the optima of an earlier run of the same cases and measures balance and the bound
+anew, in seconds instead of the solver's minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from datetime import date
@@ -33,6 +36,8 @@ from megatron_hdp.plan.planner import make_plan  # noqa: E402
 from megatron_hdp.plan.cost.presets import analytic_cost_model  # noqa: E402
 
 CAPACITIES = (512, 1024, 2048)
+SPEC_KEYS = ("seed", "num_ranks", "capacity", "offload", "lengths")
+"""What identifies a case in a result file (`case`'s keys)."""
 
 
 def case(seed: int, *, max_ranks: int = 8, max_docs: int = 12) -> dict:
@@ -48,8 +53,9 @@ def case(seed: int, *, max_ranks: int = 8, max_docs: int = 12) -> dict:
     return {"seed": seed, "num_ranks": num_ranks, "capacity": capacity, "offload": offload, "lengths": lengths}
 
 
-def measure(spec: dict, *, time_limit: float) -> dict:
-    """balance, optimum and lower bound of one case (optimum None when not proven in time)."""
+def measure(spec: dict, *, time_limit: float, known: dict | None = None) -> dict:
+    """balance, optimum and lower bound of one case (optimum None when not proven in time); `known`, an
+    earlier result of the same case, supplies the optimum (and its solve time) instead of the solver."""
     cost_model = analytic_cost_model("llama-7b")
     config = HDPConfig(hdp_capacity=spec["capacity"], hdp_offload=spec["offload"])
     common = dict(num_ranks=spec["num_ranks"], config=config, cost_model=cost_model)
@@ -58,9 +64,12 @@ def measure(spec: dict, *, time_limit: float) -> dict:
     balance_s = time.perf_counter() - start
     bound = step_time_lower_bound(spec["lengths"], num_ranks=spec["num_ranks"], capacity=spec["capacity"],
                                   cost_model=cost_model, max_offload_ratio=config.max_offload_ratio)
+    if known is not None:
+        return {**spec, "balance_s": balance, "optimum_s": known["optimum_s"], "bound_s": bound,
+                "balance_plan_ms": 1e3 * balance_s, "solve_s": known["solve_s"]}
     start = time.perf_counter()
     try:
-        optimum = plan_optimal(spec["lengths"], time_limit=time_limit, **common).est_step_time
+        optimum = plan_optimal(spec["lengths"], time_limit=time_limit, upper_bound=balance, **common).est_step_time
     except ValueError:
         optimum = None
     return {**spec, "balance_s": balance, "optimum_s": optimum, "bound_s": bound,
@@ -89,11 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=30.0, help="solver seconds per case")
     parser.add_argument("--max-ranks", type=int, default=8, help="largest pool drawn (2 to this)")
     parser.add_argument("--max-docs", type=int, default=12, help="most documents drawn (5 to this)")
+    parser.add_argument("--optimum-from", metavar="JSON",
+                        help="an earlier result: its optima (proven or not) for the same cases, balance and the "
+                             "bound measured anew (after a change to balance or the bound; the optimum is fixed)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "optimal_gap.json"))
     args = parser.parse_args(argv)
+    earlier = {}
+    if args.optimum_from:
+        earlier = {tuple(sorted((k, str(v)) for k, v in c.items() if k in SPEC_KEYS)): c
+                   for c in json.loads(Path(args.optimum_from).read_text())["cases"]}
     rows = []
     for seed in range(args.cases):
-        rows.append(measure(case(seed, max_ranks=args.max_ranks, max_docs=args.max_docs), time_limit=args.time_limit))
+        spec = case(seed, max_ranks=args.max_ranks, max_docs=args.max_docs)
+        known = earlier.get(tuple(sorted((k, str(v)) for k, v in spec.items())))
+        if args.optimum_from and known is None:
+            raise SystemExit(f"case {seed} is not in {args.optimum_from}: run it with the same --max-ranks/--max-docs")
+        rows.append(measure(spec, time_limit=args.time_limit, known=known))
         print_new_rows(table, rows[-1:])
     solved = [r for r in rows if r["optimum_s"]]
     if not solved:
@@ -108,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{name}: median {d['median']:.4f}, p90 {d['p90']:.4f}, worst {d['worst']:.4f}"
         for name, d in (("balance / optimum", summary["balance_over_optimum"]),
                         ("optimum / lower bound", summary["optimum_over_bound"])))
-    text += f"\n{len(solved)} of {len(rows)} cases proven optimal within {args.time_limit:g} s"
+    text += (f"\n{len(solved)} of {len(rows)} cases proven optimal "
+             + (f"(optima from {args.optimum_from})" if args.optimum_from else f"within {args.time_limit:g} s"))
     finish("worst cases:\n" + text, {"command": " ".join(["python", "benchmarks/optimal_gap.py", *(argv or sys.argv[1:])]),
                                      "date": date.today().isoformat(), "summary": summary, "cases": rows}, args.out)
     return 0

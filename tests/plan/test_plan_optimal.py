@@ -7,7 +7,10 @@
   the instances where its best plan is one the runtime can run (one long document, short ones beside
   or after it) the two are equal;
 - balance's plan lies in the optimum's space, so it is never faster;
-- refusals in one line, before any solve.
+- refusals in one line, before any solve;
+- the step-time lower bound (plan/timeline/bounds.py) never exceeds the optimum, and its piece and
+  wide-ring terms bind where the work bound is loose (references: the enumeration above, the solver, and
+  the bound's own terms worked out by hand from the cost model's public times).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import pytest
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.policies.optimal import plan_optimal
 from megatron_hdp.plan.planner import make_plan
-from megatron_hdp.plan.cost.sharding import whole_times
+from megatron_hdp.plan.cost.presets import analytic_cost_model
+from megatron_hdp.plan.cost.sharding import shard_time, whole_times
+from megatron_hdp.plan.timeline.bounds import step_time_lower_bound
 from test_plan_brute_force import CAPACITY, CM, brute_force
 
 CONFIG = HDPConfig(hdp_capacity=CAPACITY, hdp_offload=False)
@@ -84,3 +89,81 @@ def test_refuses_what_it_does_not_plan_in_one_line(change, words):
     with pytest.raises(ValueError, match=words) as error:
         make_plan(args.pop("lengths"), config=CONFIG, cost_model=CM, policy="optimal", **args)
     assert "\n" not in str(error.value)
+
+
+def test_bound_counts_pieces_that_do_not_pair_up():
+    """Three documents near C on two ranks: one rank runs two of them, whatever the plan; the work spread
+    evenly says 1.5 documents' time."""
+    lengths, num_ranks = [1000, 1000, 1000], 2
+    bound = step_time_lower_bound(lengths, num_ranks=num_ranks, capacity=CAPACITY, cost_model=CM)
+    pair = 2 * float(whole_times([1000], cost_model=CM)[0])
+    assert pair * (1 - 1e-9) <= bound <= _whole_optimum(lengths, num_ranks) * (1 + 1e-9)
+
+
+def test_bound_serialises_rings_wider_than_half_the_pool():
+    """Three documents longer than C on two ranks without offloading: each needs both ranks, so the rings
+    run one after the other; the bound is at least their member times at k = 2 (s / 2 tokens) summed."""
+    lengths, num_ranks = [1500, 1300, 1100], 2
+    bound = step_time_lower_bound(lengths, num_ranks=num_ranks, capacity=CAPACITY, cost_model=CM,
+                                  max_offload_ratio=0.0)
+    serial = sum(shard_time(CM, seq_len=s, num_tokens=s / 2, ring_size=2) for s in lengths)
+    optimum = plan_optimal(lengths, num_ranks=num_ranks, config=CONFIG, cost_model=CM).est_step_time
+    assert serial * (1 - 1e-9) <= bound <= optimum * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("num_ranks, capacity, offload, lengths", [  # benchmarks/optimal_gap.py's cases 2, 3,
+    (4, 512, False, [258, 92, 509, 705, 719, 354]),                  # 22, 6 and 31 of its 4-rank, 8-document
+    (4, 512, False, [452, 1109, 337, 1003, 65]),                     # run: the three terms each bind
+    (4, 1024, True, [1567, 686, 370, 880, 1577]),
+    (3, 1024, True, [691, 415, 466, 2406, 490, 1276]),
+    (3, 2048, False, [207, 994, 2805, 2258, 1260]),
+])
+def test_bound_never_exceeds_the_optimum(num_ranks, capacity, offload, lengths):
+    config = HDPConfig(hdp_capacity=capacity, hdp_offload=offload)
+    cost_model = analytic_cost_model("llama-7b")
+    optimum = plan_optimal(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model).est_step_time
+    bound = step_time_lower_bound(lengths, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
+                                  max_offload_ratio=config.max_offload_ratio)
+    assert bound <= optimum * (1 + 1e-9)
+    assert bound >= optimum / 1.13  # optimum / bound 1.08-1.13; before the piece and wide-ring terms 1.11-1.26
+
+
+@pytest.mark.parametrize("num_ranks, lengths", [  # benchmarks/optimal_gap.py's case 17, and case 10 of its
+    (7, [1572, 3556, 1879, 905, 149, 2111]),       # 4-rank run: balance was 23% and 7% above the optimum
+    (4, [1078, 348, 3732, 1427, 1097]),
+])
+def test_balance_narrows_a_ring_to_free_a_rank(num_ranks, lengths):
+    """The optimum keeps the longest document on a ring one rank narrower than the settled target gives,
+    so that documents near C do not share a rank; balance's targets above the settled one find it."""
+    config = HDPConfig(hdp_capacity=2048, hdp_offload=False)
+    cost_model = analytic_cost_model("llama-7b")
+    optimum = plan_optimal(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model).est_step_time
+    balance = make_plan(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model, policy="balance")
+    assert balance.est_step_time == pytest.approx(optimum, rel=1e-6)
+
+
+def test_balance_places_narrow_rings_before_a_wide_one():
+    """optimal_gap case 156 of its 4-rank run (balance was 16% above the optimum): two rings of 2 side by
+    side, then one of 3, leave the fourth rank free for the whole documents from the start."""
+    lengths, config = [663, 588, 373, 481, 1517], HDPConfig(hdp_capacity=512, hdp_offload=False)
+    cost_model = analytic_cost_model("llama-7b")
+    optimum = plan_optimal(lengths, num_ranks=4, config=config, cost_model=cost_model).est_step_time
+    balance = make_plan(lengths, num_ranks=4, config=config, cost_model=cost_model, policy="balance")
+    assert balance.est_step_time == pytest.approx(optimum, rel=1e-6)
+
+
+def test_balance_climbs_to_ring_sizes_no_single_target_gives():
+    """optimal_gap case 25 (7% above the optimum before): the optimum's rings are not the sizes any one
+    step-time target gives; the climb one ring size at a time reaches it."""
+    lengths, config = [1068, 889, 777, 508, 720], HDPConfig(hdp_capacity=512, hdp_offload=True)
+    cost_model = analytic_cost_model("llama-7b")
+    optimum = plan_optimal(lengths, num_ranks=5, config=config, cost_model=cost_model).est_step_time
+    balance = make_plan(lengths, num_ranks=5, config=config, cost_model=cost_model, policy="balance")
+    assert balance.est_step_time == pytest.approx(optimum, rel=1e-6)
+
+
+def test_an_upper_bound_below_the_optimum_costs_a_second_solve_not_the_answer():
+    lengths = [1500, 1100, 700, 300, 250]
+    free = plan_optimal(lengths, num_ranks=3, config=CONFIG, cost_model=CM, upper_bound=float("inf"))
+    cut = plan_optimal(lengths, num_ranks=3, config=CONFIG, cost_model=CM, upper_bound=0.5 * free.est_step_time)
+    assert cut.est_step_time == pytest.approx(free.est_step_time, rel=1e-9)

@@ -68,8 +68,9 @@ from megatron_hdp.plan.timeline.assemble import assemble_plan, gc_paused
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.expert_units import place_units, unit_options
 from megatron_hdp.plan.timeline.interleaved import group_size_fits
+from megatron_hdp.plan.search.neighbours import neighbours
 from megatron_hdp.plan.search.packing import pack_for_pipelines
-from megatron_hdp.plan.search.placement import fill_gaps, lpt, place_rings, place_rings_by_time
+from megatron_hdp.plan.search.placement import fill_gaps, lpt, narrowest_first, place_rings, place_rings_by_time
 from megatron_hdp.plan.search.refine import PipelineCost, refine_exact, refine_local
 from megatron_hdp.plan.timeline.bounds import gap, step_time_lower_bound
 from megatron_hdp.plan.cost.sharding import member_times, shard_sequences, whole_times
@@ -84,6 +85,15 @@ PLACEMENT_MARGIN = 0.02
 more ranks through rings at different indices, so a cost-model error costs it more waits (a demo step
 where a 1% predicted gain measured worse than the aligned plan: benchmarks/results/observations.json,
 entry "placement-margin")."""
+
+SMALL_POOL = 64
+"""Largest pool on which balance also places rings by time narrowest first (`narrowest_first`) and climbs
+ring sizes one rank at a time (`neighbours`): where a few rings decide the step (the exact planner's
+worst cases); at 1,024 ranks the first alone cost 40 ms of a 65 ms plan."""
+
+CLIMB_ROUNDS = 4
+"""Most rounds of the ring-size climb (each builds at most two plans per distinct long length). Without
+PP only: with PP every plan is `improvable`, and all rounds took an 8-rank byted plan from 11 to 125 ms."""
 
 RETRY_GAP = 1.02
 """A plan whose step exceeds both the mean rank time and the lower bound by more than this factor tries
@@ -172,6 +182,19 @@ def _plan_balance(
         plan, family = _best(lengths, ranks[:1], (plan, family), **common)
     if improvable(plan):  # the alternatives of the family that planned better (both when rank by rank did)
         plan, _ = _best(lengths, units[1:] + (ranks[1:] if family is _build else []), (plan, family), **common)
+    if not units and pp_size == 1 and num_ranks <= SMALL_POOL:  # ring sizes no one target gives, a rank at a time
+        for _ in range(CLIMB_ROUNDS):
+            if not improvable(plan):
+                break
+            sizes = np.array([len(seq.ring) for seq in plan.sequences])
+            ratios = np.array([seq.offload_ratio for seq in plan.sequences])
+            steps = neighbours(tokens, sizes, ratios, fewest=sharding.ring_sizes, num_ranks=num_ranks,
+                               capacity=capacity, cost_model=cost_model, max_offload_ratio=config.max_offload_ratio,
+                               pp_size=pp_size)
+            climbed = _best(lengths, [(_build, option) for option in steps], (plan, family), **common)
+            if climbed[0] is plan:
+                break
+            plan, family = climbed
     if units and improvable(plan):  # still room: the plan made as if EP 1, timed with the coupling
         plan = min(plan, _with_coupling(_plan_balance(lengths, num_ranks=num_ranks, config=config,
                                                       cost_model=dataclasses.replace(cost_model, expert_parallel_size=1),
@@ -233,12 +256,14 @@ def _build(
     can_replace = plan.est_step_time * (1 - PLACEMENT_MARGIN) > floor
     # rings that leave ranks idle, or a topology the aligned placement ignores: also place them by time
     if order and can_replace and ((plan.est_step_time > RETRY_GAP * max(mean, floor)) or nodes is not None):
-        timed = place_rings_by_time(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
-                                    overhead=overhead, domains=nodes)
-        left = fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
-        candidate = _finish(timed.leading, timed.rings, timed.finish, left, **common)
-        if candidate.est_step_time < plan.est_step_time * (1 - PLACEMENT_MARGIN):
-            plan = candidate
+        narrow = narrowest_first(order, ring_sizes=ring_sizes) if num_ranks <= SMALL_POOL else order
+        for ring_order in [order] + ([narrow] if narrow != order else []):
+            timed = place_rings_by_time(ring_order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
+                                        overhead=overhead, domains=nodes)
+            left = fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
+            candidate = _finish(timed.leading, timed.rings, timed.finish, left, **common)
+            if candidate.est_step_time < plan.est_step_time * (1 - PLACEMENT_MARGIN):
+                plan = candidate
     return plan
 
 

@@ -32,7 +32,12 @@ counting C so that a ring slot holds nothing else; u non-increasing in i with u[
 F[r,i] >= F[r,i-1] + overhead u[r,i] + whole times; S[s] >= F[r,i-1] and F[r,i] >= S[s] + T(s, k) for
 every member (big-M on a[s,r,i]); Z >= F[r,last]. Every choice's true finish times satisfy the rows and
 any feasible F is at least them, so min Z is the optimum. Cuts that do not change it: Z >= total busy
-time / D, and ranks ordered by their number of slots (ranks are interchangeable without a topology).
+time / D and Z >= each rank's busy time; ranks and equal-length documents in one canonical order
+(`_break_symmetries`); ring sizes no plan within the upper bound needs left out (`prune_ring_sizes`),
+and every time below that bound (the big M: balance's plan or a greedy one, whichever is faster);
+Z >= (summed times of the rings wider than D / (p + 1)) / p for p = 1 .. D - 1 (p + 1 such rings need
+more than D ranks, so at most p run at once, and two on one rank run in different slots). Times are in
+milliseconds in the model (`MILLISECONDS`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from megatron_hdp.plan.timeline.assemble import assemble_plan
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.zigzag import zigzag_num_tokens
 from megatron_hdp.plan.cost.sharding import fits, needed_offload_ratio
+from megatron_hdp.plan.policies.balance import plan_balance
 from megatron_hdp.plan.step_plan import StepPlan
 from megatron_hdp.plan.timeline.timing import jitter_lead
 
@@ -56,6 +62,13 @@ MAX_RANKS = 8
 INTEGRALITY_TOLERANCE = 1e-5
 """HiGHS takes a binary within 1e-6 of 0 or 1 as integral, which lets a big-M row slip by that much of the
 big M (the step time of a simple plan); the solver's objective and its plan's timing agree within ten times that."""
+UPPER_MARGIN = 1e-3
+"""Relative room above the upper bound (the big M): HiGHS declared a model infeasible whose optimum sat
+1e-5 below it (optimal_gap case 11, balance's plan optimal); a solve still infeasible is retried under
+the greedy plan's step."""
+MILLISECONDS = 1e3
+"""The MILP's unit of time per second: HiGHS lets a row slip by 1e-6 in the model's units (its MIP
+feasibility tolerance, which SciPy does not expose), 1 ns in milliseconds, a microsecond in seconds."""
 TIME_LIMIT = 120.0
 """Seconds the solver may take before `plan_optimal` gives up (it returns only proven optima)."""
 
@@ -113,8 +126,7 @@ def _refuse(lengths: Sequence[int], *, num_ranks: int, cost_model: CostModel, pp
                          "node; use balance or --ranks-per-node >= --ranks")
 
 
-def _greedy_step(lengths: Sequence[int], options: list[list[RingOption]], *, num_ranks: int, capacity: int,
-                 overhead: float) -> float:
+def _greedy_step(lengths: Sequence[int], options: list[list[RingOption]], *, num_ranks: int) -> float:
     """The step time of one plan of the module doc's space, an upper bound on the optimum (the MILP's big-M
     and the bound of its times): documents longest first, each whole in its own slot on the rank that
     ends first, or on its smallest ring over the ranks that end first (ready together at the latest)."""
@@ -167,16 +179,73 @@ def plan_optimal(
     cost_model: CostModel,
     pp_size: int = 1,
     time_limit: float = TIME_LIMIT,
+    upper_bound: float | None = None,
 ) -> StepPlan:
     """The plan of least predicted step time (module doc) of at most `MAX_DOCUMENTS` documents on at most
     `MAX_RANKS` ranks; ValueError above that size, with PP, EP or a pool over several nodes, and when the
-    solver proves no optimum within `time_limit` seconds."""
+    solver proves no optimum within `time_limit` seconds.
+
+    `upper_bound` (seconds): the step time of a plan known to lie in the module doc's space (default: the
+    `balance` policy's plan of the batch), used only to cut the search (module doc: big-M, pruned ring
+    sizes); a value below the optimum makes that solve infeasible, and the solver runs again under a
+    greedy plan's step.
+    """
     _refuse(lengths, num_ranks=num_ranks, cost_model=cost_model, pp_size=pp_size)
-    capacity, n, slots = config.hdp_capacity, len(lengths), len(lengths)
+    capacity = config.hdp_capacity
     options = [ring_options(s, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
                             max_offload_ratio=config.max_offload_ratio) for s in lengths]
     overhead = cost_model.microbatch_time([])
-    big = _greedy_step(lengths, options, num_ranks=num_ranks, capacity=capacity, overhead=overhead) * (1 + 1e-6)
+    if upper_bound is None:
+        upper_bound = plan_balance(list(lengths), num_ranks=num_ranks, config=config,
+                                   cost_model=cost_model).est_step_time
+    greedy = _greedy_step(lengths, options, num_ranks=num_ranks)
+    for step in sorted({min(upper_bound, greedy), greedy}):
+        big = step * (1 + UPPER_MARGIN)
+        kept = prune_ring_sizes(options, num_ranks=num_ranks, overhead=overhead, step=big)
+        in_ms = [[dataclasses.replace(o, time=o.time * MILLISECONDS) for o in opts] for opts in kept]
+        m, cols = _formulation(lengths, in_ms, num_ranks=num_ranks, capacity=capacity,
+                               overhead=overhead * MILLISECONDS, big=big * MILLISECONDS)
+        result = m.solve(time_limit=time_limit)
+        if result.status != 2:  # 2: infeasible; under the greedy plan's step it is not, so try that next
+            break
+    if result.status != 0:
+        raise ValueError(f"policy optimal found no proven optimum within {time_limit:g} s ({result.message}); "
+                         "use balance, or fewer documents or ranks")
+    return _plan(result.x, lengths=lengths, options=kept, **cols, num_ranks=num_ranks,
+                 capacity=capacity, cost_model=cost_model, objective=float(result.fun) / MILLISECONDS,
+                 tolerance=1e-9 * big + INTEGRALITY_TOLERANCE * big)
+
+
+def prune_ring_sizes(options: list[list[RingOption]], *, num_ranks: int, overhead: float,
+                     step: float) -> list[list[RingOption]]:
+    """`options` less the ring sizes no plan of step time <= `step` needs: a ring whose slot alone takes
+    longer than `step`; one no faster than a smaller ring of the same document (the smaller ring, on a
+    subset of its members at the same slot, starts no later and ends no later; the members left out run
+    an empty micro-batch, at most the ring's time); one whose work (size x (time - overhead)) with the
+    least work of every other document and one micro-batch overhead per rank exceeds num_ranks x `step`
+    (some rank would be busy longer than `step`)."""
+    def work(o: RingOption) -> float:
+        return o.size * (o.time - overhead)
+
+    least = [min(work(o) for o in opts) for opts in options]
+    room = num_ranks * (step - overhead) - sum(least)
+    kept = []
+    for s, opts in enumerate(options):
+        fastest = float("inf")
+        mine = []
+        for o in sorted(opts, key=lambda o: o.size):
+            if o.time <= step and o.time < fastest and work(o) - least[s] <= room:
+                mine.append(o)
+            fastest = min(fastest, o.time)
+        kept.append(mine or [min(opts, key=lambda o: o.time)])  # none fits: the solve proves the bound wrong
+    return kept
+
+
+def _formulation(lengths: Sequence[int], options: list[list[RingOption]], *, num_ranks: int, capacity: int,
+                 overhead: float, big: float) -> tuple[_Model, dict]:
+    """The MILP of the module doc for ring options `options`, every time below `big` seconds; returns the
+    model and the columns `_plan` reads (w, x, a, q)."""
+    n = slots = len(lengths)
     m = _Model()
     w = [{o.size: m.add(integer=True) for o in opts} for opts in options]
     whole = [1 in w[s] for s in range(n)]
@@ -229,8 +298,6 @@ def plan_optimal(
                 m.row(ends, lower=-big)
         m.lower[u[r, 0]] = 1.0
         m.row({z: 1.0, f[r, slots - 1]: -1.0}, lower=0.0)
-        if r + 1 < num_ranks:  # interchangeable ranks: the first ones run the most slots
-            m.row({**{u[r, i]: 1.0 for i in range(slots)}, **{u[r + 1, i]: -1.0 for i in range(slots)}}, lower=0.0)
     m.row({z: float(num_ranks), **{col: -t for col, t in busy.items()}, **{c: -overhead for c in u.values()}},
           lower=0.0)
     # each rank's own busy time (member r of s's ring of size k: y[s,k,r]) bounds the step from below
@@ -247,13 +314,48 @@ def plan_optimal(
             for k in (k for k in w[s] if k > 1):
                 own[y[s, k, r]] = -(ring_time[s][w[s][k]] - overhead)
         m.row(own, lower=0.0)
-    result = m.solve(time_limit=time_limit)
-    if result.status != 0:
-        raise ValueError(f"policy optimal found no proven optimum within {time_limit:g} s ({result.message}); "
-                         "use balance, or fewer documents or ranks")
-    return _plan(result.x, lengths=lengths, options=options, w=w, x=x, a=a, q=q, num_ranks=num_ranks,
-                 capacity=capacity, cost_model=cost_model, objective=float(result.fun),
-                 tolerance=1e-9 * result.fun + INTEGRALITY_TOLERANCE * big)
+    for most in range(1, num_ranks):  # at most `most` rings wider than num_ranks / (most + 1) run at once
+        wide = {w[s][k]: -ring_time[s][w[s][k]] for s in range(n) for k in w[s] if k * (most + 1) > num_ranks}
+        if wide:
+            m.row({z: float(most), **wide}, lower=0.0)
+    _break_symmetries(m, lengths, w=w, x=x, a=a, q=q, num_ranks=num_ranks)
+    return m, {"w": w, "x": x, "a": a, "q": q}
+
+
+def _break_symmetries(m: _Model, lengths: Sequence[int], *, w, x, a, q, num_ranks: int) -> None:
+    """Rows that keep one plan of each class of equivalent ones (module doc: neither changes the optimum).
+
+    Ranks are interchangeable (one node, no topology): with documents taken longest first, rank r + 1
+    holds no document earlier than every one rank r holds (g[r, j]: rank r holds one of the first j + 1;
+    an empty rank comes last). Documents of one length are interchangeable: the earlier one (by index)
+    has the smaller (ring size, slot) pair, read as size x (slots + 1) + slot. Any plan becomes one that
+    meets both by first renumbering equal documents, then sorting ranks (which keeps sizes and slots).
+    """
+    n = slots = len(lengths)
+    order = sorted(range(n), key=lambda s: -lengths[s])
+    def holds(s: int, r: int) -> dict[int, float]:
+        return {v: 1.0 for v in ([x[s, r, i] for i in range(slots) if (s, r, i) in x]
+                                  + [a[s, r, i] for i in range(slots) if (s, r, i) in a])}
+    g = {(r, j): m.add(integer=True) for r in range(num_ranks) for j in range(n)}
+    for r in range(num_ranks):
+        for j, s in enumerate(order):
+            m.row({g[r, j]: 1.0, **{v: -1.0 for v in holds(s, r)}}, lower=0.0)
+            previous = {g[r, j - 1]: -1.0} if j else {}
+            if j:
+                m.row({g[r, j]: 1.0, g[r, j - 1]: -1.0}, lower=0.0)
+            m.row({g[r, j]: 1.0, **previous, **{v: -1.0 for v in holds(s, r)}}, upper=0.0)
+            if r:
+                m.row({g[r - 1, j]: 1.0, g[r, j]: -1.0}, lower=0.0)
+    for earlier, later in zip(order, order[1:]):
+        if lengths[earlier] != lengths[later]:
+            continue
+        def key(s: int, sign: float) -> dict[int, float]:
+            terms = {w[s][k]: sign * k * (slots + 1) for k in w[s]}
+            terms.update({x[s, r, i]: sign * i for r in range(num_ranks) for i in range(slots) if (s, r, i) in x})
+            terms.update({q[s, i]: sign * i for i in range(slots) if (s, i) in q})
+            return terms
+        first, second = sorted((earlier, later))
+        m.row({**key(first, 1.0), **key(second, -1.0)}, upper=0.0)
 
 
 def _plan(values: np.ndarray, *, lengths: list[int], options: list[list[RingOption]], w, x, a, q, num_ranks: int,

@@ -10,7 +10,8 @@ equal m, so the next ring (size <= k) always finds an aligned group — the gree
 `place_rings_by_time` drops the alignment: each ring goes where it starts earliest, at any micro-batch
 index, and the members with fewer micro-batches get filler slots before it, which `fill_gaps` fills with
 whole sequences that fit the wait (the CPU demo's step 2: all four 2-rings on ranks {0, 1} and a
-predicted balance of 1.12 aligned, 1.01 by time). `balance` builds both and keeps the faster plan.
+predicted balance of 1.12 aligned, 1.01 by time). `balance` builds both and keeps the faster plan; on
+small pools it also places by time with the rings narrowest first (`narrowest_first`).
 
 Whole sequences are then added after the rings by LPT (heaviest first onto the least-loaded rank).
 Weights are seconds for `balance` and tokens for `naive`; the code does not care.
@@ -283,3 +284,11 @@ def fill_gaps(
         if room[g][0] <= 0 or room[g][1] <= 0:
             del room[g]
     return left
+
+
+def narrowest_first(order: Sequence[int], *, ring_sizes: Sequence[int]) -> list[int]:
+    """`order` (rings widest first) with the ring sizes taken narrowest first, each size's rings in their
+    order: for `place_rings_by_time`, narrow rings side by side first and the wide one after them leave
+    the ranks it does not take free for whole sequences from the start (optimal_gap case 156 of the
+    4-rank run: two rings of 2, then one of 3 on 4 ranks)."""
+    return sorted(order, key=lambda seq: int(ring_sizes[seq]))

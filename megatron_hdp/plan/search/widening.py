@@ -26,12 +26,8 @@ import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.cost.ring_sizes import RingSizer, settle_target
-from megatron_hdp.plan.cost.sharding import (
-    fits,
-    max_member_tokens,
-    needed_offload_ratio,
-    whole_times,
-)
+from megatron_hdp.plan.cost.sharding import whole_times
+from megatron_hdp.plan.search.neighbours import ring_offload
 
 WIDEN_SLACK = 0.01
 """Room left for packing: the target must exceed the spread-out work by this fraction."""
@@ -39,8 +35,25 @@ WIDEN_SLACK = 0.01
 LADDER = 0.85
 """Alternative targets step down from the settled one by this factor (`widening_options`)."""
 
+NARROWER_STEPS = 2
+"""Alternative targets above the settled one, one ring narrower each (`narrower_targets`)."""
+
+NARROWER_POOL = 64
+"""Largest pool given the narrower targets: where one rank freed matters (the exact planner's cases); at
+1,024 ranks (github, llama-7b) their plans cost 45 ms of 130 and none won."""
+
 PIPELINE_CAPS = (1, 2, 4, 8)
 """With PP, ring member times are capped at one full micro-batch's time divided by these."""
+
+
+def narrower_targets(sizer: RingSizer, target: float, *, fewest: dict[int, int]) -> list[float]:
+    """Up to NARROWER_STEPS targets above `target`, the least that put some ring one rank narrower than
+    `target` does (that ring's member time one rank narrower; never below D(s)): the settled target
+    spreads the work evenly, but a narrower ring can free a rank for whole sequences that would otherwise
+    share one (three documents near C beside a ring of 4 on 7 ranks; benchmarks/optimal_gap.py)."""
+    chosen = sizer.sizes_for(target)
+    goals = sorted({sizer.member(s, k - 1) for s, k in chosen.items() if k > fewest[s]})
+    return [goal for goal in goals if goal > target][:NARROWER_STEPS]
 
 
 def widening_options(
@@ -62,6 +75,9 @@ def widening_options(
     - lower targets, LADDER^i x the settled one down to the floor: the settled target assumes perfect
       spreading, but ring members must share a micro-batch index, so e.g. two 3-rank rings on 4 ranks
       strand a rank that a ring of 4 would use;
+    - on pools of at most NARROWER_POOL ranks, higher ones, each the least that narrows some ring by one
+      rank, up to NARROWER_STEPS (`narrower_targets`): a narrower ring can free a rank for whole
+      sequences that would otherwise share one;
     - with PP, caps of a full micro-batch's time / PIPELINE_CAPS (PP-Balance: a ring micro-batch much
       heavier than the pipeline's others sets the 1F1B bubble; wider rings make it lighter).
     """
@@ -91,6 +107,8 @@ def widening_options(
             targets.append(step)
             step *= LADDER
         targets.append(lowest)
+        if num_ranks <= NARROWER_POOL:
+            targets += narrower_targets(sizer, target, fewest=fewest)
         if pp_size > 1:
             targets += [max(lowest, min(target, full_microbatch / parts)) for parts in PIPELINE_CAPS]
     options, seen = [], set()
@@ -106,10 +124,8 @@ def widening_options(
             if k == fewest[s]:
                 continue
             if (s, k) not in widened:  # options share most (length, ring size) pairs
-                held = max_member_tokens(s, k)
-                widened[s, k] = (needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
-                                 if fits(cost_model, seq_len=s, ring_size=k, num_tokens=held, capacity=capacity,
-                                         max_offload_ratio=max_offload_ratio, pp_size=pp_size) else None)
+                widened[s, k] = ring_offload(s, k, cost_model=cost_model, capacity=capacity,
+                                             max_offload_ratio=max_offload_ratio, pp_size=pp_size)
             if widened[s, k] is not None:
                 sizes[holders[s]] = k
                 ratios[holders[s]] = widened[s, k]

@@ -21,6 +21,24 @@ W(T) falls as T rises, so the smallest T meeting all three is found by bisection
 with no slack, the same search the planner's ring widening uses with slack). Micro-batch overheads, waits
 and the PP fill/drain only add to a plan's time, so the bound holds for every policy's plan.
 
+On pools of at most `SMALL_POOL` ranks two more terms count pieces and rings rather than work; the exact
+planner (`plan.policies.optimal`) showed the work alone up to ~25% below the optimum there, with a few
+sequences that do not pair up evenly (benchmarks/README.md, opt/bound before and after).
+
+- Pieces (`_pigeonhole_floor`). A piece is a rank's share of one sequence: a short sequence is one piece
+  of T_whole(s); a long one on k ranks is k pieces, each at least its fastest member time, and a step of
+  T puts it on k_s(T) ranks or more. Pieces of one sequence sit on distinct ranks, so among the q D + 1
+  longest pieces some rank holds q + 1 of distinct sequences (pigeonhole) and runs them one after the
+  other: T is at least the q + 1 shortest of those pieces summed, for every q. Fewer pieces as T rises,
+  so the least T meeting it is found by bisection.
+- Wide rings (`_wide_rings_floor`). p + 1 rings of more than D / (p + 1) members each would need more
+  than D ranks, so at most p of them run at any instant; a ring's slot lasts at least its fullest
+  member's time, and two rings on one rank run in different slots. So p x T is at least the summed time
+  of those rings: a long sequence is one of them unless a ring of at most D / (p + 1) ranks (and at least
+  D(s)) has a member time <= T, and then it takes at least its least member time over the wider sizes.
+  The sum falls as T rises; the least T meeting it is read off the sequences sorted by the T from which
+  they may run narrow.
+
 That is a bound on work, per pipeline stage. A second one holds on a dependency chain (`fastest_crossing`):
 a document's micro-batch crosses every pipeline stage forward and back one op after the other, whatever
 the schedule, so no step is shorter than its longest document's fastest crossing. With PP 4 a 1.2M-token
@@ -63,7 +81,8 @@ def step_time_lower_bound(
     other_work = float(whole.sum()) + cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size) * float(lengths.sum())
     long_lengths, counts = np.unique(lengths[~short], return_counts=True)
     if not len(long_lengths):
-        return max(other_work / num_ranks, slowest)
+        pieces = _pieces_floor(whole, np.ones(len(whole)), num_ranks) if num_ranks <= SMALL_POOL else 0.0
+        return max(other_work / num_ranks, slowest, pieces)
     fewest = {}
     for s in long_lengths.tolist():
         try:
@@ -73,8 +92,82 @@ def step_time_lower_bound(
             fewest[s] = num_ranks  # no plan exists; keep the bound finite
     sizer = RingSizer(long_lengths.tolist(), fewest, widest=lambda s: num_ranks, cost_model=cost_model,
                       pp_size=pp_size, fractional=True)
-    return settle_target(sizer, counts=counts.tolist(), other_work=other_work,
+    work = settle_target(sizer, counts=counts.tolist(), other_work=other_work,
                          floor=max(slowest, sizer.floor()), num_ranks=num_ranks, slack=0.0, from_below=True)
+    if num_ranks > SMALL_POOL:
+        return work
+    work = _pigeonhole_floor(sizer, counts=counts.tolist(), short_times=whole, num_ranks=num_ranks, start=work)
+    return max(work, _wide_rings_floor(sizer, counts=counts.tolist(), num_ranks=num_ranks))
+
+
+def _pieces_floor(durations: np.ndarray, counts: np.ndarray, num_ranks: int) -> float:
+    """max over q of the q + 1 shortest of the q D + 1 longest pieces (`counts[i]` pieces of `durations[i]`;
+    pieces of distinct sequences whenever they share a rank), summed; 0 with at most D pieces."""
+    order = np.argsort(durations)[::-1]
+    values, many = durations[order], counts[order]
+    held = np.cumsum(many)
+    most = (int(held[-1]) - 1) // num_ranks if len(held) else 0
+    if most < 1:
+        return 0.0
+    summed = np.concatenate([[0.0], np.cumsum(values * many)])
+    before = np.concatenate([[0], held])
+
+    def longest(number: np.ndarray) -> np.ndarray:  # the sum of the `number` longest pieces
+        group = np.searchsorted(held, number)
+        return summed[group] + (number - before[group]) * values[group]
+
+    q = np.arange(1, most + 1)
+    return float((longest(q * num_ranks + 1) - longest(q * num_ranks - q)).max())
+
+
+def _pigeonhole_floor(sizer: RingSizer, *, counts: Sequence[int], short_times: np.ndarray, num_ranks: int,
+                      start: float) -> float:
+    """The least T >= `start` at least the pigeonhole sum of the pieces a step of T forces (module doc),
+    from below within the bisection's precision."""
+    fastest = {s: sizer.member(s, sizer.fastest(s)) for s in sizer.lengths}
+
+    def forced(target: float) -> float:
+        sizes = sizer.sizes_for(target)
+        durations = np.concatenate([short_times, [fastest[s] for s in sizer.lengths]])
+        many = np.concatenate([np.ones(len(short_times)), [c * sizes[s] for s, c in zip(sizer.lengths, counts)]])
+        return _pieces_floor(durations, many, num_ranks)
+
+    lo = start
+    hi = forced(lo)
+    if hi <= lo:
+        return lo
+    while hi - lo > 1e-4 * lo:  # forced() falls as T rises: the least T >= forced(T) lies in [lo, hi]
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if forced(mid) <= mid else (mid, hi)
+    return lo
+
+
+SMALL_POOL = 64
+"""Largest pool on which `step_time_lower_bound` adds the piece and wide-ring terms: they time every ring
+size of every long sequence (a few hundred member times here; at thousands of ranks, 5-8x the bound's
+own time, inside the planner's loop, where the pieces outnumber the ranks only with many per rank)."""
+
+
+def _wide_rings_floor(sizer: RingSizer, *, counts: Sequence[int], num_ranks: int) -> float:
+    """The least T with p x T >= the summed least times of the rings wider than num_ranks / (p + 1) that a
+    step of T forces, for every p (module doc)."""
+    best = 0.0
+    for most in range(1, num_ranks):
+        cut = num_ranks // (most + 1)  # rings of at most `cut` members are not wide
+        leave, stay = [], []  # per sequence: the T from which it may run narrow; its least time when wide
+        for s, count in zip(sizer.lengths, counts):
+            times = {k: sizer.member(s, k) for k in range(sizer.fewest[s], num_ranks + 1)}
+            leave += [min((t for k, t in times.items() if k <= cut), default=float("inf"))] * count
+            stay += [min(t for k, t in times.items() if k > cut)] * count
+        order = np.argsort(leave)[::-1]
+        leave_sorted = np.append(np.asarray(leave)[order], 0.0)
+        forced = np.concatenate([[0.0], np.cumsum(np.asarray(stay)[order])])
+        for j in range(len(order), -1, -1):  # j sequences forced wide, on [leave_sorted[j], leave_sorted[j-1])
+            target = max(leave_sorted[j], forced[j] / most)
+            if j == 0 or target < leave_sorted[j - 1]:
+                best = max(best, target)
+                break
+    return best
 
 
 def gap(plan: StepPlan, *, cost_model: CostModel, max_offload_ratio: float = 1.0) -> float:
