@@ -18,7 +18,7 @@ from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.presets import analytic_cost_model, hardware_profile, model_shape
 from megatron_hdp.plan.lengths import K, ROLLOUT_MEDIAN, ROLLOUT_RANGE, ROLLOUT_SIGMA, synthetic_lengths
 from megatron_hdp.plan.planner import make_plan
-from megatron_hdp.plan.policies.rl_static_cp import karmarkar_karp
+from megatron_hdp.plan.search.cp_groups import karmarkar_karp
 
 
 def _best_max_part(weights: list[float], k: int) -> float:

@@ -46,6 +46,14 @@ A plan still that far from both is last compared with the plan made as if e = 1,
 and the routed expert work the all-to-all spreads (`timing.spread_expert_work`): where a micro-batch's
 overhead is large, fewer micro-batches can beat matched lanes (`_with_coupling`).
 
+A plan still more than `RETRY_GAP` above both its mean rank time and the lower bound is also compared with
+the static mesh's placement (`search.cp_groups`: every sequence on the ring of its CP group, the smallest
+power of two holding the longest, several sequences per micro-batch, each group its own count). Where
+most of a batch is longer than C (RL rollouts of median ~5K against a C of 4K), rings of one sequence each
+must line up their micro-batch indices across many sizes, and that placement is 3-8% faster
+(`benchmarks/rl_rollouts.py`, llama3-8b at TP 1); on pools of <= `SMALL_POOL` ranks with at most
+`CLIMB_LENGTHS` distinct lengths on rings, ring sizes are also climbed a rank at a time (`neighbours`).
+
 Deviations from the paper: Algorithm 2 forms buckets (micro-batches) first and then assigns them; we
 assign sequences to ranks first and pack per rank, which gives the same "different micro-batch counts"
 result at finer granularity. PP-Balance clusters similar lengths into one pipeline; here each pipeline's
@@ -66,6 +74,7 @@ import numpy as np
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.timeline.assemble import assemble_plan, gc_paused
 from megatron_hdp.plan.cost.model import CostModel
+from megatron_hdp.plan.search.cp_groups import cp_group_schedule, group_size
 from megatron_hdp.plan.search.expert_units import place_units, unit_options
 from megatron_hdp.plan.timeline.interleaved import group_size_fits
 from megatron_hdp.plan.search.neighbours import neighbours
@@ -94,6 +103,11 @@ worst cases); at 1,024 ranks the first alone cost 40 ms of a 65 ms plan."""
 CLIMB_ROUNDS = 4
 """Most rounds of the ring-size climb (each builds at most two plans per distinct long length). Without
 PP only: with PP every plan is `improvable`, and all rounds took an 8-rank byted plan from 11 to 125 ms."""
+
+CLIMB_LENGTHS = 12
+"""Most distinct lengths on rings in the plan for which balance climbs ring sizes: a round builds two plans per length, and
+a 64-rank RL batch with ~60 of them took 4-6 s to plan (against 0.14 s without the climb); the cases the
+climb is for have a few rings (the exact planner's, <= 12 documents)."""
 
 RETRY_GAP = 1.02
 """A plan whose step exceeds both the mean rank time and the lower bound by more than this factor tries
@@ -182,8 +196,9 @@ def _plan_balance(
         plan, family = _best(lengths, ranks[:1], (plan, family), **common)
     if improvable(plan):  # the alternatives of the family that planned better (both when rank by rank did)
         plan, _ = _best(lengths, units[1:] + (ranks[1:] if family is _build else []), (plan, family), **common)
-    if not units and pp_size == 1 and num_ranks <= SMALL_POOL:  # ring sizes no one target gives, a rank at a time
-        for _ in range(CLIMB_ROUNDS):
+    ring_lengths = len({length for length, seq in zip(lengths, plan.sequences) if len(seq.ring) > 1})
+    if not units and pp_size == 1 and num_ranks <= SMALL_POOL and ring_lengths <= CLIMB_LENGTHS:
+        for _ in range(CLIMB_ROUNDS):  # ring sizes no one target gives, a rank at a time
             if not improvable(plan):
                 break
             sizes = np.array([len(seq.ring) for seq in plan.sequences])
@@ -195,6 +210,9 @@ def _plan_balance(
             if climbed[0] is plan:
                 break
             plan, family = climbed
+    if vpp_size == 1 and improvable(plan):  # the static mesh's placement, which wins where most is on rings
+        plan = min([plan, *_on_cp_groups(lengths, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
+                                         pp_size=pp_size)], key=lambda p: p.est_step_time)
     if units and improvable(plan):  # still room: the plan made as if EP 1, timed with the coupling
         plan = min(plan, _with_coupling(_plan_balance(lengths, num_ranks=num_ranks, config=config,
                                                       cost_model=dataclasses.replace(cost_model, expert_parallel_size=1),
@@ -204,6 +222,19 @@ def _plan_balance(
         logger.debug("balance plan: step %.4g s, gap to the lower bound %.2f%%", plan.est_step_time,
                      100 * gap(plan, cost_model=cost_model))
     return plan
+
+
+def _on_cp_groups(lengths: list[int], *, num_ranks: int, capacity: int, cost_model: CostModel,
+                  pp_size: int) -> list[StepPlan]:
+    """Every sequence on the ring of its CP group of the smallest size that holds the longest
+    (`search.cp_groups`), each group its own micro-batch count; [] where no group holds it."""
+    cp = group_size(max(lengths), capacity=capacity, num_ranks=num_ranks)
+    if cp is None:
+        return []
+    rings, schedule = cp_group_schedule(lengths, cp=cp, num_ranks=num_ranks, capacity=capacity,
+                                        cost_model=cost_model, pp_size=pp_size, equal_counts=False)
+    return [assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=np.zeros(len(lengths)),
+                          schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)]
 
 
 def _with_coupling(plan: StepPlan, cost_model: CostModel) -> StepPlan:
