@@ -162,6 +162,17 @@ def test_balance_climbs_to_ring_sizes_no_single_target_gives():
     assert balance.est_step_time == pytest.approx(optimum, rel=1e-6)
 
 
+def test_balance_exchanges_two_short_documents_for_one():
+    """optimal_gap case 36 (6% above the optimum before): after the rings of 658 and 587 tokens, the
+    optimum puts 297 and 236 beside the ring that ends first and 466 beside the other; no single move or
+    swap of balance's local search gets there from its greedy assignment, an exchange of two for one does."""
+    lengths, config = [484, 236, 466, 297, 587, 658, 51, 354], HDPConfig(hdp_capacity=512, hdp_offload=False)
+    cost_model = analytic_cost_model("llama-7b")
+    optimum = plan_optimal(lengths, num_ranks=4, config=config, cost_model=cost_model).est_step_time
+    balance = make_plan(lengths, num_ranks=4, config=config, cost_model=cost_model, policy="balance")
+    assert balance.est_step_time == pytest.approx(optimum, rel=1e-6)
+
+
 def test_an_upper_bound_below_the_optimum_costs_a_second_solve_not_the_answer():
     lengths = [1500, 1100, 700, 300, 250]
     free = plan_optimal(lengths, num_ranks=3, config=CONFIG, cost_model=CM, upper_bound=float("inf"))
