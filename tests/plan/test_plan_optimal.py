@@ -20,7 +20,8 @@ import itertools
 import pytest
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.plan.policies.optimal import plan_optimal
+from megatron_hdp.plan.policies.optimal import RingOption, plan_optimal, prune_ring_sizes, ring_options
+from megatron_hdp.plan.policies.optimal_bound import assignment_bound
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.cost.presets import analytic_cost_model
 from megatron_hdp.plan.cost.sharding import shard_time, whole_times
@@ -162,8 +163,65 @@ def test_balance_climbs_to_ring_sizes_no_single_target_gives():
     assert balance.est_step_time == pytest.approx(optimum, rel=1e-6)
 
 
+def test_balance_exchanges_two_short_documents_for_one():
+    """optimal_gap case 36 (6% above the optimum before): after the rings of 658 and 587 tokens, the
+    optimum puts 297 and 236 beside the ring that ends first and 466 beside the other; no single move or
+    swap of balance's local search gets there from its greedy assignment, an exchange of two for one does."""
+    lengths, config = [484, 236, 466, 297, 587, 658, 51, 354], HDPConfig(hdp_capacity=512, hdp_offload=False)
+    cost_model = analytic_cost_model("llama-7b")
+    optimum = plan_optimal(lengths, num_ranks=4, config=config, cost_model=cost_model).est_step_time
+    balance = make_plan(lengths, num_ranks=4, config=config, cost_model=cost_model, policy="balance")
+    assert balance.est_step_time == pytest.approx(optimum, rel=1e-6)
+
+
 def test_an_upper_bound_below_the_optimum_costs_a_second_solve_not_the_answer():
     lengths = [1500, 1100, 700, 300, 250]
     free = plan_optimal(lengths, num_ranks=3, config=CONFIG, cost_model=CM, upper_bound=float("inf"))
     cut = plan_optimal(lengths, num_ranks=3, config=CONFIG, cost_model=CM, upper_bound=0.5 * free.est_step_time)
     assert cut.est_step_time == pytest.approx(free.est_step_time, rel=1e-9)
+
+
+@pytest.mark.parametrize("lengths, num_ranks", [([700, 700], 2), ([500, 500, 500, 300, 300], 3)])
+def test_equal_documents_and_interchangeable_ranks_keep_the_optimum(lengths, num_ranks):
+    """The symmetry rows (equal documents ordered by (ring size, slot), ranks by their first document) keep
+    one plan of each class; equal documents side by side at one slot must stay possible."""
+    plan = plan_optimal(lengths, num_ranks=num_ranks, config=CONFIG, cost_model=CM)
+    assert plan.est_step_time == pytest.approx(_whole_optimum(lengths, num_ranks), rel=1e-6)
+
+
+def test_ring_sizes_pruned_are_exactly_the_useless_ones():
+    """By hand: a ring no faster than a narrower one of the same document goes, as does one whose slot
+    alone exceeds the step, or whose work leaves no room for the others' least; the rest stays."""
+    o = lambda size, time: RingOption(size, time, 0.0)  # noqa: E731
+    options = [[o(2, 10.0), o(3, 10.0), o(4, 8.0)], [o(1, 3.0)], [o(2, 12.0), o(3, 30.0)]]
+    kept = prune_ring_sizes(options, num_ranks=4, overhead=1.0, step=20.0)
+    # work = size x (time - 1): least 18 + 2 + 22 = 42; room 4 x 19 - 42 = 34; 4 x 7 - 18 = 10 <= 34 kept
+    assert [[(k.size, k.time) for k in opts] for opts in kept] == [[(2, 10.0), (4, 8.0)], [(1, 3.0)], [(2, 12.0)]]
+    near = prune_ring_sizes(options, num_ranks=4, overhead=1.0, step=15.0)  # room 14: work above each least counts
+    assert [[k.size for k in opts] for opts in near] == [[2, 4], [1], [2]]
+    tight = prune_ring_sizes(options, num_ranks=4, overhead=1.0, step=10.0)  # room 4 x 9 - 42 < 0: none fits,
+    assert [[k.size for k in opts] for opts in tight] == [[4], [1], [2]]  # each keeps its fastest for the solve
+
+
+def test_slot_free_bound_is_below_every_plan_and_proves_the_issue_case():
+    """`optimal_bound.assignment_bound` never exceeds a runnable plan's step (balance's, the enumerated
+    whole optimum), and on the issue's 10-document case (rings of 2 and 3 on 4 ranks) it equals balance's
+    step, which a rank holding two rings of 900 and the ring of 1,300 tokens shows by hand."""
+    config = HDPConfig(hdp_capacity=512, hdp_offload=False)
+    cost_model = analytic_cost_model("llama-7b")
+    lengths = [1300, 900, 900, 900, 900, 300, 250, 200, 150, 100]
+    options = [ring_options(s, num_ranks=4, capacity=512, cost_model=cost_model, max_offload_ratio=0.0)
+               for s in lengths]
+    times = [{r.size: r.time for r in opts} for opts in options]
+    balance = make_plan(lengths, num_ranks=4, config=config, cost_model=cost_model, policy="balance").est_step_time
+    bound = assignment_bound(lengths, times, num_ranks=4, capacity=512, overhead=cost_model.microbatch_time([]),
+                             big=2 * balance, time_limit=30.0)
+    by_hand = 2 * times[1][2] + times[0][3]  # with 1300 on 3 and 900s on 2 some ring member holds 2 + 1
+    assert bound == pytest.approx(balance, rel=1e-6) and bound == pytest.approx(by_hand, rel=1e-6)
+    plan = plan_optimal(lengths, num_ranks=4, config=config, cost_model=cost_model, time_limit=60.0)
+    assert plan.est_step_time == pytest.approx(balance, rel=1e-6)
+    for whole, num_ranks in (([900, 700, 400, 300, 200], 2), ([700, 700], 2)):
+        times = [{1: CM.microbatch_time([(s, s, (0,))])} for s in whole]
+        bound = assignment_bound(whole, times, num_ranks=num_ranks, capacity=CAPACITY,
+                                 overhead=CM.microbatch_time([]), big=10.0, time_limit=30.0)
+        assert bound <= _whole_optimum(whole, num_ranks) * (1 + 1e-9)

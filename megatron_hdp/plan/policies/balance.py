@@ -80,7 +80,7 @@ from megatron_hdp.plan.timeline.interleaved import group_size_fits
 from megatron_hdp.plan.search.neighbours import neighbours
 from megatron_hdp.plan.search.packing import pack_for_pipelines
 from megatron_hdp.plan.search.placement import fill_gaps, lpt, narrowest_first, place_rings, place_rings_by_time
-from megatron_hdp.plan.search.refine import PipelineCost, refine_exact, refine_local
+from megatron_hdp.plan.search.refine import PipelineCost, refine_exact, refine_local, refine_pairs
 from megatron_hdp.plan.timeline.bounds import gap, step_time_lower_bound
 from megatron_hdp.plan.cost.sharding import member_times, shard_sequences, whole_times
 from megatron_hdp.plan.search.widening import widening_options
@@ -123,13 +123,19 @@ def assign_whole(
     cost: PipelineCost,
     exact: bool = False,
     exact_limit: int = 256,
+    overhead: float = 0.0,
 ) -> list[list[int]]:
-    """Whole sequences to ranks: LPT, then local search, then (if `exact`, no PP, at most `exact_limit`
-    variables) the MILP — skipped when the assignment already meets a simple lower bound."""
+    """Whole sequences to ranks: LPT, then local search (on small pools without PP also exchanges of two
+    sequences, `refine_pairs`), then (if `exact`, no PP, at most `exact_limit`
+    variables) the MILP — skipped when the assignment already meets a simple lower bound. `overhead`: a
+    micro-batch's own time (`refine_pairs` counts the micro-batches an exchange adds)."""
     loads = base.copy()
     given = lpt(order, weights=weights, loads=loads)
     given = refine_local(given, weights=weights, base=base, tokens=tokens, cost=cost)
     num_ranks = len(base)
+    if cost.pp_size == 1 and num_ranks <= SMALL_POOL:
+        given = refine_pairs(given, weights=weights, base=base, tokens=tokens, capacity=cost.capacity,
+                             overhead=overhead)
     if exact and cost.pp_size == 1 and 1 < num_ranks and len(order) * num_ranks <= exact_limit:
         totals = base + np.array([weights[r].sum() for r in given])
         bound = max(float(base.max()), float(totals.sum()) / num_ranks,
@@ -353,7 +359,8 @@ def _finish(
     num_ranks = len(leading)
     counts = np.array([len(mbs) for mbs in leading], dtype=np.int64)
     given = assign_whole(whole_order, weights=weights, tokens=tokens,
-                         base=finish, cost=PipelineCost(pp_size, capacity, counts, vpp_size), exact=exact)
+                         base=finish, cost=PipelineCost(pp_size, capacity, counts, vpp_size), exact=exact,
+                         overhead=overhead)
     rings: list[tuple[int, ...]] = [()] * len(lengths)
     for seq, ring in ring_of.items():
         rings[seq] = ring

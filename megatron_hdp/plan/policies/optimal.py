@@ -36,13 +36,17 @@ time / D and Z >= each rank's busy time; ranks and equal-length documents in one
 (`_break_symmetries`); ring sizes no plan within the upper bound needs left out (`prune_ring_sizes`),
 and every time below that bound (the big M: balance's plan or a greedy one, whichever is faster);
 Z >= (summed times of the rings wider than D / (p + 1)) / p for p = 1 .. D - 1 (p + 1 such rings need
-more than D ranks, so at most p run at once, and two on one rank run in different slots). Times are in
-milliseconds in the model (`MILLISECONDS`).
+more than D ranks, so at most p run at once, and two on one rank run in different slots); Z >= the
+optimum of a smaller MILP without slots (`optimal_bound.assignment_bound`: each rank's own time and the
+rings that block each other, in any order), so that a plan at that bound is proven at once (the issue's
+10-document case: unproven in 120 s before, ~2 s with it). Times are in milliseconds in the model
+(`MILLISECONDS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Sequence
 
 import numpy as np
@@ -52,6 +56,8 @@ from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.zigzag import zigzag_num_tokens
 from megatron_hdp.plan.cost.sharding import fits, needed_offload_ratio
 from megatron_hdp.plan.policies.balance import plan_balance
+from megatron_hdp.plan.policies.milp import Milp
+from megatron_hdp.plan.policies.optimal_bound import assignment_bound
 from megatron_hdp.plan.step_plan import StepPlan
 from megatron_hdp.plan.timeline.timing import jitter_lead
 
@@ -69,6 +75,12 @@ the greedy plan's step."""
 MILLISECONDS = 1e3
 """The MILP's unit of time per second: HiGHS lets a row slip by 1e-6 in the model's units (its MIP
 feasibility tolerance, which SciPy does not expose), 1 ns in milliseconds, a microsecond in seconds."""
+BOUND_SHARE = 0.25
+"""Share of the time limit the slot-free lower bound (`optimal_bound`) may take; it returns the solver's
+dual bound when that runs out."""
+BOUND_SLACK = 1e-5
+"""Milliseconds the step's row sits below the slot-free bound: HiGHS's feasibility tolerance (1e-6 in the
+model's units) must not make a plan at the bound infeasible."""
 TIME_LIMIT = 120.0
 """Seconds the solver may take before `plan_optimal` gives up (it returns only proven optima)."""
 
@@ -138,39 +150,6 @@ def _greedy_step(lengths: Sequence[int], options: list[list[RingOption]], *, num
     return float(clock.max())
 
 
-class _Model:
-    """Columns (variables) and sparse rows of a MILP under construction."""
-
-    def __init__(self) -> None:
-        self.lower: list[float] = []
-        self.upper: list[float] = []
-        self.integer: list[int] = []
-        self.cost: list[float] = []
-        self.rows: list[tuple[dict[int, float], float, float]] = []
-
-    def add(self, *, integer: bool, upper: float = 1.0) -> int:
-        self.lower.append(0.0)
-        self.upper.append(upper)
-        self.integer.append(int(integer))
-        self.cost.append(0.0)
-        return len(self.cost) - 1
-
-    def row(self, terms: dict[int, float], lower: float = -np.inf, upper: float = np.inf) -> None:
-        self.rows.append((terms, lower, upper))
-
-    def solve(self, *, time_limit: float):
-        from scipy.optimize import Bounds, LinearConstraint, milp  # only the exact planner pays for the import
-        from scipy.sparse import coo_array
-
-        entries = [(i, col, val) for i, (terms, _, _) in enumerate(self.rows) for col, val in terms.items()]
-        rows, cols, vals = zip(*entries)
-        matrix = coo_array((vals, (rows, cols)), shape=(len(self.rows), len(self.cost))).tocsr()
-        constraint = LinearConstraint(matrix, [r[1] for r in self.rows], [r[2] for r in self.rows])
-        return milp(np.array(self.cost), constraints=constraint, integrality=np.array(self.integer),
-                    bounds=Bounds(self.lower, self.upper),
-                    options={"time_limit": time_limit, "mip_rel_gap": 1e-7, "disp": False})
-
-
 def plan_optimal(
     lengths: list[int],
     *,
@@ -199,13 +178,18 @@ def plan_optimal(
         upper_bound = plan_balance(list(lengths), num_ranks=num_ranks, config=config,
                                    cost_model=cost_model).est_step_time
     greedy = _greedy_step(lengths, options, num_ranks=num_ranks)
+    deadline = time.perf_counter() + time_limit
     for step in sorted({min(upper_bound, greedy), greedy}):
         big = step * (1 + UPPER_MARGIN)
         kept = prune_ring_sizes(options, num_ranks=num_ranks, overhead=overhead, step=big)
         in_ms = [[dataclasses.replace(o, time=o.time * MILLISECONDS) for o in opts] for opts in kept]
+        lower = assignment_bound(lengths, [{o.size: o.time for o in opts} for opts in in_ms], num_ranks=num_ranks,
+                                 capacity=capacity, overhead=overhead * MILLISECONDS, big=big * MILLISECONDS,
+                                 time_limit=BOUND_SHARE * max(0.0, deadline - time.perf_counter()))
         m, cols = _formulation(lengths, in_ms, num_ranks=num_ranks, capacity=capacity,
                                overhead=overhead * MILLISECONDS, big=big * MILLISECONDS)
-        result = m.solve(time_limit=time_limit)
+        m.row({cols["z"]: 1.0}, lower=lower - BOUND_SLACK)
+        result = m.solve(time_limit=max(0.0, deadline - time.perf_counter()))
         if result.status != 2:  # 2: infeasible; under the greedy plan's step it is not, so try that next
             break
     if result.status != 0:
@@ -242,11 +226,11 @@ def prune_ring_sizes(options: list[list[RingOption]], *, num_ranks: int, overhea
 
 
 def _formulation(lengths: Sequence[int], options: list[list[RingOption]], *, num_ranks: int, capacity: int,
-                 overhead: float, big: float) -> tuple[_Model, dict]:
+                 overhead: float, big: float) -> tuple[Milp, dict]:
     """The MILP of the module doc for ring options `options`, every time below `big` seconds; returns the
-    model and the columns `_plan` reads (w, x, a, q)."""
+    model and the columns `_plan` reads (w, x, a, q) and the step's (z)."""
     n = slots = len(lengths)
-    m = _Model()
+    m = Milp()
     w = [{o.size: m.add(integer=True) for o in opts} for opts in options]
     whole = [1 in w[s] for s in range(n)]
     split = [any(k > 1 for k in w[s]) for s in range(n)]
@@ -319,10 +303,10 @@ def _formulation(lengths: Sequence[int], options: list[list[RingOption]], *, num
         if wide:
             m.row({z: float(most), **wide}, lower=0.0)
     _break_symmetries(m, lengths, w=w, x=x, a=a, q=q, num_ranks=num_ranks)
-    return m, {"w": w, "x": x, "a": a, "q": q}
+    return m, {"w": w, "x": x, "a": a, "q": q, "z": z}
 
 
-def _break_symmetries(m: _Model, lengths: Sequence[int], *, w, x, a, q, num_ranks: int) -> None:
+def _break_symmetries(m: Milp, lengths: Sequence[int], *, w, x, a, q, num_ranks: int) -> None:
     """Rows that keep one plan of each class of equivalent ones (module doc: neither changes the optimum).
 
     Ranks are interchangeable (one node, no topology): with documents taken longest first, rank r + 1
@@ -358,7 +342,7 @@ def _break_symmetries(m: _Model, lengths: Sequence[int], *, w, x, a, q, num_rank
         m.row({**key(first, 1.0), **key(second, -1.0)}, upper=0.0)
 
 
-def _plan(values: np.ndarray, *, lengths: list[int], options: list[list[RingOption]], w, x, a, q, num_ranks: int,
+def _plan(values: np.ndarray, *, lengths: list[int], options: list[list[RingOption]], w, x, a, q, z, num_ranks: int,
           capacity: int, cost_model: CostModel, objective: float, tolerance: float) -> StepPlan:
     """The StepPlan of the solver's choice, timed by `assemble_plan`; its predicted step time must equal
     the solver's objective within `tolerance` seconds (a solver answer that breaks a row would show here)."""

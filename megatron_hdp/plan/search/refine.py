@@ -8,6 +8,10 @@ deterministic so that every rank computes the same plan:
   transfer closest to half the load difference; stop when the slowest rank cannot be improved. With
   PP the rank's cost includes the 1F1B fill/drain (`PipelineCost`), which favours more, smaller
   micro-batches on ranks that hold a heavy one.
+- `refine_pairs`: on small pools and batches without PP, after `refine_local`: exchanges of up to two sequences
+  each way between the slowest rank and another (two for one, one for two, two for two), which single
+  moves and swaps cannot make (the exact planner's worst case, optimal_gap seed 36: two short
+  sequences of the slowest rank for one of similar total time elsewhere).
 - `refine_exact`: an exact MILP (SciPy's HiGHS) for small instances: minimise T subject to
   load_r + sum_j w_j x_jr <= T and sum_r x_jr = 1 with binary x. Bounded by a node limit, never a time
   limit (a time limit would make the plan depend on machine load and differ between ranks). The
@@ -19,7 +23,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, combinations
 from typing import Sequence
 
 import numpy as np
@@ -160,6 +164,61 @@ def _improve(source: list[tuple[float, int]], target: list[tuple[float, int]], s
         state.apply(hi, back[0], tokens[back[1]])
         state.apply(lo, -back[0], -tokens[back[1]])
     return True
+
+
+PAIR_ITEMS = 32
+"""Most sequences `refine_pairs` takes (the exact planner's cases have at most 12): it tries every exchange."""
+
+
+def refine_pairs(given: list[list[int]], *, weights: Sequence[float], base: np.ndarray, tokens: Sequence[int],
+                 capacity: int, overhead: float, max_steps: int = 100) -> list[list[int]]:
+    """`given` (items per rank, busy time `base` before them) after exchanges of up to two items each way
+    between the slowest rank and any other, the one lowering the pair's larger time most first, until
+    none lowers the slowest rank (module doc); unchanged above `PAIR_ITEMS` items. A rank's time counts
+    `overhead` per micro-batch its items need at least (tokens / `capacity`, rounded up), so that an
+    exchange does not balance busy time at the price of an extra micro-batch."""
+    if sum(map(len, given)) > PAIR_ITEMS:
+        return given
+    weights, tokens = np.asarray(weights, dtype=np.float64), np.asarray(tokens, dtype=np.int64)
+    out = [list(items) for items in given]
+    busy = np.array([float(base[r]) + float(weights[out[r]].sum()) for r in range(len(out))])
+    held = np.array([int(tokens[out[r]].sum()) for r in range(len(out))])
+
+    def groups(items: list[int]) -> tuple[list[tuple[int, ...]], np.ndarray, np.ndarray, np.ndarray]:
+        """Every group of at most two of `items`: the groups, their weights, tokens and sizes."""
+        chosen = [()] + [(a,) for a in items] + list(combinations(items, 2))
+        return (chosen, np.array([sum(float(weights[i]) for i in g) for g in chosen]),
+                np.array([sum(int(tokens[i]) for i in g) for g in chosen]), np.array(list(map(len, chosen))))
+
+    def time(busy_: np.ndarray, held_: np.ndarray) -> np.ndarray:
+        return busy_ + overhead * -(-held_ // capacity)
+
+    for _ in range(max_steps):
+        loads = time(busy, held)
+        hi = int(np.argmax(loads))
+        if not out[hi]:  # an exchange only adds to a rank that gives nothing
+            break
+        best, eps = (loads[hi], None), 1e-12 * max(1.0, float(loads[hi]))
+        give, give_w, give_t, give_n = groups(out[hi])
+        for lo in range(len(out)):
+            if lo == hi:
+                continue
+            take, take_w, take_t, take_n = groups(out[lo])
+            dw, dt = give_w[:, None] - take_w[None, :], give_t[:, None] - take_t[None, :]
+            pair = np.maximum(time(busy[hi] - dw, held[hi] - dt), time(busy[lo] + dw, held[lo] + dt))
+            pair[give_n[:, None] + take_n[None, :] < 3] = np.inf  # moves and swaps of one item: refine_local's
+            at = np.unravel_index(int(np.argmin(pair)), pair.shape)
+            if pair[at] < best[0] - eps:
+                best = (float(pair[at]), (lo, give[at[0]], take[at[1]]))
+        if best[1] is None:
+            break
+        lo, gone, back = best[1]
+        out[hi] = [i for i in out[hi] if i not in gone] + list(back)
+        out[lo] = [i for i in out[lo] if i not in back] + list(gone)
+        for r in (hi, lo):
+            busy[r] = float(base[r]) + float(weights[out[r]].sum())
+            held[r] = int(tokens[out[r]].sum())
+    return out
 
 
 def refine_exact(

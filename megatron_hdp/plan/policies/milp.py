@@ -1,0 +1,43 @@
+"""A mixed-integer linear program under construction, solved by SciPy's HiGHS interface: the one model
+class the exact planner's formulations (`optimal`, `optimal_bound`) build their columns and rows in."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Milp:
+    """Columns (variables, each in [0, upper], integer or not) and sparse rows (lower <= terms <= upper)
+    of a minimisation; `cost` holds the objective's coefficients."""
+
+    def __init__(self) -> None:
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[int] = []
+        self.cost: list[float] = []
+        self.rows: list[tuple[dict[int, float], float, float]] = []
+
+    def add(self, *, integer: bool, upper: float = 1.0) -> int:
+        """A new column in [0, `upper`]; returns its index."""
+        self.lower.append(0.0)
+        self.upper.append(upper)
+        self.integer.append(int(integer))
+        self.cost.append(0.0)
+        return len(self.cost) - 1
+
+    def row(self, terms: dict[int, float], lower: float = -np.inf, upper: float = np.inf) -> None:
+        """The row lower <= sum(coefficient x column) <= upper, `terms` mapping column to coefficient."""
+        self.rows.append((terms, lower, upper))
+
+    def solve(self, *, time_limit: float):
+        """SciPy's `milp` result (HiGHS) for the model as built, within `time_limit` seconds."""
+        from scipy.optimize import Bounds, LinearConstraint, milp  # only the exact planner pays for the import
+        from scipy.sparse import coo_array
+
+        entries = [(i, col, val) for i, (terms, _, _) in enumerate(self.rows) for col, val in terms.items()]
+        rows, cols, vals = zip(*entries)
+        matrix = coo_array((vals, (rows, cols)), shape=(len(self.rows), len(self.cost))).tocsr()
+        constraint = LinearConstraint(matrix, [r[1] for r in self.rows], [r[2] for r in self.rows])
+        return milp(np.array(self.cost), constraints=constraint, integrality=np.array(self.integer),
+                    bounds=Bounds(self.lower, self.upper),
+                    options={"time_limit": time_limit, "mip_rel_gap": 1e-7, "disp": False})
