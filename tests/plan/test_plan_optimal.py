@@ -225,3 +225,24 @@ def test_slot_free_bound_is_below_every_plan_and_proves_the_issue_case():
         bound = assignment_bound(whole, times, num_ranks=num_ranks, capacity=CAPACITY,
                                  overhead=CM.microbatch_time([]), big=10.0, time_limit=30.0)
         assert bound <= _whole_optimum(whole, num_ranks) * (1 + 1e-9)
+
+
+def test_an_unproven_solve_names_the_bound_it_proved():
+    """Out of time, `optimal` refuses in one line, but with what it knows: the dual bound (and its best plan's
+    step when it has one), which no runnable plan (balance's, under the CLI's H100 mesh model) may beat."""
+    import re
+
+    from megatron_hdp.plan.cost.mesh import mesh_cost_model
+
+    config = HDPConfig(hdp_capacity=512, hdp_offload=False)
+    cost_model = mesh_cost_model(model="llama-7b", hardware="h100")
+    lengths = [1300, 900, 900, 900, 900, 300, 250, 200, 150, 100]
+    balance = make_plan(lengths, num_ranks=4, config=config, cost_model=cost_model, policy="balance").est_step_time
+    with pytest.raises(ValueError) as error:
+        plan_optimal(lengths, num_ranks=4, config=config, cost_model=cost_model, time_limit=2.0)
+    message = str(error.value)
+    assert "\n" not in message
+    bound = float(re.search(r"no plan is faster than ([\d.e+-]+) s", message).group(1))
+    best = re.search(r"best plan takes ([\d.e+-]+) s", message)
+    assert 0.5 * balance < bound <= balance * (1 + 1e-3)  # printed to 4 digits
+    assert best is None or bound <= float(best.group(1))

@@ -193,8 +193,10 @@ def plan_optimal(
         if result.status != 2:  # 2: infeasible; under the greedy plan's step it is not, so try that next
             break
     if result.status != 0:
-        raise ValueError(f"policy optimal found no proven optimum within {time_limit:g} s ({result.message}); "
-                         "use balance, or fewer documents or ranks")
+        dual = max(lower, getattr(result, "mip_dual_bound", None) or 0.0) / MILLISECONDS
+        found = "" if result.x is None else f"its best plan takes {float(result.fun) / MILLISECONDS:.4g} s, "
+        raise ValueError(f"policy optimal found no proven optimum within {time_limit:g} s ({result.message}): "
+                         f"{found}no plan is faster than {dual:.4g} s; use balance, or fewer documents or ranks")
     return _plan(result.x, lengths=lengths, options=kept, **cols, num_ranks=num_ranks,
                  capacity=capacity, cost_model=cost_model, objective=float(result.fun) / MILLISECONDS,
                  tolerance=1e-9 * big + INTEGRALITY_TOLERANCE * big)
