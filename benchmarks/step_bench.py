@@ -35,7 +35,10 @@ groups and they wait at every index), beside `balance` (EP groups planned as uni
 are also given over it. The fit then measures this MoE model on this EP mesh, its predictions couple the
 EP groups as the runtime does (`megatron_hdp.sim.replay` replays the measured phases the same way), and
 it measures which share of the per-token work the all-to-all spreads over an EP group
-(`CostModel.expert_share`, `cpu_training.measure_expert_share`).
+(`CostModel.expert_share`, `cpu_training.expert_share`) and the all-to-all's own rate on gloo
+(`cpu_training.measure_alltoall`, the cost model's all-to-all term); every row is also predicted by the
+fit's twin that folds the all-to-all into b1 and the expert share as before issue 41
+(`predicted_time_without_alltoall`, judged as "..._without_alltoall"): what the term changes.
 
 The prediction is judged on what the simulator claims, ratios: per step, the predicted speedup of each
 policy over static and over Megatron's Hybrid-CP against the measured one (`speedup_errors`), the

@@ -455,10 +455,10 @@ def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches_per_size: int = 2)
 
 
 EXPERT_SHARE_DOCUMENT = 256
-"""Tokens of each document the lead member of an EP group holds in `measure_expert_share` (short, so that
-attention is a small known part of its work)."""
+"""Tokens of each document the lead member of an EP group holds in `measure_expert_share_slopes` (short,
+so that attention is a small known part of its work)."""
 EXPERT_SHARE_DOCUMENTS = (2, 8)
-"""Documents the lead member holds in `measure_expert_share`'s two cases."""
+"""Documents the lead member holds in `measure_expert_share_slopes`'s two cases."""
 ALLTOALL_TOKENS = (64, 256, 1024)
 """Tokens per member of the all-to-alls `measure_alltoall` times (a micro-batch holds up to C tokens)."""
 
@@ -650,8 +650,8 @@ def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, grad_bytes:
     """`plan` is the policy's plan; `run_plan` what ran (default: `plan`), with group `barriers`. Empty
     micro-batches of a `run_plan` are slots Megatron does not run: their measured times count as zero.
     `predict` and `in_run`: {"model", "allreduce_bandwidth", "step_overhead", "speed_probe", "ring_probe",
-    "model_without_alltoall" (`fit_cost_model`'s twin, or None)} to predict with (the same dict unless a cost model came from outside the run); `now`: the probes of
-    this step's round (`measure_probes`)."""
+    "model_without_alltoall" (`fit_cost_model`'s twin, or None)} to predict with (the same dict unless a
+    cost model came from outside the run); `now`: the probes of this step's round (`measure_probes`)."""
     from megatron_hdp.sim.replay import dedicated_step_time
 
     run_plan = run_plan or plan
@@ -674,7 +674,8 @@ def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, grad_bytes:
     )
     busy = [b.before + sum(b.forward) + sum(b.backward) + b.after for b in busy_by_rank]
     twin = predict.get("model_without_alltoall")
-    predict, in_run = ({k: v for k, v in timing.items() if k != "model_without_alltoall"} for timing in (predict, in_run))
+    predict, in_run = ({k: v for k, v in timing.items() if k != "model_without_alltoall"}
+                       for timing in (predict, in_run))
     timeline, predicted, speed = _predicted_time(policy, plan, grad_bytes=grad_bytes, now=now, **predict)
     _, predicted_in_run, speed_in_run = _predicted_time(policy, plan, grad_bytes=grad_bytes, now=now, **in_run)
     without_alltoall = None if twin is None else _predicted_time(policy, plan, grad_bytes=grad_bytes, now=now,
@@ -732,7 +733,8 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     probes = [measure_probes(first, spec)]  # around the fit, so that their medians are the fit's conditions
     fitted, folded = fit_cost_model(first, spec)
     probes.append(measure_probes(first, spec))
-    fitted, folded = map(first.planning_cost_model, (fitted, folded))  # the mesh's EP groups, coupled as the runtime couples them
+    # the mesh's EP groups, coupled as the runtime couples them
+    fitted, folded = map(first.planning_cost_model, (fitted, folded))
     model = first.planning_cost_model(CostModel.from_dict(cost_model)) if cost_model else fitted
     twin = (measured or {}).get("cost_model_without_alltoall") if cost_model else folded.to_dict()
     grad_bytes = grad_buffer_bytes(first)
@@ -740,7 +742,8 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     step_overhead = measure_step_overhead(first, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth)
     probes.append(measure_probes(first, spec))
     in_run = {"model": fitted, "allreduce_bandwidth": allreduce_bandwidth, "step_overhead": step_overhead,
-              "model_without_alltoall": folded, **{key: _median_or_none([p[key] for p in probes]) for key in probes[0]}}
+              "model_without_alltoall": folded,
+              **{key: _median_or_none([p[key] for p in probes]) for key in probes[0]}}
     predict = {**in_run, "model": model, **{k: v for k, v in (measured or {}).items() if k in in_run},
                "model_without_alltoall": first.planning_cost_model(CostModel.from_dict(twin)) if twin else None}
     if measured and "ring_probe" not in measured:
