@@ -35,7 +35,10 @@ groups and they wait at every index), beside `balance` (EP groups planned as uni
 are also given over it. The fit then measures this MoE model on this EP mesh, its predictions couple the
 EP groups as the runtime does (`megatron_hdp.sim.replay` replays the measured phases the same way), and
 it measures which share of the per-token work the all-to-all spreads over an EP group
-(`CostModel.expert_share`, `cpu_training.measure_expert_share`).
+(`CostModel.expert_share`, `cpu_training.expert_share`) and the all-to-all's own rate on gloo
+(`cpu_training.measure_alltoall`, the cost model's all-to-all term); every row is also predicted by the
+fit's twin that folds the all-to-all into b1 and the expert share as before issue 41
+(`predicted_time_without_alltoall`, judged as "..._without_alltoall"): what the term changes.
 
 The prediction is judged on what the simulator claims, ratios: per step, the predicted speedup of each
 policy over static and over Megatron's Hybrid-CP against the measured one (`speedup_errors`), the
@@ -220,10 +223,13 @@ def speedup_errors(rows: list[dict], key: str, base: str) -> dict:
 def judge_prediction(rows: list[dict], out_of_sample: bool) -> dict:
     """In sample (this run's fit) and, when predicted from another run, out of sample: the speedup errors
     over static and over Megatron's Hybrid-CP, and the absolute step-time errors beside them; scaled by the
-    speed probe, and the absolute errors unscaled (what the fit alone predicts: the drift)."""
+    speed probe, and the absolute errors unscaled (what the fit alone predicts: the drift). With MoE, the
+    same for the predicting fit's twin without the all-to-all term ("..._without_alltoall": before issue 41)."""
     keys = {"in_sample": "predicted_time_in_run_fit"}
     if out_of_sample:
         keys["out_of_sample"] = "predicted_time"
+    if all(r.get("predicted_time_without_alltoall") is not None for r in rows):
+        keys[f"{'out_of' if out_of_sample else 'in'}_sample_without_alltoall"] = "predicted_time_without_alltoall"
     out = {}
     for name, key in keys.items():
         speed = "speed_factor_in_run" if key == "predicted_time_in_run_fit" else "speed_factor"
@@ -339,8 +345,8 @@ def main(argv: list[str]) -> int:
         if fitted_on:  # run i predicts with the earlier file's run i (its fit and its speed probe)
             fit = fits[index % len(fits)]
             cost_model = CostModel.from_dict(fit["cost_model"]).to_dict()
-            measured = {k: fit[k] for k in ("allreduce_bandwidth", "step_overhead", "speed_probe", "ring_probe")
-                        if k in fit}
+            measured = {k: fit[k] for k in ("allreduce_bandwidth", "step_overhead", "speed_probe", "ring_probe",
+                                            "cost_model_without_alltoall") if k in fit}
         load_before = os.getloadavg()
         result = run_gloo(train_policies, args.ranks, spec, cost_model, measured, timeout_s=3600)[0]
         summary = summarize(result["rows"], policies)

@@ -165,6 +165,11 @@ class StepRow:
     per_rank: dict = field(default_factory=dict)
     """Per HDP rank: measured CPU seconds of micro-batches ("compute"), of the phases before and after
     them, and the simulator's busy seconds ("predicted_compute"): where a prediction error comes from."""
+    predicted_time_without_alltoall: Optional[float] = None
+    """`predicted_time` with the predicting fit's twin that folds the MoE all-to-all into b1 and
+    expert_share, as the fit did before issue 41 (`fit_cost_model`): what the all-to-all term changes
+    (`predicted_time` itself where the fit has no such term: dense or EP 1). None when the predicting fit
+    came without its twin (a file written before issue 41)."""
 
 
 def global_batches(spec: CpuRunSpec) -> list[list[int]]:
@@ -450,20 +455,65 @@ def measure_jitter(trainer, spec: CpuRunSpec, *, microbatches_per_size: int = 2)
 
 
 EXPERT_SHARE_DOCUMENT = 256
-"""Tokens of each document the lead member of an EP group holds in `measure_expert_share` (short, so that
-attention is a small known part of its work)."""
+"""Tokens of each document the lead member of an EP group holds in `measure_expert_share_slopes` (short,
+so that attention is a small known part of its work)."""
 EXPERT_SHARE_DOCUMENTS = (2, 8)
-"""Documents the lead member holds in `measure_expert_share`'s two cases."""
+"""Documents the lead member holds in `measure_expert_share_slopes`'s two cases."""
+ALLTOALL_TOKENS = (64, 256, 1024)
+"""Tokens per member of the all-to-alls `measure_alltoall` times (a micro-batch holds up to C tokens)."""
 
 
-def measure_expert_share(trainer, spec: CpuRunSpec, *, a1: float) -> float:
-    """`CostModel.expert_share` of this MoE model on this EP mesh: in each EP group of e ranks the first
-    member holds n documents of D = `EXPERT_SHARE_DOCUMENT` tokens (s = n D) and the others none, so they
-    run the runtime's padding micro-batch and, through the all-to-all, the expert work of the tokens
-    routed to them. Per layer, the others' mean is v(s) = g + x b1 s / e and the group's total
-    u(s) + (e-1) v(s) = e g + a1 D s + b1 s, so between the two sizes (timed in turns) g cancels and
-    x = e dv / (d total - a1 D ds): b1 comes from the same micro-batches, the fit's a1 only for the small
-    attention term. Clipped to [0, 1]; median over the groups."""
+def routed_bytes_per_token(spec: CpuRunSpec) -> float:
+    """`CostModel.expert_alltoall_bytes_per_token` of the tiny model: its fp32 hidden state times the routed
+    copies per token of its shape (`ModelShape.routed_copies_per_token`; TP 1; 0 for a dense model)."""
+    from megatron_hdp.harness.exactness import VOCAB_SIZE
+    from megatron_hdp.plan.cost.presets import ModelShape
+
+    shape = ModelShape(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                       num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
+                       ffn_hidden_size=spec.ffn_hidden_size, vocab_size=VOCAB_SIZE, num_experts=spec.num_experts,
+                       moe_router_topk=spec.moe_router_topk)
+    return 4.0 * spec.hidden_size * shape.routed_copies_per_token()
+
+
+def measure_alltoall(trainer, spec: CpuRunSpec) -> tuple[Optional[float], float]:
+    """(bytes/s, seconds per call) of the MoE all-to-all on this EP mesh, in the fit's currency (CPU
+    seconds): every member of each EP group sends t tokens' routed copies (`routed_bytes_per_token` x t)
+    split evenly over its group, as balance's matched lanes run it, with what Megatron's alltoall dispatcher
+    calls (`all_to_all_single` on the group), alone. Each t of `ALLTOALL_TOKENS` is timed in turns over
+    2 x `spec.fit_repeats` rounds, fewest CPU seconds, median over ranks, and `plan.cost.fit.fit_alltoall_rate`
+    fits the crossing bytes ((e - 1) / e of them) and a per-call latency. The latency is not a term of the
+    cost model: four calls per layer and micro-batch are a constant in g, which the whole-document rows
+    measure with them."""
+    from megatron_hdp.plan.cost.fit import fit_alltoall_rate
+
+    state, e = trainer.state, spec.ep_size
+    mine = None
+    for first in range(0, state.hdp_size, e):  # every rank creates every group, in the same order
+        group = dist.new_group([state.hdp_global_ranks[r] for r in range(first, first + e)])
+        mine = group if first <= state.hdp_rank < first + e else mine
+    values = int(routed_bytes_per_token(spec) // 4)
+    fewest = [float("inf")] * len(ALLTOALL_TOKENS)
+    for repeat in range(2 * spec.fit_repeats + 1):
+        for i, tokens in enumerate(ALLTOALL_TOKENS):
+            send = torch.ones(tokens * values, dtype=torch.float32)
+            received = torch.empty_like(send)
+            dist.barrier(group=mine)
+            start = time.process_time()
+            dist.all_to_all_single(received, send, group=mine)
+            if repeat:  # the first round is untimed (first calls)
+                fewest[i] = min(fewest[i], time.process_time() - start)
+    seconds = [_median_over_ranks(t) for t in fewest]
+    crossing = [(e - 1) / e * tokens * values * 4 for tokens in ALLTOALL_TOKENS]
+    return fit_alltoall_rate(crossing, seconds)
+
+
+def measure_expert_share_slopes(trainer, spec: CpuRunSpec, *, a1: float) -> list[tuple[float, float]]:
+    """Per EP group, (dv, dlinear) of `expert_share`'s fit: in each EP group of e ranks the first member
+    holds n documents of D = `EXPERT_SHARE_DOCUMENT` tokens (s = n D) and the others none, so they run
+    the runtime's padding micro-batch and, through the all-to-all, the expert work of the tokens routed to
+    them. Per layer and token of s between the two sizes (timed in turns): dv, the others' mean slope, and
+    dlinear, the group's total slope less the lead's attention a1 D. `expert_share` reads x from them."""
     world, e = trainer.state.hdp_size, spec.ep_size
     leads = list(range(0, world, e))
     cases = []
@@ -472,24 +522,40 @@ def measure_expert_share(trainer, spec: CpuRunSpec, *, a1: float) -> float:
         cases.append((lengths, [(lead,) for lead in leads for _ in range(n)], n * EXPERT_SHARE_DOCUMENT))
     seconds = [_over_ranks(mine) / spec.num_layers
                for mine in _interleaved_microbatch_seconds(trainer, cases, 2 * spec.fit_repeats)]
-    shares = []
+    ds = (EXPERT_SHARE_DOCUMENTS[1] - EXPERT_SHARE_DOCUMENTS[0]) * EXPERT_SHARE_DOCUMENT
+    slopes = []
     for lead in leads:
         others = [seconds[i][lead + 1:lead + e].mean() for i in range(2)]
         totals = [seconds[i][lead:lead + e].sum() for i in range(2)]
-        ds = (EXPERT_SHARE_DOCUMENTS[1] - EXPERT_SHARE_DOCUMENTS[0]) * EXPERT_SHARE_DOCUMENT
-        linear = (totals[1] - totals[0]) / ds - a1 * EXPERT_SHARE_DOCUMENT
-        shares.append(e * (others[1] - others[0]) / ds / linear if linear > 0 else 0.0)
+        slopes.append(((others[1] - others[0]) / ds, (totals[1] - totals[0]) / ds - a1 * EXPERT_SHARE_DOCUMENT))
+    return slopes
+
+
+def expert_share(slopes: list[tuple[float, float]], *, ep_size: int, alltoall: float = 0.0) -> float:
+    """`CostModel.expert_share` x from `measure_expert_share_slopes`, under the cost model's rules: per
+    layer the others' mean is v(s) = g + x b1 s / e + A s and the group's total e g + a1 D s + b1 s + e A s
+    (every member waits A per token of the fullest member for the all-to-all,
+    `CostModel.expert_alltoall_seconds_per_token` per layer), so x = e (dv - A) / (dlinear - e A). With
+    A = 0 the all-to-all is folded into x (as before issue 41). Clipped to [0, 1]; median over the groups."""
+    e = ep_size
+    shares = [e * (dv - alltoall) / (dlinear - e * alltoall) if dlinear - e * alltoall > 0 else 0.0
+              for dv, dlinear in slopes]
     return float(np.clip(np.median(shares), 0.0, 1.0))
 
 
-def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
+def fit_cost_model(trainer, spec: CpuRunSpec) -> tuple[CostModel, CostModel]:
     """The cost model of this model on this CPU, in CPU seconds of the runtime's own micro-batches (median
-    over ranks, which run them at once):
+    over ranks, which run them at once), and its twin without the all-to-all term (below):
 
     - per layer T(s) = a1 s^2 + b1 s + g: `plan.cost.fit.fit_compute` (non-negative least squares, relative
       error) over whole documents of `spec.fit_lengths`, one per rank;
     - `jitter` from `measure_jitter`;
-    - with expert parallelism, `expert_share` from `measure_expert_share`;
+    - with expert parallelism, the all-to-all's rate from `measure_alltoall` (`expert_alltoall_bandwidth`,
+      `expert_alltoall_bytes_per_token` from `routed_bytes_per_token`): A per token per layer, which the
+      whole-document rows (every member holding s tokens) measured inside b1, so b1 - A is the model's
+      b1; `expert_share` from `measure_expert_share_slopes` with A charged (`expert_share`). The twin
+      folds the all-to-all into b1 and x as the fit did before issue 41 (bytes 0): what the benchmark
+      compares the term against on the same steps;
     - ring link: bandwidth from `_ring_link`; the rest from ring micro-batches, each member holding C
       tokens, timed in turns (`_interleaved_microbatch_seconds`, 2 x `spec.fit_repeats` rounds):
       `ring_block_overhead` from n = 8 documents of k C / n tokens against one of k C on the widest ring
@@ -531,13 +597,25 @@ def fit_cost_model(trainer, spec: CpuRunSpec) -> CostModel:
         # fp32: each of the 3k-2 messages (CostModel.ring_messages) carries one member's K/V or dK/dV
         latencies.append((exposed + attention) / CostModel.ring_messages(k) - kv_bytes * tokens / bandwidth)
     latency = max(float(np.median(latencies)), link_latency) if latencies else link_latency
-    return fitted_cost_model(
+    folded = fitted_cost_model(
         (a1, b1, g), (4 * (6 * spec.hidden_size + 2 * kv_channels + 4 * spec.ffn_hidden_size), 0.0),
         kv_bytes_per_token=float(kv_bytes), activation_dtype_bytes=4, num_layers=spec.num_layers,
         ring_bandwidth=float(bandwidth), ring_latency=latency, ring_block_overhead=block_overhead,
-        jitter=measure_jitter(trainer, spec),
-        expert_share=measure_expert_share(trainer, spec, a1=a1) if spec.ep_size > 1 else 0.0,
+        jitter=measure_jitter(trainer, spec), expert_parallel_size=spec.ep_size,
     )
+    if spec.ep_size == 1:
+        return folded, folded
+    rate, _ = measure_alltoall(trainer, spec)
+    slopes = measure_expert_share_slopes(trainer, spec, a1=a1)
+    folded = dataclasses.replace(folded, expert_share=expert_share(slopes, ep_size=spec.ep_size))
+    if rate is None:  # no time per byte: nothing to charge
+        return folded, folded
+    model = dataclasses.replace(folded, expert_alltoall_bytes_per_token=routed_bytes_per_token(spec),
+                                expert_alltoall_bandwidth=rate)
+    alltoall = model.expert_alltoall_seconds_per_token() / spec.num_layers
+    model = dataclasses.replace(model, b1=max(0.0, b1 - alltoall),
+                                expert_share=expert_share(slopes, ep_size=spec.ep_size, alltoall=alltoall))
+    return model, folded
 
 
 def silence_megatron_warnings() -> None:
@@ -571,9 +649,9 @@ def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, grad_bytes:
                   in_run: dict, now: dict, run_plan=None, barriers=(), ep_size: int = 1) -> StepRow:
     """`plan` is the policy's plan; `run_plan` what ran (default: `plan`), with group `barriers`. Empty
     micro-batches of a `run_plan` are slots Megatron does not run: their measured times count as zero.
-    `predict` and `in_run`: {"model", "allreduce_bandwidth", "step_overhead", "speed_probe", "ring_probe"}
-    to predict with (the same dict unless a cost model came from outside the run); `now`: the probes of
-    this step's round (`measure_probes`)."""
+    `predict` and `in_run`: {"model", "allreduce_bandwidth", "step_overhead", "speed_probe", "ring_probe",
+    "model_without_alltoall" (`fit_cost_model`'s twin, or None)} to predict with (the same dict unless a
+    cost model came from outside the run); `now`: the probes of this step's round (`measure_probes`)."""
     from megatron_hdp.sim.replay import dedicated_step_time
 
     run_plan = run_plan or plan
@@ -595,8 +673,13 @@ def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, grad_bytes:
         ep_size=ep_size,
     )
     busy = [b.before + sum(b.forward) + sum(b.backward) + b.after for b in busy_by_rank]
+    twin = predict.get("model_without_alltoall")
+    predict, in_run = ({k: v for k, v in timing.items() if k != "model_without_alltoall"}
+                       for timing in (predict, in_run))
     timeline, predicted, speed = _predicted_time(policy, plan, grad_bytes=grad_bytes, now=now, **predict)
     _, predicted_in_run, speed_in_run = _predicted_time(policy, plan, grad_bytes=grad_bytes, now=now, **in_run)
+    without_alltoall = None if twin is None else _predicted_time(policy, plan, grad_bytes=grad_bytes, now=now,
+                                                                 **{**predict, "model": twin})[1]
     compute = [sum(b.forward) + sum(b.backward) for b in busy_by_rank]
     per_rank = {
         "compute": compute, "before": [b.before for b in busy_by_rank], "after": [b.after for b in busy_by_rank],
@@ -610,7 +693,7 @@ def _measured_row(policy: str, step: int, plan, stats, busy_by_rank, grad_bytes:
         balance=max(compute) / statistics.mean(compute), num_rings=stats.num_rings,
         ring_sizes=plan.summary().ring_sizes, attention_bytes=stats.attention_bytes,
         num_microbatches=stats.num_microbatches, num_sequences=len(plan.lengths), num_tokens=sum(plan.lengths),
-        per_rank=per_rank,
+        per_rank=per_rank, predicted_time_without_alltoall=without_alltoall,
     )
 
 
@@ -632,11 +715,12 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     turns step by step.
 
     `cost_model` (a CostModel dict), when given, plans and predicts instead of the fit, with the
-    "allreduce_bandwidth" and "step_overhead" of `measured` where given (another run's): predictions out
-    of sample; every row also carries the in-run fit's prediction. Returns {"planned_with": timing,
-    "in_run_fit": timing, "grad_bytes": int, "rows": [StepRow as dict]} (rows filled on rank 0 only), a
-    timing being {"cost_model": dict, "allreduce_bandwidth": float, "step_overhead": float, "speed_probe":
-    float}: what planned
+    "allreduce_bandwidth" and "step_overhead" of `measured` where given (another run's; its
+    "cost_model_without_alltoall", the twin of `fit_cost_model`, predicts `predicted_time_without_alltoall`):
+    predictions out of sample; every row also carries the in-run fit's prediction. Returns {"planned_with":
+    timing, "in_run_fit": timing, "grad_bytes": int, "rows": [StepRow as dict]} (rows filled on rank 0 only),
+    a timing being {"cost_model": dict, "allreduce_bandwidth": float, "step_overhead": float, "speed_probe":
+    float, "ring_probe", "cost_model_without_alltoall": dict or None}: what planned
     and predicted, and what this run measured (the same when nothing came from outside).
     """
     silence_megatron_warnings()
@@ -647,17 +731,21 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
     config = HDPConfig(hdp=True, hdp_capacity=spec.capacity, hdp_offload=False)
     first = _build(spec, state)
     probes = [measure_probes(first, spec)]  # around the fit, so that their medians are the fit's conditions
-    fitted = fit_cost_model(first, spec)
+    fitted, folded = fit_cost_model(first, spec)
     probes.append(measure_probes(first, spec))
-    fitted = first.planning_cost_model(fitted)  # the mesh's EP groups, coupled as the runtime couples them
+    # the mesh's EP groups, coupled as the runtime couples them
+    fitted, folded = map(first.planning_cost_model, (fitted, folded))
     model = first.planning_cost_model(CostModel.from_dict(cost_model)) if cost_model else fitted
+    twin = (measured or {}).get("cost_model_without_alltoall") if cost_model else folded.to_dict()
     grad_bytes = grad_buffer_bytes(first)
     allreduce_bandwidth = measure_allreduce_bandwidth(grad_bytes)
     step_overhead = measure_step_overhead(first, grad_bytes=grad_bytes, allreduce_bandwidth=allreduce_bandwidth)
     probes.append(measure_probes(first, spec))
     in_run = {"model": fitted, "allreduce_bandwidth": allreduce_bandwidth, "step_overhead": step_overhead,
+              "model_without_alltoall": folded,
               **{key: _median_or_none([p[key] for p in probes]) for key in probes[0]}}
-    predict = {**in_run, "model": model, **{k: v for k, v in (measured or {}).items() if k in in_run}}
+    predict = {**in_run, "model": model, **{k: v for k, v in (measured or {}).items() if k in in_run},
+               "model_without_alltoall": first.planning_cost_model(CostModel.from_dict(twin)) if twin else None}
     if measured and "ring_probe" not in measured:
         predict["ring_probe"] = None  # another run's fit without its ring probe: no ring rescaling
     rows = []
@@ -705,10 +793,12 @@ def train_policies(rank: int, world_size: int, spec: CpuRunSpec, cost_model: Opt
 
 
 def _timing_record(timing: dict) -> dict:
-    """A {"model": CostModel, "allreduce_bandwidth", "step_overhead", probes} set as JSON-ready values."""
+    """A {"model": CostModel, "allreduce_bandwidth", "step_overhead", probes, "model_without_alltoall"} set as
+    JSON-ready values."""
+    twin = timing["model_without_alltoall"]
     return {"cost_model": timing["model"].to_dict(), "allreduce_bandwidth": timing["allreduce_bandwidth"],
             "step_overhead": timing["step_overhead"], "speed_probe": timing["speed_probe"],
-            "ring_probe": timing["ring_probe"]}
+            "ring_probe": timing["ring_probe"], "cost_model_without_alltoall": twin.to_dict() if twin else None}
 
 
 def _median_or_none(values: list) -> Optional[float]:

@@ -78,6 +78,7 @@ def test_rows(ranks) -> None:
         assert row["step_time"] >= row["max_busy_time"] - 1e-9
         assert 0 < row["predicted_time"] and 0 < row["wall_time"]
         assert row["predicted_time"] == row["predicted_time_in_run_fit"]  # no cost model from outside
+        assert row["predicted_time_without_alltoall"] == row["predicted_time"]  # dense: no all-to-all term
         assert len(per_rank["predicted_compute"]) == 2
 
 
@@ -109,3 +110,20 @@ def test_ring_probe_rescales_only_the_ring_coefficients() -> None:
         assert unringed == pytest.approx((plain.step_time + 0.01) * 1.2)
     assert _predicted_time("balance", ringed, grad_bytes=0, now=now, **fit)[1] > \
         _predicted_time("balance", ringed, grad_bytes=0, now=now, **{**fit, "ring_probe": None})[1]
+
+
+def test_moe_fit_charges_the_alltoall_and_takes_it_off_the_expert_share() -> None:
+    """The CPU fit of a MoE model carries the all-to-all's bytes: the tiny model routes top-2 copies of its
+    fp32 hidden state (64) in every layer, 4 x 64 x 2 B per token, and a dense one none. The expert share
+    read from a lead-only EP group charges every member A per token of the lead (the cost model's rule):
+    slopes made by hand from a planted x = 0.6, b1 = 30 us, A = 2 us at EP 4 give x back, and with A
+    left out the all-to-all is folded into x as before issue 41, e dv / dlinear."""
+    from megatron_hdp.harness.cpu_training import expert_share, routed_bytes_per_token
+
+    assert routed_bytes_per_token(CpuRunSpec(num_experts=4, ep_size=2)) == 4 * 64 * 2
+    assert routed_bytes_per_token(CpuRunSpec()) == 0
+    x, b1, alltoall, e = 0.6, 30e-6, 2e-6, 4
+    dv, dlinear = x * b1 / e + alltoall, b1 + e * alltoall  # the others' slope, the group's less attention
+    assert expert_share([(dv, dlinear)] * 2, ep_size=e, alltoall=alltoall) == pytest.approx(x, rel=1e-12)
+    assert expert_share([(dv, dlinear)], ep_size=e) == pytest.approx(e * dv / dlinear, rel=1e-12)
+    assert expert_share([(dv, dlinear), (-dv, dlinear), (dv, -dlinear)], ep_size=e, alltoall=alltoall) == 0.0

@@ -98,6 +98,21 @@ def fit_jitter(coupled_phases: Sequence[Sequence[float]]) -> float:
     return float(leads @ expected / (expected @ expected))
 
 
+def fit_alltoall_rate(crossing_bytes: Sequence[float], seconds: Sequence[float]) -> tuple[Optional[float], float]:
+    """(bytes/s, seconds per call) of an all-to-all from calls timed at several sizes: seconds = latency +
+    crossing bytes / rate, `fit_relative`'s least squares (each call counts by its relative error).
+    `crossing_bytes`: what one member sends to the others in the call (its (e - 1) / e share), the bytes
+    `CostModel.expert_alltoall_seconds_per_token` divides by the rate. Rate None where the times do not
+    grow with the bytes (nothing to charge per byte)."""
+    if len(crossing_bytes) != len(seconds):
+        raise ValueError(f"{len(crossing_bytes)} all-to-all sizes but {len(seconds)} measured times")
+    if len(set(crossing_bytes)) < 2:
+        raise ValueError(f"fitting an all-to-all rate needs at least 2 distinct sizes, got {list(crossing_bytes)}")
+    size = np.asarray(crossing_bytes, dtype=float)
+    per_byte, latency = fit_relative(np.stack([size, np.ones_like(size)], axis=1), np.asarray(seconds, dtype=float))
+    return (1.0 / float(per_byte) if per_byte > 0 else None), float(latency)
+
+
 def fitted_cost_model(
     compute: Sequence[float],
     activation: Optional[Sequence[float]] = None,

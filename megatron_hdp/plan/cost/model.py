@@ -117,6 +117,10 @@ class CostModel:
     `expert_parallel_size` e > 1 the share (e - 1) / e of it crosses the EP group's links, four times per
     layer (dispatch and combine, forward and backward), not overlapped with compute (Megatron's alltoall
     dispatcher runs them on the compute stream): `expert_alltoall_seconds_per_token`."""
+    expert_alltoall_bandwidth: Optional[float] = None
+    """Bytes/s at which those transfers run, where it is not the EP group's link (`size_bandwidth`): the
+    CPU harness measures gloo's all-to-all in CPU seconds per byte, which no ring link gives
+    (`harness.cpu_training.measure_alltoall`). None: the link."""
     ring_block_overhead: float = 0.0
     """Seconds per document, per extra ring step, per layer that no transfer hides: a split document costs
     2 (k-1) more attention-kernel calls (one block per ring step, forward and backward) than a whole one.
@@ -160,7 +164,8 @@ class CostModel:
             )
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            optional = f.name in ("host_memory_bytes", "ranks_per_node", "intra_node_bandwidth")
+            optional = f.name in ("host_memory_bytes", "ranks_per_node", "intra_node_bandwidth",
+                                  "expert_alltoall_bandwidth")
             if (value is None and optional) or f.name in ("recompute_granularity", "ring_kind"):
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
@@ -172,8 +177,9 @@ class CostModel:
         for name in ("ring_bandwidth", "d2h_bandwidth", "h2d_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cost model {name} must be > 0, got {getattr(self, name)}")
-        if self.intra_node_bandwidth is not None and self.intra_node_bandwidth <= 0:
-            raise ValueError(f"cost model intra_node_bandwidth must be > 0, got {self.intra_node_bandwidth}")
+        for name in ("intra_node_bandwidth", "expert_alltoall_bandwidth"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"cost model {name} must be > 0 (or left out), got {getattr(self, name)}")
         if self.host_memory_bytes is not None and self.host_memory_bytes < 0:
             raise ValueError(f"cost model host_memory_bytes must be >= 0, got {self.host_memory_bytes}")
         if not 0.0 <= self.expert_share <= 1.0:
@@ -198,12 +204,14 @@ class CostModel:
     def expert_alltoall_seconds_per_token(self, *, pp_size: int = 1) -> float:
         """Seconds the MoE all-to-alls of one pipeline stage (its layers, forward + backward) take per token
         of the EP group's most loaded member: each member sends (e - 1) / e of its tokens' routed copies
-        over its link (inside a node when the group fits one: `size_bandwidth`), and the collective ends
-        with its largest sender (`plan.cost.experts.spread_expert_work`). 0 without expert parallelism."""
+        over its link (inside a node when the group fits one: `size_bandwidth`; `expert_alltoall_bandwidth`
+        where given), and the collective ends with its largest sender (`plan.cost.experts.spread_expert_work`).
+        0 without expert parallelism."""
         e = self.expert_parallel_size
         if e <= 1 or not self.expert_alltoall_bytes_per_token:
             return 0.0
-        per_layer = 4 * self.expert_alltoall_bytes_per_token * (e - 1) / e / self.size_bandwidth(e)
+        bandwidth = self.expert_alltoall_bandwidth or self.size_bandwidth(e)
+        per_layer = 4 * self.expert_alltoall_bytes_per_token * (e - 1) / e / bandwidth
         return per_layer * self.num_layers / pp_size
 
     def expert_coupled_times(self, times: Sequence[Sequence[float]], tokens: Sequence[Sequence[float]], *,
