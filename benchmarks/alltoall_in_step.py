@@ -2,7 +2,7 @@
 
     python benchmarks/alltoall_in_step.py                 # EP 2 and 4 on 4 ranks, 3 runs each
 
-`cpu_training.measure_alltoall` fits the cost model's all-to-all term (a rate per crossing byte and a
+`cpu_fit.measure_alltoall` fits the cost model's all-to-all term (a rate per crossing byte and a
 per-call latency, which the fit leaves in g) from `all_to_all_single` timed alone. This checks it inside
 the runtime's own step: the tiny MoE model of step_bench (4 experts, top-2), every rank one document of
 t tokens (256, then 1,024), each of the hidden states' all-to-alls Megatron's alltoall dispatcher makes
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hdp.comm.launch import run_gloo
-from megatron_hdp.harness import cpu_training
+from megatron_hdp.harness import cpu_fit, cpu_training
 from output import finish
 
 TOKENS = (256, 1024)
@@ -40,7 +40,7 @@ def _rank(rank: int, world_size: int, ep_size: int) -> dict:
     cpu_training.silence_megatron_warnings()
     spec = cpu_training.CpuRunSpec(num_experts=4, ep_size=ep_size, capacity=max(TOKENS), max_length=max(TOKENS))
     trainer = cpu_training._build(spec, initialize_hdp(seed=0, expert_model_parallel_size=ep_size))
-    rate, latency = cpu_training.measure_alltoall(trainer, spec)
+    rate, latency = cpu_fit.measure_alltoall(trainer, spec)
     calls = []
     original = torch.distributed.all_to_all_single
 

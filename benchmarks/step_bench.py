@@ -25,7 +25,7 @@ cost model fitted inside the run on this model and this CPU (in-sample), or with
 model, all-reduce bandwidth and step overhead that an earlier run on another mix and seed fitted and
 measured itself (its `in_run_fit`, whatever it planned with: out-of-sample; the in-run fit's error is
 reported next to it). Each step's prediction is scaled by the host's speed at that step against its
-speed at the fit (a probe timed beside both, `cpu_training.measure_speed_probe`): the fit and the steps
+speed at the fit (a probe timed beside both, `cpu_fit.measure_speed_probe`): the fit and the steps
 are timed at different moments of a shared host.
 
 With `--experts N --ep E` the model is a tiny Mixtral-style MoE (N experts a layer, top-2 routing, the
@@ -35,8 +35,8 @@ groups and they wait at every index), beside `balance` (EP groups planned as uni
 are also given over it. The fit then measures this MoE model on this EP mesh, its predictions couple the
 EP groups as the runtime does (`megatron_hdp.sim.replay` replays the measured phases the same way), and
 it measures which share of the per-token work the all-to-all spreads over an EP group
-(`CostModel.expert_share`, `cpu_training.expert_share`) and the all-to-all's own rate on gloo
-(`cpu_training.measure_alltoall`, the cost model's all-to-all term); every row is also predicted by the
+(`CostModel.expert_share`, `cpu_fit.expert_share`) and the all-to-all's own rate on gloo
+(`cpu_fit.measure_alltoall`, the cost model's all-to-all term); every row is also predicted by the
 fit's twin that folds the all-to-all into b1 and the expert share as before issue 41
 (`predicted_time_without_alltoall`, judged as "..._without_alltoall"): what the term changes.
 

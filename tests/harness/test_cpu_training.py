@@ -118,7 +118,7 @@ def test_moe_fit_charges_the_alltoall_and_takes_it_off_the_expert_share() -> Non
     read from a lead-only EP group charges every member A per token of the lead (the cost model's rule):
     slopes made by hand from a planted x = 0.6, b1 = 30 us, A = 2 us at EP 4 give x back, and with A
     left out the all-to-all is folded into x as before issue 41, e dv / dlinear."""
-    from megatron_hdp.harness.cpu_training import expert_share, routed_bytes_per_token
+    from megatron_hdp.harness.cpu_fit import expert_share, routed_bytes_per_token
 
     assert routed_bytes_per_token(CpuRunSpec(num_experts=4, ep_size=2)) == 4 * 64 * 2
     assert routed_bytes_per_token(CpuRunSpec()) == 0

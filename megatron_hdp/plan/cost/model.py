@@ -120,7 +120,7 @@ class CostModel:
     expert_alltoall_bandwidth: Optional[float] = None
     """Bytes/s at which those transfers run, where it is not the EP group's link (`size_bandwidth`): the
     CPU harness measures gloo's all-to-all in CPU seconds per byte, which no ring link gives
-    (`harness.cpu_training.measure_alltoall`). None: the link."""
+    (`harness.cpu_fit.measure_alltoall`). None: the link."""
     ring_block_overhead: float = 0.0
     """Seconds per document, per extra ring step, per layer that no transfer hides: a split document costs
     2 (k-1) more attention-kernel calls (one block per ring step, forward and backward) than a whole one.
