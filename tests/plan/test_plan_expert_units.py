@@ -16,7 +16,7 @@ import pytest
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.model import CostModel
-from megatron_hdp.plan.search.expert_units import unit_ring_sizes
+from megatron_hdp.plan.search.expert_units import Row, ring_rows, unit_ring_sizes
 from megatron_hdp.plan.lengths import sample_global_batch
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.cost.presets import analytic_cost_model
@@ -146,3 +146,18 @@ def test_ep_aware_balance_is_never_timed_slower_than_the_plan_made_as_if_ep_1(mi
         aware = make_plan(lengths, num_ranks=8, config=config, cost_model=CPU_MOE, policy="balance")
         unaware = make_plan(lengths, num_ranks=8, config=config, cost_model=alone, policy="balance")
         assert _simulated(aware, CPU_MOE) <= _simulated(unaware, CPU_MOE) * (1 + 1e-9), (mix, seed)
+
+
+def test_a_lane_ring_joins_a_slower_row_when_a_new_row_could_not_be_filled():
+    """A new row leaves e - k lanes free for the ring's member time w, but whole sequences of <= C tokens
+    fill a free lane for at most `full` seconds: with w = 1.0 and full = 0.3 on 4 lanes a new row idles
+    2 x (1.0 - 0.3) = 1.4 lane-seconds, joining a row of 1.5 idles 2 x 0.5 = 1.0, so it joins (and with
+    full >= w, where the free lanes fill, it takes a row of its own)."""
+    def place(full: float) -> list:
+        rows = [Row([[0], [0], [], []], 1.5, [2, 3])]  # a ring of 2 lanes taking 1.5 s, two lanes free
+        ring_rows(rows, [1], ring_sizes=np.array([2, 2]), weights=np.array([1.5, 1.0]), ep_size=4,
+                  whole_work=100.0, full=full)
+        return [row.lanes for row in rows]
+
+    assert place(full=0.3) == [[[0], [0], [1], [1]]]
+    assert place(full=2.0) == [[[0], [0], [], []], [[1], [1], [], []]]

@@ -324,7 +324,8 @@ def _build_units(
     full = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
     placed = place_units(ring_sizes=ring_sizes, weights=weights, tokens=tokens, num_ranks=num_ranks,
                          ep_size=cost_model.expert_parallel_size, capacity=capacity,
-                         overhead=cost_model.microbatch_time([], pp_size=pp_size), fine_work=num_ranks * full)
+                         overhead=cost_model.microbatch_time([], pp_size=pp_size), full=full,
+                         fine_work=num_ranks * full)
     best = None
     rings = placed.rings(len(lengths))
     for schedule in placed.schedules(lightest_first=(False, True) if pp_size > 1 else (False,)):

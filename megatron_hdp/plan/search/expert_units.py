@@ -172,11 +172,12 @@ def place_units(
     ep_size: int,
     capacity: int,
     overhead: float,
+    full: float,
     fine_work: float,
 ) -> UnitLayout:
     """Steps 2-4 of the module doc. `weights`: each sequence's member seconds at its ring size (whole:
-    its time on one rank); `overhead`: a micro-batch's fixed seconds; `fine_work`: lane-seconds of the
-    light rows."""
+    its time on one rank); `overhead`: a micro-batch's fixed seconds; `full`: a whole C-token document's
+    seconds, the most a free lane's whole sequences take; `fine_work`: lane-seconds of the light rows."""
     num_units = num_ranks // ep_size
     span = -(-ring_sizes // ep_size)  # units a ring touches
     wide = np.flatnonzero(span > 1)
@@ -195,7 +196,7 @@ def place_units(
     lane_ids = np.flatnonzero((ring_sizes > 1) & (span == 1))
     whole_ids = np.flatnonzero(ring_sizes == 1)
     ring_rows(rows, lane_ids[np.lexsort((lane_ids, -weights[lane_ids]))].tolist(), ring_sizes=ring_sizes,
-              weights=weights, ep_size=ep_size, whole_work=float(weights[whole_ids].sum()))
+              weights=weights, ep_size=ep_size, whole_work=float(weights[whole_ids].sum()), full=full)
     left = fill_holes(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -weights[whole_ids]))].tolist(),
                       weights=weights, tokens=tokens, capacity=capacity)
     rows += whole_rows(left, weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity, fine_work=fine_work)
@@ -211,13 +212,14 @@ def place_units(
 
 
 def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, weights: np.ndarray, ep_size: int,
-              whole_work: float) -> None:
+              whole_work: float, full: float) -> None:
     """The lane rings of `order` (heaviest first) into `rows` (those there: rows of rings of several units,
     some lanes of their last unit free). A ring joins the row of least time T >= its member time w with
     lanes free when T is within `ROW_TOLERANCE` of w, else that row or a new one, whichever idles fewer
     lane-seconds. Whole sequences not yet counted for free lanes (`whole_work` less the free lanes so far,
     `spare`) could run in the row's k lanes instead: joining idles k (T - w) of them, at most `spare`; a
-    new row leaves e - k lanes free for w, (e - k) w idle beyond `spare`."""
+    new row leaves e - k lanes free for w, which whole sequences of at most C tokens fill for at most
+    `full` seconds each: (e - k) max(0, w - full) idle, and what `spare` cannot fill of the rest."""
     holes = sum(row.time * len(row.free) for row in rows)
     for seq in order:
         k, w = int(ring_sizes[seq]), float(weights[seq])
@@ -225,7 +227,8 @@ def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, 
                  key=lambda i: (rows[i].time, i), default=None)
         if at is not None and rows[at].time > w * (1 + ROW_TOLERANCE):
             spare = max(0.0, whole_work - holes)
-            if min(k * (rows[at].time - w), spare) > max(0.0, (ep_size - k) * w - spare):
+            fillable = (ep_size - k) * min(w, full)  # a free lane holds whole sequences of <= C tokens
+            if min(k * (rows[at].time - w), spare) > (ep_size - k) * max(0.0, w - full) + max(0.0, fillable - spare):
                 at = None
         if at is None:
             rows.append(Row([[] for _ in range(ep_size)], w, list(range(ep_size))))
