@@ -11,8 +11,9 @@ What it is made of (test-only; nothing here is importable from the package):
 * `HostAndDevice`, a dispatch mode above it: work on real CPU tensors stays real (the data loader, the
   collation, the planner), a host-to-device copy (`.to("cuda")`, `copy_`) becomes a fake CUDA tensor and
   is recorded (bytes, non_blocking, from pinned memory, inside a layer or not), and a host sync (`.item()`,
-  `.tolist()`, `bool()` of a CUDA tensor) inside a transformer layer raises `HostSyncInLayer`; outside a
-  layer it returns a placeholder (0), since a fake tensor has no value.
+  `.tolist()`, `bool()` of a CUDA tensor, a copy to the host: `.cpu()`) inside a transformer layer raises
+  `HostSyncInLayer`; outside a layer it returns a placeholder (0, or a host tensor of zeros), since a fake
+  tensor has no value.
 * `NcclRulesGroup`, a process-group backend ("fake_nccl") for one process that plays one rank of a
   world of any size: no data moves, but a CPU tensor in any collective or P2P op raises `NcclRuleError`,
   and so does a P2P op that is the first operation of its group without reaching every rank of it (NCCL
@@ -207,11 +208,17 @@ def install(*, world_size: int, rank: int):
                 self.backward_ops.append(self.clock)
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             fake = any(isinstance(t, FakeTensor) for t in tensors)
-            if func is aten._local_scalar_dense.default and fake:
+            to_host = func is aten._to_copy.default and fake and kwargs.get("device") is not None and not is_cuda(
+                kwargs["device"])
+            if (func is aten._local_scalar_dense.default or to_host) and fake:
                 where = _in_layer()
                 if where is not None:
-                    raise HostSyncInLayer(f"host sync (.item()/.tolist()) on a CUDA tensor inside a layer at {where}")
+                    raise HostSyncInLayer(f"host sync (.item(), .tolist(), .cpu()) on a CUDA tensor inside a layer "
+                                          f"at {where}")
                 self.host_syncs.append(traceback.format_stack(limit=4)[0])
+                if to_host:  # a device-to-host copy: a real host tensor of placeholder values
+                    with unset_fake_temporarily():
+                        return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
                 dtype = args[0].dtype
                 return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
             if not fake:

@@ -300,7 +300,8 @@ def harness_rules() -> None:
 def host_sync_rule() -> None:
     """The host-sync rule fires: `.item()` on a CUDA tensor inside a transformer layer's forward (a
     Megatron `TransformerLayer`, as the harness's hooks recognise it) and inside a backward raises
-    `HostSyncInLayer`; the same call outside a layer returns a placeholder and is recorded."""
+    `HostSyncInLayer`; the same call outside a layer returns a placeholder and is recorded. So does a
+    copy to the host (`.cpu()`): inside a layer it raises, outside it gives a host tensor of zeros."""
     import pytest
     import torch
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -340,6 +341,11 @@ def host_sync_rule() -> None:
     with pytest.raises(RuntimeError, match="inside a layer at backward"):  # raised on the autograd thread
         SyncInBackward.apply(x).sum().backward()
     assert x.sum().item() == 0.0 and mode.host_syncs, "outside a layer: a placeholder, recorded"
+    fake_gpu._LAYER_DEPTH[0] += 1  # a copy to the host is a host sync too
+    with pytest.raises(fake_gpu.HostSyncInLayer, match="inside a layer at forward"):
+        x.detach().cpu()
+    fake_gpu._LAYER_DEPTH[0] -= 1
+    assert x.detach().cpu().tolist() == [0.0] * 4, "outside a layer: a host tensor of placeholders"
 
 
 INSTALL_ARGS = (
@@ -494,3 +500,6 @@ def moe_routers(rank: str = "0") -> None:
     _assert_no_pageable_copies_in_layers(mode)
     _assert_no_blocking_transfer_copies(mode)
     print(f"MoE routers: {len(mode.h2d)} host-to-device copies in the last step, none blocking")
+
+
+from fake_gpu_posttrain import posttrain_door  # noqa: E402,F401  (the post-training door's scenario, its own module)

@@ -2,15 +2,18 @@
 
 Each step: rollouts (sampled from the current policy on rank 0, or with `--rollouts synthetic` a seeded
 bimodal length mix: mostly short responses, a few long ones that the planner puts on rings), a reward
-per sample and group-normalised advantages, the plan (`plan_rollouts`, capacity `--capacity`), old
-log-probs by the forward-only path of the policy and reference log-probs of a frozen copy, then one
-train step of a clipped policy-gradient loss plus a k3 KL term, with token-mean weights over the response
-tokens (`loss_weights`). Per step it prints the rings, the objective, the mean reward and the KL.
+per sample and group-normalised advantages, the plan (`plan_rollouts` of the token counts and the prompt
+lengths, capacity `--capacity`), old log-probs by the forward-only path of the policy and reference
+log-probs of a frozen copy, then one train step of a clipped policy-gradient loss plus a k3 KL term over
+the response tokens: the plan's response mask (`response_masks`) makes the token-mean weights
+(`loss_weights`), and `loss_fn` reads the same mask from the field "response_mask" that `PostTrainer`
+adds. Per step it prints the rings, the objective, the mean reward and the KL.
 
 `--reference` repeats every step in one process without HDP (Megatron's stock layer spec, each sample
-alone, a float64 log-softmax, the same optimizer) on the same rollouts, and prints per step the largest
-absolute difference of the old log-probs and of the parameters after the step; the run fails (exit 1)
-when one exceeds 1e-5 or a step has no sample on a ring.
+alone, a float64 log-softmax, its own response mask and token-mean weights, the same optimizer) on the
+same rollouts, and prints per step the largest absolute difference of the old log-probs and of the
+parameters after the step; the run fails (exit 1) when one exceeds 1e-5 or a step has no sample on a
+ring.
 
     python examples/posttrain/grpo_cpu.py --ranks 4 --reference
 """
@@ -64,8 +67,9 @@ def response_lengths(rng: np.random.Generator, args: argparse.Namespace, prompt:
 
 
 def make_rollouts(step: int, args: argparse.Namespace, sampler=None) -> dict:
-    """Tokens and response masks of one step's samples (plain numpy, picklable): prompts of 4-8 random
-    tokens, responses of the bimodal mix's lengths, sampled by `sampler(prompt, length)` or random."""
+    """One step's samples (plain numpy, picklable): tokens, prompt token count and prompt (group) index;
+    prompts of 4-8 random tokens, responses of the bimodal mix's lengths, sampled by `sampler(prompt,
+    length)` or random."""
     rng = np.random.default_rng([args.seed, step])
     samples = {}
     for p in range(args.prompts):
@@ -76,17 +80,16 @@ def make_rollouts(step: int, args: argparse.Namespace, sampler=None) -> dict:
         for g, length in enumerate(lengths):
             response = sampler(prompt, length) if sampler else rng.integers(0, VOCAB, length)
             tokens = np.concatenate([prompt, response]).astype(np.int64)
-            mask = (np.arange(len(tokens)) >= len(prompt)).astype(np.float32)
-            samples[f"p{p}g{g}"] = {"tokens": tokens, "mask": mask, "prompt": p}
+            samples[f"p{p}g{g}"] = {"tokens": tokens, "prompt_tokens": len(prompt), "group": p}
     return samples
 
 
 def rewards_and_advantages(samples: dict) -> tuple[dict, dict]:
     """A toy reward (the share of even token ids in the response) and GRPO's group-normalised advantage."""
-    reward = {sid: float((s["tokens"][s["mask"] > 0] % 2 == 0).mean()) for sid, s in samples.items()}
+    reward = {sid: float((s["tokens"][s["prompt_tokens"]:] % 2 == 0).mean()) for sid, s in samples.items()}
     advantage = {}
-    for p in {s["prompt"] for s in samples.values()}:
-        group = [sid for sid, s in samples.items() if s["prompt"] == p]
+    for p in {s["group"] for s in samples.values()}:
+        group = [sid for sid, s in samples.items() if s["group"] == p]
         values = np.array([reward[sid] for sid in group])
         for sid, value in zip(group, values):
             advantage[sid] = float((value - values.mean()) / (values.std() + 1e-6))
@@ -145,8 +148,9 @@ def hdp_worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     from megatron_hdp.harness.model import tiny_llama_config
     from megatron_hdp.plan.cost.presets import analytic_cost_model
     from megatron_hdp.posttrain.batch import Rollouts
-    from megatron_hdp.posttrain.planning import plan_rollouts
+    from megatron_hdp.posttrain.planning import plan_rollouts, response_masks
     from megatron_hdp.posttrain.runtime import PostTrainer
+    from megatron_hdp.posttrain.weights import loss_weights
 
     state = initialize_hdp(seed=args.seed)
     ddp, optimizer, frozen, init = _models(hdp=True)
@@ -168,14 +172,17 @@ def hdp_worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         dist.broadcast_object_list(box, src=0)
         samples = box[0]
         ids = tuple(samples)
-        plan = plan_rollouts([len(samples[s]["tokens"]) for s in ids], num_ranks=state.hdp_size, config=config,
-                             cost_model=cost_model)
-        rollouts = Rollouts(sample_ids=ids, tokens={s: samples[s]["tokens"] for s in ids})
+        tokens = {s: samples[s]["tokens"] for s in ids}
+        plan = plan_rollouts([len(tokens[s]) for s in ids], prompt_lengths=[samples[s]["prompt_tokens"] for s in ids],
+                             num_ranks=state.hdp_size, config=config, cost_model=cost_model)
+        rollouts = Rollouts(sample_ids=ids, tokens=tokens)
         old = policy.forward(plan, rollouts)
         ref = reference.forward(plan, rollouts)
-        step_rollouts = training_rollouts(samples, {s: r.logprobs for s, r in old.items()},
-                                          {s: r.logprobs for s, r in ref.items()})
-        stats = policy.train_step(plan, step_rollouts, loss_fn=_loss_fn)
+        _, advantage = rewards_and_advantages(samples)
+        fields = {"advantage": {s: np.full(len(tokens[s]), advantage[s], dtype=np.float32) for s in ids},
+                  "old": {s: r.logprobs for s, r in old.items()}, "ref": {s: r.logprobs for s, r in ref.items()},
+                  "weights": dict(zip(ids, loss_weights(response_masks(plan), mode="token-mean")))}
+        stats = policy.train_step(plan, Rollouts(sample_ids=ids, tokens=tokens, fields=fields), loss_fn=_loss_fn)
         steps.append({"samples": samples, "old": {s: r.logprobs for s, r in old.items()},
                       "objective": stats.objective, "kl": stats.metrics["kl"], "rings": stats.num_rings,
                       "params": full_weights(ddp) if rank == 0 else None})
@@ -183,26 +190,12 @@ def hdp_worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
 
 def _loss_fn(shard):
-    """The GRPO loss on one rank's shard, and the KL as a metric (numerator, denominator)."""
+    """The GRPO loss on one rank's shard, masked by the plan's response mask, and the KL as a metric
+    (numerator, denominator)."""
     f = shard.fields
-    losses, kl = grpo_token_losses(shard.logprobs, f["old"], f["ref"], f["advantage"], f["mask"])
-    return losses, {"kl": (kl, f["mask"])}
-
-
-def training_rollouts(samples: dict, old: dict, ref: dict):
-    """The train step's `Rollouts`: tokens, response mask, advantages, old and reference log-probs, weights."""
-    from megatron_hdp.posttrain.batch import Rollouts
-    from megatron_hdp.posttrain.weights import loss_weights
-
-    ids = tuple(samples)
-    _, advantage = rewards_and_advantages(samples)
-    weights = loss_weights([samples[s]["mask"] for s in ids], mode="token-mean")
-    fields = {
-        "mask": {s: samples[s]["mask"] for s in ids},
-        "advantage": {s: np.full(len(samples[s]["tokens"]), advantage[s], dtype=np.float32) for s in ids},
-        "old": old, "ref": ref, "weights": dict(zip(ids, weights)),
-    }
-    return Rollouts(sample_ids=ids, tokens={s: samples[s]["tokens"] for s in ids}, fields=fields)
+    mask = f["response_mask"]
+    losses, kl = grpo_token_losses(shard.logprobs, f["old"], f["ref"], f["advantage"], mask)
+    return losses, {"kl": (kl, mask)}
 
 
 def _plain_logprobs(model, tokens):
@@ -232,16 +225,20 @@ def reference_worker(rank: int, world_size: int, init: dict, steps: list) -> lis
         with torch.no_grad():
             old = {s: _plain_logprobs(ddp, samples[s]["tokens"]).float().numpy() for s in samples}
             ref = {s: _plain_logprobs(frozen, samples[s]["tokens"]).float().numpy() for s in samples}
-        rollouts = training_rollouts(samples, old, ref)
+        _, advantage = rewards_and_advantages(samples)
+        # the response mask and token-mean weights of its own: 1 / (response tokens of the whole batch)
+        masks = {s: torch.arange(1, len(x["tokens"])) >= x["prompt_tokens"] for s, x in samples.items()}
+        num_response_tokens = sum(int(mask.sum()) for mask in masks.values())
 
         def forward_step(data_iterator, model):
             sid = next(data_iterator)
-            logprobs = _plain_logprobs(model, rollouts.tokens[sid])[1:]
+            logprobs = _plain_logprobs(model, samples[sid]["tokens"])[1:]
 
             def loss(_):
-                f = {name: torch.as_tensor(values[sid][1:]).double() for name, values in rollouts.fields.items()}
-                losses, _ = grpo_token_losses(logprobs, f["old"], f["ref"], f["advantage"], f["mask"])
-                return (f["weights"] * losses).sum(), torch.zeros((), dtype=torch.int), {}
+                mask = masks[sid].double()
+                losses, _ = grpo_token_losses(logprobs, torch.as_tensor(old[sid][1:]).double(),
+                                              torch.as_tensor(ref[sid][1:]).double(), advantage[sid], mask)
+                return losses.sum() / num_response_tokens, torch.zeros((), dtype=torch.int), {}
 
             return logprobs, loss
 

@@ -164,16 +164,16 @@ class PostTrainer:
         wanted = self._wanted(plan, rollouts, gather)
         pieces: list[tuple[torch.Tensor, ...]] = []
 
-        def collect(host, batch, logprobs, entropy):
-            real = batch.is_real
-            pieces.append((batch.sample[real], batch.target[real], logprobs[real], entropy[real]))
+        def collect(host, batch, logprobs, entropy):  # padding is dropped on the host: no device-side nonzero
+            pieces.append((host.sample, host.target, logprobs, entropy))
             zero = torch.zeros((), dtype=torch.int, device=logprobs.device)
             return logprobs.new_zeros(()), zero, {}
 
         batches, _ = self._prepare(plan, rollouts)
         with torch.no_grad():
             self._run(batches, collect, forward_only=True)
-        mine = [tuple(t.cpu().numpy() for t in piece) for piece in pieces] if is_tensor_parallel_first() else []
+        mine = [tuple(t[sample >= 0].numpy() for t in (sample, target, logprobs.cpu(), entropy.cpu()))
+                for sample, target, logprobs, entropy in pieces] if is_tensor_parallel_first() else []
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         results = {index: SampleResult(np.zeros(plan.sequences[index].length + 1, dtype=np.float32),
@@ -221,8 +221,7 @@ class PostTrainer:
             names = sorted(metrics)
             sums = [objective.detach()] + [part.detach().sum() for name in names for part in metrics[name]]
             reports.append((names, torch.stack(sums).double()))
-            tokens = torch.tensor(int(host.is_real.sum()), dtype=torch.int, device=logprobs.device)
-            return objective * scale, tokens, {}
+            return objective * scale, batch.is_real.sum().to(torch.int), {}  # counted on the device: no copy
 
         batches, _ = self._prepare(plan, rollouts)
         for chunk in self.chunks:

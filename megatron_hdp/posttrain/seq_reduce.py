@@ -8,6 +8,10 @@ gathers the members' partial sums by `comm.p2p.shift` and adds them in ring-posi
 gets the same bits. Its backward is the same exchange on the gradients (d total / d part = 1 on every
 member). One autograd node per call for all rings of the micro-batch, so the backward takes the rings in
 the same order too. Every member must call it the same number of times, in the same order.
+
+Each ring's samples take consecutive slots (slices, no index tensors on the device), and the one per-token
+table (each token's slot) reaches the device in one pinned, asynchronous copy (`attention.host_tables`),
+made on the first call: no blocking copy inside a micro-batch.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_hdp.attention.host_tables import HostTables
 from megatron_hdp.attention.layout import AttentionGroup
 from megatron_hdp.comm.p2p import current_ring, shift
 
@@ -38,20 +43,20 @@ class _RingSums(torch.autograd.Function):
     """Per-sample partial sums -> totals over each split sample's ring (module docstring)."""
 
     @staticmethod
-    def forward(ctx, sums: torch.Tensor, slots: list, rings: list) -> torch.Tensor:
-        ctx.slots, ctx.rings = slots, rings
-        return _exchange(sums, slots, rings)
+    def forward(ctx, sums: torch.Tensor, ranges: list, rings: list) -> torch.Tensor:
+        ctx.ranges, ctx.rings = ranges, rings
+        return _exchange(sums, ranges, rings)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad, ctx.slots, ctx.rings), None, None
+        return _exchange(grad, ctx.ranges, ctx.rings), None, None
 
 
-def _exchange(values: torch.Tensor, slots: list, rings: list) -> torch.Tensor:
-    """`values` with the entries of each ring's samples (`slots[i]`) replaced by their ring totals."""
+def _exchange(values: torch.Tensor, ranges: list, rings: list) -> torch.Tensor:
+    """`values` with each ring's slots (`ranges[i]`, [start, end)) replaced by their ring totals."""
     out = values.clone()
-    for index, ring in zip(slots, rings):
-        out[index] = _ring_total(values[index], ring)
+    for (start, end), ring in zip(ranges, rings):
+        out[start:end] = _ring_total(values[start:end], ring)
     return out
 
 
@@ -62,17 +67,28 @@ class SampleSums:
                  device: torch.device):
         """`sample`: the host copy of each token's sample index (-1 padding); `groups`: the micro-batch's
         attention groups; `hdp_global_ranks`: global rank of each HDP rank; `device`: the model's."""
-        self.samples = sorted({s for g in groups for s in g.seq_ids})
-        slot_of = {s: i for i, s in enumerate(self.samples)}
-        self.slot = torch.tensor([slot_of.get(int(s), len(self.samples)) for s in sample.tolist()],
-                                 dtype=torch.int64, device=device)
-        self.slots, self.rings = [], []
-        for group in groups:
-            if len(group.ring) > 1:
-                self.slots.append(torch.tensor([slot_of[s] for s in group.seq_ids], device=device))
-                self.rings.append(tuple(hdp_global_ranks[r] for r in group.ring))
+        split = [group for group in groups if len(group.ring) > 1]
+        order = [s for group in split for s in group.seq_ids]  # each ring's samples in consecutive slots
+        order += sorted({s for group in groups for s in group.seq_ids} - set(order))
+        self.num_slots = len(order)
+        self.ranges, self.rings, start = [], [], 0
+        for group in split:
+            self.ranges.append((start, start + len(group.seq_ids)))
+            self.rings.append(tuple(hdp_global_ranks[r] for r in group.ring))
+            start += len(group.seq_ids)
+        slot_of = {s: i for i, s in enumerate(order)}
+        self._host_slots = [slot_of.get(s, self.num_slots) for s in sample.tolist()]  # the last slot: padding
+        self._device = device
+        self._slot: torch.Tensor | None = None
+
+    def _set_slot(self, slot: torch.Tensor) -> None:
+        self._slot = slot
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        partial = torch.zeros(len(self.samples) + 1, dtype=x.dtype, device=x.device).index_add(0, self.slot, x)
-        total = _RingSums.apply(partial, self.slots, self.rings) if self.rings else partial
-        return torch.cat([total[:-1], total.new_zeros(1)])[self.slot]
+        if self._slot is None:
+            tables = HostTables()
+            tables.add(self._host_slots, self._set_slot, dtype=torch.int64)
+            tables.transfer(self._device)
+        partial = torch.zeros(self.num_slots + 1, dtype=x.dtype, device=x.device).index_add(0, self._slot, x)
+        total = _RingSums.apply(partial, self.ranges, self.rings) if self.rings else partial
+        return torch.cat([total[:-1], total.new_zeros(1)])[self._slot]

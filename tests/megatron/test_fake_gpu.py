@@ -25,7 +25,11 @@ Megatron once for the module (`tests/fake_gpu_server.py`). What they catch, befo
   the same scenario carries learnable attention sinks (gpt-oss's attention) on every ring and kernel;
 * multi-token prediction with learnable sinks together (`hdp_step 1 RANK 1 sinks`), and with multi-latent
   attention (`hdp_step 1 0 1 mla`): DeepSeek-V3's MLA and MTP with a learnable sink and core-attention
-  recompute, a K/V ring, then a latent ring, on CUDA tensors.
+  recompute, a K/V ring, then a latent ring, on CUDA tensors;
+* the post-training door (issue 39: `posttrain_door`, `PostTrainer`'s forward and train step): the
+  forward's results picked from the device by a boolean mask (a data-dependent nonzero, a host sync in
+  every micro-batch), and blocking copies inside every micro-batch of the token count and of the
+  per-sample sums' tables (each token's slot, each ring's slots).
 """
 
 import sys
@@ -128,7 +132,7 @@ def test_moe_router_losses_on_fake_gpu(server):
 
 def test_host_sync_inside_a_layer_is_caught(server):
     """The README says the harness catches a host sync inside a layer: `.item()` in a TransformerLayer's
-    forward and in a backward raise `HostSyncInLayer`; outside a layer it passes (recorded)."""
+    forward and in a backward raise `HostSyncInLayer`; outside a layer it passes (recorded); `.cpu()` too."""
     assert "scenario host_sync_rule: ok" in _run(server, "host_sync_rule")
 
 
@@ -202,6 +206,31 @@ def test_windowed_rings_post_matching_p2p_on_fake_gpu(server, tmp_path):
     for key in shared:
         posted = [log["collectives"][key] for log in logs]
         assert all(p == posted[0] for p in posted), f"communicator {key}: {posted}"
+
+
+def test_posttrain_door_on_fake_gpu(server, tmp_path):
+    """`PostTrainer` as each of 2 played HDP ranks (`fake_gpu_posttrain.posttrain_door`): forward-only
+    log-probs gathered to the host and a train step whose `loss_fn` reads the plan's response mask and sums
+    per sample across a ring, for a batch with a ring over both ranks and one where rank 1 is idle (a
+    padding micro-batch). Inside each rank: no host sync or blocking copy inside a layer, none between a
+    micro-batch's transfer and its backward. Across the ranks: every P2P send meets its receive, and the
+    idle rank posts the same collectives as the busy one."""
+    import json
+
+    import fake_gpu
+
+    paths = [tmp_path / f"rank{rank}.json" for rank in RANKS]
+    outputs = _run_ranks(server, "posttrain_door", [(rank, str(path)) for rank, path in zip(RANKS, paths)])
+    assert all("micro-batch copies (pinned, non-blocking)" in output for output in outputs)
+    logs = [json.loads(path.read_text()) for path in paths]
+    world = "0,1#0"  # the default group: the rings' communicator
+    assert all(log["p2p"].get(world) for log in logs), "no ring P2P (the per-sample sums and attention)"
+    problems = fake_gpu.p2p_problems({rank: log["p2p"][world] for rank, log in enumerate(logs)})
+    assert not problems, "\n".join(problems)
+    shared = set(logs[0]["collectives"]) & set(logs[1]["collectives"])
+    assert world in shared
+    for key in shared:
+        assert logs[0]["collectives"][key] == logs[1]["collectives"][key], f"communicator {key}"
 
 
 def test_p2p_rules_catch_what_nccl_would_not_survive():

@@ -4,7 +4,8 @@ plain single-process forward of the same Megatron model over each sample alone.
 The reference (one process, Megatron's stock local layer spec, each sample its own [1, N] batch, float64
 log-softmax of the full-vocabulary logits, the loss summed sample by sample with plain `.sum()`) shares no
 code with `megatron_hdp.posttrain`. The HDP side runs one 4-rank launch that goes through several meshes
-in turn — HDP 4; TP 2 x HDP 2; PP 2 x HDP 2 (1F1B); EP 2 across HDP 4 with a MoE model — each under a
+in turn — HDP 4; TP 2 x HDP 2; PP 2 x HDP 2 (1F1B); PP 2 x VPP 2 x HDP 2 (Megatron's interleaved schedule,
+one layer per model chunk, a 4-layer model); EP 2 across HDP 4 with a MoE model — each under a
 random plan (rings of 2-4 ranks that overlap, uneven micro-batch counts, an idle rank), one 5-rank launch
 with a ring of all 5 for the dense model, a model with learnable attention sinks (gpt-oss) and one with
 multi-latent attention (DeepSeek), and the same batch on one rank in the reference's launch (1 rank and
@@ -27,10 +28,15 @@ LENGTHS = [37, 5, 64, 12, 23, 50, 9, 3, 2, 30]
 """Tokens per sample (prompt + response)."""
 PROMPTS = tuple(n // 3 for n in LENGTHS)
 """Prompt tokens per sample: the reference's loss mask is 1 from token n // 3 on; HDP's is the plan's response mask."""
-MESHES = [("hdp4", 1, 1, 1, "dense"), ("tp2", 2, 1, 1, "dense"), ("pp2", 1, 2, 1, "dense"), ("ep2-moe", 1, 1, 2, "moe")]
-"""(name, TP, PP, EP, model kind) of each mesh the 4-rank launch runs."""
-FIVE_RANK_MESHES = [("hdp5", 1, 1, 1, "dense"), ("hdp5-sinks", 1, 1, 1, "sinks"), ("hdp5-mla", 1, 1, 1, "mla")]
+MESHES = [("hdp4", 1, 1, 1, 1, "dense"), ("tp2", 2, 1, 1, 1, "dense"), ("pp2", 1, 2, 1, 1, "dense"),
+          ("pp2-vpp2", 1, 2, 2, 1, "deep"), ("ep2-moe", 1, 1, 1, 2, "moe")]
+"""(name, TP, PP, virtual stages per PP rank, EP, model kind) of each mesh the 4-rank launch runs."""
+FIVE_RANK_MESHES = [("hdp5", 1, 1, 1, 1, "dense"), ("hdp5-sinks", 1, 1, 1, 1, "sinks"), ("hdp5-mla", 1, 1, 1, 1, "mla")]
 """The same for the 5-rank launch: its plans put a sample on a ring of all 5 ranks."""
+KINDS = {"dense": {}, "deep": {"num_layers": 4}, "moe": {"num_moe_experts": 4}, "sinks": {"softmax_type": "learnable"},
+         "mla": None}
+"""Model kind -> its fields of `tiny_llama_config` (None: `tiny_mla_fields()`, multi-latent attention); "deep"
+has 4 layers, one per model chunk of PP 2 x VPP 2."""
 
 
 def _rollouts():
@@ -66,19 +72,20 @@ def token_losses(logprobs, entropy, fields, sample_sum):
 
 
 def _model(kind, *, hdp):
-    """The tiny GPT of `kind`: dense, MoE (4 experts, top 2), learnable sinks, or multi-latent attention
-    (the reference with Megatron's own MLA layer: `exactness_cases.reference_mla_block`)."""
+    """The tiny GPT of `kind` (`KINDS`: dense, 4 dense layers, MoE with 4 experts top 2, learnable sinks, or
+    multi-latent attention, the reference with Megatron's own MLA layer: `exactness_cases.reference_mla_block`)
+    as this rank's list of model chunks (one per virtual pipeline stage)."""
     from exactness_cases import reference_mla_block
 
     from megatron_hdp.harness.exactness import VOCAB_SIZE
     from megatron_hdp.harness.model import tiny_llama_config, tiny_mla_fields
-    from megatron_hdp.megatron.core_api.model import build_gpt
+    from megatron_hdp.megatron.core_api.model import build_gpt_chunks
 
-    fields = {"dense": {}, "moe": {"num_moe_experts": 4}, "sinks": {"softmax_type": "learnable"},
-              "mla": tiny_mla_fields()}[kind]
-    config = tiny_llama_config(**fields)
+    fields = KINDS[kind]
+    config = tiny_llama_config(**(tiny_mla_fields() if fields is None else fields))
     spec = reference_mla_block(config) if kind == "mla" and not hdp else None
-    return build_gpt(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=hdp, transformer_layer_spec=spec)
+    return build_gpt_chunks(config, vocab_size=VOCAB_SIZE, max_sequence_length=128, hdp=hdp,
+                            transformer_layer_spec=spec)
 
 
 def _reference_of(model, rollouts):
@@ -108,13 +115,14 @@ def _posttrain_run(state, kind, init, rollouts, plan):
     """Forward (every sample, gathered) and one train step of HDP's PostTrainer on this mesh, its loss
     masked by the response mask of the plan's prompt lengths (not by the rollouts' "mask")."""
     from megatron_hdp.harness.exactness import load_full_weights, local_grads
-    from megatron_hdp.megatron.core_api.model import wrap_for_training
+    from megatron_hdp.megatron.core_api.model import wrap_chunks_for_training
     from megatron_hdp.posttrain.runtime import PostTrainer
 
-    model = _model(kind, hdp=True)
-    load_full_weights(model, init)
-    ddp, optimizer = wrap_for_training(model, clip_grad=0.0)
-    trainer = PostTrainer(model=ddp, optimizer=optimizer, state=state)
+    chunks = _model(kind, hdp=True)
+    for chunk in chunks:
+        load_full_weights(chunk, init)
+    ddps, optimizer = wrap_chunks_for_training(chunks, clip_grad=0.0)
+    trainer = PostTrainer(model=ddps, optimizer=optimizer, state=state)
     samples = trainer.forward(plan, rollouts, gather="all")
     own = trainer.forward(plan, rollouts, gather="own")
 
@@ -128,7 +136,7 @@ def _posttrain_run(state, kind, init, rollouts, plan):
     stats = trainer.train_step(plan, rollouts, loss_fn=loss_fn)
     return {"samples": {k: (v.logprobs, v.entropy) for k, v in samples.items()}, "own": sorted(own),
             "objective": stats.objective, "seq_ratio": stats.metrics["seq_ratio"],
-            "grads": {name: g for name, g in local_grads(ddp).items()}, "rings": stats.num_rings}
+            "grads": {name: g for ddp in ddps for name, g in local_grads(ddp).items()}, "rings": stats.num_rings}
 
 
 def _idle_ranks_step(state, init):
@@ -143,7 +151,7 @@ def _idle_ranks_step(state, init):
     from megatron_hdp.posttrain.runtime import PostTrainer
     from megatron_hdp.posttrain.weights import loss_weights
 
-    model = _model("dense", hdp=True)
+    (model,) = _model("dense", hdp=True)
     load_full_weights(model, init)
     ddp, optimizer = wrap_for_training(model, clip_grad=0.0)
     full = _rollouts()
@@ -157,10 +165,11 @@ def _idle_ranks_step(state, init):
     return stats.objective
 
 
-def _init(tp=1, pp=1, ep=1):
+def _init(tp=1, pp=1, vpp=1, ep=1):
     from megatron_hdp.megatron.core_api.initialize import initialize_hdp
 
     return initialize_hdp(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                           expert_model_parallel_size=ep, seed=7)
 
 
@@ -172,9 +181,9 @@ def _reference(rank, world_size):
 
     rollouts = _rollouts()
     out = {}
-    for kind in ("dense", "moe", "sinks", "mla"):
+    for kind in KINDS:
         _init()
-        model = _model(kind, hdp=False)
+        (model,) = _model(kind, hdp=False)
         init = full_weights(model)
         out[kind] = {"init": init, **_reference_of(model, rollouts)}
         destroy_hdp()
@@ -191,12 +200,14 @@ def _hdp(rank, world_size, inits, meshes):
 
     rollouts = _rollouts()
     out = {}
-    for name, tp, pp, ep, kind in meshes:
-        state = _init(tp, pp, ep)
-        plan = random_plan([n - 1 for n in LENGTHS], num_ranks=state.hdp_size, seed=11 + tp + 2 * pp + 3 * ep,
+    for name, tp, pp, vpp, ep, kind in meshes:
+        state = _init(tp, pp, vpp, ep)
+        plan = random_plan([n - 1 for n in LENGTHS], num_ranks=state.hdp_size, seed=10 + tp + 2 * pp + 3 * ep + vpp,
                            pp_size=pp)
+        plan = dataclasses.replace(plan, vpp_size=vpp).validate()
         out[name] = {**_posttrain_run(state, kind, inits[kind], rollouts, plan),
-                     "largest_ring": max(len(sequence.ring) for sequence in plan.sequences)}
+                     "largest_ring": max(len(sequence.ring) for sequence in plan.sequences),
+                     "counts": [len(schedule.microbatches) for schedule in plan.ranks]}
         destroy_hdp()
     if world_size == 4:
         out["idle"] = _idle_ranks_step(_init(), inits["dense"])
@@ -229,12 +240,14 @@ def test_one_rank_matches_the_reference(reference):
 
 @pytest.mark.parametrize("world_size, meshes", [(4, MESHES), (5, FIVE_RANK_MESHES)], ids=["4-ranks", "5-ranks"])
 def test_many_ranks_match_the_reference_on_every_mesh(reference, world_size, meshes):
-    inits = {kind: reference[kind]["init"] for kind in ("dense", "moe", "sinks", "mla")}
+    inits = {kind: reference[kind]["init"] for kind in KINDS}
     results = run_gloo(_hdp, world_size, inits, tuple(meshes), timeout_s=400)
-    for name, tp, pp, ep, kind in meshes:
+    for name, tp, pp, vpp, ep, kind in meshes:
         want = reference[kind]
         if world_size == 5:
             assert results[0][name]["largest_ring"] == 5, f"{name}: no sample on a ring of 5"
+        if vpp > 1:  # the interleaved schedule runs each pipeline's own count (2 and 3: the ring rule holds)
+            assert len(set(results[0][name]["counts"])) > 1, f"{name}: the pipelines run one count"
         owners = set()
         for rank, result in enumerate(results):
             _check(result[name], want, f"{name} rank {rank}")
