@@ -4,7 +4,7 @@ equal micro-batches and against the simulator's event loop for unequal ones; PP-
 import numpy as np
 import pytest
 
-from megatron_hdp.plan.timeline.assemble import assemble_plan
+from megatron_hdp.plan.timeline.assemble import assemble_plan, time_plan
 from megatron_hdp.plan.search import packing
 from megatron_hdp.plan.search.packing import best_fit, pack_for_pipeline
 from megatron_hdp.plan.timeline.pipeline import pipeline_time, pipelines_finish
@@ -148,15 +148,16 @@ def test_a_group_holding_all_heavy_microbatches_shrinks_the_bubble_and_the_plann
     lengths = [400_000] * 5 + [2000] * 6
     rings = [(0, 1)] * 5 + [(0,)] * 3 + [(1,)] * 3
     schedule = [[[i] for i in range(5)] + [[5 + j + 3 * r] for j in range(3)] for r in range(2)]
-    plans = {group: assemble_plan(policy="hand", lengths=lengths, rings=rings, offload_ratios=[0.0] * 11,
-                                  schedule=schedule, capacity=800_000, cost_model=CM, pp_size=4, vpp_size=10,
-                                  group_size=group) for group in (None, 5)}
+    timed = {group: time_plan(policy="hand", lengths=lengths, rings=rings, offload_ratios=[0.0] * 11,
+                              schedule=schedule, capacity=800_000, cost_model=CM, pp_size=4, vpp_size=10,
+                              group_size=group) for group in (None, 5)}
+    plans = {group: plan.build() for group, plan in timed.items()}
     simulated = {group: simulate_step(plan, CM).compute_end for group, plan in plans.items()}
     assert plans[5].est_step_time < plans[None].est_step_time * 0.97
     assert simulated[5] < simulated[None] * 0.97
     assert simulated[5] == pytest.approx(plans[5].est_step_time, rel=1e-9)  # rings aligned, equal members
-    assert fits_memory(plans[5])
-    assert not fits_memory(dataclasses.replace(plans[5], capacity=2000))
+    assert fits_memory(timed[5])
+    assert not fits_memory(dataclasses.replace(timed[5], capacity=2000))
 
 
 def test_many_pipelines_at_once_are_each_pipeline_alone():

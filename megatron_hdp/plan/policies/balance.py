@@ -64,7 +64,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.plan.timeline.assemble import assemble_plan, gc_paused
+from megatron_hdp.plan.timeline.assemble import TimedPlan, gc_paused, time_plan
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.expert_units import place_units, unit_options
 from megatron_hdp.plan.timeline.interleaved import group_size_fits
@@ -76,7 +76,7 @@ from megatron_hdp.plan.timeline.bounds import gap, step_time_lower_bound
 from megatron_hdp.plan.cost.sharding import member_times, shard_sequences, whole_times
 from megatron_hdp.plan.search.widening import widening_options
 from megatron_hdp.plan.step_plan import StepPlan
-from megatron_hdp.plan.timeline.timing import plan_runtime_counts
+from megatron_hdp.plan.timeline.timing import runtime_microbatch_counts
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +141,12 @@ def plan_balance(
     percent off a tiny batch's step but can take a second, so the per-step runtime leaves it off.
     """
     with gc_paused():  # the whole build allocates ~100K short-lived objects (see `assemble.gc_paused`)
-        return _plan_balance(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model,
-                             pp_size=pp_size, vpp_size=vpp_size, exact=exact)
+        plan = _plan_balance(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model,
+                             pp_size=pp_size, vpp_size=vpp_size, exact=exact).build()
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("balance plan: step %.4g s, gap to the lower bound %.2f%%", plan.est_step_time,
+                     100 * gap(plan, cost_model=cost_model))
+    return plan
 
 
 def _plan_balance(
@@ -154,7 +158,8 @@ def _plan_balance(
     pp_size: int,
     vpp_size: int,
     exact: bool,
-) -> StepPlan:
+) -> TimedPlan:
+    """`plan_balance`'s plan, timed but not built: every candidate is compared as a `TimedPlan`."""
     capacity = config.hdp_capacity
     tokens = np.asarray(lengths, dtype=np.int64)  # once: the array steps below would each convert the list
     sharding = shard_sequences(tokens, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
@@ -173,8 +178,8 @@ def _plan_balance(
                                                           cost_model=cost_model,
                                                           max_offload_ratio=config.max_offload_ratio))
 
-    def improvable(plan: StepPlan) -> bool:  # with PP always; else above both its mean rank time and the bound
-        mean = sum(r.est_time for r in plan.ranks) / num_ranks
+    def improvable(plan: TimedPlan) -> bool:  # with PP always; else above both its mean rank time and the bound
+        mean = sum(plan.rank_times) / num_ranks
         return pp_size > 1 or (plan.est_step_time > RETRY_GAP * mean and plan.est_step_time > RETRY_GAP * bound())
 
     plan, family = _best(lengths, (units or ranks)[:1], None, **common)
@@ -186,8 +191,8 @@ def _plan_balance(
         for _ in range(CLIMB_ROUNDS):
             if not improvable(plan):
                 break
-            sizes = np.array([len(seq.ring) for seq in plan.sequences])
-            ratios = np.array([seq.offload_ratio for seq in plan.sequences])
+            sizes = np.array([len(ring) for ring in plan.rings])
+            ratios = np.asarray(plan.offload_ratios, dtype=np.float64)
             steps = neighbours(tokens, sizes, ratios, fewest=sharding.ring_sizes, num_ranks=num_ranks,
                                capacity=capacity, cost_model=cost_model, max_offload_ratio=config.max_offload_ratio,
                                pp_size=pp_size)
@@ -200,22 +205,15 @@ def _plan_balance(
                                                       cost_model=dataclasses.replace(cost_model, expert_parallel_size=1),
                                                       pp_size=pp_size, vpp_size=vpp_size, exact=exact), cost_model),
                    key=lambda p: p.est_step_time)
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("balance plan: step %.4g s, gap to the lower bound %.2f%%", plan.est_step_time,
-                     100 * gap(plan, cost_model=cost_model))
     return plan
 
 
-def _with_coupling(plan: StepPlan, cost_model: CostModel) -> StepPlan:
+def _with_coupling(plan: TimedPlan, cost_model: CostModel) -> TimedPlan:
     """`plan`'s placement timed under `cost_model` (its EP coupling, the all-to-all's spread expert work)."""
-    return assemble_plan(policy=plan.policy, lengths=plan.lengths, rings=[s.ring for s in plan.sequences],
-                         offload_ratios=[s.offload_ratio for s in plan.sequences],
-                         schedule=[[[shard.seq for shard in mb.shards] for mb in r.microbatches] for r in plan.ranks],
-                         capacity=plan.capacity, cost_model=cost_model, pp_size=plan.pp_size,
-                         vpp_size=plan.vpp_size, group_size=plan.group_size)
+    return time_plan(**plan.decisions(), cost_model=cost_model)
 
 
-def _best(lengths: list[int], builds: list, best: tuple | None, **common) -> tuple[StepPlan, object]:
+def _best(lengths: list[int], builds: list, best: tuple | None, **common) -> tuple[TimedPlan, object]:
     """(plan, builder) of least predicted step time among `best` and the plans `builds` make, each a
     (builder, option) pair: `_build` plans rank by rank, `_build_units` EP groups as units."""
     for build, (ring_sizes, offload_ratios) in builds:
@@ -237,7 +235,7 @@ def _build(
     pp_size: int,
     vpp_size: int,
     exact: bool,
-) -> StepPlan:
+) -> TimedPlan:
     """Steps 3-6 of the module doc for one choice of ring sizes (`tokens`: the lengths as an array)."""
     weights = member_times(tokens, ring_sizes, cost_model=cost_model, pp_size=pp_size)
     long_ids = np.flatnonzero(ring_sizes > 1)
@@ -251,7 +249,7 @@ def _build(
     plan = _finish([[[seq] for seq in ring_mbs] for ring_mbs in aligned.ring_microbatches], aligned.rings,
                    aligned.finish, whole_order, **common)
     nodes = None if cost_model.ranks_per_node is None else np.arange(num_ranks) // cost_model.ranks_per_node
-    mean = sum(r.est_time for r in plan.ranks) / num_ranks
+    mean = sum(plan.rank_times) / num_ranks
     floor = overhead + float(weights.max(initial=0.0))  # no placement beats the heaviest micro-batch
     can_replace = plan.est_step_time * (1 - PLACEMENT_MARGIN) > floor
     # rings that leave ranks idle, or a topology the aligned placement ignores: also place them by time
@@ -279,7 +277,7 @@ def _build_units(
     pp_size: int,
     vpp_size: int,
     exact: bool,
-) -> StepPlan:
+) -> TimedPlan:
     """The plan of one choice of ring sizes with expert parallelism: EP groups planned as units of lanes
     (`expert_units.place_units`); with PP each unit's rows are tried heaviest first and lightest first.
     `exact` is for the signature of `_build` (no MILP here)."""
@@ -291,9 +289,9 @@ def _build_units(
     best = None
     rings = placed.rings(len(lengths))
     for schedule in placed.schedules(lightest_first=(False, True) if pp_size > 1 else (False,)):
-        plan = assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
-                             schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
-                             vpp_size=vpp_size)
+        plan = time_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
+                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                         vpp_size=vpp_size)
         if best is None or plan.est_step_time < best.est_step_time * (1 - 1e-9):
             best = plan
     return best
@@ -315,7 +313,7 @@ def _finish(
     vpp_size: int,
     exact: bool,
     overhead: float,
-) -> StepPlan:
+) -> TimedPlan:
     """Steps 4-6 after a ring placement: `leading[r]` are rank r's micro-batches up to its last ring
     (sequence ids per micro-batch), `finish[r]` when it is done with them; the whole sequences of
     `whole_order` go after them."""
@@ -348,9 +346,9 @@ def _finish(
         schedule = [shifted(lead, bins, shift, weight=lambda mb: sum(map(seconds.__getitem__, mb)))
                     for lead, bins in zip(leads, packed)]
         for group in group_sizes(pp_size, vpp_size, shift + most_rings):
-            plan = assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
-                                 schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
-                                 vpp_size=vpp_size, group_size=group)
+            plan = time_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
+                             schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                             vpp_size=vpp_size, group_size=group)
             better = best is None or plan.est_step_time < best.est_step_time * (1 - 1e-9)
             if better and (group is None or fits_memory(plan)):
                 best = plan
@@ -368,13 +366,15 @@ def group_sizes(pp_size: int, vpp_size: int, ring_span: int) -> list[int | None]
     return [None, ring_span]
 
 
-def fits_memory(plan: StepPlan) -> bool:
+def fits_memory(plan: TimedPlan) -> bool:
     """Whether every pipeline of `plan`, run with its group size, keeps no more activations than the
     capacity was sized for (`interleaved.group_size_fits`; a micro-batch's resident tokens are those it
     holds up to C, offloading keeping the rest on the host; padding micro-batches hold none)."""
-    counts = plan_runtime_counts(plan)
-    for schedule, count in zip(plan.ranks, counts):
-        tokens = [min(mb.num_tokens, plan.capacity) for mb in schedule.microbatches]
+    counts = runtime_microbatch_counts([len(held) for held in plan.held], pp_size=plan.pp_size,
+                                       vpp_size=plan.vpp_size, group_size=plan.group_size,
+                                       rings={ring for ring in plan.rings if len(ring) > 1})
+    for held, count in zip(plan.held, counts):
+        tokens = [min(num, plan.capacity) for num in held]
         tokens += [0] * (count - len(tokens))
         if not group_size_fits(tokens, capacity=plan.capacity, pp_size=plan.pp_size, vpp_size=plan.vpp_size,
                                group_size=plan.group_size):
