@@ -35,8 +35,8 @@ from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.zigzag import zigzag_chunks, zigzag_num_tokens
 from megatron_hdp.plan.timeline.pipeline import pipelines_finish
 from megatron_hdp.plan.cost.sharding import whole_times
-from megatron_hdp.plan.timeline.timing import (coupled_finish, expert_links, link_groups, pipeline_step_finish,
-                                               runtime_microbatch_counts)
+from megatron_hdp.plan.timeline.timing import (coupled_finish, expert_coupled_finish, expert_links, link_groups,
+                                               pipeline_step_finish, runtime_microbatch_counts)
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, build_many
 
 
@@ -269,6 +269,8 @@ def step_time(
     Megatron's pipeline order coupled the same way, `timing.pipeline_step_finish`, with `vpp_size` model
     chunks per stage and groups of `group_size`)."""
     links = [(index, rings[seq]) for seq, index in ring_index.items()]
+    if pp_size == 1 and ep_size > 1:  # every index coupled by EP groups: timed a whole index at a time
+        return float(expert_coupled_finish(times, links, ep_size=ep_size, jitter=jitter).max(initial=0.0))
     groups = link_groups(links + expert_links([len(t) for t in times], ep_size))
     if pp_size > 1:
         end = pipeline_step_finish(times, groups, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size,
