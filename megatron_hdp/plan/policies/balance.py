@@ -67,7 +67,7 @@ from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.timeline.assemble import TimedPlan, gc_paused, time_plan
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.expert_units import place_units, unit_options
-from megatron_hdp.plan.timeline.interleaved import group_size_fits
+from megatron_hdp.plan.timeline.interleaved import pipelines_fit
 from megatron_hdp.plan.search.neighbours import neighbours
 from megatron_hdp.plan.search.packing import pack_for_pipelines
 from megatron_hdp.plan.search.placement import fill_gaps, lpt, narrowest_first, place_rings, place_rings_by_time
@@ -368,18 +368,15 @@ def group_sizes(pp_size: int, vpp_size: int, ring_span: int) -> list[int | None]
 
 def fits_memory(plan: TimedPlan) -> bool:
     """Whether every pipeline of `plan`, run with its group size, keeps no more activations than the
-    capacity was sized for (`interleaved.group_size_fits`; a micro-batch's resident tokens are those it
+    capacity was sized for (`interleaved.pipelines_fit`; a micro-batch's resident tokens are those it
     holds up to C, offloading keeping the rest on the host; padding micro-batches hold none)."""
     counts = runtime_microbatch_counts([len(held) for held in plan.held], pp_size=plan.pp_size,
                                        vpp_size=plan.vpp_size, group_size=plan.group_size,
                                        rings={ring for ring in plan.rings if len(ring) > 1})
-    for held, count in zip(plan.held, counts):
-        tokens = [min(num, plan.capacity) for num in held]
-        tokens += [0] * (count - len(tokens))
-        if not group_size_fits(tokens, capacity=plan.capacity, pp_size=plan.pp_size, vpp_size=plan.vpp_size,
-                               group_size=plan.group_size):
-            return False
-    return True
+    tokens = [[min(num, plan.capacity) for num in held] + [0] * (count - len(held))
+              for held, count in zip(plan.held, counts)]
+    return pipelines_fit(tokens, capacity=plan.capacity, pp_size=plan.pp_size, vpp_size=plan.vpp_size,
+                         group_size=plan.group_size)
 
 
 RING_SHIFTS = (0, 1, 2, 3)
