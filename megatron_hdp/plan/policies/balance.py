@@ -64,7 +64,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.plan.timeline.assemble import TimedPlan, gc_paused, time_plan
+from megatron_hdp.plan.timeline.assemble import TimedPlan, TimingCache, gc_paused, time_plan
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.expert_units import place_units, unit_options
 from megatron_hdp.plan.timeline.interleaved import pipelines_fit
@@ -288,10 +288,11 @@ def _build_units(
                          overhead=cost_model.microbatch_time([], pp_size=pp_size), fine_work=num_ranks * full)
     best = None
     rings = placed.rings(len(lengths))
+    shared = TimingCache()
     for schedule in placed.schedules(lightest_first=(False, True) if pp_size > 1 else (False,)):
         plan = time_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
                          schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
-                         vpp_size=vpp_size)
+                         vpp_size=vpp_size, shared=shared)
         if best is None or plan.est_step_time < best.est_step_time * (1 - 1e-9):
             best = plan
     return best
@@ -342,13 +343,14 @@ def _finish(
         given, pack_for_pipelines(jobs, capacity=capacity, overhead=overhead, pp_size=pp_size, vpp_size=vpp_size))]
     best = None
     most_rings = max(map(len, leads), default=0)
+    shared = TimingCache()  # every shift and group size has the same rings
     for shift in RING_SHIFTS if pp_size > 1 else (0,):
         schedule = [shifted(lead, bins, shift, weight=lambda mb: sum(map(seconds.__getitem__, mb)))
                     for lead, bins in zip(leads, packed)]
         for group in group_sizes(pp_size, vpp_size, shift + most_rings):
             plan = time_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
                              schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
-                             vpp_size=vpp_size, group_size=group)
+                             vpp_size=vpp_size, group_size=group, shared=shared)
             better = best is None or plan.est_step_time < best.est_step_time * (1 - 1e-9)
             if better and (group is None or fits_memory(plan)):
                 best = plan

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -138,6 +138,20 @@ class TimedPlan:
                         vpp_size=self.vpp_size, group_size=self.group_size)
 
 
+@dataclass
+class TimingCache:
+    """What `time_plan` calls of one set of lengths, rings and cost model share, their schedules differing
+    only in order or group size (`balance` tries each placement with its rings shifted and with two group
+    sizes): each sequence's whole time, each ring member's position, and each micro-batch holding ring
+    shards by (rank, sequence ids): its time, tokens and ring kinds (a ring call's kind depends only on
+    the sequences on it, the same at every member). Pass one only to calls that share all three."""
+
+    positions: dict[int, dict[int, int]] | None = None
+    whole: list[float] | None = None
+    microbatches: dict[tuple[int, tuple[int, ...]], tuple[float, int, list[tuple[int, str]]]] = field(
+        default_factory=dict)
+
+
 def assemble_plan(
     *,
     policy: str,
@@ -176,17 +190,21 @@ def time_plan(
     pp_size: int = 1,
     vpp_size: int = 1,
     group_size: int | None = None,
+    shared: TimingCache | None = None,
 ) -> TimedPlan:
     """The predicted times of `assemble_plan`'s decisions (same arguments) without building the StepPlan:
-    each micro-batch's time, each rank's busy time and the step time (module doc)."""
+    each micro-batch's time, each rank's busy time and the step time (module doc). `shared`: what calls
+    with the same lengths, rings and cost model reuse (`TimingCache`)."""
     lengths = list(map(int, lengths))
-    in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
-    positions: dict[int, dict[int, int]] = {
-        seq: {rank: p for p, rank in enumerate(rings[seq])} for seq in np.flatnonzero(in_ring).tolist()
-    }
-    # A micro-batch of whole sequences takes the micro-batch overhead plus each sequence's whole time
-    # (the cost model is additive over shards); micro-batches with ring shards go through the cost model.
-    whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size).tolist()
+    shared = TimingCache() if shared is None else shared
+    if shared.positions is None:
+        in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
+        shared.positions = {seq: {rank: p for p, rank in enumerate(rings[seq])}
+                            for seq in np.flatnonzero(in_ring).tolist()}
+        # A micro-batch of whole sequences takes the micro-batch overhead plus each sequence's whole time
+        # (the cost model is additive over shards); micro-batches with ring shards go through the cost model.
+        shared.whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size).tolist()
+    positions, whole, ring_microbatches = shared.positions, shared.whole, shared.microbatches
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     ring_index: dict[int, int] = {}
     kinds = ["kv"] * len(lengths)
@@ -200,19 +218,26 @@ def time_plan(
                 held = sum(map(lengths.__getitem__, seqs))
                 time = overhead + sum(map(whole.__getitem__, seqs))
             else:
-                costs = []
-                _decide_ring_kinds(seqs, rings=rings, lengths=lengths, kinds=kinds, cost_model=cost_model,
-                                   decided=ring_index)
-                for seq in seqs:
-                    where = positions.get(seq)
-                    if where is None:
-                        costs.append((lengths[seq], lengths[seq], (), kinds[seq]))
-                    else:
-                        ring_index.setdefault(seq, index)
-                        costs.append((lengths[seq], zigzag_num_tokens(lengths[seq], len(where), where[rank]), rings[seq],
-                                      kinds[seq]))
-                held = sum(c[1] for c in costs)
-                time = cost_model.microbatch_time(costs, pp_size=pp_size)
+                key = (rank, tuple(seqs))
+                known = ring_microbatches.get(key)
+                if known is None:
+                    costs = []
+                    _decide_ring_kinds(seqs, rings=rings, lengths=lengths, kinds=kinds, cost_model=cost_model,
+                                       decided=ring_index)
+                    for seq in seqs:
+                        where = positions.get(seq)
+                        if where is None:
+                            costs.append((lengths[seq], lengths[seq], (), kinds[seq]))
+                        else:
+                            costs.append((lengths[seq], zigzag_num_tokens(lengths[seq], len(where), where[rank]),
+                                          rings[seq], kinds[seq]))
+                    known = ring_microbatches[key] = (cost_model.microbatch_time(costs, pp_size=pp_size),
+                                                      sum(c[1] for c in costs),
+                                                      [(seq, kinds[seq]) for seq in seqs if seq in positions])
+                time, held, ring_kinds = known
+                for seq, kind in ring_kinds:
+                    kinds[seq] = kind
+                    ring_index.setdefault(seq, index)
             rank_times.append(time)
             rank_tokens.append(held)
         times.append(rank_times)
