@@ -115,12 +115,12 @@ def test_vpp_packing_fills_the_padded_count():
 
 
 def test_ring_shift_keeps_rings_aligned_and_moves_them_after_light_work():
-    """`balance.shifted`: every ring member moves its rings by the same number of indices (the lightest
+    """`ring_shifts.shifted`: every ring member moves its rings by the same number of indices (the lightest
     whole micro-batches first, empty ones where a pipeline has fewer), so a ring stays on one index;
     a pipeline without rings keeps its order. Five heavy micro-batches on every pipeline (a ring over
     the whole pool, as byted's 2M documents get) run faster after three empty ones with 10 virtual stages
     than first (the fifth heavy one would be alone in its group of pp)."""
-    from megatron_hdp.plan.policies.balance import shifted
+    from megatron_hdp.plan.search.ring_shifts import shifted
 
     weight = {0: 5.0, 1: 1.0, 2: 3.0}.get
     a = shifted([[9]], [[0], [1], [2]], 2, weight=lambda mb: sum(map(weight, mb)))
@@ -137,12 +137,12 @@ def test_a_group_holding_all_heavy_microbatches_shrinks_the_bubble_and_the_plann
     """Five heavy micro-batches (rings over both pipelines, as byted's 2M documents get) and three light
     ones per pipeline, PP 4 x 10 virtual stages: with Megatron's default G = pp the fifth heavy one shares
     its group with light ones and crosses the stages nearly alone; G = 5 puts all five in the first group.
-    The planner's time and the simulator's event loop agree that G = 5 is faster; `balance.group_sizes`
+    The planner's time and the simulator's event loop agree that G = 5 is faster; `ring_shifts.group_sizes`
     offers it and `fits_memory` allows it (ring shards hold a quarter of C) but refuses it for full
     micro-batches, whose extra in-flight activations C was not sized for."""
     import dataclasses
 
-    from megatron_hdp.plan.policies.balance import fits_memory, group_sizes
+    from megatron_hdp.plan.search.ring_shifts import fits_memory, group_sizes
 
     assert group_sizes(4, 10, 5) == [None, 5] and group_sizes(4, 1, 5) == [None] and group_sizes(4, 10, 4) == [None]
     lengths = [400_000] * 5 + [2000] * 6

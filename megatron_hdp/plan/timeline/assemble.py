@@ -24,6 +24,7 @@ way and can be compared side by side:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -96,6 +97,8 @@ class TimedPlan:
     kinds: list[str]
     rank_times: list[float]
     est_step_time: float
+    shared: TimingCache | None = field(default=None, compare=False, repr=False)
+    """The cache it was timed with, for re-timing its decisions (`time_plan`'s `shared`)."""
 
     def decisions(self) -> dict:
         """The keyword arguments of `time_plan` that made this plan, less the cost model."""
@@ -140,12 +143,16 @@ class TimedPlan:
 
 @dataclass
 class TimingCache:
-    """What `time_plan` calls of one set of lengths, rings and cost model share, their schedules differing
-    only in order or group size (`balance` tries each placement with its rings shifted and with two group
-    sizes): each sequence's whole time, each ring member's position, and each micro-batch holding ring
-    shards by (rank, sequence ids): its time, tokens and ring kinds (a ring call's kind depends only on
-    the sequences on it, the same at every member). Pass one only to calls that share all three."""
+    """What `time_plan` calls of one set of lengths and rings share, their schedules differing only in
+    order or group size (`balance` tries each placement with its rings shifted and with two group sizes,
+    and re-times the plan made as if EP 1 with the coupling): each sequence's whole time, each ring
+    member's position, and each micro-batch holding ring shards by (rank, sequence ids): its time, tokens
+    and ring kinds (a ring call's kind depends only on the sequences on it, the same at every member).
+    None of these read the cost model's EP size (it enters after them, `expert_coupled_times` and the
+    coupling), so calls whose cost models differ only in it may share one; `basis` (the cost model at EP 1)
+    holds them to that. Pass one only to calls with the same lengths and rings."""
 
+    basis: CostModel | None = None
     positions: dict[int, dict[int, int]] | None = None
     whole: list[float] | None = None
     microbatches: dict[tuple[int, tuple[int, ...]], tuple[float, int, list[tuple[int, str]]]] = field(
@@ -197,6 +204,10 @@ def time_plan(
     with the same lengths, rings and cost model reuse (`TimingCache`)."""
     lengths = list(map(int, lengths))
     shared = TimingCache() if shared is None else shared
+    basis = dataclasses.replace(cost_model, expert_parallel_size=1)
+    if shared.basis is None:
+        shared.basis = basis
+    assert shared.basis == basis, "a TimingCache shared by cost models that differ beyond the EP size"
     if shared.positions is None:
         in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
         shared.positions = {seq: {rank: p for p, rank in enumerate(rings[seq])}
@@ -253,7 +264,7 @@ def time_plan(
                      jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
     return TimedPlan(policy=policy, lengths=lengths, rings=rings, offload_ratios=offload_ratios, schedule=schedule,
                      capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, times=times,
-                     held=tokens, kinds=kinds, rank_times=alone, est_step_time=step)
+                     held=tokens, kinds=kinds, rank_times=alone, est_step_time=step, shared=shared)
 
 
 def _decide_ring_kinds(
