@@ -1,4 +1,5 @@
-"""The EP coupling computed a whole micro-batch index at a time must give the floats of its definition.
+"""The EP coupling computed a whole micro-batch index at a time must give the floats of its definition,
+and times shared across EP sizes must be a fresh call's.
 
 `timing.expert_coupled_finish` (the planner's step time without PP and with EP) against the general
 union-find over (rank, index) keys and `coupled_finish` it replaces in `assemble.step_time`, and
@@ -63,3 +64,29 @@ def test_spread_expert_work_is_the_loop_over_groups_indices_and_members():
         got = spread_expert_work(times, tokens, ep_size=ep_size, seconds_per_token=per_token,
                                  alltoall_seconds_per_token=alltoall)
         assert got == expected, f"trial {trial}"
+
+
+def test_a_timing_cache_shared_across_ep_sizes_gives_the_fresh_times():
+    """`assemble.TimingCache` (balance's EP-1 pass re-timing the EP pass's placements): timing a schedule
+    with a cache warmed under another EP size, or again under the same one, gives the times of a fresh
+    call; a cost model that differs beyond the EP size is refused."""
+    import dataclasses
+
+    from megatron_hdp.plan.cost.presets import analytic_cost_model
+    from megatron_hdp.plan.timeline.assemble import TimingCache, time_plan
+
+    ep2 = dataclasses.replace(analytic_cost_model("mixtral-8x7b", "h100"), expert_parallel_size=2)
+    ep1 = dataclasses.replace(ep2, expert_parallel_size=1)
+    lengths = [9000, 3000, 2500, 800, 700, 4000]
+    rings = [(0, 1, 2), (0,), (1,), (2,), (3,), (3,)]
+    schedule = [[[0], [1]], [[0], [2]], [[0], [3]], [[4], [5]]]  # the ring at index 0 of ranks 0-2
+    args = dict(policy="hand", lengths=lengths, rings=rings, offload_ratios=[0.0] * 6, schedule=schedule,
+                capacity=16384)
+    cache = TimingCache()
+    for cost_model in (ep2, ep1, ep2):
+        cached, fresh = time_plan(**args, cost_model=cost_model, shared=cache), time_plan(**args, cost_model=cost_model)
+        assert (cached.est_step_time, cached.rank_times, cached.times, cached.kinds) == (
+            fresh.est_step_time, fresh.rank_times, fresh.times, fresh.kinds)
+    assert time_plan(**args, cost_model=ep2, shared=cache) is time_plan(**args, cost_model=ep2, shared=cache)
+    with pytest.raises(AssertionError, match="beyond the EP size"):
+        time_plan(**args, cost_model=dataclasses.replace(ep2, b1=2 * ep2.b1), shared=cache)

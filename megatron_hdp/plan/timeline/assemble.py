@@ -150,13 +150,16 @@ class TimingCache:
     and ring kinds (a ring call's kind depends only on the sequences on it, the same at every member).
     None of these read the cost model's EP size (it enters after them, `expert_coupled_times` and the
     coupling), so calls whose cost models differ only in it may share one; `basis` (the cost model at EP 1)
-    holds them to that. Pass one only to calls with the same lengths and rings."""
+    holds them to that. A schedule timed again under the same EP size (balance's EP-1 pass re-timing its
+    winner with the coupling) is the plan timed before (`plans`). Pass one only to calls with the same
+    lengths and rings."""
 
     basis: CostModel | None = None
     positions: dict[int, dict[int, int]] | None = None
     whole: list[float] | None = None
     microbatches: dict[tuple[int, tuple[int, ...]], tuple[float, int, list[tuple[int, str]]]] = field(
         default_factory=dict)
+    plans: dict[tuple[int, int | None, int], TimedPlan] = field(default_factory=dict)
 
 
 def assemble_plan(
@@ -208,6 +211,10 @@ def time_plan(
     if shared.basis is None:
         shared.basis = basis
     assert shared.basis == basis, "a TimingCache shared by cost models that differ beyond the EP size"
+    timed = shared.plans.get((id(schedule), group_size, cost_model.expert_parallel_size))
+    if timed is not None and timed.schedule is schedule and timed.offload_ratios is offload_ratios and (
+            timed.policy, timed.capacity, timed.pp_size, timed.vpp_size) == (policy, capacity, pp_size, vpp_size):
+        return timed
     if shared.positions is None:
         in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
         shared.positions = {seq: {rank: p for p, rank in enumerate(rings[seq])}
@@ -262,9 +269,11 @@ def time_plan(
     alone = pipelines_finish(padded, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
     step = step_time(padded, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
                      jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
-    return TimedPlan(policy=policy, lengths=lengths, rings=rings, offload_ratios=offload_ratios, schedule=schedule,
-                     capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, times=times,
-                     held=tokens, kinds=kinds, rank_times=alone, est_step_time=step, shared=shared)
+    timed = TimedPlan(policy=policy, lengths=lengths, rings=rings, offload_ratios=offload_ratios, schedule=schedule,
+                      capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, times=times,
+                      held=tokens, kinds=kinds, rank_times=alone, est_step_time=step, shared=shared)
+    shared.plans[(id(schedule), group_size, cost_model.expert_parallel_size)] = timed
+    return timed
 
 
 def _decide_ring_kinds(
