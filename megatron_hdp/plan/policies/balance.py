@@ -229,6 +229,8 @@ class _Shared:
     sharding: object = None
     options: list | None = None
     schedules: dict = dataclasses.field(default_factory=dict)
+    contents: dict = dataclasses.field(default_factory=dict)
+    """Ring micro-batch times by content (`TimingCache.contents`), shared by every placement's cache."""
 
     def get(self, key: tuple, make):
         """`make()`'s schedules (`_schedules`) for placement `key`, made once."""
@@ -275,7 +277,7 @@ def _build(
     whole_order = whole_ids[np.lexsort((whole_ids, -weights[whole_ids]))].tolist()
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     common = dict(lengths=lengths, weights=weights, tokens=tokens, capacity=capacity, pp_size=pp_size,
-                  vpp_size=vpp_size, exact=exact, overhead=overhead)
+                  vpp_size=vpp_size, exact=exact, overhead=overhead, contents=shared.contents)
     timing = dict(lengths=lengths, offload_ratios=offload_ratios, capacity=capacity, cost_model=cost_model,
                   pp_size=pp_size, vpp_size=vpp_size)
     key = (ring_sizes.tobytes(), offload_ratios.tobytes())
@@ -322,7 +324,8 @@ def _build_units(
 ) -> TimedPlan:
     """The plan of one choice of ring sizes with expert parallelism: EP groups planned as units of lanes
     (`expert_units.place_units`); with PP each unit's rows are tried heaviest first and lightest first.
-    `exact` and `shared` are for the signature of `_build` (no MILP here; only EP plans make units)."""
+    `exact` is for the signature of `_build` (no MILP here); `shared` gives the batch's ring micro-batch
+    times by content."""
     weights = member_times(tokens, ring_sizes, cost_model=cost_model, pp_size=pp_size)
     full = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
     placed = place_units(ring_sizes=ring_sizes, weights=weights, tokens=tokens, num_ranks=num_ranks,
@@ -330,11 +333,11 @@ def _build_units(
                          overhead=cost_model.microbatch_time([], pp_size=pp_size), fine_work=num_ranks * full)
     best = None
     rings = placed.rings(len(lengths))
-    shared = TimingCache()
+    cache = TimingCache(contents=shared.contents)
     for schedule in placed.schedules(lightest_first=(False, True) if pp_size > 1 else (False,)):
         plan = time_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
                          schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
-                         vpp_size=vpp_size, shared=shared)
+                         vpp_size=vpp_size, shared=cache)
         if best is None or plan.est_step_time < best.est_step_time * (1 - 1e-9):
             best = plan
     return best
@@ -354,11 +357,12 @@ def _schedules(
     vpp_size: int,
     exact: bool,
     overhead: float,
+    contents: dict,
 ) -> tuple[list[tuple[int, ...]], list[tuple[list, int | None]], TimingCache]:
     """Steps 4-6 after a ring placement, up to the timing: `leading[r]` are rank r's micro-batches up to its
     last ring (sequence ids per micro-batch), `finish[r]` when it is done with them; the whole sequences of
     `whole_order` go after them. Returns every sequence's ring, the (schedule, group size) candidates
-    (`_finish` times them) and the `TimingCache` they share."""
+    (`_finish` times them) and the `TimingCache` they share (with the batch's `contents`)."""
     num_ranks = len(leading)
     counts = np.array([len(mbs) for mbs in leading], dtype=np.int64)
     given = assign_whole(whole_order, weights=weights, tokens=tokens,
@@ -388,7 +392,7 @@ def _schedules(
         schedule = [shifted(lead, bins, shift, weight=lambda mb: sum(map(seconds.__getitem__, mb)))
                     for lead, bins in zip(leads, packed)]
         candidates += [(schedule, group) for group in group_sizes(pp_size, vpp_size, shift + most_rings)]
-    return rings, candidates, TimingCache()  # every shift and group size has the same rings
+    return rings, candidates, TimingCache(contents=contents)  # every shift and group size has the same rings
 
 
 def _finish(

@@ -160,6 +160,12 @@ class TimingCache:
     microbatches: dict[tuple[int, tuple[int, ...]], tuple[float, int, list[tuple[int, str]]]] = field(
         default_factory=dict)
     plans: dict[tuple[int, int | None, int], TimedPlan] = field(default_factory=dict)
+    contents: dict = field(default_factory=dict)
+    """Ring micro-batches by content, whichever rank: per piece its length, its ring's label (in order of
+    first piece) and the tokens it holds, and per ring its size and link bandwidth, which is all
+    `CostModel.microbatch_time` and the ring-kind decision read of a ring (the members of a ring mostly
+    hold equal tokens, so they mostly share one entry). May be shared by the caches of one batch's
+    placements (`balance`), whose rings differ."""
 
 
 def assemble_plan(
@@ -239,19 +245,27 @@ def time_plan(
                 key = (rank, tuple(seqs))
                 known = ring_microbatches.get(key)
                 if known is None:
-                    costs = []
-                    _decide_ring_kinds(seqs, rings=rings, lengths=lengths, kinds=kinds, cost_model=cost_model,
-                                       decided=ring_index)
+                    labels: dict[tuple[int, ...], int] = {}  # the micro-batch's rings, in order of first piece
+                    parts = []
                     for seq in seqs:
                         where = positions.get(seq)
-                        if where is None:
-                            costs.append((lengths[seq], lengths[seq], (), kinds[seq]))
-                        else:
-                            costs.append((lengths[seq], zigzag_num_tokens(lengths[seq], len(where), where[rank]),
-                                          rings[seq], kinds[seq]))
-                    known = ring_microbatches[key] = (cost_model.microbatch_time(costs, pp_size=pp_size),
-                                                      sum(c[1] for c in costs),
-                                                      [(seq, kinds[seq]) for seq in seqs if seq in positions])
+                        parts.append((lengths[seq], -1, lengths[seq]) if where is None else
+                                     (lengths[seq], labels.setdefault(rings[seq], len(labels)),
+                                      zigzag_num_tokens(lengths[seq], len(where), where[rank])))
+                    content = (pp_size, tuple(parts), tuple((len(ring), cost_model.ring_link_bandwidth(ring))
+                                                            for ring in labels))
+                    same = shared.contents.get(content)
+                    if same is None:
+                        _decide_ring_kinds(seqs, rings=rings, lengths=lengths, kinds=kinds, cost_model=cost_model,
+                                           decided=ring_index)
+                        costs = [(length, held, rings[seq] if label >= 0 else (), kinds[seq])
+                                 for seq, (length, label, held) in zip(seqs, parts)]
+                        ring_kinds = {labels[rings[seq]]: kinds[seq] for seq in seqs if seq in positions}
+                        same = shared.contents[content] = (cost_model.microbatch_time(costs, pp_size=pp_size),
+                                                           sum(c[1] for c in costs),
+                                                           [ring_kinds[label] for label in range(len(labels))])
+                    known = ring_microbatches[key] = (same[0], same[1], [(seq, same[2][labels[rings[seq]]])
+                                                                        for seq in seqs if seq in positions])
                 time, held, ring_kinds = known
                 for seq, kind in ring_kinds:
                     kinds[seq] = kind
