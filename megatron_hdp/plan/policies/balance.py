@@ -213,7 +213,7 @@ def _plan_balance(
         plan = min(plan, _with_coupling(_plan_balance(lengths, num_ranks=num_ranks, config=config,
                                                       cost_model=dataclasses.replace(cost_model, expert_parallel_size=1),
                                                       pp_size=pp_size, vpp_size=vpp_size, exact=exact,
-                                                      shared=shared), cost_model),
+                                                      shared=shared), cost_model, shared),
                    key=lambda p: p.est_step_time)
     return plan
 
@@ -239,9 +239,12 @@ class _Shared:
         return self.schedules[key]
 
 
-def _with_coupling(plan: TimedPlan, cost_model: CostModel) -> TimedPlan:
-    """`plan`'s placement timed under `cost_model` (its EP coupling, the all-to-all's spread expert work)."""
-    return time_plan(**plan.decisions(), cost_model=cost_model, shared=plan.shared)
+def _with_coupling(plan: TimedPlan, cost_model: CostModel, shared: _Shared) -> TimedPlan:
+    """`plan`'s placement timed under `cost_model` (its EP coupling, the all-to-all's spread expert work),
+    with the `TimingCache` of the placement it came from (found by its schedule among `shared`'s)."""
+    cache = next((cache for _, candidates, cache in shared.schedules.values()
+                  if any(schedule is plan.schedule for schedule, _ in candidates)), None)
+    return time_plan(**plan.decisions(), cost_model=cost_model, shared=cache)
 
 
 def _best(lengths: list[int], builds: list, best: tuple | None, **common) -> tuple[TimedPlan, object]:

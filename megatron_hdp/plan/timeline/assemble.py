@@ -97,8 +97,6 @@ class TimedPlan:
     kinds: list[str]
     rank_times: list[float]
     est_step_time: float
-    shared: TimingCache | None = field(default=None, compare=False, repr=False)
-    """The cache it was timed with, for re-timing its decisions (`time_plan`'s `shared`)."""
 
     def decisions(self) -> dict:
         """The keyword arguments of `time_plan` that made this plan, less the cost model."""
@@ -285,7 +283,7 @@ def time_plan(
                      jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
     timed = TimedPlan(policy=policy, lengths=lengths, rings=rings, offload_ratios=offload_ratios, schedule=schedule,
                       capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, times=times,
-                      held=tokens, kinds=kinds, rank_times=alone, est_step_time=step, shared=shared)
+                      held=tokens, kinds=kinds, rank_times=alone, est_step_time=step)
     shared.plans[(id(schedule), group_size, cost_model.expert_parallel_size)] = timed
     return timed
 
