@@ -1,7 +1,9 @@
 """Turn a policy's decisions (rings, offload ratios, per-rank micro-batches) into a timed StepPlan.
 
 Every policy (balance, naive, static) ends here, so their plans are timed by the one cost model the same
-way and can be compared side by side:
+way and can be compared side by side. Timing and building are two steps (`assemble_plan` is `time_plan`
+then `TimedPlan.build`), so a policy that compares many candidates (balance) times each and builds one;
+calls that share lengths and rings share a `TimingCache`. The timing:
 
 - a micro-batch's time is `cost_model.microbatch_time` of its shards on one pipeline stage (documents on
   one ring share one ring exchange, as at run time);
