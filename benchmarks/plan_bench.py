@@ -13,7 +13,7 @@ per plan: the predicted step time, its gap to `bounds.step_time_lower_bound`, ba
 predicted rank time), the lower bound's own balance (lower bound / mean: no plan's balance can be
 better when one sequence alone is slower than the mean), rings and ring-attention traffic, and planner
 time: wall and CPU time of the policy (best of --repeats for `balance`; a GC pass the plan causes is
-included), of which StepPlan construction (`assemble_plan`, the dataclasses), `validate()`, and
+included), of which timing and building StepPlans (`assemble.time_plan`, `TimedPlan.build`), `validate()`, and
 `make_plan` ("make ms": policy + validate, what the data loader pays per step), each timed on its own.
 CPU time is given because this 2-core machine is shared: wall time varies with the load (recorded in
 the JSON).
@@ -45,8 +45,7 @@ import megatron_hdp.megatron  # noqa: F401  (registers megatron-hybrid-cp)
 from megatron_hdp.commands.plan import parse_count
 from megatron_hdp.commands.plan_budget import estimate_plan
 from megatron_hdp.config import POLICIES, HDPConfig
-from megatron_hdp.megatron.comparison import dynamic_cp as dynamic_cp_policy
-from megatron_hdp.plan.policies import balance, baselines
+from megatron_hdp.plan.policies import balance
 from megatron_hdp.plan.timeline import assemble
 from megatron_hdp.plan.timeline.bounds import step_time_lower_bound
 from megatron_hdp.plan.lengths import DISTRIBUTIONS, sample_global_batch
@@ -60,29 +59,30 @@ HERE = Path(__file__).resolve().parent
 
 
 class _AssemblyClock:
-    """Times `assemble_plan` (StepPlan construction) inside the policies that call it."""
+    """Times the timing and building of StepPlans inside the policies (`assemble.time_plan` and
+    `TimedPlan.build`, which `assemble_plan` is made of; `balance` times every candidate and builds one)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
 
-    def __enter__(self) -> "_AssemblyClock":
-        original = assemble.assemble_plan
-
-        def timed(**kwargs):
+    def _timed(self, function):
+        def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return original(**kwargs)
+                return function(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
+        return timed
 
-        self._original = original
-        for module in (balance, baselines, dynamic_cp_policy):
-            module.assemble_plan = timed
+    def __enter__(self) -> "_AssemblyClock":
+        self._originals = (assemble.time_plan, assemble.TimedPlan.build)
+        assemble.time_plan = balance.time_plan = self._timed(assemble.time_plan)
+        assemble.TimedPlan.build = self._timed(assemble.TimedPlan.build)
         return self
 
     def __exit__(self, *exc) -> None:
-        for module in (balance, baselines, dynamic_cp_policy):
-            module.assemble_plan = self._original
+        assemble.time_plan = balance.time_plan = self._originals[0]
+        assemble.TimedPlan.build = self._originals[1]
 
 
 def measure(policy: str, lengths: list[int], *, num_ranks: int, config: HDPConfig, cost_model, repeats: int,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -203,6 +204,27 @@ def test_a_larger_group_keeps_more_activations_and_light_microbatches_fit_it():
     assert il.resident_peak([10.0] * 10, pp_size=4, vpp_size=2, group_size=5) > budget
     assert not il.group_size_fits([10] * 10, capacity=10, pp_size=4, vpp_size=2, group_size=5)
     assert il.group_size_fits([4] * 5 + [10] * 5, capacity=10, pp_size=4, vpp_size=2, group_size=5)
+
+
+def test_resident_peaks_of_many_pipelines_are_each_pipeline_run_op_by_op():
+    """`resident_peaks` (numpy over the pipelines of one count) against the stage walked op by op here,
+    for uneven counts and integer or float tokens: the same floats, not only the same verdict."""
+    rng = np.random.default_rng(16)
+    for pp, vpp, group, counts in [(2, 1, None, [1, 3, 7, 2, 0]), (4, 2, None, [4, 8, 12, 4]),
+                                   (4, 10, 5, [5, 10, 13, 5]), (3, 3, 4, [4, 8, 7])]:
+        tokens = [rng.integers(0, 20_000, size=n).tolist() if i % 2 else rng.uniform(0, 2e4, size=n).tolist()
+                  for i, n in enumerate(counts)]
+        expected = []
+        for pipeline_tokens in tokens:
+            peak = 0.0
+            for stage in range(pp):
+                held = 0.0
+                for kind, _, mb in il.stage_order(len(pipeline_tokens), pp_size=pp, stage=stage, vpp_size=vpp,
+                                                  group_size=group):
+                    held = held + pipeline_tokens[mb] / vpp if kind == "F" else held - pipeline_tokens[mb] / vpp
+                    peak = max(peak, held)
+            expected.append(peak)
+        assert il.resident_peaks(tokens, pp_size=pp, vpp_size=vpp, group_size=group).tolist() == expected
 
 
 def test_ring_outside_a_members_count_is_refused():

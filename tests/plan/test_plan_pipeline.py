@@ -4,7 +4,7 @@ equal micro-batches and against the simulator's event loop for unequal ones; PP-
 import numpy as np
 import pytest
 
-from megatron_hdp.plan.timeline.assemble import assemble_plan
+from megatron_hdp.plan.timeline.assemble import assemble_plan, time_plan
 from megatron_hdp.plan.search import packing
 from megatron_hdp.plan.search.packing import best_fit, pack_for_pipeline
 from megatron_hdp.plan.timeline.pipeline import pipeline_time, pipelines_finish
@@ -115,12 +115,12 @@ def test_vpp_packing_fills_the_padded_count():
 
 
 def test_ring_shift_keeps_rings_aligned_and_moves_them_after_light_work():
-    """`balance.shifted`: every ring member moves its rings by the same number of indices (the lightest
+    """`ring_shifts.shifted`: every ring member moves its rings by the same number of indices (the lightest
     whole micro-batches first, empty ones where a pipeline has fewer), so a ring stays on one index;
     a pipeline without rings keeps its order. Five heavy micro-batches on every pipeline (a ring over
     the whole pool, as byted's 2M documents get) run faster after three empty ones with 10 virtual stages
     than first (the fifth heavy one would be alone in its group of pp)."""
-    from megatron_hdp.plan.policies.balance import shifted
+    from megatron_hdp.plan.search.ring_shifts import shifted
 
     weight = {0: 5.0, 1: 1.0, 2: 3.0}.get
     a = shifted([[9]], [[0], [1], [2]], 2, weight=lambda mb: sum(map(weight, mb)))
@@ -137,26 +137,27 @@ def test_a_group_holding_all_heavy_microbatches_shrinks_the_bubble_and_the_plann
     """Five heavy micro-batches (rings over both pipelines, as byted's 2M documents get) and three light
     ones per pipeline, PP 4 x 10 virtual stages: with Megatron's default G = pp the fifth heavy one shares
     its group with light ones and crosses the stages nearly alone; G = 5 puts all five in the first group.
-    The planner's time and the simulator's event loop agree that G = 5 is faster; `balance.group_sizes`
+    The planner's time and the simulator's event loop agree that G = 5 is faster; `ring_shifts.group_sizes`
     offers it and `fits_memory` allows it (ring shards hold a quarter of C) but refuses it for full
     micro-batches, whose extra in-flight activations C was not sized for."""
     import dataclasses
 
-    from megatron_hdp.plan.policies.balance import fits_memory, group_sizes
+    from megatron_hdp.plan.search.ring_shifts import fits_memory, group_sizes
 
     assert group_sizes(4, 10, 5) == [None, 5] and group_sizes(4, 1, 5) == [None] and group_sizes(4, 10, 4) == [None]
     lengths = [400_000] * 5 + [2000] * 6
     rings = [(0, 1)] * 5 + [(0,)] * 3 + [(1,)] * 3
     schedule = [[[i] for i in range(5)] + [[5 + j + 3 * r] for j in range(3)] for r in range(2)]
-    plans = {group: assemble_plan(policy="hand", lengths=lengths, rings=rings, offload_ratios=[0.0] * 11,
-                                  schedule=schedule, capacity=800_000, cost_model=CM, pp_size=4, vpp_size=10,
-                                  group_size=group) for group in (None, 5)}
+    timed = {group: time_plan(policy="hand", lengths=lengths, rings=rings, offload_ratios=[0.0] * 11,
+                              schedule=schedule, capacity=800_000, cost_model=CM, pp_size=4, vpp_size=10,
+                              group_size=group) for group in (None, 5)}
+    plans = {group: plan.build() for group, plan in timed.items()}
     simulated = {group: simulate_step(plan, CM).compute_end for group, plan in plans.items()}
     assert plans[5].est_step_time < plans[None].est_step_time * 0.97
     assert simulated[5] < simulated[None] * 0.97
     assert simulated[5] == pytest.approx(plans[5].est_step_time, rel=1e-9)  # rings aligned, equal members
-    assert fits_memory(plans[5])
-    assert not fits_memory(dataclasses.replace(plans[5], capacity=2000))
+    assert fits_memory(timed[5])
+    assert not fits_memory(dataclasses.replace(timed[5], capacity=2000))
 
 
 def test_many_pipelines_at_once_are_each_pipeline_alone():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
+
 
 def expert_unit_size(*, tp_size: int, ep_size: int, etp_size: int | None = None) -> int:
     """HDP ranks one MoE all-to-all couples, for TP, EP and expert TP (ETP; None: Megatron's default, TP).
@@ -46,13 +48,21 @@ def spread_expert_work(times: Sequence[Sequence[float]], tokens: Sequence[Sequen
     holds in each micro-batch, 0 for a padding one) are padded as the runtime runs them (equal counts
     inside a group). `seconds_per_token`, `alltoall_seconds_per_token`: `CostModel.expert_seconds_per_token`,
     `CostModel.expert_alltoall_seconds_per_token`."""
-    out = [list(map(float, t)) for t in times]
     if ep_size <= 1 or not (seconds_per_token or alltoall_seconds_per_token):
-        return out
-    for group in expert_groups(len(times), ep_size):
-        for index in range(len(times[group[0]])):
-            held = [tokens[r][index] for r in group]
-            mean, largest = sum(held) / len(group), max(held)
-            for r in group:
-                out[r][index] += seconds_per_token * (mean - tokens[r][index]) + alltoall_seconds_per_token * largest
-    return out
+        return [list(map(float, t)) for t in times]
+    groups = expert_groups(len(times), ep_size)
+    counts = [len(t) for t in times]
+    depth = max(counts, default=0)
+    # [group, member, index] arrays, so every group and index is one numpy step; the members are summed one
+    # after the other (as Python's sum would), so each value is the same float as a loop over them gives
+    held = np.zeros((len(groups), ep_size, depth))
+    own = np.zeros((len(groups), ep_size, depth))
+    for rank, (rank_times, rank_tokens) in enumerate(zip(times, tokens)):
+        held[rank // ep_size, rank % ep_size, : counts[rank]] = rank_tokens
+        own[rank // ep_size, rank % ep_size, : counts[rank]] = rank_times
+    total = held[:, 0]
+    for member in range(1, ep_size):
+        total = total + held[:, member]
+    mean, largest = total / ep_size, held.max(axis=1)
+    out = own + (seconds_per_token * (mean[:, None] - held) + alltoall_seconds_per_token * largest[:, None])
+    return [out[rank // ep_size, rank % ep_size, : counts[rank]].tolist() for rank in range(len(times))]

@@ -176,9 +176,16 @@ def member_times(
     for seq in np.flatnonzero(ring_sizes > 1).tolist():
         key = s, k = int(lengths[seq]), int(ring_sizes[seq])
         if key not in cache:
-            cache[key] = shard_time(cost_model, seq_len=s, num_tokens=-(-s // k), ring_size=k, pp_size=pp_size)
+            cache[key] = member_time(s, k, cost_model=cost_model, pp_size=pp_size)
         out[seq] = cache[key]
     return out
+
+
+def member_time(length: int, ring_size: int, *, cost_model: CostModel, pp_size: int = 1) -> float:
+    """Seconds one member of a ring of `ring_size` (> 1) spends on its shard (ceil(s/k) tokens) of a
+    sequence of `length` tokens: `member_times` of one sequence, without its arrays."""
+    return shard_time(cost_model, seq_len=length, num_tokens=-(-length // ring_size), ring_size=ring_size,
+                      pp_size=pp_size)
 
 
 def fastest_ring_size(member_time: Callable[[int], float], *, lo: int, hi: int) -> int:

@@ -31,10 +31,10 @@ This implementation, step by step:
    the token budget (C / n, and with virtual stages the one that fills the count the interleaved
    schedule pads to) and order (heaviest or lightest first) whose makespan in Megatron's pipeline order
    is smallest; then the rings of every pipeline moved by 0-3 indices behind its lightest micro-batches
-   (`shifted`, all members alike so rings stay aligned), and with virtual stages each shift also tried
-   with Megatron's micro-batch group size G raised to cover every pipeline's ring micro-batches
-   (`group_sizes`, only where the resident activations fit, `fits_memory`); the plan of least predicted
-   step time kept, its G carried in the plan for the runtime.
+   (`ring_shifts.shifted`, all members alike so rings stay aligned), and with virtual stages each shift
+   also tried with Megatron's micro-batch group size G raised to cover every pipeline's ring
+   micro-batches (`ring_shifts.group_sizes`, only where the resident activations fit,
+   `ring_shifts.fits_memory`); the plan of least predicted step time kept, its G carried in the plan.
 
 With expert parallelism (`CostModel.expert_parallel_size` e > 1) the members of an EP group run every
 micro-batch together (the MoE all-to-all): steps 3-6 are also run with each EP group planned as a unit of
@@ -44,7 +44,11 @@ within `RETRY_GAP` of its mean rank time or the lower bound, and the plan of lea
 under the EP coupling is kept; the alternative ring sizes are then tried in the family that planned better.
 A plan still that far from both is last compared with the plan made as if e = 1, timed with the coupling
 and the routed expert work the all-to-all spreads (`timing.spread_expert_work`): where a micro-batch's
-overhead is large, fewer micro-batches can beat matched lanes (`_with_coupling`).
+overhead is large, fewer micro-batches can beat matched lanes (`_with_coupling`). That pass re-times the
+placements the EP pass made (`_Shared`: sharding, ring sizes and placements do not read the EP size).
+
+Every candidate is compared by its predicted times only (`assemble.time_plan`, a `TimedPlan`); the
+StepPlan of the one kept is built at the end (`TimedPlan.build`).
 
 A plan still more than `RETRY_GAP` above both its mean rank time and the lower bound is also compared with
 the static mesh's placement (`search.cp_groups`: every sequence on the ring of its CP group, the smallest
@@ -72,20 +76,19 @@ from typing import Sequence
 import numpy as np
 
 from megatron_hdp.config import HDPConfig
-from megatron_hdp.plan.timeline.assemble import assemble_plan, gc_paused
+from megatron_hdp.plan.timeline.assemble import TimedPlan, TimingCache, gc_paused, time_plan
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.cp_groups import cp_group_schedule, group_size
 from megatron_hdp.plan.search.expert_units import place_units, unit_options
-from megatron_hdp.plan.timeline.interleaved import group_size_fits
 from megatron_hdp.plan.search.neighbours import neighbours
 from megatron_hdp.plan.search.packing import pack_for_pipelines
 from megatron_hdp.plan.search.placement import fill_gaps, lpt, narrowest_first, place_rings, place_rings_by_time
 from megatron_hdp.plan.search.refine import PipelineCost, refine_exact, refine_local, refine_pairs
+from megatron_hdp.plan.search.ring_shifts import RING_SHIFTS, fits_memory, group_sizes, shifted
 from megatron_hdp.plan.timeline.bounds import gap, step_time_lower_bound
 from megatron_hdp.plan.cost.sharding import member_times, shard_sequences, whole_times
 from megatron_hdp.plan.search.widening import widening_options
 from megatron_hdp.plan.step_plan import StepPlan
-from megatron_hdp.plan.timeline.timing import plan_runtime_counts
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +164,12 @@ def plan_balance(
     percent off a tiny batch's step but can take a second, so the per-step runtime leaves it off.
     """
     with gc_paused():  # the whole build allocates ~100K short-lived objects (see `assemble.gc_paused`)
-        return _plan_balance(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model,
-                             pp_size=pp_size, vpp_size=vpp_size, exact=exact)
+        plan = _plan_balance(lengths, num_ranks=num_ranks, config=config, cost_model=cost_model,
+                             pp_size=pp_size, vpp_size=vpp_size, exact=exact).build()
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("balance plan: step %.4g s, gap to the lower bound %.2f%%", plan.est_step_time,
+                     100 * gap(plan, cost_model=cost_model))
+    return plan
 
 
 def _plan_balance(
@@ -174,16 +181,23 @@ def _plan_balance(
     pp_size: int,
     vpp_size: int,
     exact: bool,
-) -> StepPlan:
+    shared: _Shared | None = None,
+) -> TimedPlan:
+    """`plan_balance`'s plan, timed but not built: every candidate is compared as a `TimedPlan`. `shared`:
+    what the plan made as if EP 1 takes from the EP plan's (`_Shared`)."""
     capacity = config.hdp_capacity
     tokens = np.asarray(lengths, dtype=np.int64)  # once: the array steps below would each convert the list
-    sharding = shard_sequences(tokens, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
-                               max_offload_ratio=config.max_offload_ratio, pp_size=pp_size)
-    options = widening_options(
-        tokens, sharding.ring_sizes, sharding.offload_ratios, num_ranks=num_ranks, capacity=capacity,
-        cost_model=cost_model, max_offload_ratio=config.max_offload_ratio, pp_size=pp_size, alternatives=True)
+    shared = _Shared() if shared is None else shared
+    if shared.options is None:
+        shared.sharding = shard_sequences(tokens, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
+                                          max_offload_ratio=config.max_offload_ratio, pp_size=pp_size)
+        shared.options = widening_options(
+            tokens, shared.sharding.ring_sizes, shared.sharding.offload_ratios, num_ranks=num_ranks,
+            capacity=capacity, cost_model=cost_model, max_offload_ratio=config.max_offload_ratio, pp_size=pp_size,
+            alternatives=True)
+    sharding, options = shared.sharding, shared.options
     common = dict(tokens=tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
-                  vpp_size=vpp_size, exact=exact)
+                  vpp_size=vpp_size, exact=exact, shared=shared)
     ranks = [(_build, option) for option in options]
     units = []
     if cost_model.expert_parallel_size > 1:  # EP groups planned as units; plans rank by rank stay candidates
@@ -193,8 +207,8 @@ def _plan_balance(
                                                           cost_model=cost_model,
                                                           max_offload_ratio=config.max_offload_ratio))
 
-    def improvable(plan: StepPlan) -> bool:  # with PP always; else above both its mean rank time and the bound
-        mean = sum(r.est_time for r in plan.ranks) / num_ranks
+    def improvable(plan: TimedPlan) -> bool:  # with PP always; else above both its mean rank time and the bound
+        mean = sum(plan.rank_times) / num_ranks
         return pp_size > 1 or (plan.est_step_time > RETRY_GAP * mean and plan.est_step_time > RETRY_GAP * bound())
 
     plan, family = _best(lengths, (units or ranks)[:1], None, **common)
@@ -202,13 +216,13 @@ def _plan_balance(
         plan, family = _best(lengths, ranks[:1], (plan, family), **common)
     if improvable(plan):  # the alternatives of the family that planned better (both when rank by rank did)
         plan, _ = _best(lengths, units[1:] + (ranks[1:] if family is _build else []), (plan, family), **common)
-    ring_lengths = len({length for length, seq in zip(lengths, plan.sequences) if len(seq.ring) > 1})
+    ring_lengths = len({length for length, ring in zip(lengths, plan.rings) if len(ring) > 1})
     if not units and pp_size == 1 and num_ranks <= SMALL_POOL and ring_lengths <= CLIMB_LENGTHS:
         for _ in range(CLIMB_ROUNDS):  # ring sizes no one target gives, a rank at a time
             if not improvable(plan):
                 break
-            sizes = np.array([len(seq.ring) for seq in plan.sequences])
-            ratios = np.array([seq.offload_ratio for seq in plan.sequences])
+            sizes = np.array([len(ring) for ring in plan.rings])
+            ratios = np.asarray(plan.offload_ratios, dtype=np.float64)
             steps = neighbours(tokens, sizes, ratios, fewest=sharding.ring_sizes, num_ranks=num_ranks,
                                capacity=capacity, cost_model=cost_model, max_offload_ratio=config.max_offload_ratio,
                                pp_size=pp_size)
@@ -222,16 +236,14 @@ def _plan_balance(
     if units and improvable(plan):  # still room: the plan made as if EP 1, timed with the coupling
         plan = min(plan, _with_coupling(_plan_balance(lengths, num_ranks=num_ranks, config=config,
                                                       cost_model=dataclasses.replace(cost_model, expert_parallel_size=1),
-                                                      pp_size=pp_size, vpp_size=vpp_size, exact=exact), cost_model),
+                                                      pp_size=pp_size, vpp_size=vpp_size, exact=exact,
+                                                      shared=shared), cost_model, shared),
                    key=lambda p: p.est_step_time)
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("balance plan: step %.4g s, gap to the lower bound %.2f%%", plan.est_step_time,
-                     100 * gap(plan, cost_model=cost_model))
     return plan
 
 
 def _on_cp_groups(lengths: list[int], *, num_ranks: int, capacity: int, cost_model: CostModel,
-                  pp_size: int) -> list[StepPlan]:
+                  pp_size: int) -> list[TimedPlan]:
     """Every sequence on the ring of its CP group of the smallest size that holds the longest
     (`search.cp_groups`), each group its own micro-batch count; [] where no group holds it."""
     cp = group_size(max(lengths), capacity=capacity, num_ranks=num_ranks)
@@ -239,20 +251,40 @@ def _on_cp_groups(lengths: list[int], *, num_ranks: int, capacity: int, cost_mod
         return []
     rings, schedule = cp_group_schedule(lengths, cp=cp, num_ranks=num_ranks, capacity=capacity,
                                         cost_model=cost_model, pp_size=pp_size, equal_counts=False)
-    return [assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=np.zeros(len(lengths)),
-                          schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)]
+    return [time_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=np.zeros(len(lengths)),
+                      schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)]
 
 
-def _with_coupling(plan: StepPlan, cost_model: CostModel) -> StepPlan:
-    """`plan`'s placement timed under `cost_model` (its EP coupling, the all-to-all's spread expert work)."""
-    return assemble_plan(policy=plan.policy, lengths=plan.lengths, rings=[s.ring for s in plan.sequences],
-                         offload_ratios=[s.offload_ratio for s in plan.sequences],
-                         schedule=[[[shard.seq for shard in mb.shards] for mb in r.microbatches] for r in plan.ranks],
-                         capacity=plan.capacity, cost_model=cost_model, pp_size=plan.pp_size,
-                         vpp_size=plan.vpp_size, group_size=plan.group_size)
+@dataclasses.dataclass
+class _Shared:
+    """What balance's plans of one batch share between cost models that differ only in the EP size (the
+    plan made as if EP 1 beside the EP plan): the sharding and ring-size options, and each placement's
+    schedules with their `TimingCache`, by (ring sizes, offload ratios, placement). None of these read
+    the EP size (it enters only where a plan is timed: the coupling, the spread expert work, the
+    all-to-all), so the EP-1 pass re-times the placements the EP pass made instead of making them again."""
+
+    sharding: object = None
+    options: list | None = None
+    schedules: dict = dataclasses.field(default_factory=dict)
+    contents: dict = dataclasses.field(default_factory=dict)
+    """Ring micro-batch times by content (`TimingCache.contents`), shared by every placement's cache."""
+
+    def get(self, key: tuple, make):
+        """`make()`'s schedules (`_schedules`) for placement `key`, made once."""
+        if key not in self.schedules:
+            self.schedules[key] = make()
+        return self.schedules[key]
 
 
-def _best(lengths: list[int], builds: list, best: tuple | None, **common) -> tuple[StepPlan, object]:
+def _with_coupling(plan: TimedPlan, cost_model: CostModel, shared: _Shared) -> TimedPlan:
+    """`plan`'s placement timed under `cost_model` (its EP coupling, the all-to-all's spread expert work),
+    with the `TimingCache` of the placement it came from (found by its schedule among `shared`'s)."""
+    cache = next((cache for _, candidates, cache in shared.schedules.values()
+                  if any(schedule is plan.schedule for schedule, _ in candidates)), None)
+    return time_plan(**plan.decisions(), cost_model=cost_model, shared=cache)
+
+
+def _best(lengths: list[int], builds: list, best: tuple | None, **common) -> tuple[TimedPlan, object]:
     """(plan, builder) of least predicted step time among `best` and the plans `builds` make, each a
     (builder, option) pair: `_build` plans rank by rank, `_build_units` EP groups as units."""
     for build, (ring_sizes, offload_ratios) in builds:
@@ -274,31 +306,43 @@ def _build(
     pp_size: int,
     vpp_size: int,
     exact: bool,
-) -> StepPlan:
-    """Steps 3-6 of the module doc for one choice of ring sizes (`tokens`: the lengths as an array)."""
+    shared: _Shared,
+) -> TimedPlan:
+    """Steps 3-6 of the module doc for one choice of ring sizes (`tokens`: the lengths as an array); each
+    placement's schedules are made once per batch (`shared`) and timed under `cost_model`."""
     weights = member_times(tokens, ring_sizes, cost_model=cost_model, pp_size=pp_size)
     long_ids = np.flatnonzero(ring_sizes > 1)
     order = long_ids[np.lexsort((long_ids, -weights[long_ids], -ring_sizes[long_ids]))].tolist()
     whole_ids = np.flatnonzero(ring_sizes == 1)
     whole_order = whole_ids[np.lexsort((whole_ids, -weights[whole_ids]))].tolist()
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
-    common = dict(lengths=lengths, weights=weights, tokens=tokens, offload_ratios=offload_ratios, capacity=capacity,
-                  cost_model=cost_model, pp_size=pp_size, vpp_size=vpp_size, exact=exact, overhead=overhead)
-    aligned = place_rings(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks)
-    plan = _finish([[[seq] for seq in ring_mbs] for ring_mbs in aligned.ring_microbatches], aligned.rings,
-                   aligned.finish, whole_order, **common)
+    common = dict(lengths=lengths, weights=weights, tokens=tokens, capacity=capacity, pp_size=pp_size,
+                  vpp_size=vpp_size, exact=exact, overhead=overhead, contents=shared.contents)
+    timing = dict(lengths=lengths, offload_ratios=offload_ratios, capacity=capacity, cost_model=cost_model,
+                  pp_size=pp_size, vpp_size=vpp_size)
+    key = (ring_sizes.tobytes(), offload_ratios.tobytes())
+
+    def aligned():
+        layout = place_rings(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks)
+        return _schedules([[[seq] for seq in ring_mbs] for ring_mbs in layout.ring_microbatches], layout.rings,
+                          layout.finish, whole_order, **common)
+
+    def by_time(ring_order: list[int]):
+        timed = place_rings_by_time(ring_order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
+                                    overhead=overhead, domains=nodes)
+        left = fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
+        return _schedules(timed.leading, timed.rings, timed.finish, left, **common)
+
+    plan = _finish(shared.get(key + ("aligned",), aligned), **timing)
     nodes = None if cost_model.ranks_per_node is None else np.arange(num_ranks) // cost_model.ranks_per_node
-    mean = sum(r.est_time for r in plan.ranks) / num_ranks
+    mean = sum(plan.rank_times) / num_ranks
     floor = overhead + float(weights.max(initial=0.0))  # no placement beats the heaviest micro-batch
     can_replace = plan.est_step_time * (1 - PLACEMENT_MARGIN) > floor
     # rings that leave ranks idle, or a topology the aligned placement ignores: also place them by time
     if order and can_replace and ((plan.est_step_time > RETRY_GAP * max(mean, floor)) or nodes is not None):
         narrow = narrowest_first(order, ring_sizes=ring_sizes) if num_ranks <= SMALL_POOL else order
-        for ring_order in [order] + ([narrow] if narrow != order else []):
-            timed = place_rings_by_time(ring_order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
-                                        overhead=overhead, domains=nodes)
-            left = fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
-            candidate = _finish(timed.leading, timed.rings, timed.finish, left, **common)
+        for tag, ring_order in enumerate([order] + ([narrow] if narrow != order else [])):
+            candidate = _finish(shared.get(key + ("by time", tag), lambda: by_time(ring_order)), **timing)
             if candidate.est_step_time < plan.est_step_time * (1 - PLACEMENT_MARGIN):
                 plan = candidate
     return plan
@@ -316,10 +360,12 @@ def _build_units(
     pp_size: int,
     vpp_size: int,
     exact: bool,
-) -> StepPlan:
+    shared: _Shared,
+) -> TimedPlan:
     """The plan of one choice of ring sizes with expert parallelism: EP groups planned as units of lanes
     (`expert_units.place_units`); with PP each unit's rows are tried heaviest first and lightest first.
-    `exact` is for the signature of `_build` (no MILP here)."""
+    `exact` is for the signature of `_build` (no MILP here); `shared` gives the batch's ring micro-batch
+    times by content."""
     weights = member_times(tokens, ring_sizes, cost_model=cost_model, pp_size=pp_size)
     full = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
     placed = place_units(ring_sizes=ring_sizes, weights=weights, tokens=tokens, num_ranks=num_ranks,
@@ -328,16 +374,17 @@ def _build_units(
                          fine_work=num_ranks * full)
     best = None
     rings = placed.rings(len(lengths))
+    cache = TimingCache(contents=shared.contents)
     for schedule in placed.schedules(lightest_first=(False, True) if pp_size > 1 else (False,)):
-        plan = assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
-                             schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
-                             vpp_size=vpp_size)
+        plan = time_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
+                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                         vpp_size=vpp_size, shared=cache)
         if best is None or plan.est_step_time < best.est_step_time * (1 - 1e-9):
             best = plan
     return best
 
 
-def _finish(
+def _schedules(
     leading: list[list[list[int]]],
     ring_of: dict[int, tuple[int, ...]],
     finish: np.ndarray,
@@ -346,17 +393,17 @@ def _finish(
     lengths: list[int],
     weights: np.ndarray,
     tokens: np.ndarray,
-    offload_ratios: np.ndarray,
     capacity: int,
-    cost_model: CostModel,
     pp_size: int,
     vpp_size: int,
     exact: bool,
     overhead: float,
-) -> StepPlan:
-    """Steps 4-6 after a ring placement: `leading[r]` are rank r's micro-batches up to its last ring
-    (sequence ids per micro-batch), `finish[r]` when it is done with them; the whole sequences of
-    `whole_order` go after them."""
+    contents: dict,
+) -> tuple[list[tuple[int, ...]], list[tuple[list, int | None]], TimingCache]:
+    """Steps 4-6 after a ring placement, up to the timing: `leading[r]` are rank r's micro-batches up to its
+    last ring (sequence ids per micro-batch), `finish[r]` when it is done with them; the whole sequences of
+    `whole_order` go after them. Returns every sequence's ring, the (schedule, group size) candidates
+    (`_finish` times them) and the `TimingCache` they share (with the batch's `contents`)."""
     num_ranks = len(leading)
     counts = np.array([len(mbs) for mbs in leading], dtype=np.int64)
     given = assign_whole(whole_order, weights=weights, tokens=tokens,
@@ -381,64 +428,34 @@ def _finish(
         leads.append([list(mb) for mb in leading[rank]])
     packed = [[[items[j] for j in b] for b in bins] for items, bins in zip(
         given, pack_for_pipelines(jobs, capacity=capacity, overhead=overhead, pp_size=pp_size, vpp_size=vpp_size))]
-    best = None
     most_rings = max(map(len, leads), default=0)
+    candidates = []
     for shift in RING_SHIFTS if pp_size > 1 else (0,):
         schedule = [shifted(lead, bins, shift, weight=lambda mb: sum(map(seconds.__getitem__, mb)))
                     for lead, bins in zip(leads, packed)]
-        for group in group_sizes(pp_size, vpp_size, shift + most_rings):
-            plan = assemble_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
-                                 schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
-                                 vpp_size=vpp_size, group_size=group)
-            better = best is None or plan.est_step_time < best.est_step_time * (1 - 1e-9)
-            if better and (group is None or fits_memory(plan)):
-                best = plan
+        candidates += [(schedule, group) for group in group_sizes(pp_size, vpp_size, shift + most_rings)]
+    return rings, candidates, TimingCache(contents=contents)  # every shift and group size has the same rings
+
+
+def _finish(
+    prepared: tuple[list[tuple[int, ...]], list[tuple[list, int | None]], TimingCache],
+    *,
+    lengths: list[int],
+    offload_ratios: np.ndarray,
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int,
+    vpp_size: int,
+) -> TimedPlan:
+    """The candidate of `_schedules`' `prepared` of least predicted step time under `cost_model` (a group
+    size above Megatron's default only where the activations fit, `fits_memory`)."""
+    rings, candidates, shared = prepared
+    best = None
+    for schedule, group in candidates:
+        plan = time_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
+                         schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
+                         vpp_size=vpp_size, group_size=group, shared=shared)
+        better = best is None or plan.est_step_time < best.est_step_time * (1 - 1e-9)
+        if better and (group is None or fits_memory(plan)):
+            best = plan
     return best
-
-
-def group_sizes(pp_size: int, vpp_size: int, ring_span: int) -> list[int | None]:
-    """The microbatch group sizes G a plan is tried with: Megatron's default (None: G = pp), and with
-    virtual stages G = `ring_span` (the indices up to a pipeline's last ring micro-batch) when that is
-    more than pp: then all its heavy ring micro-batches share the first group, and each one's chunks
-    interleave with the others' instead of crossing the stages alone beside light ones (a heavy
-    micro-batch alone in its group costs nearly its 1F1B crossing, pp x its time)."""
-    if vpp_size == 1 or ring_span <= pp_size:
-        return [None]
-    return [None, ring_span]
-
-
-def fits_memory(plan: StepPlan) -> bool:
-    """Whether every pipeline of `plan`, run with its group size, keeps no more activations than the
-    capacity was sized for (`interleaved.group_size_fits`; a micro-batch's resident tokens are those it
-    holds up to C, offloading keeping the rest on the host; padding micro-batches hold none)."""
-    counts = plan_runtime_counts(plan)
-    for schedule, count in zip(plan.ranks, counts):
-        tokens = [min(mb.num_tokens, plan.capacity) for mb in schedule.microbatches]
-        tokens += [0] * (count - len(tokens))
-        if not group_size_fits(tokens, capacity=plan.capacity, pp_size=plan.pp_size, vpp_size=plan.vpp_size,
-                               group_size=plan.group_size):
-            return False
-    return True
-
-
-RING_SHIFTS = (0, 1, 2, 3)
-"""With PP, the micro-batch indices the rings are moved down by (`shifted`); the plan of least predicted
-step time is kept."""
-
-
-def shifted(lead: list[list[int]], bins: list[list[int]], shift: int, *, weight) -> list[list[int]]:
-    """A pipeline's micro-batches with its rings `shift` indices later (PP-Balance: heavy micro-batches
-    where the pipeline hides them). A heavy ring micro-batch crosses every stage one after the other;
-    run first, the other stages wait through it with only the warm-up's forwards to do, and in the
-    interleaved schedule a heavy micro-batch alone in its group of G has no other chunks to interleave
-    with, while light micro-batches before it fill those waits. Every ring member moves its rings
-    (`lead`, aligned on one index across members) by the same `shift`, so they stay aligned: the
-    lightest `shift` of its whole-sequence `bins` go first, empty micro-batches where it has fewer (each
-    costs the micro-batch overhead; with virtual stages they often replace padding that runs anyway). A
-    pipeline without rings keeps its packing's order."""
-    if not lead or not shift:
-        return lead + bins
-    by_weight = sorted(range(len(bins)), key=lambda i: weight(bins[i]))
-    first = set(by_weight[:shift])
-    before = [bins[i] for i in by_weight[:shift]] + [[] for _ in range(shift - len(first))]
-    return before + lead + [b for i, b in enumerate(bins) if i not in first]

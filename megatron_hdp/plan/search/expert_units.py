@@ -43,7 +43,8 @@ import numpy as np
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.placement import lpt, place_rings
 from megatron_hdp.plan.search.refine import refine_local
-from megatron_hdp.plan.cost.sharding import max_member_tokens, member_times, needed_offload_ratio, whole_times
+from megatron_hdp.plan.cost.sharding import (max_member_tokens, member_time, member_times, needed_offload_ratio,
+                                             whole_times)
 
 ROW_TOLERANCE = 0.1
 """A lane ring joins a row whose time is at most this fraction above its member time."""
@@ -92,7 +93,7 @@ def unit_ring_sizes(lengths: np.ndarray, option: Option, *, ep_size: int, capaci
             size = -(-k // ep_size) * ep_size
             if size <= s // 2:
                 grown[j] = size
-        added = sum(size * float(member_times([lengths[odd[j]]], [size], cost_model=cost_model, pp_size=pp_size)[0])
+        added = sum(size * member_time(int(lengths[odd[j]]), size, cost_model=cost_model, pp_size=pp_size)
                     - int(ring_sizes[odd[j]]) * float(weights[j]) for j, size in grown.items())
         if grown and added < idle:
             for j, size in grown.items():

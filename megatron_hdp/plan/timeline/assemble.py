@@ -1,7 +1,9 @@
 """Turn a policy's decisions (rings, offload ratios, per-rank micro-batches) into a timed StepPlan.
 
 Every policy (balance, naive, static) ends here, so their plans are timed by the one cost model the same
-way and can be compared side by side:
+way and can be compared side by side. Timing and building are two steps (`assemble_plan` is `time_plan`
+then `TimedPlan.build`), so a policy that compares many candidates (balance) times each and builds one;
+calls that share lengths and rings share a `TimingCache`. The timing:
 
 - a micro-batch's time is `cost_model.microbatch_time` of its shards on one pipeline stage (documents on
   one ring share one ring exchange, as at run time);
@@ -24,18 +26,20 @@ way and can be compared side by side:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
-from megatron_hdp.plan.zigzag import zigzag_chunks
+from megatron_hdp.plan.zigzag import zigzag_chunks, zigzag_num_tokens
 from megatron_hdp.plan.timeline.pipeline import pipelines_finish
 from megatron_hdp.plan.cost.sharding import whole_times
-from megatron_hdp.plan.timeline.timing import (coupled_finish, expert_links, link_groups, pipeline_step_finish,
-                                               runtime_microbatch_counts)
+from megatron_hdp.plan.timeline.timing import (coupled_finish, expert_coupled_finish, expert_links, link_groups,
+                                               pipeline_step_finish, runtime_microbatch_counts)
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, build_many
 
 
@@ -69,7 +73,101 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-@gc_paused()
+@dataclass(frozen=True)
+class TimedPlan:
+    """A policy's decisions and their predicted times, without the StepPlan's objects: `time_plan`'s
+    result. Building the shards, micro-batches and placements of ~8,600 documents costs about as much as
+    timing them, so `balance` compares its candidates as TimedPlans and builds only the one it keeps
+    (`build`); `assemble_plan` is `time_plan(...).build()`, so every policy's plan is timed the same way.
+
+    The decisions are `time_plan`'s arguments (`decisions()` gives them back, to re-time the placement
+    under another cost model); the times are each rank's micro-batches' own times (`times`, before padding
+    and the EP coupling), the tokens each holds (`held`), each sequence's ring kind, each rank's
+    `rank_times` (its StepPlan `est_time`) and `est_step_time`."""
+
+    policy: str
+    lengths: list[int]
+    rings: Sequence[tuple[int, ...]]
+    offload_ratios: Sequence[float]
+    schedule: Sequence[Sequence[Sequence[int]]]
+    capacity: int
+    pp_size: int
+    vpp_size: int
+    group_size: int | None
+    times: list[list[float]]
+    held: list[list[int]]
+    kinds: list[str]
+    rank_times: list[float]
+    est_step_time: float
+
+    def decisions(self) -> dict:
+        """The keyword arguments of `time_plan` that made this plan, less the cost model."""
+        return dict(policy=self.policy, lengths=self.lengths, rings=self.rings, offload_ratios=self.offload_ratios,
+                    schedule=self.schedule, capacity=self.capacity, pp_size=self.pp_size, vpp_size=self.vpp_size,
+                    group_size=self.group_size)
+
+    @gc_paused()
+    def build(self) -> StepPlan:
+        """The StepPlan of these decisions and times: a ring member at ring position p holds zigzag chunks
+        p and 2k-1-p, a whole sequence one shard of all its tokens."""
+        lengths, rings = self.lengths, self.rings
+        in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
+        positions: dict[int, dict[int, int]] = {
+            seq: {rank: p for p, rank in enumerate(rings[seq])} for seq in np.flatnonzero(in_ring).tolist()
+        }
+        # The one shard of each whole sequence, built in one go (see `build_many`) and indexed by sequence.
+        whole_ids = np.flatnonzero(~in_ring).tolist()
+        whole_shards = build_many(Shard, whole_ids, [((0, lengths[seq]),) for seq in whole_ids])
+        if len(whole_ids) < len(lengths):
+            by_seq = np.empty(len(lengths), dtype=object)
+            by_seq[whole_ids] = whole_shards
+            whole_shards = by_seq.tolist()
+        ranks = []
+        for rank, microbatches in enumerate(self.schedule):
+            built = []
+            for seqs, held, time in zip(microbatches, self.held[rank], self.times[rank]):
+                if positions.keys().isdisjoint(seqs):  # whole sequences only
+                    shards = tuple(map(whole_shards.__getitem__, seqs))
+                else:
+                    shards = tuple(whole_shards[seq] if seq not in positions else
+                                   Shard(seq, zigzag_chunks(lengths[seq], len(positions[seq]), positions[seq][rank]))
+                                   for seq in seqs)
+                built.append(MicroBatch(shards, max(self.capacity, held), time))
+            ranks.append(RankSchedule(rank, tuple(built), self.rank_times[rank]))
+        ratios = np.asarray(self.offload_ratios, dtype=np.float64).tolist()
+        sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios, self.kinds))
+        return StepPlan(policy=self.policy, num_ranks=len(ranks), capacity=self.capacity, sequences=sequences,
+                        ranks=tuple(ranks), est_step_time=self.est_step_time, pp_size=self.pp_size,
+                        vpp_size=self.vpp_size, group_size=self.group_size)
+
+
+@dataclass
+class TimingCache:
+    """What `time_plan` calls of one set of lengths and rings share, their schedules differing only in
+    order or group size (`balance` tries each placement with its rings shifted and with two group sizes,
+    and re-times the plan made as if EP 1 with the coupling): each sequence's whole time, each ring
+    member's position, and each micro-batch holding ring shards by (rank, sequence ids): its time, tokens
+    and ring kinds (a ring call's kind depends only on the sequences on it, the same at every member).
+    None of these read the cost model's EP size (it enters after them, `expert_coupled_times` and the
+    coupling), so calls whose cost models differ only in it may share one; `basis` (the cost model at EP 1)
+    holds them to that. A schedule timed again under the same EP size (balance's EP-1 pass re-timing its
+    winner with the coupling) is the plan timed before (`plans`). Pass one only to calls with the same
+    lengths and rings."""
+
+    basis: CostModel | None = None
+    positions: dict[int, dict[int, int]] | None = None
+    whole: list[float] | None = None
+    microbatches: dict[tuple[int, tuple[int, ...]], tuple[float, int, list[tuple[int, str]]]] = field(
+        default_factory=dict)
+    plans: dict[tuple[int, int | None, int], TimedPlan] = field(default_factory=dict)
+    contents: dict = field(default_factory=dict)
+    """Ring micro-batches by content, whichever rank: per piece its length, its ring's label (in order of
+    first piece) and the tokens it holds, and per ring its size and link bandwidth, which is all
+    `CostModel.microbatch_time` and the ring-kind decision read of a ring (the members of a ring mostly
+    hold equal tokens, so they mostly share one entry). May be shared by the caches of one batch's
+    placements (`balance`), whose rings differ."""
+
+
 def assemble_plan(
     *,
     policy: str,
@@ -83,84 +181,113 @@ def assemble_plan(
     vpp_size: int = 1,
     group_size: int | None = None,
 ) -> StepPlan:
-    """Build the StepPlan: `schedule[rank]` lists that rank's micro-batches, each a list of sequence ids.
-    `group_size`: the microbatch_group_size_per_vp_stage G the plan carries and is timed with (None:
-    Megatron's default, pp_size).
+    """Build the timed StepPlan: `schedule[rank]` lists that rank's micro-batches, each a list of sequence
+    ids (`time_plan`, then `TimedPlan.build`). `group_size`: the microbatch_group_size_per_vp_stage G the
+    plan carries and is timed with (None: Megatron's default, pp_size).
 
     A sequence with a ring of k > 1 ranks must appear in one micro-batch of each member; the member at
     ring position p holds zigzag chunks p and 2k-1-p. The micro-batch capacity is C, or the tokens held
     when offloading lets a member hold more.
     """
-    num_ranks = len(schedule)
+    return time_plan(policy=policy, lengths=lengths, rings=rings, offload_ratios=offload_ratios, schedule=schedule,
+                     capacity=capacity, cost_model=cost_model, pp_size=pp_size, vpp_size=vpp_size,
+                     group_size=group_size).build()
+
+
+def time_plan(
+    *,
+    policy: str,
+    lengths: Sequence[int],
+    rings: Sequence[tuple[int, ...]],
+    offload_ratios: Sequence[float],
+    schedule: Sequence[Sequence[Sequence[int]]],
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int = 1,
+    vpp_size: int = 1,
+    group_size: int | None = None,
+    shared: TimingCache | None = None,
+) -> TimedPlan:
+    """The predicted times of `assemble_plan`'s decisions (same arguments) without building the StepPlan:
+    each micro-batch's time, each rank's busy time and the step time (module doc). `shared`: what calls
+    with the same lengths, rings and cost model reuse (`TimingCache`)."""
     lengths = list(map(int, lengths))
-    in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
-    positions: dict[int, dict[int, int]] = {
-        seq: {rank: p for p, rank in enumerate(rings[seq])} for seq in np.flatnonzero(in_ring).tolist()
-    }
-    # The one shard of each whole sequence, built in one go (see `build_many`) and indexed by sequence.
-    whole_ids = np.flatnonzero(~in_ring).tolist()
-    whole_shards = build_many(Shard, whole_ids, [((0, lengths[seq]),) for seq in whole_ids])
-    if len(whole_ids) < len(lengths):
-        by_seq = np.empty(len(lengths), dtype=object)
-        by_seq[whole_ids] = whole_shards
-        whole_shards = by_seq.tolist()
-    # A micro-batch of whole sequences takes the micro-batch overhead plus each sequence's whole time
-    # (the cost model is additive over shards); micro-batches with ring shards go through the cost model.
-    whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size).tolist()
+    shared = TimingCache() if shared is None else shared
+    basis = dataclasses.replace(cost_model, expert_parallel_size=1)
+    if shared.basis is None:
+        shared.basis = basis
+    assert shared.basis == basis, "a TimingCache shared by cost models that differ beyond the EP size"
+    timed = shared.plans.get((id(schedule), group_size, cost_model.expert_parallel_size))
+    if timed is not None and timed.schedule is schedule and timed.offload_ratios is offload_ratios and (
+            timed.policy, timed.capacity, timed.pp_size, timed.vpp_size) == (policy, capacity, pp_size, vpp_size):
+        return timed
+    if shared.positions is None:
+        in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
+        shared.positions = {seq: {rank: p for p, rank in enumerate(rings[seq])}
+                            for seq in np.flatnonzero(in_ring).tolist()}
+        # A micro-batch of whole sequences takes the micro-batch overhead plus each sequence's whole time
+        # (the cost model is additive over shards); micro-batches with ring shards go through the cost model.
+        shared.whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size).tolist()
+    positions, whole, ring_microbatches = shared.positions, shared.whole, shared.microbatches
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     ring_index: dict[int, int] = {}
     kinds = ["kv"] * len(lengths)
     times: list[list[float]] = []
     tokens: list[list[int]] = []
-    schedules: list[list[MicroBatch]] = []
     for rank, microbatches in enumerate(schedule):
-        built: list[MicroBatch] = []
         rank_times: list[float] = []
         rank_tokens: list[int] = []
         for index, seqs in enumerate(microbatches):
             if positions.keys().isdisjoint(seqs):  # whole sequences only
-                shards = tuple(map(whole_shards.__getitem__, seqs))
                 held = sum(map(lengths.__getitem__, seqs))
                 time = overhead + sum(map(whole.__getitem__, seqs))
             else:
-                shards, costs = [], []
-                _decide_ring_kinds(seqs, rings=rings, lengths=lengths, kinds=kinds, cost_model=cost_model,
-                                   decided=ring_index)
-                for seq in seqs:
-                    where = positions.get(seq)
-                    k = 1 if where is None else len(where)
-                    chunks = ((0, lengths[seq]),) if k == 1 else zigzag_chunks(lengths[seq], k, where[rank])
-                    if k > 1:
-                        ring_index.setdefault(seq, index)
-                    shards.append(Shard(seq, chunks))
-                    costs.append((lengths[seq], sum(end - start for start, end in chunks), rings[seq] if k > 1 else (),
-                                  kinds[seq]))
-                shards = tuple(shards)
-                held = sum(c[1] for c in costs)
-                time = cost_model.microbatch_time(costs, pp_size=pp_size)
+                key = (rank, tuple(seqs))
+                known = ring_microbatches.get(key)
+                if known is None:
+                    labels: dict[tuple[int, ...], int] = {}  # the micro-batch's rings, in order of first piece
+                    parts = []
+                    for seq in seqs:
+                        where = positions.get(seq)
+                        parts.append((lengths[seq], -1, lengths[seq]) if where is None else
+                                     (lengths[seq], labels.setdefault(rings[seq], len(labels)),
+                                      zigzag_num_tokens(lengths[seq], len(where), where[rank])))
+                    content = (pp_size, tuple(parts), tuple((len(ring), cost_model.ring_link_bandwidth(ring))
+                                                            for ring in labels))
+                    same = shared.contents.get(content)
+                    if same is None:
+                        _decide_ring_kinds(seqs, rings=rings, lengths=lengths, kinds=kinds, cost_model=cost_model,
+                                           decided=ring_index)
+                        costs = [(length, held, rings[seq] if label >= 0 else (), kinds[seq])
+                                 for seq, (length, label, held) in zip(seqs, parts)]
+                        ring_kinds = {labels[rings[seq]]: kinds[seq] for seq in seqs if seq in positions}
+                        same = shared.contents[content] = (cost_model.microbatch_time(costs, pp_size=pp_size),
+                                                           sum(c[1] for c in costs),
+                                                           [ring_kinds[label] for label in range(len(labels))])
+                    known = ring_microbatches[key] = (same[0], same[1], [(seq, same[2][labels[rings[seq]]])
+                                                                        for seq in seqs if seq in positions])
+                time, held, ring_kinds = known
+                for seq, kind in ring_kinds:
+                    kinds[seq] = kind
+                    ring_index.setdefault(seq, index)
             rank_times.append(time)
             rank_tokens.append(held)
-            built.append(MicroBatch(shards, max(capacity, held), time))
-        schedules.append(built)
         times.append(rank_times)
         tokens.append(rank_tokens)
     ep_size = cost_model.expert_parallel_size
     counts = runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size, ep_size=ep_size, vpp_size=vpp_size,
                                        rings={rings[seq] for seq in ring_index}, group_size=group_size)
-    for rank, count in enumerate(counts):
-        tokens[rank] += [0] * (count - len(times[rank]))
-        times[rank] += [overhead] * (count - len(times[rank]))  # the runtime's padding micro-batches
-    times = cost_model.expert_coupled_times(times, tokens, pp_size=pp_size)
-    alone = pipelines_finish(times, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
-    ranks = [RankSchedule(rank, tuple(built), own) for rank, (built, own) in enumerate(zip(schedules, alone))]
-    step = step_time(times, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
+    padded = [t + [overhead] * (count - len(t)) for t, count in zip(times, counts)]  # the runtime's padding
+    padded_tokens = [t + [0] * (count - len(t)) for t, count in zip(tokens, counts)]
+    padded = cost_model.expert_coupled_times(padded, padded_tokens, pp_size=pp_size)
+    alone = pipelines_finish(padded, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
+    step = step_time(padded, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
                      jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
-    ratios = np.asarray(offload_ratios, dtype=np.float64).tolist()
-    sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios, kinds))
-    assert len(ranks) == num_ranks
-    return StepPlan(policy=policy, num_ranks=num_ranks, capacity=capacity, sequences=sequences,
-                    ranks=tuple(ranks), est_step_time=step, pp_size=pp_size, vpp_size=vpp_size,
-                    group_size=group_size)
+    timed = TimedPlan(policy=policy, lengths=lengths, rings=rings, offload_ratios=offload_ratios, schedule=schedule,
+                      capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, times=times,
+                      held=tokens, kinds=kinds, rank_times=alone, est_step_time=step)
+    shared.plans[(id(schedule), group_size, cost_model.expert_parallel_size)] = timed
+    return timed
 
 
 def _decide_ring_kinds(
@@ -201,6 +328,8 @@ def step_time(
     Megatron's pipeline order coupled the same way, `timing.pipeline_step_finish`, with `vpp_size` model
     chunks per stage and groups of `group_size`)."""
     links = [(index, rings[seq]) for seq, index in ring_index.items()]
+    if pp_size == 1 and ep_size > 1:  # every index coupled by EP groups: timed a whole index at a time
+        return float(expert_coupled_finish(times, links, ep_size=ep_size, jitter=jitter).max(initial=0.0))
     groups = link_groups(links + expert_links([len(t) for t in times], ep_size))
     if pp_size > 1:
         end = pipeline_step_finish(times, groups, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size,

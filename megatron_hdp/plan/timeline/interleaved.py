@@ -78,6 +78,8 @@ from __future__ import annotations
 
 from typing import Hashable, Iterable, Sequence
 
+import numpy as np
+
 Op = tuple[str, int, int]
 """(kind 'F' or 'B', model chunk, micro-batch) of one stage's op."""
 
@@ -158,14 +160,29 @@ def resident_peak(tokens: Sequence[float], *, pp_size: int, vpp_size: int = 1, g
     resident `tokens` in Megatron's order: a chunk's forward keeps its micro-batch's tokens / v (the
     chunk's share of the stage's layers) until that chunk's backward. The group size G sets how many
     forwards run before the first backward, so a larger G keeps more (`group_size_fits`)."""
-    peak = 0.0
-    for stage in range(pp_size):
-        held = 0.0
-        for kind, _, mb in stage_order(len(tokens), pp_size=pp_size, stage=stage, vpp_size=vpp_size,
-                                       group_size=group_size):
-            held += tokens[mb] / vpp_size if kind == "F" else -tokens[mb] / vpp_size
-            peak = max(peak, held)
-    return peak
+    return float(resident_peaks([tokens], pp_size=pp_size, vpp_size=vpp_size, group_size=group_size)[0])
+
+
+def resident_peaks(tokens: Sequence[Sequence[float]], *, pp_size: int, vpp_size: int = 1,
+                   group_size: int | None = None) -> np.ndarray:
+    """`resident_peak` of every pipeline `tokens[p]` at once: pipelines of one count share each stage's op
+    order, so the tokens each op keeps (+) or frees (-) form a [pipeline, op] array whose running sum
+    (numpy's cumsum, left to right, as one op after the other adds them) is what the stage holds after
+    every op."""
+    peaks = np.zeros(len(tokens))
+    by_count: dict[int, list[int]] = {}
+    for pipeline, pipeline_tokens in enumerate(tokens):
+        by_count.setdefault(len(pipeline_tokens), []).append(pipeline)
+    for count, rows in by_count.items():
+        if not count:
+            continue
+        share = np.array([tokens[p] for p in rows], dtype=np.float64) / vpp_size
+        for stage in range(pp_size):
+            ops = stage_order(count, pp_size=pp_size, stage=stage, vpp_size=vpp_size, group_size=group_size)
+            sign = np.array([1.0 if kind == "F" else -1.0 for kind, _, _ in ops])
+            held = np.cumsum(share[:, [mb for _, _, mb in ops]] * sign, axis=1)
+            peaks[rows] = np.maximum(peaks[rows], held.max(axis=1))
+    return peaks
 
 
 def activation_budget(capacity: int, *, pp_size: int, vpp_size: int = 1) -> float:
@@ -182,8 +199,14 @@ def group_size_fits(tokens: Sequence[float], *, capacity: int, pp_size: int, vpp
     more activations than C was sized for (`activation_budget`): a G above pp is free where the
     micro-batches are light in tokens (e.g. long documents' ring shards), and refused where it would
     overflow the memory that the default G fills."""
-    return resident_peak(tokens, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size) <= activation_budget(
-        capacity, pp_size=pp_size, vpp_size=vpp_size) * (1 + 1e-9)
+    return pipelines_fit([tokens], capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size)
+
+
+def pipelines_fit(tokens: Sequence[Sequence[float]], *, capacity: int, pp_size: int, vpp_size: int,
+                  group_size: int | None) -> bool:
+    """`group_size_fits` of every pipeline `tokens[p]`, timed together (`resident_peaks`)."""
+    peaks = resident_peaks(tokens, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size)
+    return bool((peaks <= activation_budget(capacity, pp_size=pp_size, vpp_size=vpp_size) * (1 + 1e-9)).all())
 
 
 def dependency(op: Op, *, stage: int, pp_size: int, vpp_size: int) -> tuple[int, Op] | None:

@@ -26,7 +26,8 @@ coupling (`sim.simulator`):
   group its group's largest, and a rank without micro-batches runs one (`runtime_microbatch_counts`);
   each costs the micro-batch overhead;
 - expert parallelism: the MoE all-to-all of every layer couples micro-batch i of all members of an EP
-  group (`expert_links`), like a ring over the group at every index. It also moves the routed experts'
+  group (`expert_links`), like a ring over the group at every index (without PP the planner times it a
+  whole index at a time, `expert_coupled_finish`, the same floats as the union-find over keys). It also moves the routed experts'
   work: a member's experts run the tokens routed to them from every member, so at index i each member
   does its group's mean of the routed expert work (uniform routing), a padding micro-batch included,
   in place of its own tokens' (`spread_expert_work`, `CostModel.expert_share`), and waits for the
@@ -190,6 +191,60 @@ def coupled_finish(
         if index in barriers_after:
             clock = np.full(num_ranks, clock.max())
     return clock
+
+
+def expert_coupled_finish(times: Sequence[Sequence[float]], ring_links: Iterable[tuple[int, Sequence[int]]], *,
+                          ep_size: int, jitter: float = 0.0) -> np.ndarray:
+    """`coupled_finish([times], link_groups(ring_links + expert_links(...)), jitter=jitter)` without PP and
+    with `ep_size` > 1, computed a whole index at a time: every rank's index i is coupled with its
+    expert-parallel group (`times` padded as the runtime runs them: equal counts inside a group), and the
+    rings of `ring_links` ((index, members)) merge groups at their index. Per index the groups' latest
+    clock and longest time are numpy reductions over [group, member], merged along the rings of that index
+    by a union-find over groups, instead of a Python step per (rank, index) key. The same floats as
+    `coupled_finish` (maxima do not depend on the order); with `jitter` the lead's mean sums the members
+    in another order, equal to ~1e-16 relative."""
+    num_ranks = len(times)
+    num_groups = num_ranks // ep_size
+    counts = np.fromiter(map(len, times), dtype=np.int64, count=num_ranks)
+    depth = int(counts.max(initial=0))
+    matrix = np.zeros((num_ranks, depth))
+    for rank, rank_times in enumerate(times):
+        matrix[rank, : len(rank_times)] = rank_times
+    rings_at: dict[int, list[Sequence[int]]] = {}
+    for index, ranks in ring_links:
+        rings_at.setdefault(index, []).append(ranks)
+    clock = np.zeros(num_ranks)
+    for index in range(depth):
+        column = matrix[:, index]
+        start = clock.reshape(num_groups, ep_size).max(axis=1)
+        top = column.reshape(num_groups, ep_size).max(axis=1)
+        size = np.full(num_groups, ep_size)
+        if index in rings_at:
+            parent = list(range(num_groups))
+            for ranks in rings_at[index]:
+                first = union_root(parent, ranks[0] // ep_size)
+                for rank in ranks[1:]:
+                    parent[union_root(parent, rank // ep_size)] = first
+            root = np.array([union_root(parent, g) for g in range(num_groups)])
+            start, top = _merged_max(start, root), _merged_max(top, root)
+            size = np.bincount(root, minlength=num_groups)[root] * ep_size
+        end = np.repeat(start + top, ep_size)
+        if jitter:
+            spent = column.reshape(num_groups, ep_size).sum(axis=1)
+            if index in rings_at:
+                spent = np.bincount(root, weights=spent, minlength=num_groups)[root]
+            mean = spent / size
+            factor = np.array([expected_max_of_normals(int(k)) for k in size])
+            end = end + np.repeat(jitter * mean * factor, ep_size)
+        clock = np.where(index < counts, end, clock)
+    return clock
+
+
+def _merged_max(values: np.ndarray, root: np.ndarray) -> np.ndarray:
+    """Each entry replaced by the largest over the entries sharing its `root`."""
+    merged = np.full(len(values), -np.inf)
+    np.maximum.at(merged, root, values)
+    return merged[root]
 
 
 def pipeline_step_finish(times: Sequence[Sequence[float]], groups: Groups, *, pp_size: int, vpp_size: int = 1,
