@@ -303,3 +303,25 @@ def test_balance_is_no_slower_than_the_static_cp_mesh_when_most_of_a_batch_needs
     times = {policy: make_plan(lengths, num_ranks=16, config=config, cost_model=cost, policy=policy).est_step_time
              for policy in ("balance", "rl-static-cp")}
     assert times["balance"] <= 1.005 * times["rl-static-cp"]
+
+
+def test_unit_alternatives_stop_after_patience_plans_that_do_not_improve():
+    """`_best` with `patience` (the EP-unit ladder, `balance.UNIT_PATIENCE`) stops after that many plans in a
+    row no better than the best; without it every plan is built."""
+    from types import SimpleNamespace
+
+    from megatron_hdp.plan.policies import balance
+
+    steps = [5.0, 4.0, 6.0, 4.0, 7.0, 8.0, 3.0]
+    built = []
+
+    def build(lengths, ring_sizes, offload_ratios, **common):
+        built.append(ring_sizes)
+        return SimpleNamespace(est_step_time=steps[ring_sizes])
+
+    builds = [(build, (i, None)) for i in range(len(steps))]
+    plan, _ = balance._best([], builds, None, patience=4)
+    assert (plan.est_step_time, built) == (4.0, [0, 1, 2, 3, 4, 5])  # 6, 4 (a tie), 7, 8: four in a row
+    built.clear()
+    plan, _ = balance._best([], builds, None)
+    assert (plan.est_step_time, built) == (3.0, list(range(7)))

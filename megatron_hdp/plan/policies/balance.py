@@ -50,13 +50,15 @@ placements the EP pass made (`_Shared`: sharding, ring sizes and placements do n
 Every candidate is compared by its predicted times only (`assemble.time_plan`, a `TimedPlan`); the
 StepPlan of the one kept is built at the end (`TimedPlan.build`).
 
-A plan still more than `RETRY_GAP` above both its mean rank time and the lower bound is also compared with
-the static mesh's placement (`search.cp_groups`: every sequence on the ring of its CP group, the smallest
-power of two holding the longest, several sequences per micro-batch, each group its own count). Where
-most of a batch is longer than C (RL rollouts of median ~5K against a C of 4K), rings of one sequence each
-must line up their micro-batch indices across many sizes, and that placement is 3-8% faster
-(`benchmarks/rl_rollouts.py`, llama3-8b at TP 1); on pools of <= `SMALL_POOL` ranks with at most
-`CLIMB_LENGTHS` distinct lengths on rings, ring sizes are also climbed a rank at a time (`neighbours`).
+Without EP, a plan still more than `RETRY_GAP` above both its mean rank time and the lower bound is also
+compared with the static mesh's placement (`search.cp_groups`: every sequence on the ring of its CP
+group, the smallest power of two holding the longest, several sequences per micro-batch, each group its
+own count). Where most of a batch is longer than C (RL rollouts of median ~5K against a C of 4K), rings of
+one sequence each must line up their micro-batch indices across many sizes, and that placement is 3-8%
+faster (`benchmarks/rl_rollouts.py`, llama3-8b at TP 1). Not with EP: each CP group's own count would be
+padded to its EP group's largest, and it never won there (0.7 s of a DeepSeek-V3 plan at EP 32 for
+nothing). On pools of <= `SMALL_POOL` ranks with at most `CLIMB_LENGTHS` distinct lengths on rings, ring
+sizes are also climbed a rank at a time (`neighbours`).
 
 Deviations from the paper: Algorithm 2 forms buckets (micro-batches) first and then assigns them; we
 assign sequences to ranks first and pack per rank, which gives the same "different micro-batch counts"
@@ -111,6 +113,12 @@ CLIMB_LENGTHS = 12
 """Most distinct lengths on rings in the plan for which balance climbs ring sizes: a round builds two plans per length, and
 a 64-rank RL batch with ~60 of them took 4-6 s to plan (against 0.14 s without the climb); the cases the
 climb is for have a few rings (the exact planner's, <= 12 documents)."""
+
+UNIT_PATIENCE = 4
+"""Without PP, the EP-unit plans of the alternative ring sizes (lower targets, ever wider rings) stop after
+this many in a row that do not beat the best: their step times fall and rise again along the ladder
+(DeepSeek-V3 at EP 32: 15 families of ~20 ms, the best the 6th). Not proven: a line search, checked on
+the EP cells of benchmarks/README.md (plan_bench EP) against running them all."""
 
 RETRY_GAP = 1.02
 """A plan whose step exceeds both the mean rank time and the lower bound by more than this factor tries
@@ -215,7 +223,8 @@ def _plan_balance(
     if units and improvable(plan):  # the plan rank by rank, when the units' leaves room
         plan, family = _best(lengths, ranks[:1], (plan, family), **common)
     if improvable(plan):  # the alternatives of the family that planned better (both when rank by rank did)
-        plan, _ = _best(lengths, units[1:] + (ranks[1:] if family is _build else []), (plan, family), **common)
+        best = _best(lengths, units[1:], (plan, family), patience=UNIT_PATIENCE if pp_size == 1 else None, **common)
+        plan, _ = _best(lengths, ranks[1:] if family is _build else [], best, **common)
     ring_lengths = len({length for length, ring in zip(lengths, plan.rings) if len(ring) > 1})
     if not units and pp_size == 1 and num_ranks <= SMALL_POOL and ring_lengths <= CLIMB_LENGTHS:
         for _ in range(CLIMB_ROUNDS):  # ring sizes no one target gives, a rank at a time
@@ -230,7 +239,7 @@ def _plan_balance(
             if climbed[0] is plan:
                 break
             plan, family = climbed
-    if vpp_size == 1 and improvable(plan):  # the static mesh's placement, which wins where most is on rings
+    if not units and vpp_size == 1 and improvable(plan):  # the static mesh's placement: most of it on rings
         plan = min([plan, *_on_cp_groups(lengths, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
                                          pp_size=pp_size)], key=lambda p: p.est_step_time)
     if units and improvable(plan):  # still room: the plan made as if EP 1, timed with the coupling
@@ -284,13 +293,18 @@ def _with_coupling(plan: TimedPlan, cost_model: CostModel, shared: _Shared) -> T
     return time_plan(**plan.decisions(), cost_model=cost_model, shared=cache)
 
 
-def _best(lengths: list[int], builds: list, best: tuple | None, **common) -> tuple[TimedPlan, object]:
+def _best(lengths: list[int], builds: list, best: tuple | None, *, patience: int | None = None,
+          **common) -> tuple[TimedPlan, object]:
     """(plan, builder) of least predicted step time among `best` and the plans `builds` make, each a
-    (builder, option) pair: `_build` plans rank by rank, `_build_units` EP groups as units."""
+    (builder, option) pair: `_build` plans rank by rank, `_build_units` EP groups as units. With `patience`,
+    stop after that many plans in a row that do not beat the best (`UNIT_PATIENCE`)."""
+    worse = 0
     for build, (ring_sizes, offload_ratios) in builds:
         candidate = build(lengths, ring_sizes, offload_ratios, **common)
         if best is None or candidate.est_step_time < best[0].est_step_time * (1 - 1e-9):
-            best = (candidate, build)
+            best, worse = (candidate, build), 0
+        elif patience is not None and (worse := worse + 1) >= patience:
+            break
     return best
 
 
