@@ -16,7 +16,7 @@ import pytest
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.model import CostModel
-from megatron_hdp.plan.search.expert_units import Row, ring_rows, unit_ring_sizes
+from megatron_hdp.plan.search.expert_units import Row, place_units, ring_rows, unit_ring_sizes
 from megatron_hdp.plan.lengths import sample_global_batch
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.cost.presets import analytic_cost_model
@@ -161,3 +161,18 @@ def test_a_lane_ring_joins_a_slower_row_when_a_new_row_could_not_be_filled():
 
     assert place(full=0.3) == [[[0], [0], [1], [1]]]
     assert place(full=2.0) == [[[0], [0], [], []], [[1], [1], [], []]]
+
+
+def test_units_are_balanced_on_row_times_that_hold_the_all_to_all():
+    """Every lane of a row waits for the row's all-to-all, which ends with its fullest sender: the row times
+    place_units balances units by are overhead + the slowest lane's seconds + the per-token all-to-all x the
+    fullest lane's tokens (here worked out by hand from the rows' lanes: whole sequences only)."""
+    tokens = np.array([100, 60, 40, 30, 90, 10])
+    weights = np.array([1.0, 0.5, 0.4, 0.3, 0.2, 0.9])
+    layout = place_units(ring_sizes=np.ones(6, dtype=np.int64), weights=weights, tokens=tokens, num_ranks=4,
+                         ep_size=2, capacity=100, overhead=0.05, full=1.0, fine_work=0.0, alltoall=0.01)
+    for row, time in zip(layout.rows, layout.row_times):
+        slowest = max(sum(weights[s] for s in lane) for lane in row.lanes)
+        fullest = max(sum(tokens[s] for s in lane) for lane in row.lanes)
+        assert time == pytest.approx(0.05 + slowest + 0.01 * fullest)
+    assert sorted(s for row in layout.rows for lane in row.lanes for s in lane) == list(range(6))

@@ -385,7 +385,8 @@ def _build_units(
     placed = place_units(ring_sizes=ring_sizes, weights=weights, tokens=tokens, num_ranks=num_ranks,
                          ep_size=cost_model.expert_parallel_size, capacity=capacity,
                          overhead=cost_model.microbatch_time([], pp_size=pp_size), full=full,
-                         fine_work=num_ranks * full)
+                         fine_work=num_ranks * full,
+                         alltoall=cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size))
     best = None
     rings = placed.rings(len(lengths))
     cache = TimingCache(contents=shared.contents)

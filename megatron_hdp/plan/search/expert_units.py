@@ -23,7 +23,10 @@ time and every lane runs the unit's count:
    bins hold alike sequences. The last `fine_work` lane-seconds go into rows of C / FINE_PARTS tokens:
    light rows to balance the units with;
 4. rows to units (`placement.lpt` heaviest first from each unit's ring finish, then `refine.refine_local`
-   on the units' times: moves and swaps of whole rows), each unit's rows after its step-2 rows.
+   on the units' times: moves and swaps of whole rows), each unit's rows after its step-2 rows. A row's
+   time is its slowest lane's plus the all-to-all's for its fullest lane (every lane waits for the
+   transfers of the row's largest sender): at DeepSeek-V3's EP 32 over NICs those are ~1 s a full row,
+   and balancing units without them left units 24-35% apart.
 
 Every lane of a unit holds the unit's rows, so the runtime pads nothing (a lane with nothing at an index
 runs an empty micro-batch at the micro-batch overhead, as the runtime's padding would). Rings of several
@@ -175,10 +178,13 @@ def place_units(
     overhead: float,
     full: float,
     fine_work: float,
+    alltoall: float = 0.0,
 ) -> UnitLayout:
     """Steps 2-4 of the module doc. `weights`: each sequence's member seconds at its ring size (whole:
     its time on one rank); `overhead`: a micro-batch's fixed seconds; `full`: a whole C-token document's
-    seconds, the most a free lane's whole sequences take; `fine_work`: lane-seconds of the light rows."""
+    seconds, the most a free lane's whole sequences take; `fine_work`: lane-seconds of the light rows;
+    `alltoall`: the all-to-all's seconds per token of a row's fullest lane
+    (`CostModel.expert_alltoall_seconds_per_token`), part of the row times units are balanced by."""
     num_units = num_ranks // ep_size
     span = -(-ring_sizes // ep_size)  # units a ring touches
     wide = np.flatnonzero(span > 1)
@@ -202,7 +208,15 @@ def place_units(
                       weights=weights, tokens=tokens, capacity=capacity)
     rows += whole_rows(left, weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity, fine_work=fine_work)
     seconds = weights.tolist()
-    row_times = np.array([overhead + max(sum(map(seconds.__getitem__, lane)) for lane in row.lanes) for row in rows])
+    held = tokens.tolist()  # tokens each lane holds of each sequence: a ring member its fullest shard
+    for seq in np.flatnonzero(ring_sizes > 1).tolist():
+        held[seq] = max_member_tokens(held[seq], int(ring_sizes[seq]))
+
+    def row_time(row: Row) -> float:  # every lane waits for the slowest, and the all-to-all for its fullest
+        return (overhead + max(sum(map(seconds.__getitem__, lane)) for lane in row.lanes)
+                + alltoall * max(sum(map(held.__getitem__, lane)) for lane in row.lanes))
+
+    row_times = np.array([row_time(row) for row in rows])
     base = np.zeros(num_units)
     for unit, mine in enumerate(lead):
         base[unit] = layout.finish[unit] + overhead * len(mine)
