@@ -225,8 +225,8 @@ def _plan_balance(
     if improvable(plan):  # the alternatives of the family that planned better (both when rank by rank did)
         best = _best(lengths, units[1:], (plan, family), patience=UNIT_PATIENCE if pp_size == 1 else None, **common)
         plan, _ = _best(lengths, ranks[1:] if family is _build else [], best, **common)
-    ring_lengths = len({length for length, ring in zip(lengths, plan.rings) if len(ring) > 1})
-    if not units and pp_size == 1 and num_ranks <= SMALL_POOL and ring_lengths <= CLIMB_LENGTHS:
+    if not units and pp_size == 1 and num_ranks <= SMALL_POOL and len(
+            {length for length, ring in zip(lengths, plan.rings) if len(ring) > 1}) <= CLIMB_LENGTHS:
         for _ in range(CLIMB_ROUNDS):  # ring sizes no one target gives, a rank at a time
             if not improvable(plan):
                 break
