@@ -50,15 +50,8 @@ placements the EP pass made (`_Shared`: sharding, ring sizes and placements do n
 Every candidate is compared by its predicted times only (`assemble.time_plan`, a `TimedPlan`); the
 StepPlan of the one kept is built at the end (`TimedPlan.build`).
 
-Without EP, a plan still more than `RETRY_GAP` above both its mean rank time and the lower bound is also
-compared with the static mesh's placement (`search.cp_groups`: every sequence on the ring of its CP
-group, the smallest power of two holding the longest, several sequences per micro-batch, each group its
-own count). Where most of a batch is longer than C (RL rollouts of median ~5K against a C of 4K), rings of
-one sequence each must line up their micro-batch indices across many sizes, and that placement is 3-8%
-faster (`benchmarks/rl_rollouts.py`, llama3-8b at TP 1). Not with EP: each CP group's own count would be
-padded to its EP group's largest, and it never won there (0.7 s of a DeepSeek-V3 plan at EP 32 for
-nothing). On pools of <= `SMALL_POOL` ranks with at most `CLIMB_LENGTHS` distinct lengths on rings, ring
-sizes are also climbed a rank at a time (`neighbours`).
+On pools of <= `SMALL_POOL` ranks with at most `CLIMB_LENGTHS` distinct lengths on rings, ring sizes
+are also climbed a rank at a time (`neighbours`).
 
 Deviations from the paper: Algorithm 2 forms buckets (micro-batches) first and then assigns them; we
 assign sequences to ranks first and pack per rank, which gives the same "different micro-batch counts"
@@ -80,7 +73,6 @@ import numpy as np
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.timeline.assemble import TimedPlan, TimingCache, gc_paused, time_plan
 from megatron_hdp.plan.cost.model import CostModel
-from megatron_hdp.plan.search.cp_groups import cp_group_schedule, group_size
 from megatron_hdp.plan.search.expert_units import place_units, unit_options
 from megatron_hdp.plan.search.neighbours import neighbours
 from megatron_hdp.plan.search.packing import pack_for_pipelines
@@ -239,9 +231,6 @@ def _plan_balance(
             if climbed[0] is plan:
                 break
             plan, family = climbed
-    if not units and vpp_size == 1 and improvable(plan):  # the static mesh's placement: most of it on rings
-        plan = min([plan, *_on_cp_groups(lengths, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
-                                         pp_size=pp_size)], key=lambda p: p.est_step_time)
     if units and improvable(plan):  # still room: the plan made as if EP 1, timed with the coupling
         plan = min(plan, _with_coupling(_plan_balance(lengths, num_ranks=num_ranks, config=config,
                                                       cost_model=dataclasses.replace(cost_model, expert_parallel_size=1),
@@ -249,19 +238,6 @@ def _plan_balance(
                                                       shared=shared), cost_model, shared),
                    key=lambda p: p.est_step_time)
     return plan
-
-
-def _on_cp_groups(lengths: list[int], *, num_ranks: int, capacity: int, cost_model: CostModel,
-                  pp_size: int) -> list[TimedPlan]:
-    """Every sequence on the ring of its CP group of the smallest size that holds the longest
-    (`search.cp_groups`), each group its own micro-batch count; [] where no group holds it."""
-    cp = group_size(max(lengths), capacity=capacity, num_ranks=num_ranks)
-    if cp is None:
-        return []
-    rings, schedule = cp_group_schedule(lengths, cp=cp, num_ranks=num_ranks, capacity=capacity,
-                                        cost_model=cost_model, pp_size=pp_size, equal_counts=False)
-    return [time_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=np.zeros(len(lengths)),
-                      schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)]
 
 
 @dataclasses.dataclass

@@ -62,6 +62,6 @@ def plan_rl_static_cp(
     cp = rl_cp_size(max(lengths), capacity=capacity, num_ranks=num_ranks)
     padded = [padded_length(n, cp) for n in lengths]
     rings, schedule = cp_group_schedule(padded, cp=cp, num_ranks=num_ranks, capacity=capacity,
-                                        cost_model=cost_model, pp_size=pp_size, equal_counts=True)
+                                        cost_model=cost_model, pp_size=pp_size)
     return assemble_plan(policy=POLICY, lengths=padded, rings=rings, offload_ratios=np.zeros(len(lengths)),
                          schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size)

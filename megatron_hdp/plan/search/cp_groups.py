@@ -1,12 +1,7 @@
-"""Sequences over equal CP groups: every sequence on the ring of its group's ranks, packed with others.
-
-The static DP x CP mesh's way to place a batch, which the RL frameworks run (`policies.rl_static_cp`) and
-which balance keeps as a candidate (`policies.balance`): the ranks split into groups of `cp`, each
-sequence goes to a group by Karmarkar-Karp on its time on the group's ring, and each group's sequences
-are split into micro-batches, every member holding 1/cp of every sequence of a micro-batch, at most C
-tokens in all. Where most of a batch is longer than C (C of 4K against rollouts of median 5K), this is
-what keeps every rank busy: a micro-batch of several sequences on one ring, the group's members equally
-loaded, where rings of one sequence each must line up their micro-batch indices.
+"""Sequences over equal CP groups, the static DP x CP mesh's way to place a batch, which the RL frameworks
+run (`policies.rl_static_cp`): the ranks split into groups of `cp`, each sequence goes to a group by
+Karmarkar-Karp on its time on the group's ring, and each group's sequences are split into micro-batches,
+every member holding 1/cp of every sequence of a micro-batch, at most C tokens in all.
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ from typing import Sequence
 import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
-from megatron_hdp.plan.cost.sharding import max_member_tokens
 
 
 def karmarkar_karp(weights: Sequence[float], num_parts: int) -> list[list[int]]:
@@ -51,37 +45,24 @@ def karmarkar_karp(weights: Sequence[float], num_parts: int) -> list[list[int]]:
 
 def cp_group_schedule(
     lengths: Sequence[int], *, cp: int, num_ranks: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
-    equal_counts: bool,
 ) -> tuple[list[tuple[int, ...]], list[list[list[int]]]]:
-    """(rings, schedule) of `lengths` over `num_ranks // cp` groups of `cp` consecutive ranks (module doc):
-    each group's micro-batch count the fewest with which Karmarkar-Karp splits its sequences into
-    micro-batches of <= `capacity` tokens per member, or, with `equal_counts`, the fewest that does so in
-    every group, which every group then runs (empty micro-batches where a group has fewer sequences).
-    Each of `lengths` must fit a member of a ring of `cp` (`group_size`)."""
-    held = np.array([max_member_tokens(n, cp) for n in lengths], dtype=np.int64)  # by each sequence's fullest member
+    """(rings, schedule) of `lengths` (each a multiple of 2 cp, as Megatron's zigzag needs, and at most
+    cp x `capacity`) over `num_ranks // cp` groups of `cp` consecutive ranks (module doc): the fewest
+    micro-batch count with which Karmarkar-Karp splits every group's sequences into micro-batches of <=
+    `capacity` tokens per member, which every group then runs (empty micro-batches where a group has
+    fewer sequences)."""
+    held = np.asarray(lengths, dtype=np.int64) // cp  # tokens each CP member holds of each sequence
     ring = tuple(range(cp)) if cp > 1 else ()
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     work = [cost_model.microbatch_time([(n, n // cp, ring)], pp_size=pp_size) - overhead for n in lengths]
     groups = karmarkar_karp(work, num_ranks // cp)
-
-    def fewest(group: list[int]) -> int:
-        return max(1, -(-int(held[group].sum()) // capacity))
-
-    def split(group: list[int], count: int) -> list[list[int]] | None:
-        parts = [[group[i] for i in part] for part in karmarkar_karp([work[s] for s in group], count)]
-        return parts if all(int(held[part].sum()) <= capacity for part in parts) else None
-
-    def smallest_split(group: list[int], count: int) -> list[list[int]]:
-        while (parts := split(group, count)) is None:  # with a part per sequence every part fits
-            count += 1
-        return parts
-
-    if equal_counts:
-        count = max(fewest(g) for g in groups)
-        while (splits := [split(g, count) for g in groups]) and any(s is None for s in splits):
-            count += 1
-    else:
-        splits = [smallest_split(g, fewest(g)) for g in groups]
+    count = max(1, max(-(-int(held[g].sum()) // capacity) for g in groups))
+    while True:  # the fewest equal count with which every group's Karmarkar-Karp split fits C per member
+        splits = [[[g[i] for i in part] for part in karmarkar_karp([work[s] for s in g], count)] for g in groups]
+        if all(int(held[part].sum()) <= capacity for split in splits for part in split):
+            break
+        count += 1
+        assert count <= len(lengths), "with a part per sequence every part fits: Karmarkar-Karp gives singletons"
     schedule: list[list[list[int]]] = [[] for _ in range(num_ranks)]
     rings: list[tuple[int, ...]] = [()] * len(lengths)
     for g, parts in enumerate(splits):
@@ -93,11 +74,3 @@ def cp_group_schedule(
                 rings[seq] = members
     return rings, schedule
 
-
-def group_size(longest: int, *, capacity: int, num_ranks: int) -> int | None:
-    """The smallest power of two dividing `num_ranks` whose ring holds a `longest`-token sequence at <=
-    `capacity` tokens per member (powers of two keep the groups inside nodes and EP groups), or None."""
-    cp = 1
-    while cp <= num_ranks and (num_ranks % cp or max_member_tokens(longest, cp) > capacity):
-        cp *= 2
-    return cp if cp <= num_ranks else None
