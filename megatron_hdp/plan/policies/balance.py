@@ -53,6 +53,15 @@ StepPlan of the one kept is built at the end (`TimedPlan.build`).
 On pools of <= `SMALL_POOL` ranks with at most `CLIMB_LENGTHS` distinct lengths on rings, ring sizes
 are also climbed a rank at a time (`neighbours`).
 
+Without EP or virtual stages, a plan still more than `RETRY_GAP` above both its mean rank time and the
+lower bound is also compared with the static mesh's rings for the sequences longer than C only
+(`_on_cp_groups`): each on the ring of a CP group of the smallest power of two that holds the longest,
+several per ring micro-batch, the groups chosen together with the whole sequences beside them
+(`search.cp_groups.groups_beside_whole`). Where most of a batch is longer than C (RL rollouts of median
+~5K against a C of 4K), rings of one sequence each must line up their micro-batch indices across many
+sizes, which left balance 3-8% behind the frameworks' static CP; with this candidate it is level with
+or ahead of it from 32 ranks on (`benchmarks/rl_rollouts.py`), 1-2.5% behind on 16.
+
 Deviations from the paper: Algorithm 2 forms buckets (micro-batches) first and then assigns them; we
 assign sequences to ranks first and pack per rank, which gives the same "different micro-batch counts"
 result at finer granularity. PP-Balance clusters similar lengths into one pipeline; here each pipeline's
@@ -73,14 +82,16 @@ import numpy as np
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.timeline.assemble import TimedPlan, TimingCache, gc_paused, time_plan
 from megatron_hdp.plan.cost.model import CostModel
+from megatron_hdp.plan.search.cp_groups import group_size
 from megatron_hdp.plan.search.expert_units import place_units, unit_options
 from megatron_hdp.plan.search.neighbours import neighbours
+from megatron_hdp.plan.search.packed_rings import pack_on_groups
 from megatron_hdp.plan.search.packing import pack_for_pipelines
 from megatron_hdp.plan.search.placement import fill_gaps, lpt, narrowest_first, place_rings, place_rings_by_time
 from megatron_hdp.plan.search.refine import PipelineCost, refine_exact, refine_local, refine_pairs
 from megatron_hdp.plan.search.ring_shifts import RING_SHIFTS, fits_memory, group_sizes, shifted
 from megatron_hdp.plan.timeline.bounds import gap, step_time_lower_bound
-from megatron_hdp.plan.cost.sharding import member_times, shard_sequences, whole_times
+from megatron_hdp.plan.cost.sharding import max_member_tokens, member_times, shard_sequences, whole_times
 from megatron_hdp.plan.search.widening import widening_options
 from megatron_hdp.plan.step_plan import StepPlan
 
@@ -231,6 +242,8 @@ def _plan_balance(
             if climbed[0] is plan:
                 break
             plan, family = climbed
+    if not units and vpp_size == 1 and improvable(plan):  # the static mesh's rings for the sequences beyond C
+        plan = min([plan, *_on_cp_groups(lengths, **common)], key=lambda p: p.est_step_time)
     if units and improvable(plan):  # still room: the plan made as if EP 1, timed with the coupling
         plan = min(plan, _with_coupling(_plan_balance(lengths, num_ranks=num_ranks, config=config,
                                                       cost_model=dataclasses.replace(cost_model, expert_parallel_size=1),
@@ -238,6 +251,43 @@ def _plan_balance(
                                                       shared=shared), cost_model, shared),
                    key=lambda p: p.est_step_time)
     return plan
+
+
+def _on_cp_groups(
+    lengths: list[int],
+    *,
+    tokens: np.ndarray,
+    num_ranks: int,
+    capacity: int,
+    cost_model: CostModel,
+    pp_size: int,
+    vpp_size: int,
+    exact: bool,
+    shared: _Shared,
+) -> list[TimedPlan]:
+    """The sequences longer than C packed on CP groups' rings, the others whole beside them
+    (`search.packed_rings`, groups of the smallest power of two that holds the longest), then steps 4-6 as
+    in `_build` from there; [] where nothing is longer than C or no group holds the longest."""
+    long_ids = np.flatnonzero(tokens > capacity)
+    cp = group_size(int(tokens.max()), capacity=capacity, num_ranks=num_ranks) if len(long_ids) else None
+    if cp is None:
+        return []
+    whole_ids = np.flatnonzero(tokens <= capacity)
+    weights = member_times(tokens, np.where(tokens > capacity, cp, 1), cost_model=cost_model, pp_size=pp_size)
+    rings, leading, whole = pack_on_groups(tokens, long_ids=long_ids, whole_ids=whole_ids,
+                                           whole_seconds=weights[whole_ids], cp=cp, num_ranks=num_ranks,
+                                           capacity=capacity, cost_model=cost_model, pp_size=pp_size)
+    for seq, ring in rings.items():  # each ring sequence's time on its own ring (some run on part of a group)
+        weights[seq] = member_times(tokens[[seq]], np.array([len(ring)]), cost_model=cost_model, pp_size=pp_size)[0]
+    overhead = cost_model.microbatch_time([], pp_size=pp_size)
+    finish = np.array([sum(cost_model.microbatch_time([(lengths[q], max_member_tokens(lengths[q], len(rings[q])),
+                                                        rings[q]) for q in mb], pp_size=pp_size) for mb in mbs)
+                       for mbs in leading])
+    prepared = _schedules(leading, rings, finish, [], given=whole, lengths=lengths, weights=weights, tokens=tokens,
+                          capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, exact=exact, overhead=overhead,
+                          contents=shared.contents)
+    return [_finish(prepared, lengths=lengths, offload_ratios=np.zeros(len(lengths)), capacity=capacity,
+                    cost_model=cost_model, pp_size=pp_size, vpp_size=vpp_size)]
 
 
 @dataclasses.dataclass
@@ -381,6 +431,7 @@ def _schedules(
     finish: np.ndarray,
     whole_order: list[int],
     *,
+    given: list[list[int]] | None = None,
     lengths: list[int],
     weights: np.ndarray,
     tokens: np.ndarray,
@@ -393,13 +444,17 @@ def _schedules(
 ) -> tuple[list[tuple[int, ...]], list[tuple[list, int | None]], TimingCache]:
     """Steps 4-6 after a ring placement, up to the timing: `leading[r]` are rank r's micro-batches up to its
     last ring (sequence ids per micro-batch), `finish[r]` when it is done with them; the whole sequences of
-    `whole_order` go after them. Returns every sequence's ring, the (schedule, group size) candidates
+    `whole_order` go after them (`assign_whole`), or those `given` per rank, which local search
+    (`refine_local`) starts from. Returns every sequence's ring, the (schedule, group size) candidates
     (`_finish` times them) and the `TimingCache` they share (with the batch's `contents`)."""
     num_ranks = len(leading)
     counts = np.array([len(mbs) for mbs in leading], dtype=np.int64)
-    given = assign_whole(whole_order, weights=weights, tokens=tokens,
-                         base=finish, cost=PipelineCost(pp_size, capacity, counts, vpp_size), exact=exact,
-                         overhead=overhead)
+    cost = PipelineCost(pp_size, capacity, counts, vpp_size)
+    if given is not None:
+        given = refine_local(given, weights=weights, base=finish, tokens=tokens, cost=cost)
+    else:
+        given = assign_whole(whole_order, weights=weights, tokens=tokens, base=finish, cost=cost, exact=exact,
+                             overhead=overhead)
     rings: list[tuple[int, ...]] = [()] * len(lengths)
     for seq, ring in ring_of.items():
         rings[seq] = ring

@@ -5,6 +5,8 @@
 - `packing`: best-fit micro-batches (and pipeline-aware packing).
 - `refine`: local search over a placement.
 - `expert_units`: MoE expert-parallel groups planned as units.
+- `cp_groups`: the static DP x CP mesh's placement (the RL frameworks' baseline) and Karmarkar-Karp.
+- `packed_rings`: the sequences longer than C packed on CP groups' rings, the others whole beside them.
 
 Reads the cost model and the timeline; never a policy.
 """

@@ -1,7 +1,8 @@
 """Sequences over equal CP groups, the static DP x CP mesh's way to place a batch, which the RL frameworks
 run (`policies.rl_static_cp`): the ranks split into groups of `cp`, each sequence goes to a group by
 Karmarkar-Karp on its time on the group's ring, and each group's sequences are split into micro-batches,
-every member holding 1/cp of every sequence of a micro-batch, at most C tokens in all.
+every member holding 1/cp of every sequence of a micro-batch, at most C tokens in all. Balance packs
+only the sequences longer than C this way (`packed_rings`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
+from megatron_hdp.plan.cost.sharding import max_member_tokens
 
 
 def karmarkar_karp(weights: Sequence[float], num_parts: int) -> list[list[int]]:
@@ -74,3 +76,11 @@ def cp_group_schedule(
                 rings[seq] = members
     return rings, schedule
 
+
+def group_size(longest: int, *, capacity: int, num_ranks: int) -> int | None:
+    """The smallest power of two dividing `num_ranks` whose ring holds a `longest`-token sequence at <=
+    `capacity` tokens per member (powers of two keep the groups inside nodes and EP groups), or None."""
+    cp = 1
+    while cp <= num_ranks and (num_ranks % cp or max_member_tokens(longest, cp) > capacity):
+        cp *= 2
+    return cp if cp <= num_ranks else None
