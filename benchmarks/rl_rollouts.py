@@ -17,7 +17,8 @@ is under the target, so that no schedule could meet it in that cell.
 `--combine-step-runs` gathers `step_bench.py --mix rl-rollouts --policies balance,rl-static-cp` runs (one
 file each, so that each survives a shared host's slowness) into one result: per run the measured speedup of
 balance over rl-static-cp (median step times) and the prediction's, and step_bench's per-step speedup
-errors (`step_bench.judge_prediction`), then medians and ranges over the runs (`step_bench.over_runs`).
+errors (`step_bench.judge_prediction`), then medians and ranges over the runs (`step_bench.over_runs`) and
+the median of the runs' measured and predicted speedups (`speedup_medians`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import datetime
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -106,6 +108,10 @@ def combine_step_runs(paths: list[str], output: str) -> dict:
         print(f"{Path(run['file']).name:<34}{s['balance']['step_time_s']:>10.3f}{s['rl-static-cp']['step_time_s']:>12.3f}"
               f"{measured:>8.2f}x{predicted:>9.2f}x{predicted / measured - 1:>+8.1%}{per_step:>25.1%}")
     combined = step_bench.over_runs(runs)
+    medians = {key: statistics.median(run["speedup"][key] for run in runs) for key in ("measured", "predicted")}
+    combined["speedup_medians"] = {**medians, "error": medians["predicted"] / medians["measured"] - 1}
+    print(f"median of the runs' speedups: measured {medians['measured']:.2f}x, predicted {medians['predicted']:.2f}x "
+          f"({combined['speedup_medians']['error']:+.1%})")
     print(f"over {len(runs)} runs, median [range]:")
     for policy, figures in combined["summary"].items():
         print(f"  {policy:<14} step s {step_bench.repeats.format_spread(figures['step_time_s'], '{:.3f}')}")
