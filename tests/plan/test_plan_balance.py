@@ -296,7 +296,7 @@ def test_balance_is_no_slower_than_the_static_cp_mesh_when_most_of_a_batch_needs
     (`rl-static-cp`: every sequence on a node's CP ring, several per micro-batch). Balance's candidate of
     the sequences beyond C on CP groups' rings, several per micro-batch, and the others whole beside them
     (`_on_cp_groups`) is no slower than static CP on 64 ranks, and a sequence that fits C stays whole
-    (DESIGN.md). On 16 ranks (two groups) it is still 1-2.5% slower: too few whole sequences per group to
+    (DESIGN.md). On 16 ranks (two groups) it is still up to 1.1% slower: too few whole sequences per group to
     even out its members."""
     cost = dataclasses.replace(analytic_cost_model("llama3-8b"), ranks_per_node=8)
     lengths = sample_global_batch("rl-rollouts", num_tokens=64 * 4096 * 4, seed=seed, max_length=32768)

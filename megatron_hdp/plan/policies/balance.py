@@ -53,14 +53,14 @@ StepPlan of the one kept is built at the end (`TimedPlan.build`).
 On pools of <= `SMALL_POOL` ranks with at most `CLIMB_LENGTHS` distinct lengths on rings, ring sizes
 are also climbed a rank at a time (`neighbours`).
 
-Without EP or virtual stages, a plan still more than `RETRY_GAP` above both its mean rank time and the
-lower bound is also compared with the static mesh's rings for the sequences longer than C only
-(`_on_cp_groups`): each on the ring of a CP group of the smallest power of two that holds the longest,
-several per ring micro-batch, the groups chosen together with the whole sequences beside them
-(`search.cp_groups.groups_beside_whole`). Where most of a batch is longer than C (RL rollouts of median
-~5K against a C of 4K), rings of one sequence each must line up their micro-batch indices across many
-sizes, which left balance 3-8% behind the frameworks' static CP; with this candidate it is level with
-or ahead of it from 32 ranks on (`benchmarks/rl_rollouts.py`), 1-2.5% behind on 16.
+Without EP units or virtual stages, a plan still more than `RETRY_GAP` above both its mean rank time and
+the lower bound is also compared with the static mesh's rings for the sequences longer than C only
+(`_on_cp_groups`): each on the ring of a CP group of the smallest power of two that holds the longest
+(or of an aligned block of it), several per ring micro-batch, the groups chosen together with the whole
+sequences beside them (`search.packed_rings`). Where most of a batch is longer than C (RL rollouts of
+median ~5K against a C of 4K), rings of one sequence each must line up their micro-batch indices across
+many sizes, which left balance 3-8% behind the frameworks' static CP; with this candidate it is level
+with or ahead of it from 32 ranks on (`benchmarks/rl_rollouts.py`), up to 1.1% behind on 16.
 
 Deviations from the paper: Algorithm 2 forms buckets (micro-batches) first and then assigns them; we
 assign sequences to ranks first and pack per rank, which gives the same "different micro-batch counts"
