@@ -6,8 +6,10 @@ import itertools
 import numpy as np
 import pytest
 
+from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.presets import analytic_cost_model
-from megatron_hdp.plan.search.cp_groups import karmarkar_karp
+from megatron_hdp.plan.planner import make_plan
+from megatron_hdp.plan.search.cp_groups import group_size, karmarkar_karp
 from megatron_hdp.plan.search.packed_rings import _GroupLayout, even_bins, groups_beside_whole, pack_on_groups
 
 CM = analytic_cost_model("llama3-8b")
@@ -78,3 +80,15 @@ def test_pack_on_groups_places_every_sequence_once_on_aligned_rings_within_capac
         for mb in mbs:  # a member holds at least ceil(L / k) tokens of a document of L on a ring of k
             assert all(seq in rings for seq in mb)
             assert sum(-(-int(tokens[q]) // len(rings[q])) for q in mb) <= 4096
+
+
+def test_group_size_checks_every_length_and_balance_plans_what_no_group_holds():
+    """A zigzag member's share is not monotone in the length: at C = 1 a ring of 4 holds 4 tokens (1 per
+    member) but no ring holds 3 (a member always gets 2 of its 2k chunks' tokens), so the group size is
+    checked on each length (hypothesis found [3, 4] on 4 ranks at C = 1 crashing balance's candidate)."""
+    assert group_size([4], capacity=1, num_ranks=4) == 4
+    assert group_size([3, 4], capacity=1, num_ranks=16) is None
+    assert group_size([3, 4], capacity=2, num_ranks=16) == 2
+    plan = make_plan([3, 4], num_ranks=4, config=HDPConfig(hdp=True, hdp_capacity=1, hdp_offload=False),
+                     cost_model=analytic_cost_model("llama-7b"), policy="balance")
+    assert sorted(p.length for p in plan.sequences) == [3, 4]

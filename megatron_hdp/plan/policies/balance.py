@@ -55,7 +55,7 @@ are also climbed a rank at a time (`neighbours`).
 
 Without EP units or virtual stages, a plan still more than `RETRY_GAP` above both its mean rank time and
 the lower bound is also compared with the static mesh's rings for the sequences longer than C only
-(`_on_cp_groups`): each on the ring of a CP group of the smallest power of two that holds the longest
+(`_on_cp_groups`): each on the ring of a CP group of the smallest power of two that holds them all
 (or of an aligned block of it), several per ring micro-batch, the groups chosen together with the whole
 sequences beside them (`search.packed_rings`). Where most of a batch is longer than C (RL rollouts of
 median ~5K against a C of 4K), rings of one sequence each must line up their micro-batch indices across
@@ -266,10 +266,10 @@ def _on_cp_groups(
     shared: _Shared,
 ) -> list[TimedPlan]:
     """The sequences longer than C packed on CP groups' rings, the others whole beside them
-    (`search.packed_rings`, groups of the smallest power of two that holds the longest), then steps 4-6 as
-    in `_build` from there; [] where nothing is longer than C or no group holds the longest."""
+    (`search.packed_rings`, groups of the smallest power of two whose ring holds each of them), then steps
+    4-6 as in `_build` from there; [] where nothing is longer than C or no group holds them all."""
     long_ids = np.flatnonzero(tokens > capacity)
-    cp = group_size(int(tokens.max()), capacity=capacity, num_ranks=num_ranks) if len(long_ids) else None
+    cp = group_size(tokens[long_ids].tolist(), capacity=capacity, num_ranks=num_ranks) if len(long_ids) else None
     if cp is None:
         return []
     whole_ids = np.flatnonzero(tokens <= capacity)

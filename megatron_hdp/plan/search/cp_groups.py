@@ -77,10 +77,13 @@ def cp_group_schedule(
     return rings, schedule
 
 
-def group_size(longest: int, *, capacity: int, num_ranks: int) -> int | None:
-    """The smallest power of two dividing `num_ranks` whose ring holds a `longest`-token sequence at <=
-    `capacity` tokens per member (powers of two keep the groups inside nodes and EP groups), or None."""
+def group_size(lengths: Sequence[int], *, capacity: int, num_ranks: int) -> int | None:
+    """The smallest power of two dividing `num_ranks` whose ring holds each of `lengths` at <= `capacity`
+    tokens per member (powers of two keep the groups inside nodes and EP groups), or None. Each length
+    is checked: a zigzag member's share is not monotone in the length (at C = 1, a ring of 4 holds 4
+    tokens but not 3)."""
+    distinct = sorted(set(int(n) for n in lengths))
     cp = 1
-    while cp <= num_ranks and (num_ranks % cp or max_member_tokens(longest, cp) > capacity):
+    while cp <= num_ranks and (num_ranks % cp or any(max_member_tokens(n, cp) > capacity for n in distinct)):
         cp *= 2
     return cp if cp <= num_ranks else None

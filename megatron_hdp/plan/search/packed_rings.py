@@ -8,7 +8,7 @@ CP mesh does better there by packing several sequences per ring micro-batch on a
 forbids (a sequence that fits C stays whole, DESIGN.md). This placement keeps the mesh's packing for the
 sequences longer than C only:
 
-1. groups of `cp` consecutive ranks (the smallest power of two that holds the longest); the sequences
+1. groups of `cp` consecutive ranks (the smallest power of two whose ring holds each); the sequences
    longer than C over the groups, the whole ones over the ranks, chosen together (`groups_beside_whole`):
    the groups that host whole sequences take less ring work;
 2. inside each group, a sequence that fits a smaller ring (an aligned block of 2, 4, ... of its members)
@@ -48,9 +48,10 @@ def pack_on_groups(
     tokens: np.ndarray, *, long_ids: np.ndarray, whole_ids: np.ndarray, whole_seconds: np.ndarray, cp: int,
     num_ranks: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
 ) -> tuple[dict[int, tuple[int, ...]], list[list[list[int]]], list[list[int]]]:
-    """(rings, leading, whole) of the module doc's placement: each ring sequence's ring (`long_ids`, each at
-    most `cp` x `capacity` tokens), each rank's ring micro-batches in order (sequence ids), and the whole
-    sequences (`whole_ids`, of `whole_seconds` each on one rank) each rank runs after them."""
+    """(rings, leading, whole) of the module doc's placement: each ring sequence's ring (`long_ids`, each held
+    by a ring of `cp` at <= `capacity` tokens per member, `cp_groups.group_size`), each rank's ring
+    micro-batches in order (sequence ids), and the whole sequences (`whole_ids`, of `whole_seconds` each
+    on one rank) each rank runs after them."""
     groups = _GroupLayout(tokens, long_ids, cp=cp, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
     ring_work = np.array([groups.work(i, cp) for i in range(len(long_ids))])
     members, on_rank = groups_beside_whole(ring_work, whole_seconds, cp=cp, num_ranks=num_ranks)
@@ -73,7 +74,7 @@ class _GroupLayout:
     """Where a group's ring sequences run inside it (module doc, steps 2-3), and the members' times.
 
     A sequence of `need` k (the smallest power of two whose ring holds it at <= C per member) may run on
-    any aligned block of k' >= k members; `layout` places them heaviest first, each on the block where the
+    any aligned block of k' >= k members whose ring holds it (a zigzag member's share is not monotone); `layout` places them heaviest first, each on the block where the
     busiest member after it is least loaded (the group-wide ring first among equals), then times every
     block's micro-batches with the cost model."""
 
@@ -105,7 +106,8 @@ class _GroupLayout:
         loads = beside.astype(np.float64).copy()
         placed: dict[tuple[int, int], list[int]] = {}
         for i in sorted(group, key=lambda i: (-self.need[i], -self.work(i, self.need[i]), i)):
-            options = [(offset, size) for size in _sizes(self.cp)[::-1] if size >= self.need[i]
+            options = [(offset, size) for size in _sizes(self.cp)[::-1]
+                       if size >= self.need[i] and self.held(i, size) <= self.capacity
                        for offset in range(0, self.cp, size)]
             offset, size = min(options, key=lambda o: loads[o[0]:o[0] + o[1]].max() + self.work(i, o[1]))
             loads[offset:offset + size] += self.work(i, size)
