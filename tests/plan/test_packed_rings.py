@@ -8,6 +8,7 @@ import pytest
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.presets import analytic_cost_model
+from megatron_hdp.plan.cost.sharding import max_member_tokens
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.search.cp_groups import group_size, karmarkar_karp
 from megatron_hdp.plan.search.packed_rings import _GroupLayout, even_bins, groups_beside_whole, pack_on_groups
@@ -55,7 +56,9 @@ def test_a_sequence_that_fits_half_a_group_runs_beside_the_busy_half():
     layout = _GroupLayout(tokens, np.array([0]), cp=4, capacity=4096, cost_model=CM, pp_size=1)
     assert layout.need == [2]
     t = layout.work(0, 2)
-    blocks, loads = layout.layout([0], np.array([t, t, 0.0, 0.0]))
+    beside = np.array([t, t, 0.0, 0.0])
+    blocks, ring = layout.layout([0], beside, 0)
+    loads = beside + ring
     assert blocks == [((2, 2), [[0]])]
     assert loads[0] == loads[1] == t and loads[2] == loads[3] > 0.9 * t
 
@@ -67,7 +70,7 @@ def test_pack_on_groups_places_every_sequence_once_on_aligned_rings_within_capac
     rng = np.random.default_rng(seed)
     tokens = np.concatenate([rng.integers(4097, 32769, size=30), rng.integers(500, 4097, size=25)])
     long_ids, whole_ids = np.flatnonzero(tokens > 4096), np.flatnonzero(tokens <= 4096)
-    rings, leading, whole = pack_on_groups(tokens, long_ids=long_ids, whole_ids=whole_ids,
+    rings, leading, finish, whole = pack_on_groups(tokens, long_ids=long_ids, whole_ids=whole_ids,
                                            whole_seconds=tokens[whole_ids] * 1e-4, cp=8, num_ranks=32, capacity=4096,
                                            cost_model=CM)
     assert sorted(rings) == long_ids.tolist()
@@ -80,6 +83,9 @@ def test_pack_on_groups_places_every_sequence_once_on_aligned_rings_within_capac
         for mb in mbs:  # a member holds at least ceil(L / k) tokens of a document of L on a ring of k
             assert all(seq in rings for seq in mb)
             assert sum(-(-int(tokens[q]) // len(rings[q])) for q in mb) <= 4096
+    for rank, mbs in enumerate(leading):  # each rank's ring seconds: its micro-batches timed on their rings
+        assert finish[rank] == pytest.approx(sum(CM.microbatch_time(
+            [(int(tokens[q]), max_member_tokens(int(tokens[q]), len(rings[q])), rings[q]) for q in mb]) for mb in mbs))
 
 
 def test_group_size_checks_every_length_and_balance_plans_what_no_group_holds():

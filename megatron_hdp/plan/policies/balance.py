@@ -91,7 +91,7 @@ from megatron_hdp.plan.search.placement import fill_gaps, lpt, narrowest_first, 
 from megatron_hdp.plan.search.refine import PipelineCost, refine_exact, refine_local, refine_pairs
 from megatron_hdp.plan.search.ring_shifts import RING_SHIFTS, fits_memory, group_sizes, shifted
 from megatron_hdp.plan.timeline.bounds import gap, step_time_lower_bound
-from megatron_hdp.plan.cost.sharding import max_member_tokens, member_times, shard_sequences, whole_times
+from megatron_hdp.plan.cost.sharding import member_times, shard_sequences, whole_times
 from megatron_hdp.plan.search.widening import widening_options
 from megatron_hdp.plan.step_plan import StepPlan
 
@@ -273,16 +273,14 @@ def _on_cp_groups(
     if cp is None:
         return []
     whole_ids = np.flatnonzero(tokens <= capacity)
-    weights = member_times(tokens, np.where(tokens > capacity, cp, 1), cost_model=cost_model, pp_size=pp_size)
-    rings, leading, whole = pack_on_groups(tokens, long_ids=long_ids, whole_ids=whole_ids,
-                                           whole_seconds=weights[whole_ids], cp=cp, num_ranks=num_ranks,
-                                           capacity=capacity, cost_model=cost_model, pp_size=pp_size)
-    for seq, ring in rings.items():  # each ring sequence's time on its own ring (some run on part of a group)
-        weights[seq] = member_times(tokens[[seq]], np.array([len(ring)]), cost_model=cost_model, pp_size=pp_size)[0]
+    rings, leading, finish, whole = pack_on_groups(
+        tokens, long_ids=long_ids, whole_ids=whole_ids, cp=cp, num_ranks=num_ranks, capacity=capacity,
+        whole_seconds=whole_times(tokens[whole_ids], cost_model=cost_model, pp_size=pp_size),
+        cost_model=cost_model, pp_size=pp_size)
+    sizes = np.ones(len(tokens), dtype=np.int64)
+    sizes[list(rings)] = [len(ring) for ring in rings.values()]  # some run on a block of a group
+    weights = member_times(tokens, sizes, cost_model=cost_model, pp_size=pp_size)
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
-    finish = np.array([sum(cost_model.microbatch_time([(lengths[q], max_member_tokens(lengths[q], len(rings[q])),
-                                                        rings[q]) for q in mb], pp_size=pp_size) for mb in mbs)
-                       for mbs in leading])
     prepared = _schedules(leading, rings, finish, [], given=whole, lengths=lengths, weights=weights, tokens=tokens,
                           capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, exact=exact, overhead=overhead,
                           contents=shared.contents)

@@ -47,19 +47,19 @@ difference, this many."""
 def pack_on_groups(
     tokens: np.ndarray, *, long_ids: np.ndarray, whole_ids: np.ndarray, whole_seconds: np.ndarray, cp: int,
     num_ranks: int, capacity: int, cost_model: CostModel, pp_size: int = 1,
-) -> tuple[dict[int, tuple[int, ...]], list[list[list[int]]], list[list[int]]]:
-    """(rings, leading, whole) of the module doc's placement: each ring sequence's ring (`long_ids`, each held
-    by a ring of `cp` at <= `capacity` tokens per member, `cp_groups.group_size`), each rank's ring
-    micro-batches in order (sequence ids), and the whole sequences (`whole_ids`, of `whole_seconds` each
-    on one rank) each rank runs after them."""
+) -> tuple[dict[int, tuple[int, ...]], list[list[list[int]]], np.ndarray, list[list[int]]]:
+    """(rings, leading, finish, whole) of the module doc's placement: each ring sequence's ring (`long_ids`,
+    each held by a ring of `cp` at <= `capacity` tokens per member, `cp_groups.group_size`), each rank's
+    ring micro-batches in order (sequence ids) and their predicted seconds, and the whole sequences
+    (`whole_ids`, of `whole_seconds` each on one rank) each rank runs after them."""
     groups = _GroupLayout(tokens, long_ids, cp=cp, capacity=capacity, cost_model=cost_model, pp_size=pp_size)
     ring_work = np.array([groups.work(i, cp) for i in range(len(long_ids))])
     members, on_rank = groups_beside_whole(ring_work, whole_seconds, cp=cp, num_ranks=num_ranks)
     beside = np.array([float(whole_seconds[items].sum()) for items in on_rank])
-    blocks = _refine_groups(groups, members, beside.reshape(-1, cp), rounds=num_ranks // cp)
+    laid = _refine_groups(groups, members, beside.reshape(-1, cp), rounds=num_ranks // cp)
     rings: dict[int, tuple[int, ...]] = {}
     leading: list[list[list[int]]] = [[] for _ in range(num_ranks)]
-    for g, group_blocks in enumerate(blocks):
+    for g, (group_blocks, _) in enumerate(laid):
         for (offset, size), parts in group_blocks:  # widest first (`_GroupLayout.layout`)
             ring = tuple(range(g * cp + offset, g * cp + offset + size))
             for part in parts:
@@ -67,16 +67,18 @@ def pack_on_groups(
                 for rank in ring:
                     leading[rank].append(ids)
                 rings.update((seq, ring) for seq in ids)
-    return rings, leading, [[int(whole_ids[i]) for i in items] for items in on_rank]
+    finish = np.concatenate([ring for _, ring in laid])
+    return rings, leading, finish, [[int(whole_ids[i]) for i in items] for items in on_rank]
 
 
 class _GroupLayout:
     """Where a group's ring sequences run inside it (module doc, steps 2-3), and the members' times.
 
     A sequence of `need` k (the smallest power of two whose ring holds it at <= C per member) may run on
-    any aligned block of k' >= k members whose ring holds it (a zigzag member's share is not monotone); `layout` places them heaviest first, each on the block where the
-    busiest member after it is least loaded (the group-wide ring first among equals), then times every
-    block's micro-batches with the cost model."""
+    any aligned block of k' >= k members whose ring holds it (a zigzag member's share is not monotone);
+    `layout` places them heaviest first, each on the block where the busiest member after it is least
+    loaded (the group-wide ring first among equals), then times every block's micro-batches with the cost
+    model on the block's own ranks."""
 
     def __init__(self, tokens: np.ndarray, long_ids: np.ndarray, *, cp: int, capacity: int, cost_model: CostModel,
                  pp_size: int):
@@ -100,9 +102,10 @@ class _GroupLayout:
                 [(self.lengths[i], self.held(i, size), tuple(range(size)))], pp_size=self.pp_size) - self.overhead
         return self._work[i, size]
 
-    def layout(self, group: list[int], beside: np.ndarray) -> tuple[list, np.ndarray]:
-        """(blocks, loads) of the ring sequences `group` on members with `beside` seconds of whole sequences:
-        blocks as ((offset, size), micro-batches), widest first; loads each member's predicted seconds."""
+    def layout(self, group: list[int], beside: np.ndarray, first: int) -> tuple[list, np.ndarray]:
+        """(blocks, ring) of the ring sequences `group` on the members (ranks `first`, `first` + 1, ...) with
+        `beside` seconds of whole sequences: blocks as ((offset, size), micro-batches), widest first; ring
+        each member's predicted seconds of ring micro-batches, summed one micro-batch at a time."""
         loads = beside.astype(np.float64).copy()
         placed: dict[tuple[int, int], list[int]] = {}
         for i in sorted(group, key=lambda i: (-self.need[i], -self.work(i, self.need[i]), i)):
@@ -112,15 +115,16 @@ class _GroupLayout:
             offset, size = min(options, key=lambda o: loads[o[0]:o[0] + o[1]].max() + self.work(i, o[1]))
             loads[offset:offset + size] += self.work(i, size)
             placed.setdefault((offset, size), []).append(i)
-        loads = beside.astype(np.float64).copy()
+        ring = np.zeros(self.cp)
         blocks = []
         for (offset, size), items in sorted(placed.items(), key=lambda b: (-b[0][1], b[0][0])):
             parts = self.split(sorted(items), size)
-            members = tuple(range(offset, offset + size))
-            loads[offset:offset + size] += sum(self.cost_model.microbatch_time(
-                [(self.lengths[i], self.held(i, size), members) for i in part], pp_size=self.pp_size) for part in parts)
+            members = tuple(range(first + offset, first + offset + size))
+            for part in parts:
+                ring[offset:offset + size] += self.cost_model.microbatch_time(
+                    [(self.lengths[i], self.held(i, size), members) for i in part], pp_size=self.pp_size)
             blocks.append(((offset, size), parts))
-        return blocks, loads
+        return blocks, ring
 
     def split(self, items: list[int], size: int) -> list[list[int]]:
         """`items` in micro-batches of <= C tokens per member of a ring of `size`: Karmarkar-Karp on their
@@ -151,16 +155,16 @@ def _sizes(cp: int) -> list[int]:
     return [1 << p for p in range(cp.bit_length())]
 
 
-def _refine_groups(groups: _GroupLayout, members: list[list[int]], beside: np.ndarray, *, rounds: int) -> list[list]:
-    """Each group's blocks (`_GroupLayout.layout`) after up to `rounds` moves of one ring sequence out of the
-    group whose busiest member finishes last, to one of the `MOVE_TARGETS` groups that finish first, or
-    exchanges of it for a lighter one there (per target the `MOVE_TRIES` whose summed times shift closest
-    to half the two groups' difference), each the one that most lowers the later of the two
-    (`beside`: groups x members, the seconds of whole sequences)."""
+def _refine_groups(groups: _GroupLayout, members: list[list[int]], beside: np.ndarray, *, rounds: int) -> list:
+    """Each group's (blocks, ring seconds) (`_GroupLayout.layout`) after up to `rounds` moves of one ring
+    sequence out of the group whose busiest member finishes last, to one of the `MOVE_TARGETS` groups that
+    finish first, or exchanges of it for a lighter one there (per target the `MOVE_TRIES` whose summed
+    times shift closest to half the two groups' difference), each the one that most lowers the later of
+    the two (`beside`: groups x members, the seconds of whole sequences)."""
     cp = groups.cp
     members = [sorted(group) for group in members]
-    laid = [groups.layout(group, beside[g]) for g, group in enumerate(members)]
-    finish = np.array([loads.max() for _, loads in laid])
+    laid = [groups.layout(group, beside[g], g * cp) for g, group in enumerate(members)]
+    finish = np.array([(beside[g] + ring).max() for g, (_, ring) in enumerate(laid)])
     work = [groups.work(i, cp) for i in range(len(groups.lengths))]
     for _ in range(rounds if len(members) > 1 else 0):
         hi = int(finish.argmax())
@@ -173,15 +177,15 @@ def _refine_groups(groups: _GroupLayout, members: list[list[int]], beside: np.nd
             for i, j in pairs[:MOVE_TRIES]:
                 mine = sorted([q for q in members[hi] if q != i] + ([] if j is None else [j]))
                 theirs = sorted([q for q in members[g] if q != j] + [i])
-                new_hi, new_g = groups.layout(mine, beside[hi]), groups.layout(theirs, beside[g])
-                later = max(new_hi[1].max(), new_g[1].max())
+                new_hi, new_g = groups.layout(mine, beside[hi], hi * cp), groups.layout(theirs, beside[g], g * cp)
+                later = max((beside[hi] + new_hi[1]).max(), (beside[g] + new_g[1]).max())
                 if later < finish[hi] * (1 - 1e-9) and (best is None or later < best[0]):
                     best = (later, g, mine, theirs, new_hi, new_g)
         if best is None:
             break
         _, g, members[hi], members[g], laid[hi], laid[g] = best
-        finish[hi], finish[g] = laid[hi][1].max(), laid[g][1].max()
-    return [blocks for blocks, _ in laid]
+        finish[hi], finish[g] = (beside[hi] + laid[hi][1]).max(), (beside[g] + laid[g][1]).max()
+    return laid
 
 
 def groups_beside_whole(ring_work: Sequence[float], whole: Sequence[float], *, cp: int, num_ranks: int,
