@@ -16,7 +16,8 @@ import pytest
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.model import CostModel
-from megatron_hdp.plan.search.expert_units import Row, place_units, ring_rows, unit_ring_sizes
+from megatron_hdp.plan.search import expert_units
+from megatron_hdp.plan.search.expert_units import Row, place_units, ring_rows, unit_ring_sizes, within_capacity
 from megatron_hdp.plan.lengths import sample_global_batch
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.cost.presets import analytic_cost_model
@@ -176,3 +177,56 @@ def test_units_are_balanced_on_row_times_that_hold_the_all_to_all():
         fullest = max(sum(tokens[s] for s in lane) for lane in row.lanes)
         assert time == pytest.approx(0.05 + slowest + 0.01 * fullest)
     assert sorted(s for row in layout.rows for lane in row.lanes for s in lane) == list(range(6))
+
+
+def _zigzag_fullest(length: int, size: int) -> int:
+    """Tokens of the fullest member of a zigzag ring, chunk by chunk: 2 size chunks, chunk j of
+    floor((j + 1) L / 2 size) - floor(j L / 2 size) tokens, member p holding chunks p and 2 size - 1 - p."""
+    chunk = [(j + 1) * length // (2 * size) - j * length // (2 * size) for j in range(2 * size)]
+    return max(chunk[p] + chunk[2 * size - 1 - p] for p in range(size))
+
+
+def test_within_capacity_widens_each_ring_to_the_fewest_members_of_at_most_c_tokens():
+    """Against a search over ring sizes with the zigzag chunks counted one by one: a ring grows to the
+    smallest size at or above its own whose fullest member holds <= C tokens (offloading nothing), a ring
+    already there and a whole sequence stay, and a document too short to split that far stops where its
+    chunks would be empty."""
+    cost = MIXTRAL.cost_model()
+    capacity = 1000
+    lengths = np.array([4001, 2500, 1999, 900, 9, 3000])
+    sizes = np.array([2, 3, 2, 1, 2, 5])
+    ratios = np.array([0.5, 0.2, 0.1, 0.0, 0.3, 0.0])
+    got_sizes, got_ratios = within_capacity(lengths, (sizes, ratios), capacity=capacity, cost_model=cost)
+    for length, size, got, ratio in zip(lengths.tolist(), sizes.tolist(), got_sizes.tolist(), got_ratios.tolist()):
+        if size == 1:
+            assert (got, ratio) == (1, 0.0)
+            continue
+        want = next((k for k in range(size, length // 2 + 1) if _zigzag_fullest(length, k) <= capacity), length // 2)
+        assert got == want, (length, size)
+        assert (ratio == 0.0) == (_zigzag_fullest(length, got) <= capacity)
+    assert got_sizes.tolist() == [5, 3, 2, 1, 2, 5]  # 4001 on 4 would hold 1001 at its fullest member
+    assert sizes.tolist() == [2, 3, 2, 1, 2, 5]  # the option given is not changed
+    # at C = 2 a 9-token document's fullest member holds 3 tokens on 4 ranks, and 5 would leave chunks empty
+    tiny, _ = within_capacity(np.array([9]), (np.array([2]), np.array([0.5])), capacity=2, cost_model=cost)
+    assert tiny.tolist() == [4] and _zigzag_fullest(9, 4) == 3
+
+
+def test_deepseek_rings_within_capacity_win_where_the_all_to_all_waits_for_the_fullest_lane():
+    """DeepSeek-V3 at TP 8 and EP 32 over NICs (64 HDP ranks, 2 units): every lane of a row waits for the
+    all-to-all of its fullest sender, so rings that offload (more than C tokens a member) make whole lanes
+    beside them wait. balance plans the rings within capacity as well and keeps them here: no member holds
+    more than C, and the plan is faster than balance without that candidate."""
+    spec = ClusterSpec(model="deepseek-v3", num_gpus=512, tp_size=8, ep_size=32)
+    cost, capacity = spec.cost_model(), spec.rank_capacity
+    lengths = sample_global_batch("github", num_tokens=4 * capacity * spec.num_ranks, seed=0, max_length=131072)
+    config = HDPConfig(hdp_capacity=capacity)
+    plan = make_plan(lengths, num_ranks=spec.num_ranks, config=config, cost_model=cost, policy="balance")
+    rings = [s for s in plan.sequences if len(s.ring) > 1]
+    assert rings and max(_zigzag_fullest(s.length, len(s.ring)) for s in rings) <= capacity
+    original = expert_units.within_capacity
+    try:
+        expert_units.within_capacity = lambda lengths, option, **_: option
+        without = make_plan(lengths, num_ranks=spec.num_ranks, config=config, cost_model=cost, policy="balance")
+    finally:
+        expert_units.within_capacity = original
+    assert plan.est_step_time < 0.99 * without.est_step_time

@@ -12,7 +12,9 @@ time and every lane runs the unit's count:
    of at most C tokens take at most a whole C-token document's time. Rows are formed as step 3 will form
    them; the rings of a row whose free lanes would idle more than growing its rings to the next multiple
    of e adds (ring traffic; zigzag work is otherwise conserved over k) grow, and then fill whole units,
-   where their equal zigzag shards wait for nobody;
+   where their equal zigzag shards wait for nobody. When the all-to-all has a cost, the first choice of
+   ring sizes is also planned with every ring `within_capacity` (no member over C tokens): a ring member
+   that offloads holds more tokens than the lanes beside it, and all of its row waits for its transfers;
 2. rings of more than one unit, aligned at one index in every unit they span: `placement.place_rings`
    over the G = D / e units, a ring of k ranks on ceil(k / e) of them, its last unit's other lanes free;
 3. the rest in rows (`ring_rows`, `fill_holes`, `whole_rows`): rings of at most e ranks (*lane rings*)
@@ -107,9 +109,35 @@ def unit_ring_sizes(lengths: np.ndarray, option: Option, *, ep_size: int, capaci
     return sizes, ratios
 
 
+def within_capacity(lengths: np.ndarray, option: Option, *, capacity: int, cost_model: CostModel) -> Option:
+    """`option` with every ring widened to the fewest members whose fullest holds at most C tokens (and
+    so offloads nothing), where the document allows it (zigzag chunks of >= 1 token: size <= s / 2).
+
+    Under expert parallelism every lane of a row waits for the all-to-all of the row's fullest lane. A
+    ring that offloads holds more than C tokens a member, and beside lanes of at most C (whole sequences,
+    or other rings) it makes every lane of the row wait for its extra tokens' transfers: at DeepSeek-V3's
+    EP 32 over NICs ~0.07 ms a token, so a member of 2C tokens costs each of the 32 lanes about a C-token
+    document's all-to-all. Rings of at most C tokens a member cost ring traffic instead (a wider ring);
+    `balance` plans both and keeps the faster."""
+    ring_sizes, offload_ratios = option
+    sizes, ratios = ring_sizes.copy(), offload_ratios.copy()
+    for seq in np.flatnonzero(ring_sizes > 1).tolist():
+        length, size = int(lengths[seq]), int(ring_sizes[seq])
+        while max_member_tokens(length, size) > capacity and 2 * (size + 1) <= length:
+            size += 1
+        sizes[seq] = size
+        ratios[seq] = needed_offload_ratio(cost_model, num_tokens=max_member_tokens(length, size), capacity=capacity)
+    return sizes, ratios
+
+
 def unit_options(options: Sequence[Option], *, lengths: np.ndarray, capacity: int, cost_model: CostModel,
                  pp_size: int = 1) -> list[Option]:
-    """The distinct `unit_ring_sizes` of `options` (EP: `cost_model.expert_parallel_size`), in their order."""
+    """The distinct `unit_ring_sizes` of `options` (EP: `cost_model.expert_parallel_size`), in their order,
+    the first option's rings `within_capacity` second when the all-to-all has a cost (before the
+    alternatives, which `balance` tries with patience)."""
+    if cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size) > 0 and len(options):
+        options = [options[0], within_capacity(lengths, options[0], capacity=capacity, cost_model=cost_model),
+                   *options[1:]]
     out, seen = [], set()
     for option in options:
         sizes, ratios = unit_ring_sizes(lengths, option, ep_size=cost_model.expert_parallel_size, capacity=capacity,
