@@ -17,7 +17,7 @@ import pytest
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search import expert_units
-from megatron_hdp.plan.search.expert_units import Row, place_units, ring_rows, unit_ring_sizes, within_capacity
+from megatron_hdp.plan.search.expert_units import Row, fill_holes, place_units, ring_rows, unit_ring_sizes, within_capacity
 from megatron_hdp.plan.lengths import sample_global_batch
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.cost.presets import analytic_cost_model
@@ -162,6 +162,27 @@ def test_a_lane_ring_joins_a_slower_row_when_a_new_row_could_not_be_filled():
 
     assert place(full=0.3) == [[[0], [0], [1], [1]]]
     assert place(full=2.0) == [[[0], [0], [], []], [[1], [1], [], []]]
+
+
+def test_whole_sequences_fill_ring_members_with_time_and_tokens_to_spare():
+    """A row of two rings on 4 lanes, no lane free: ring 0 (1.0 s, 300 tokens a member) sets the row's time
+    and its fullest lane; ring 1's members (0.6 s, 200 tokens) have 0.4 s and 100 tokens to spare, up to
+    the fullest lane so that the row's all-to-all does not grow. Whole sequences heaviest first: 2 (0.5 s)
+    fits nowhere, 3 (0.3 s, 100 tokens) and 4 (0.1 s, 60 tokens) take ring 1's two members, each the one
+    of least time left, 5 (0.1 s, 50 tokens) has no room left. With lane 3 free, the free lane takes up to
+    C tokens and the members C less their shard: 2 goes to the free lane, 3 and 4 to the member of least
+    time left (0.4 s, then 0.1 s), 5 to the free lane."""
+    weights = np.array([1.0, 0.6, 0.5, 0.3, 0.08, 0.1])
+    tokens = np.array([600, 400, 100, 100, 60, 50])
+    held = [300, 200, 100, 100, 60, 50]
+    rows = [Row([[0], [0], [1], [1]], 1.0, [])]
+    left = fill_holes(rows, [2, 3, 4, 5], weights=weights, tokens=tokens, held=held, capacity=1000)
+    assert left == [2, 5]
+    assert rows[0].lanes == [[0], [0], [1, 3], [1, 4]]
+    rows = [Row([[0], [0], [1], []], 1.0, [3])]  # lane 3 free: the row's all-to-all will wait for C anyway
+    left = fill_holes(rows, [2, 3, 4, 5], weights=weights, tokens=tokens, held=held, capacity=1000)
+    assert left == []
+    assert rows[0].lanes == [[0], [0], [1, 3, 4], [2, 5]]
 
 
 def test_units_are_balanced_on_row_times_that_hold_the_all_to_all():

@@ -20,9 +20,9 @@ time and every lane runs the unit's count:
 3. the rest in rows (`ring_rows`, `fill_holes`, `whole_rows`): rings of at most e ranks (*lane rings*)
    heaviest first, each into a row of about its member time with lanes free (step 2's rows included),
    else the row that idles fewer lane-seconds, a new one or a slower one; whole sequences, heaviest first,
-   into free lanes where they fit the row's time and C (best fit); the rest in rows of e bins in order of
-   time, each sequence into the bin of least time with room, a new row when none has room, so a row's
-   bins hold alike sequences. The last `fine_work` lane-seconds go into rows of C / FINE_PARTS tokens:
+   into free lanes and the spare time and tokens of ring members where they fit the row's time, C and its
+   fullest lane (best fit); the rest in rows of e bins in order of time, each sequence into the bin of
+   least time with room, a new row when none has room, so a row's bins hold alike sequences. The last `fine_work` lane-seconds go into rows of C / FINE_PARTS tokens:
    light rows to balance the units with;
 4. rows to units (`placement.lpt` heaviest first from each unit's ring finish, then `refine.refine_local`
    on the units' times: moves and swaps of whole rows), each unit's rows after its step-2 rows. A row's
@@ -232,13 +232,13 @@ def place_units(
     whole_ids = np.flatnonzero(ring_sizes == 1)
     ring_rows(rows, lane_ids[np.lexsort((lane_ids, -weights[lane_ids]))].tolist(), ring_sizes=ring_sizes,
               weights=weights, ep_size=ep_size, whole_work=float(weights[whole_ids].sum()), full=full)
-    left = fill_holes(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -weights[whole_ids]))].tolist(),
-                      weights=weights, tokens=tokens, capacity=capacity)
-    rows += whole_rows(left, weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity, fine_work=fine_work)
-    seconds = weights.tolist()
     held = tokens.tolist()  # tokens each lane holds of each sequence: a ring member its fullest shard
     for seq in np.flatnonzero(ring_sizes > 1).tolist():
         held[seq] = max_member_tokens(held[seq], int(ring_sizes[seq]))
+    left = fill_holes(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -weights[whole_ids]))].tolist(),
+                      weights=weights, tokens=tokens, held=held, capacity=capacity)
+    rows += whole_rows(left, weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity, fine_work=fine_work)
+    seconds = weights.tolist()
 
     def row_time(row: Row) -> float:  # every lane waits for the slowest, and the all-to-all for its fullest
         return (overhead + max(sum(map(seconds.__getitem__, lane)) for lane in row.lanes)
@@ -285,11 +285,15 @@ def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, 
 
 
 def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
-               capacity: int) -> list[int]:
+               held: Sequence[int], capacity: int) -> list[int]:
     """Whole sequences of `order` (heaviest first, and so longest first: a whole sequence's time grows with
-    its length) into the free lanes (holes) of the ring rows `rows`, each into the hole of least time left
-    that takes it (<= `capacity` tokens a hole): they run while the lane waits for the row's rings.
-    Returns the sequences left, in order.
+    its length) into the holes of the ring rows `rows`, each into the hole of least time left that takes
+    it: they run while the lane waits for the row's rings. A hole is a free lane (the row's time, C tokens)
+    or a ring member's micro-batch with time and tokens to spare: the row's time less the member's, and
+    up to the tokens of the row's fullest lane less the `held` tokens of its shard (C where the row has free
+    lanes, which whole sequences fill up to C), so that the row's all-to-all, which waits for its fullest
+    lane, does not grow. A ring within capacity leaves its members that room. Returns the sequences left,
+    in order.
 
     Both the times and the lengths of `order` fall, so a hole takes every sequence from some position on
     (`first`: where both its time left and its room suffice); holes wait in a heap on that position and
@@ -301,9 +305,17 @@ def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, to
     def first(seconds: float, room: int) -> int:
         return max(int(np.searchsorted(neg_weights, -seconds)), int(np.searchsorted(neg_tokens, -room)))
 
-    holes = [[row.time, i, lane] for i, row in enumerate(rows) for lane in row.free]
-    room = [capacity] * len(holes)
-    waiting = [(first(seconds, capacity), h) for h, (seconds, _, _) in enumerate(holes)]
+    holes, room = [], []
+    for i, row in enumerate(rows):
+        lane_tokens = [sum(held[seq] for seq in members) for members in row.lanes]
+        fullest = capacity if row.free else min(capacity, max(lane_tokens))
+        for lane, members in enumerate(row.lanes):
+            spare_time = row.time - sum(float(weights[seq]) for seq in members)
+            spare_tokens = (capacity if lane in row.free else fullest) - lane_tokens[lane]
+            if spare_time > 0 and spare_tokens > 0:
+                holes.append([spare_time, i, lane])
+                room.append(spare_tokens)
+    waiting = [(first(seconds, room[h]), h) for h, (seconds, _, _) in enumerate(holes)]
     heapq.heapify(waiting)
     open_holes: list[tuple[float, int]] = []
     left = []
