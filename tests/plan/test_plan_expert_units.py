@@ -232,6 +232,21 @@ def test_within_capacity_widens_each_ring_to_the_fewest_members_of_at_most_c_tok
     assert tiny.tolist() == [4] and _zigzag_fullest(9, 4) == 3
 
 
+def test_twin_rings_that_fill_whole_rows_keep_their_size():
+    """EP 8, C = 800: five 4,000-token documents on 4 members (1,000 tokens each) and two on 3. Two rings
+    of 4 fill a row of 8 lanes, so four of the five keep 4 members (their row waits only for their own
+    transfers) and the fifth widens to 5 (800 tokens); 3 does not divide 8, so both of those widen too.
+    A 3,000-token twin pair on 4 members already within C stays."""
+    cost = dataclasses.replace(MIXTRAL.cost_model(), expert_parallel_size=8)
+    lengths = np.array([4000] * 7 + [3000, 3000])
+    sizes = np.array([4] * 5 + [3, 3] + [4, 4])
+    ratios = np.array([0.2] * 7 + [0.0, 0.0])
+    got, got_ratios = within_capacity(lengths, (sizes, ratios), capacity=800, cost_model=cost)
+    assert got.tolist() == [4, 4, 4, 4, 5, 5, 5, 4, 4]
+    assert got_ratios.tolist() == [0.2] * 4 + [0.0] * 5
+    assert _zigzag_fullest(4000, 5) == 800 and _zigzag_fullest(3000, 4) <= 800 < _zigzag_fullest(4000, 4)
+
+
 def test_deepseek_rings_within_capacity_win_where_the_all_to_all_waits_for_the_fullest_lane():
     """DeepSeek-V3 at TP 8 and EP 32 over NICs (64 HDP ranks, 2 units): every lane of a row waits for the
     all-to-all of its fullest sender, so rings that offload (more than C tokens a member) make whole lanes

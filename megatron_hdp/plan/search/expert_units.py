@@ -111,17 +111,29 @@ def unit_ring_sizes(lengths: np.ndarray, option: Option, *, ep_size: int, capaci
 
 def within_capacity(lengths: np.ndarray, option: Option, *, capacity: int, cost_model: CostModel) -> Option:
     """`option` with every ring widened to the fewest members whose fullest holds at most C tokens (and
-    so offloads nothing), where the document allows it (zigzag chunks of >= 1 token: size <= s / 2).
+    so offloads nothing), where the document allows it (zigzag chunks of >= 1 token: size <= s / 2),
+    except rings that fill whole rows with their twins.
 
     Under expert parallelism every lane of a row waits for the all-to-all of the row's fullest lane. A
     ring that offloads holds more than C tokens a member, and beside lanes of at most C (whole sequences,
     or other rings) it makes every lane of the row wait for its extra tokens' transfers: at DeepSeek-V3's
     EP 32 over NICs ~0.07 ms a token, so a member of 2C tokens costs each of the 32 lanes about a C-token
     document's all-to-all. Rings of at most C tokens a member cost ring traffic instead (a wider ring);
-    `balance` plans both and keeps the faster."""
+    `balance` plans both and keeps the faster. Rings of one length and size that divides e, e / size of
+    them to a row, wait for nobody's transfers but their own: as many of them as fill whole rows keep
+    their size (byted's clipped 131,072-token documents: 4 members of 2C tokens, where 8 of C would pay
+    ring traffic their attention no longer hides)."""
     ring_sizes, offload_ratios = option
     sizes, ratios = ring_sizes.copy(), offload_ratios.copy()
+    ep_size = cost_model.expert_parallel_size
+    twins: dict[tuple[int, int], list[int]] = {}
+    for seq in np.flatnonzero((ring_sizes > 1) & (ep_size % np.maximum(ring_sizes, 1) == 0)).tolist():
+        twins.setdefault((int(lengths[seq]), int(ring_sizes[seq])), []).append(seq)
+    in_full_rows = {seq for (_, size), seqs in twins.items()
+                    for seq in seqs[:len(seqs) - len(seqs) % (ep_size // size)]}
     for seq in np.flatnonzero(ring_sizes > 1).tolist():
+        if seq in in_full_rows:
+            continue
         length, size = int(lengths[seq]), int(ring_sizes[seq])
         while max_member_tokens(length, size) > capacity and 2 * (size + 1) <= length:
             size += 1
