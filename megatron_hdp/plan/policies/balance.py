@@ -217,9 +217,8 @@ def _plan_balance(
     if cost_model.expert_parallel_size > 1:  # EP groups planned as units; plans rank by rank stay candidates
         units = [(_build_units, option) for option in unit_options(options, lengths=tokens, capacity=capacity,
                                                                    cost_model=cost_model, pp_size=pp_size)]
-    bound = functools.cache(lambda: step_time_lower_bound(tokens, num_ranks=num_ranks, capacity=capacity,
-                                                          cost_model=cost_model,
-                                                          max_offload_ratio=config.max_offload_ratio))
+    bound = functools.partial(shared.bound, tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
+                              max_offload_ratio=config.max_offload_ratio)
 
     def improvable(plan: TimedPlan) -> bool:  # with PP always; else above both its mean rank time and the bound
         mean = sum(plan.rank_times) / num_ranks
@@ -294,16 +293,29 @@ def _on_cp_groups(
 @dataclasses.dataclass
 class _Shared:
     """What balance's plans of one batch share between cost models that differ only in the EP size (the
-    plan made as if EP 1 beside the EP plan): the sharding and ring-size options, and each placement's
-    schedules with their `TimingCache`, by (ring sizes, offload ratios, placement). None of these read
-    the EP size (it enters only where a plan is timed: the coupling, the spread expert work, the
-    all-to-all), so the EP-1 pass re-times the placements the EP pass made instead of making them again."""
+    plan made as if EP 1 beside the EP plan): the sharding and ring-size options, each placement's
+    schedules with their `TimingCache`, by (ring sizes, offload ratios, placement), and the lower bound.
+    None of these read the EP size (it enters only where a plan is timed: the coupling, the spread expert
+    work, the all-to-all; the bound only through the all-to-all's time per token, its key), so the EP-1
+    pass re-times the placements the EP pass made instead of making them again."""
 
     sharding: object = None
     options: list | None = None
     schedules: dict = dataclasses.field(default_factory=dict)
     contents: dict = dataclasses.field(default_factory=dict)
     """Ring micro-batch times by content (`TimingCache.contents`), shared by every placement's cache."""
+
+    bounds: dict = dataclasses.field(default_factory=dict)
+    """`step_time_lower_bound` by the all-to-all's seconds per token (`bound`)."""
+
+    def bound(self, tokens: np.ndarray, *, cost_model: CostModel, **limits) -> float:
+        """`step_time_lower_bound(tokens, cost_model=cost_model, **limits)`, computed once per batch for
+        cost models of one all-to-all time per token: the bound reads the EP size only there (0 at EP 1,
+        where the EP-1 pass of a model without the all-to-all's transfers reuses the EP pass's bound)."""
+        key = cost_model.expert_alltoall_seconds_per_token()
+        if key not in self.bounds:
+            self.bounds[key] = step_time_lower_bound(tokens, cost_model=cost_model, **limits)
+        return self.bounds[key]
 
     def get(self, key: tuple, make):
         """`make()`'s schedules (`_schedules`) for placement `key`, made once."""
