@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megatron_hdp.plan.cost.experts import spread_expert_work
+from megatron_hdp.plan.cost.experts import spread_expert_work, spread_grid
 from megatron_hdp.plan.step_plan import RING_KINDS
 
 
@@ -223,6 +223,18 @@ class CostModel:
         return spread_expert_work(times, tokens, ep_size=self.expert_parallel_size,
                                   seconds_per_token=self.expert_seconds_per_token(pp_size=pp_size),
                                   alltoall_seconds_per_token=self.expert_alltoall_seconds_per_token(pp_size=pp_size))
+
+    def expert_coupled_grid(self, times: np.ndarray, tokens: np.ndarray, *, pp_size: int = 1) -> np.ndarray:
+        """`expert_coupled_times` on [rank, index] arrays (zeros past a rank's padded count), the same floats:
+        the array form `assemble.time_plan` keeps without PP."""
+        spt = self.expert_seconds_per_token(pp_size=pp_size)
+        a2a = self.expert_alltoall_seconds_per_token(pp_size=pp_size)
+        e = self.expert_parallel_size
+        if e <= 1 or not (spt or a2a):
+            return times
+        shape = (-1, e, times.shape[1])
+        return spread_grid(times.reshape(shape), tokens.reshape(shape), seconds_per_token=spt,
+                           alltoall_seconds_per_token=a2a).reshape(times.shape)
 
     def ring_bytes_per_token(self, kind: str = "kv") -> float:
         """Bytes of one token of what a ring of `kind` circulates, in one layer: K and V, or the latent."""
