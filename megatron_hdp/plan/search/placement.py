@@ -212,12 +212,14 @@ def place_rings_by_time(
     queues: dict[int, list[tuple[float, int, int]]] = {n: [] for n in sorted(set(node_of))}
     for rank, n in enumerate(node_of):
         queues[n].append((0.0, 0, rank))  # (finish, micro-batches, rank), sorted since all finish at 0
+    held = {n: len(queue) for n, queue in queues.items()}  # a ring takes entries off and puts them back
+    widest = max(held.values(), default=0)
     everyone = None  # every rank's entry, sorted: kept once a ring fits in no node
     size = None
     for seq in order:
         k, weight = int(ring_sizes[seq]), float(weights[seq])
-        if k != size:
-            size, fitting = k, [n for n, queue in queues.items() if len(queue) >= k]
+        if k != size:  # with one rank a node (16,384 nodes) no ring fits one: no scan
+            size, fitting = k, [n for n in queues if held[n] >= k] if k <= widest else []
             keys = dict(zip(fitting, _start_keys([queues[n][:k] for n in fitting], overhead))) if len(fitting) > 1 else {}
             ranking = [(*key, n) for n, key in keys.items()]  # a heap; entries of re-timed nodes go stale
             heapq.heapify(ranking)
