@@ -14,7 +14,7 @@ Why (every step a lower bound of the one before, in exact arithmetic):
    blocks), with work = sum(a1 s t) + up-projection >= sum(a1 s t) and blocks = 2 (k - 1) ring_block_overhead
    per document. So it is at least `own` = overhead + sum of the whole sequences' `whole_times` + for each
    ring piece (a1 s t + b1 t) L / pp + its blocks' time, t the tokens its ring position holds
-   (`zigzag_num_tokens`): the ring traffic and the latent up-projection are left out (both >= 0). An empty
+   (`zigzag_token_counts`): the ring traffic and the latent up-projection are left out (both >= 0). An empty
    micro-batch (a lane with nothing at an index, or the runtime's padding to the group's count) is the
    overhead alone, holding 0 tokens.
 2. The spread (`experts.spread_expert_work`) makes member m's time at index i
@@ -40,7 +40,7 @@ import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.cost.sharding import whole_times
-from megatron_hdp.plan.zigzag import zigzag_num_tokens
+from megatron_hdp.plan.zigzag import zigzag_token_counts
 
 SLACK = 1e-9
 """Relative margin the floor keeps below the exact-arithmetic bound, for the float error of its sums."""
@@ -63,31 +63,30 @@ def ep_step_floor(
         raise ValueError(f"ep_step_floor needs an EP size > 1 dividing the ranks, got {ep_size} for {num_ranks}")
     scale = cost_model.num_layers  # pp_size 1: a layer's seconds times the layers
     overhead = cost_model.microbatch_time([])
-    whole = whole_times(lengths, cost_model=cost_model).tolist()
     counts = np.fromiter(map(len, schedule), dtype=np.int64, count=num_ranks)
     depth = counts.reshape(-1, ep_size).max(axis=1)  # each group's count: the runtime pads its members to it
-    positions: dict[int, dict[int, int]] = {}
-    cells, extra, held = [], [], []  # per piece: (rank, index) cell, its seconds beyond the overhead, its tokens
     width = int(depth.max(initial=0))
-    for rank, microbatches in enumerate(schedule):
-        for index, seqs in enumerate(microbatches):
-            for seq in seqs:
-                ring = rings[seq]
-                cells.append(rank * width + index)
-                if len(ring) <= 1:
-                    extra.append(whole[seq])
-                    held.append(lengths[seq])
-                    continue
-                where = positions.get(seq)
-                if where is None:
-                    where = positions[seq] = {member: p for p, member in enumerate(ring)}
-                s, k = lengths[seq], len(ring)
-                t = zigzag_num_tokens(s, k, where[rank])
-                extra.append((cost_model.a1 * s * t + cost_model.b1 * t
-                              + cost_model.layer_ring_block_time(num_documents=1, ring_size=k)) * scale)
-                held.append(t)
-    cell = np.array(cells, dtype=np.int64)
-    own = np.full(num_ranks * width, overhead) + np.bincount(cell, weights=extra, minlength=num_ranks * width)
+    # every piece as (cell = rank x width + index, sequence), whole sequences priced as arrays
+    sizes = [len(seqs) for microbatches in schedule for seqs in microbatches]
+    cell = np.repeat([rank * width + index for rank, microbatches in enumerate(schedule)
+                      for index in range(len(microbatches))], sizes).astype(np.int64)
+    seq = np.fromiter((s for microbatches in schedule for seqs in microbatches for s in seqs), dtype=np.int64,
+                      count=int(sum(sizes)))
+    length = np.asarray(lengths, dtype=np.int64)
+    extra = whole_times(length, cost_model=cost_model)[seq]
+    held = length[seq].astype(np.float64)
+    in_ring = np.flatnonzero(np.fromiter(map(len, rings), dtype=np.int64, count=len(rings))[seq] > 1)
+    in_ring = in_ring[np.argsort(seq[in_ring], kind="stable")]
+    firsts = np.flatnonzero(np.diff(seq[in_ring], prepend=-1))
+    for at in np.split(in_ring, firsts[1:]) if len(in_ring) else []:  # each ring's pieces: its positions' tokens
+        s = int(seq[at[0]])
+        ring, n = rings[s], int(length[s])
+        position = {member: p for p, member in enumerate(ring)}
+        t = zigzag_token_counts(n, len(ring))[[position[rank] for rank in (cell[at] // width).tolist()]]
+        block = cost_model.layer_ring_block_time(num_documents=1, ring_size=len(ring))
+        extra[at] = ((cost_model.a1 * n + cost_model.b1) * t + block) * scale
+        held[at] = t
+    own = overhead + np.bincount(cell, weights=extra, minlength=num_ranks * width)
     tokens = np.bincount(cell, weights=held, minlength=num_ranks * width)
     own, tokens = own.reshape(-1, ep_size, width), tokens.reshape(-1, ep_size, width)
     spt = cost_model.expert_seconds_per_token()
