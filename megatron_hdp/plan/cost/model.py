@@ -347,9 +347,12 @@ class CostModel:
         ring kind `ring_kind_for` picks, at `size_bandwidth`)."""
         attention = self.a1 * seq_len * num_tokens
         bandwidth = self.size_bandwidth(ring_size)
-        kind = self.ring_kind_for(num_tokens=num_tokens, attention=attention, ring_size=ring_size, bandwidth=bandwidth)
-        return self.b1 * num_tokens + self.layer_ring_overlap_time(
-            num_tokens=num_tokens, attention=attention, ring_size=ring_size, bandwidth=bandwidth, kind=kind)
+        timing = dict(num_tokens=num_tokens, attention=attention, ring_size=ring_size, bandwidth=bandwidth)
+        if self.ring_kind == "auto" and self.latent_bytes_per_token and ring_size > 1:
+            # the kind ring_kind_for picks is the one of least overlap time (K/V on a tie: the same value),
+            # so each kind is timed once here instead of again for the kind picked (the ring sizing's hot path)
+            return self.b1 * num_tokens + min(self.layer_ring_overlap_time(**timing, kind=kind) for kind in RING_KINDS)
+        return self.b1 * num_tokens + self.layer_ring_overlap_time(**timing, kind=self.ring_kind_for(**timing))
 
     def activation_bytes(self, num_tokens: int) -> float:
         """Act(t): activation bytes of one layer for `num_tokens` tokens in one micro-batch."""
