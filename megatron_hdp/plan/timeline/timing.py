@@ -40,6 +40,7 @@ random plans; tests/plan/test_plan_sim_agreement.py does so for random PP and VP
 
 from __future__ import annotations
 
+import itertools
 from typing import Collection, Iterable, Sequence
 
 import numpy as np
@@ -65,12 +66,14 @@ def runtime_microbatch_counts(counts: Sequence[int], *, pp_size: int = 1, ep_siz
     microbatch_group_size_per_vp_stage (None: pp_size, its default). `data.prepare.pipeline_counts` runs
     exactly these counts."""
     groups = expert_groups(len(counts), ep_size)
-    links = [(0, tuple(ring)) for ring in rings] + [(0, tuple(group)) for group in groups if len(group) > 1]
+    links = itertools.chain(((0, tuple(ring)) for ring in rings),  # read with virtual stages only
+                            ((0, tuple(group)) for group in groups if len(group) > 1))
     out = padded_counts(counts, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, rings=links)
-    for group in groups:
-        most = max(out[r] for r in group)
-        for r in group:
-            out[r] = most
+    if ep_size > 1:
+        for group in groups:
+            most = max(out[r] for r in group)
+            for r in group:
+                out[r] = most
     return out
 
 
