@@ -5,10 +5,12 @@ A ring of k ranks cuts a document of length L into 2k chunks, chunk j spanning
 attention chunk j costs ~ j, so pairing an early chunk with its mirror gives every member the same work.
 Chunks may be empty when L < 2k; every token is still held exactly once.
 
-Pure integer math (no torch), shared by the planner, the data collation and ring attention.
+Pure integer math (no torch; numpy for all positions at once), shared by the planner, the data collation and ring attention.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 Interval = tuple[int, int]
 
@@ -37,3 +39,10 @@ def zigzag_num_tokens(length: int, ring_size: int, position: int) -> int:
     """Tokens ring position `position` holds of a document of `length` tokens."""
     (a0, a1), (b0, b1) = zigzag_chunks(length, ring_size, position)
     return (a1 - a0) + (b1 - b0)
+
+
+def zigzag_token_counts(length: int, ring_size: int) -> np.ndarray:
+    """`zigzag_num_tokens` of every ring position, as one array (chunk bounds of `zigzag_chunk_bounds`)."""
+    num_chunks = 2 * ring_size
+    sizes = np.diff((np.arange(num_chunks + 1, dtype=np.int64) * length) // num_chunks)
+    return sizes[:ring_size] + sizes[::-1][:ring_size]

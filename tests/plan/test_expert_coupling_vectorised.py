@@ -36,7 +36,11 @@ def test_a_whole_index_at_a_time_is_the_union_find_over_rank_index_keys(jitter):
         times, links = _random_case(rng, ep_size)
         groups = link_groups(links + expert_links([len(t) for t in times], ep_size))
         expected = coupled_finish([times], groups, jitter=jitter)
-        got = expert_coupled_finish(times, links, ep_size=ep_size, jitter=jitter)
+        counts = np.array([len(t) for t in times])
+        matrix = np.zeros((len(times), int(counts.max())))
+        for rank, rank_times in enumerate(times):
+            matrix[rank, : len(rank_times)] = rank_times
+        got = expert_coupled_finish(matrix, counts, links, ep_size=ep_size, jitter=jitter)
         if jitter:  # the lead's mean sums the members in another order
             np.testing.assert_allclose(got, expected, rtol=1e-13, err_msg=f"trial {trial}")
         else:
@@ -90,3 +94,53 @@ def test_a_timing_cache_shared_across_ep_sizes_gives_the_fresh_times():
     assert time_plan(**args, cost_model=ep2, shared=cache) is time_plan(**args, cost_model=ep2, shared=cache)
     with pytest.raises(AssertionError, match="beyond the EP size"):
         time_plan(**args, cost_model=dataclasses.replace(ep2, b1=2 * ep2.b1), shared=cache)
+
+
+@pytest.mark.parametrize("jitter", [0.0, 0.05])
+def test_time_plan_with_ep_without_pp_is_the_general_timeline_on_lists(jitter):
+    """`assemble.time_plan` times EP without PP on [rank, index] arrays (`_expert_timeline`); its rank times
+    and step must be those of the general path on per-rank lists: `runtime_microbatch_counts`, the padding,
+    `CostModel.expert_coupled_times`, per-rank sums, and `coupled_finish` over the union-find of the rings'
+    and EP groups' (rank, index) keys (to 1e-13 with jitter, whose lead sums members in another order)."""
+    import dataclasses
+
+    from megatron_hdp.plan.cost.presets import analytic_cost_model
+    from megatron_hdp.plan.timeline.assemble import time_plan
+    from megatron_hdp.plan.timeline.timing import runtime_microbatch_counts
+
+    rng = np.random.default_rng(3)
+    base = analytic_cost_model("mixtral-8x7b", "h100")
+    for trial in range(60):
+        ep_size = [2, 4, 8][trial % 3]
+        cost_model = dataclasses.replace(base, expert_parallel_size=ep_size, jitter=jitter,
+                                         ranks_per_node=[None, 4][trial % 2],
+                                         expert_alltoall_bytes_per_token=[0.0, 7168.0][trial % 4 // 2])
+        num_ranks = ep_size * int(rng.integers(1, 5))
+        schedule = [[] for _ in range(num_ranks)]
+        lengths, rings = [], []
+        for seq in range(int(rng.integers(1, 5 * num_ranks))):
+            length = int(rng.integers(64, 30_000))
+            k = int(rng.integers(2, num_ranks + 1)) if num_ranks > 1 and rng.random() < 0.3 else 1
+            members = sorted(rng.choice(num_ranks, size=k, replace=False).tolist())
+            index = max(len(schedule[r]) for r in members)
+            for r in members:  # a ring at one index of every member; some ranks keep none at all
+                schedule[r] += [[] for _ in range(index - len(schedule[r]))] + [[seq]]
+            lengths.append(length)
+            rings.append(tuple(members))
+        timed = time_plan(policy="t", lengths=lengths, rings=rings, offload_ratios=[0.0] * len(lengths),
+                          schedule=schedule, capacity=32768, cost_model=cost_model)
+        ring_index = {seq: schedule[ring[0]].index([seq]) for seq, ring in enumerate(rings) if len(ring) > 1}
+        counts = runtime_microbatch_counts([len(t) for t in timed.times], ep_size=ep_size,
+                                           rings={rings[seq] for seq in ring_index})
+        overhead = cost_model.microbatch_time([])
+        padded = [t + [overhead] * (c - len(t)) for t, c in zip(timed.times, counts)]
+        tokens = [t + [0] * (c - len(t)) for t, c in zip(timed.held, counts)]
+        padded = cost_model.expert_coupled_times(padded, tokens)
+        assert timed.rank_times == [float(sum(t)) for t in padded], trial
+        links = [(at, rings[seq]) for seq, at in ring_index.items()]
+        expected = float(coupled_finish([padded], link_groups(links + expert_links(counts, ep_size)),
+                                        jitter=jitter).max())
+        if jitter:
+            assert timed.est_step_time == pytest.approx(expected, rel=1e-13), trial
+        else:
+            assert timed.est_step_time == expected, trial

@@ -184,3 +184,24 @@ def test_absorbed_form_crossover_of_docs_cost_model():
     for k, tokens in ((2, 17_800), (64, 23_600)):
         traffic = (4 * k - 2) * DEEPSEEK.kv_bytes_per_token / LINK
         assert traffic / (DEEPSEEK.a1 * k * tokens) == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.parametrize("ring_kind", ["auto", "kv", "latent"])
+def test_shard_time_is_the_overlap_of_the_kind_ring_kind_for_picks(ring_kind):
+    """`layer_shard_time` times each kind once and keeps the least (auto); that must be the float of the
+    kind `ring_kind_for` picks, timed again, as the ring sizing read it before (ties and fractional tokens
+    included)."""
+    base = dataclasses.replace(analytic_cost_model("deepseek-v3", "h100", tp_size=8), ring_kind=ring_kind)
+    models = [base, dataclasses.replace(base, ranks_per_node=1)]
+    if ring_kind != "latent":  # a latent ring needs a latent
+        models.append(dataclasses.replace(base, latent_bytes_per_token=0.0))
+    for model in models:
+        for s in (4096, 65_536, 131_072, 1_200_000):
+            for k in (1, 2, 3, 8, 31, 365, 2048):
+                for t in (-(-s // k), s / k):
+                    attention = model.a1 * s * t
+                    bandwidth = model.size_bandwidth(k)
+                    kind = model.ring_kind_for(num_tokens=t, attention=attention, ring_size=k, bandwidth=bandwidth)
+                    expected = model.b1 * t + model.layer_ring_overlap_time(
+                        num_tokens=t, attention=attention, ring_size=k, bandwidth=bandwidth, kind=kind)
+                    assert model.layer_shard_time(seq_len=s, num_tokens=t, ring_size=k) == expected

@@ -69,3 +69,17 @@ def test_a_ring_stays_inside_a_node_when_one_has_room():
     anywhere = place_rings_by_time([0, 1, 2], **args)
     assert inside.rings == {0: (0, 1, 2, 3), 1: (4, 5), 2: (4, 5, 6, 7)}
     assert anywhere.rings == {0: (0, 1, 2, 3), 1: (4, 5), 2: (0, 1, 6, 7)}
+
+
+def test_start_keys_of_many_groups_are_each_groups_own_to_the_bit():
+    """The batched keys (`_start_keys`, every node at a ring-size change) equal `_start_key` of each group
+    alone, float for float, for sizes past numpy's pairwise-summation block (8) and with ties."""
+    from megatron_hdp.plan.search.placement import _start_key, _start_keys
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        k, many = int(rng.integers(1, 40)), int(rng.integers(1, 30))
+        overhead = float(rng.choice([0.0, 0.013, rng.random()]))
+        groups = [[(float(rng.choice([rng.random() * 100, 1.0])), int(rng.integers(0, 5)), int(rank))
+                   for rank in range(k)] for _ in range(many)]
+        assert _start_keys(groups, overhead) == [_start_key(group, overhead) for group in groups]

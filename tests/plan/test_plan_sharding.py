@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from megatron_hdp.plan.cost.model import CostModel
-from megatron_hdp.plan.zigzag import zigzag_num_tokens
+from megatron_hdp.plan.zigzag import zigzag_num_tokens, zigzag_token_counts
 from megatron_hdp.plan.search.packing import best_fit
 from megatron_hdp.plan.cost.presets import analytic_cost_model
 from megatron_hdp.plan.cost.sharding import (
@@ -173,3 +173,13 @@ def test_best_fit_matches_its_definition_exactly():
         for order in ("decreasing", "given"):
             assert best_fit(sizes, capacity=capacity, order=order) == _best_fit_by_definition(
                 sizes, capacity, order == "decreasing")
+
+
+def test_zigzag_token_counts_are_every_positions_zigzag_num_tokens():
+    """The array form (`ep_floor`'s ring pieces) against the per-position definition, short documents with
+    empty chunks included; every token held once."""
+    for length in (1, 2, 3, 7, 64, 1000, 131_071):
+        for ring_size in (1, 2, 3, 5, 8, 365):
+            counts = zigzag_token_counts(length, ring_size)
+            assert counts.tolist() == [zigzag_num_tokens(length, ring_size, p) for p in range(ring_size)]
+            assert counts.sum() == length

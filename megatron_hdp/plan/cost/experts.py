@@ -53,16 +53,24 @@ def spread_expert_work(times: Sequence[Sequence[float]], tokens: Sequence[Sequen
     groups = expert_groups(len(times), ep_size)
     counts = [len(t) for t in times]
     depth = max(counts, default=0)
-    # [group, member, index] arrays, so every group and index is one numpy step; the members are summed one
-    # after the other (as Python's sum would), so each value is the same float as a loop over them gives
     held = np.zeros((len(groups), ep_size, depth))
     own = np.zeros((len(groups), ep_size, depth))
     for rank, (rank_times, rank_tokens) in enumerate(zip(times, tokens)):
         held[rank // ep_size, rank % ep_size, : counts[rank]] = rank_tokens
         own[rank // ep_size, rank % ep_size, : counts[rank]] = rank_times
+    out = spread_grid(own, held, seconds_per_token=seconds_per_token,
+                      alltoall_seconds_per_token=alltoall_seconds_per_token)
+    return [out[rank // ep_size, rank % ep_size, : counts[rank]].tolist() for rank in range(len(times))]
+
+
+def spread_grid(own: np.ndarray, held: np.ndarray, *, seconds_per_token: float,
+                alltoall_seconds_per_token: float) -> np.ndarray:
+    """`spread_expert_work` on [group, member, index] arrays of times and tokens (zeros past a group's
+    count, where the result is 0 too), so every group and index is one numpy step; the members are summed
+    one after the other (as Python's sum would), so each value is the same float as a loop over them."""
+    ep_size = own.shape[1]
     total = held[:, 0]
     for member in range(1, ep_size):
         total = total + held[:, member]
     mean, largest = total / ep_size, held.max(axis=1)
-    out = own + (seconds_per_token * (mean[:, None] - held) + alltoall_seconds_per_token * largest[:, None])
-    return [out[rank // ep_size, rank % ep_size, : counts[rank]].tolist() for rank in range(len(times))]
+    return own + (seconds_per_token * (mean[:, None] - held) + alltoall_seconds_per_token * largest[:, None])

@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megatron_hdp.plan.cost.experts import spread_expert_work
+from megatron_hdp.plan.cost.experts import spread_expert_work, spread_grid
 from megatron_hdp.plan.step_plan import RING_KINDS
 
 
@@ -224,6 +224,18 @@ class CostModel:
                                   seconds_per_token=self.expert_seconds_per_token(pp_size=pp_size),
                                   alltoall_seconds_per_token=self.expert_alltoall_seconds_per_token(pp_size=pp_size))
 
+    def expert_coupled_grid(self, times: np.ndarray, tokens: np.ndarray, *, pp_size: int = 1) -> np.ndarray:
+        """`expert_coupled_times` on [rank, index] arrays (zeros past a rank's padded count), the same floats:
+        the array form `assemble.time_plan` keeps without PP."""
+        spt = self.expert_seconds_per_token(pp_size=pp_size)
+        a2a = self.expert_alltoall_seconds_per_token(pp_size=pp_size)
+        e = self.expert_parallel_size
+        if e <= 1 or not (spt or a2a):
+            return times
+        shape = (-1, e, times.shape[1])
+        return spread_grid(times.reshape(shape), tokens.reshape(shape), seconds_per_token=spt,
+                           alltoall_seconds_per_token=a2a).reshape(times.shape)
+
     def ring_bytes_per_token(self, kind: str = "kv") -> float:
         """Bytes of one token of what a ring of `kind` circulates, in one layer: K and V, or the latent."""
         return self.latent_bytes_per_token if kind == "latent" else self.kv_bytes_per_token
@@ -335,9 +347,12 @@ class CostModel:
         ring kind `ring_kind_for` picks, at `size_bandwidth`)."""
         attention = self.a1 * seq_len * num_tokens
         bandwidth = self.size_bandwidth(ring_size)
-        kind = self.ring_kind_for(num_tokens=num_tokens, attention=attention, ring_size=ring_size, bandwidth=bandwidth)
-        return self.b1 * num_tokens + self.layer_ring_overlap_time(
-            num_tokens=num_tokens, attention=attention, ring_size=ring_size, bandwidth=bandwidth, kind=kind)
+        timing = dict(num_tokens=num_tokens, attention=attention, ring_size=ring_size, bandwidth=bandwidth)
+        if self.ring_kind == "auto" and self.latent_bytes_per_token and ring_size > 1:
+            # the kind ring_kind_for picks is the one of least overlap time (K/V on a tie: the same value),
+            # so each kind is timed once here instead of again for the kind picked (the ring sizing's hot path)
+            return self.b1 * num_tokens + min(self.layer_ring_overlap_time(**timing, kind=kind) for kind in RING_KINDS)
+        return self.b1 * num_tokens + self.layer_ring_overlap_time(**timing, kind=self.ring_kind_for(**timing))
 
     def activation_bytes(self, num_tokens: int) -> float:
         """Act(t): activation bytes of one layer for `num_tokens` tokens in one micro-batch."""

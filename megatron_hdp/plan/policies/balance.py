@@ -42,6 +42,8 @@ e lanes (`expert_units`: rings grown to whole units where that pays, lanes of on
 matching time, the same count on every lane): first, then rank by rank unless the unit plan is already
 within `RETRY_GAP` of its mean rank time or the lower bound, and the plan of least predicted step time
 under the EP coupling is kept; the alternative ring sizes are then tried in the family that planned better.
+An EP-unit family whose placement's step floor (`ep_floor.ep_step_floor`, proven <= its timed step) is
+already no better than the best plan so far is not timed (without PP): the same plan comes out.
 A plan still that far from both is last compared with the plan made as if e = 1, timed with the coupling
 and the routed expert work the all-to-all spreads (`timing.spread_expert_work`): where a micro-batch's
 overhead is large, fewer micro-batches can beat matched lanes (`_with_coupling`). That pass re-times the
@@ -91,6 +93,7 @@ from megatron_hdp.plan.search.placement import fill_gaps, lpt, narrowest_first, 
 from megatron_hdp.plan.search.refine import PipelineCost, refine_exact, refine_local, refine_pairs
 from megatron_hdp.plan.search.ring_shifts import RING_SHIFTS, fits_memory, group_sizes, shifted
 from megatron_hdp.plan.timeline.bounds import gap, step_time_lower_bound
+from megatron_hdp.plan.timeline.ep_floor import ep_step_floor
 from megatron_hdp.plan.cost.sharding import member_times, shard_sequences, whole_times
 from megatron_hdp.plan.search.widening import widening_options
 from megatron_hdp.plan.step_plan import StepPlan
@@ -214,9 +217,8 @@ def _plan_balance(
     if cost_model.expert_parallel_size > 1:  # EP groups planned as units; plans rank by rank stay candidates
         units = [(_build_units, option) for option in unit_options(options, lengths=tokens, capacity=capacity,
                                                                    cost_model=cost_model, pp_size=pp_size)]
-    bound = functools.cache(lambda: step_time_lower_bound(tokens, num_ranks=num_ranks, capacity=capacity,
-                                                          cost_model=cost_model,
-                                                          max_offload_ratio=config.max_offload_ratio))
+    bound = functools.partial(shared.bound, tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
+                              max_offload_ratio=config.max_offload_ratio)
 
     def improvable(plan: TimedPlan) -> bool:  # with PP always; else above both its mean rank time and the bound
         mean = sum(plan.rank_times) / num_ranks
@@ -291,16 +293,29 @@ def _on_cp_groups(
 @dataclasses.dataclass
 class _Shared:
     """What balance's plans of one batch share between cost models that differ only in the EP size (the
-    plan made as if EP 1 beside the EP plan): the sharding and ring-size options, and each placement's
-    schedules with their `TimingCache`, by (ring sizes, offload ratios, placement). None of these read
-    the EP size (it enters only where a plan is timed: the coupling, the spread expert work, the
-    all-to-all), so the EP-1 pass re-times the placements the EP pass made instead of making them again."""
+    plan made as if EP 1 beside the EP plan): the sharding and ring-size options, each placement's
+    schedules with their `TimingCache`, by (ring sizes, offload ratios, placement), and the lower bound.
+    None of these read the EP size (it enters only where a plan is timed: the coupling, the spread expert
+    work, the all-to-all; the bound only through the all-to-all's time per token, its key), so the EP-1
+    pass re-times the placements the EP pass made instead of making them again."""
 
     sharding: object = None
     options: list | None = None
     schedules: dict = dataclasses.field(default_factory=dict)
     contents: dict = dataclasses.field(default_factory=dict)
     """Ring micro-batch times by content (`TimingCache.contents`), shared by every placement's cache."""
+
+    bounds: dict = dataclasses.field(default_factory=dict)
+    """`step_time_lower_bound` by the all-to-all's seconds per token (`bound`)."""
+
+    def bound(self, tokens: np.ndarray, *, cost_model: CostModel, **limits) -> float:
+        """`step_time_lower_bound(tokens, cost_model=cost_model, **limits)`, computed once per batch for
+        cost models of one all-to-all time per token: the bound reads the EP size only there (0 at EP 1,
+        where the EP-1 pass of a model without the all-to-all's transfers reuses the EP pass's bound)."""
+        key = cost_model.expert_alltoall_seconds_per_token()
+        if key not in self.bounds:
+            self.bounds[key] = step_time_lower_bound(tokens, cost_model=cost_model, **limits)
+        return self.bounds[key]
 
     def get(self, key: tuple, make):
         """`make()`'s schedules (`_schedules`) for placement `key`, made once."""
@@ -321,11 +336,14 @@ def _best(lengths: list[int], builds: list, best: tuple | None, *, patience: int
           **common) -> tuple[TimedPlan, object]:
     """(plan, builder) of least predicted step time among `best` and the plans `builds` make, each a
     (builder, option) pair: `_build` plans rank by rank, `_build_units` EP groups as units. With `patience`,
-    stop after that many plans in a row that do not beat the best (`UNIT_PATIENCE`)."""
+    stop after that many plans in a row that do not beat the best (`UNIT_PATIENCE`). An EP-unit family is
+    told the step to beat, and skips its timing where it provably cannot (`_build_units`: None); it counts
+    as a plan that did not beat the best, as its timed plan would have."""
     worse = 0
     for build, (ring_sizes, offload_ratios) in builds:
-        candidate = build(lengths, ring_sizes, offload_ratios, **common)
-        if best is None or candidate.est_step_time < best[0].est_step_time * (1 - 1e-9):
+        beat = {} if best is None or build is not _build_units else {"beat": best[0].est_step_time * (1 - 1e-9)}
+        candidate = build(lengths, ring_sizes, offload_ratios, **common, **beat)
+        if candidate is not None and (best is None or candidate.est_step_time < best[0].est_step_time * (1 - 1e-9)):
             best, worse = (candidate, build), 0
         elif patience is not None and (worse := worse + 1) >= patience:
             break
@@ -399,11 +417,13 @@ def _build_units(
     vpp_size: int,
     exact: bool,
     shared: _Shared,
-) -> TimedPlan:
+    beat: float | None = None,
+) -> TimedPlan | None:
     """The plan of one choice of ring sizes with expert parallelism: EP groups planned as units of lanes
     (`expert_units.place_units`); with PP each unit's rows are tried heaviest first and lightest first.
     `exact` is for the signature of `_build` (no MILP here); `shared` gives the batch's ring micro-batch
-    times by content."""
+    times by content. Without PP, None (not timed) when the placement's step floor
+    (`ep_floor.ep_step_floor`, <= its timed step) is at least `beat`: it could not beat the best plan."""
     weights = member_times(tokens, ring_sizes, cost_model=cost_model, pp_size=pp_size)
     full = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
     placed = place_units(ring_sizes=ring_sizes, weights=weights, tokens=tokens, num_ranks=num_ranks,
@@ -413,6 +433,9 @@ def _build_units(
                          alltoall=cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size))
     best = None
     rings = placed.rings(len(lengths))
+    if beat is not None and pp_size == 1 and ep_step_floor(next(placed.schedules()), rings=rings, lengths=lengths,
+                                                           cost_model=cost_model) >= beat:
+        return None
     cache = TimingCache(contents=shared.contents)
     for schedule in placed.schedules(lightest_first=(False, True) if pp_size > 1 else (False,)):
         plan = time_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,

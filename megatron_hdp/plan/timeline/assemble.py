@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
 
+from megatron_hdp.plan.cost.experts import expert_groups
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.zigzag import zigzag_chunks, zigzag_num_tokens
 from megatron_hdp.plan.timeline.pipeline import pipelines_finish
@@ -275,19 +277,51 @@ def time_plan(
         times.append(rank_times)
         tokens.append(rank_tokens)
     ep_size = cost_model.expert_parallel_size
-    counts = runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size, ep_size=ep_size, vpp_size=vpp_size,
-                                       rings={rings[seq] for seq in ring_index}, group_size=group_size)
-    padded = [t + [overhead] * (count - len(t)) for t, count in zip(times, counts)]  # the runtime's padding
-    padded_tokens = [t + [0] * (count - len(t)) for t, count in zip(tokens, counts)]
-    padded = cost_model.expert_coupled_times(padded, padded_tokens, pp_size=pp_size)
-    alone = pipelines_finish(padded, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
-    step = step_time(padded, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
-                     jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
+    if pp_size == 1 and ep_size > 1:
+        alone, step = _expert_timeline(times, tokens, rings=rings, ring_index=ring_index, overhead=overhead,
+                                       cost_model=cost_model)
+    else:
+        counts = runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size, ep_size=ep_size,
+                                           vpp_size=vpp_size, rings={rings[seq] for seq in ring_index},
+                                           group_size=group_size)
+        padded = [t + [overhead] * (count - len(t)) for t, count in zip(times, counts)]  # the runtime's padding
+        padded_tokens = [t + [0] * (count - len(t)) for t, count in zip(tokens, counts)]
+        padded = cost_model.expert_coupled_times(padded, padded_tokens, pp_size=pp_size)
+        alone = pipelines_finish(padded, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
+        step = step_time(padded, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
+                         jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
     timed = TimedPlan(policy=policy, lengths=lengths, rings=rings, offload_ratios=offload_ratios, schedule=schedule,
                       capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, times=times,
                       held=tokens, kinds=kinds, rank_times=alone, est_step_time=step)
     shared.plans[(id(schedule), group_size, cost_model.expert_parallel_size)] = timed
     return timed
+
+
+def _expert_timeline(times: list[list[float]], tokens: list[list[int]], *, rings: Sequence[tuple[int, ...]],
+                     ring_index: dict[int, int], overhead: float, cost_model: CostModel) -> tuple[list[float], float]:
+    """Each rank's busy time and the step time without PP and with EP, as `time_plan`'s general path computes
+    them (`runtime_microbatch_counts`, `expert_coupled_times`, `pipelines_finish`, `step_time`), the same
+    floats, on [rank, index] arrays instead of per-rank lists (at 16,384 ranks the lists' padding, spread,
+    counts and sums cost more than the micro-batch loop): every rank runs its EP group's largest count (at
+    least 1; without PP and VPP no other padding), padding micro-batches the overhead with 0 tokens; a
+    rank's time sums its spread times left to right (the zeros past its count add nothing)."""
+    ep_size = cost_model.expert_parallel_size
+    own = np.fromiter(map(len, times), dtype=np.int64, count=len(times))
+    num_groups = len(expert_groups(len(times), ep_size))  # raises where EP does not divide the ranks
+    counts = np.repeat(np.maximum(own, 1).reshape(num_groups, ep_size).max(axis=1), ep_size)
+    index = np.arange(int(counts.max(initial=0)))
+    filled = index < own[:, None]
+    grid = np.where(index < counts[:, None], overhead, 0.0)
+    grid[filled] = np.fromiter(itertools.chain.from_iterable(times), dtype=np.float64, count=int(own.sum()))
+    held = np.zeros(grid.shape)
+    held[filled] = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.float64, count=int(own.sum()))
+    grid = cost_model.expert_coupled_grid(grid, held)
+    busy = np.zeros(len(times))
+    for column in grid.T:
+        busy = busy + column
+    links = [(at, rings[seq]) for seq, at in ring_index.items()]
+    finish = expert_coupled_finish(grid, counts, links, ep_size=ep_size, jitter=cost_model.jitter)
+    return busy.tolist(), float(finish.max(initial=0.0))
 
 
 def _decide_ring_kinds(
@@ -326,10 +360,9 @@ def step_time(
     of an expert-parallel group; `times` padded as the runtime runs them) wait for all their members and
     release them together, with the cost model's `jitter` (`timing.coupled_finish`; with PP every op of
     Megatron's pipeline order coupled the same way, `timing.pipeline_step_finish`, with `vpp_size` model
-    chunks per stage and groups of `group_size`)."""
+    chunks per stage and groups of `group_size`). `time_plan` times EP without PP a whole index at a time
+    instead (`_expert_timeline`, the same floats)."""
     links = [(index, rings[seq]) for seq, index in ring_index.items()]
-    if pp_size == 1 and ep_size > 1:  # every index coupled by EP groups: timed a whole index at a time
-        return float(expert_coupled_finish(times, links, ep_size=ep_size, jitter=jitter).max(initial=0.0))
     groups = link_groups(links + expert_links([len(t) for t in times], ep_size))
     if pp_size > 1:
         end = pipeline_step_finish(times, groups, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size,

@@ -40,6 +40,7 @@ random plans; tests/plan/test_plan_sim_agreement.py does so for random PP and VP
 
 from __future__ import annotations
 
+import itertools
 from typing import Collection, Iterable, Sequence
 
 import numpy as np
@@ -65,12 +66,14 @@ def runtime_microbatch_counts(counts: Sequence[int], *, pp_size: int = 1, ep_siz
     microbatch_group_size_per_vp_stage (None: pp_size, its default). `data.prepare.pipeline_counts` runs
     exactly these counts."""
     groups = expert_groups(len(counts), ep_size)
-    links = [(0, tuple(ring)) for ring in rings] + [(0, tuple(group)) for group in groups if len(group) > 1]
+    links = itertools.chain(((0, tuple(ring)) for ring in rings),  # read with virtual stages only
+                            ((0, tuple(group)) for group in groups if len(group) > 1))
     out = padded_counts(counts, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, rings=links)
-    for group in groups:
-        most = max(out[r] for r in group)
-        for r in group:
-            out[r] = most
+    if ep_size > 1:
+        for group in groups:
+            most = max(out[r] for r in group)
+            for r in group:
+                out[r] = most
     return out
 
 
@@ -193,23 +196,18 @@ def coupled_finish(
     return clock
 
 
-def expert_coupled_finish(times: Sequence[Sequence[float]], ring_links: Iterable[tuple[int, Sequence[int]]], *,
-                          ep_size: int, jitter: float = 0.0) -> np.ndarray:
+def expert_coupled_finish(matrix: np.ndarray, counts: np.ndarray, ring_links: Iterable[tuple[int, Sequence[int]]],
+                          *, ep_size: int, jitter: float = 0.0) -> np.ndarray:
     """`coupled_finish([times], link_groups(ring_links + expert_links(...)), jitter=jitter)` without PP and
-    with `ep_size` > 1, computed a whole index at a time: every rank's index i is coupled with its
-    expert-parallel group (`times` padded as the runtime runs them: equal counts inside a group), and the
-    rings of `ring_links` ((index, members)) merge groups at their index. Per index the groups' latest
-    clock and longest time are numpy reductions over [group, member], merged along the rings of that index
-    by a union-find over groups, instead of a Python step per (rank, index) key. The same floats as
-    `coupled_finish` (maxima do not depend on the order); with `jitter` the lead's mean sums the members
-    in another order, equal to ~1e-16 relative."""
-    num_ranks = len(times)
+    with `ep_size` > 1, computed a whole index at a time, for the times `matrix[rank, index]` (padded as the
+    runtime runs them, `counts[rank]` of them: equal counts inside a group; zeros past them): every rank's
+    index i is coupled with its expert-parallel group, and the rings of `ring_links` ((index, members))
+    merge groups at their index. Per index the groups' latest clock and longest time are numpy reductions
+    over [group, member], merged along the rings of that index by a union-find over groups, instead of a
+    Python step per (rank, index) key. The same floats as `coupled_finish` (maxima do not depend on the
+    order); with `jitter` the lead's mean sums the members in another order, equal to ~1e-16 relative."""
+    num_ranks, depth = matrix.shape
     num_groups = num_ranks // ep_size
-    counts = np.fromiter(map(len, times), dtype=np.int64, count=num_ranks)
-    depth = int(counts.max(initial=0))
-    matrix = np.zeros((num_ranks, depth))
-    for rank, rank_times in enumerate(times):
-        matrix[rank, : len(rank_times)] = rank_times
     rings_at: dict[int, list[Sequence[int]]] = {}
     for index, ranks in ring_links:
         rings_at.setdefault(index, []).append(ranks)
