@@ -32,8 +32,9 @@ from megatron_hdp.plan.policies.optimal_cuts import chain_rows
 
 @dataclasses.dataclass(frozen=True)
 class SlotFree:
-    """The relaxation's answer: `bound` on the step, and where its optimum puts each document (`sizes[s]`
-    ranks, `ranks[s]` which; None when the solver did not finish): a hint where plans at the bound lie."""
+    """The relaxation's answer: `bound` on the step, and where its optimum (or, out of time, the best
+    assignment found) puts each document (`sizes[s]` ranks, `ranks[s]` which; None when the solver found
+    none): a hint where plans at the bound lie."""
 
     bound: float
     sizes: tuple[int, ...] | None = None
@@ -93,10 +94,13 @@ def assignment_bound(lengths: Sequence[int], times: Sequence[dict[int, float]], 
                   upper=0.0)
     result = m.solve(time_limit=time_limit)
     bound = getattr(result, "mip_dual_bound", None)
-    if result.status != 0:
-        return SlotFree(0.0 if bound is None or not bound > 0 else float(bound))
-    on = lambda col: result.x[col] > 0.5  # noqa: E731
+    if result.status == 0:
+        bound = float(result.fun) if bound is None else min(float(result.fun), float(bound))
+    bound = 0.0 if bound is None or not bound > 0 else float(bound)
+    if result.x is None:
+        return SlotFree(bound)
+    on = lambda col: result.x[col] > 0.5  # noqa: E731  (out of time: the best found, still a hint)
     sizes = tuple(next(k for k in w[s] if on(w[s][k])) for s in range(n))
     ranks = tuple(tuple(r for r in range(num_ranks) if on(x[s, r] if sizes[s] == 1 else y[s, sizes[s], r]))
                   for s in range(n))
-    return SlotFree(float(result.fun) if bound is None else min(float(result.fun), float(bound)), sizes, ranks)
+    return SlotFree(bound, sizes, ranks)
