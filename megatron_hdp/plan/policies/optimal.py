@@ -201,7 +201,7 @@ def plan_optimal(
             break
     if not staged.proven:
         found = "" if result.x is None else f"its best plan takes {float(result.fun) / MILLISECONDS:.4g} s, "
-        raise ValueError(f"policy optimal found no proven optimum within {time_limit:g} s ({result.message}): "
+        raise ValueError(f"policy optimal found no proven optimum within {time_limit:g} s ({staged.message}): "
                          f"{found}no plan is faster than {staged.dual / MILLISECONDS:.4g} s; use balance, or fewer "
                          "documents or ranks")
     return _plan(result.x, lengths=lengths, options=kept, **staged.columns, num_ranks=num_ranks,

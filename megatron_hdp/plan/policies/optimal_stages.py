@@ -42,12 +42,14 @@ Build = Callable[..., tuple[Milp, dict]]
 @dataclasses.dataclass(frozen=True)
 class Staged:
     """What the stages found: SciPy's `result` (a plan in `result.x` when not None) and the `columns` it
-    reads, whether that plan is `proven` optimal, and `dual`, the least step any plan may have."""
+    reads, whether that plan is `proven` optimal, `dual`, the least step any plan may have, and the last
+    stage's `message` (why it stopped: a fixed stage's "optimal" is no proof)."""
 
     result: Any
     columns: dict
     proven: bool
     dual: float
+    message: str
 
 
 def solve_in_stages(build: Build, slot_free: SlotFree, *, big: float, slack: float, num_ranks: int,
@@ -71,14 +73,14 @@ def solve_in_stages(build: Build, slot_free: SlotFree, *, big: float, slack: flo
         if result.x is None:
             continue
         if float(result.fun) <= slot_free.bound * (1 + AT_BOUND):
-            return Staged(result, cols, True, slot_free.bound)
+            return Staged(result, cols, True, slot_free.bound, result.message)
         if best is None or float(result.fun) < float(best[0].fun):
             best = (result, cols)
             big = min(big, float(result.fun) * (1 + margin))
     dual = max(slot_free.bound, getattr(result, "mip_dual_bound", None) or 0.0)  # the last stage fixes nothing
     if result.status == 0 or best is None:
-        return Staged(result, cols, result.status == 0, dual)
-    return Staged(*best, False, dual)
+        return Staged(result, cols, result.status == 0, dual, result.message)
+    return Staged(*best, False, dual, result.message)
 
 
 def _fix(m: Milp, cols: dict, *, sizes: tuple[int, ...], ranks: tuple[tuple[int, ...], ...] | None,
