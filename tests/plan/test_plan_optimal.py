@@ -239,6 +239,10 @@ def test_the_issue_case_under_the_mesh_model_is_proven():
     balance = make_plan(lengths, num_ranks=4, config=config, cost_model=cost_model, policy="balance").est_step_time
     plan = plan_optimal(lengths, num_ranks=4, config=config, cost_model=cost_model, time_limit=60.0)
     assert plan.est_step_time == pytest.approx(balance, rel=1e-6) and plan.validate() is plan
+    ring = [len(placed.ring) > 1 for placed in plan.sequences]
+    for rank in plan.ranks:  # no empty micro-batch that pads no ring (the solver left up to 6 a rank)
+        rings_at = [i for i, mb in enumerate(rank.microbatches) if any(ring[shard.seq] for shard in mb.shards)]
+        assert all(mb.shards for mb in rank.microbatches[max(rings_at, default=-1) + 1:]), rank
 
 
 def test_an_unproven_solve_names_the_bound_it_proved():

@@ -356,7 +356,10 @@ def _break_symmetries(m: Milp, lengths: Sequence[int], *, w, x, a, q, num_ranks:
 def _plan(values: np.ndarray, *, lengths: list[int], options: list[list[RingOption]], w, x, a, q, z, num_ranks: int,
           capacity: int, cost_model: CostModel, objective: float, tolerance: float) -> StepPlan:
     """The StepPlan of the solver's choice, timed by `assemble_plan`; its predicted step time must equal
-    the solver's objective within `tolerance` seconds (a solver answer that breaks a row would show here)."""
+    the solver's objective within `tolerance` seconds (a solver answer that breaks a row would show here).
+    Empty slots after a rank's last ring slot are dropped: they pad no ring, and the solver leaves them
+    where they cost nothing on the critical path (the issue's case had up to 10 micro-batches a rank);
+    without them that rank's later slots only start earlier and no ring waits for it, so the step holds."""
     on = lambda col: values[col] > 0.5  # noqa: E731
     slots = len(lengths)
     schedule: list[list[list[int]]] = [[[] for _ in range(slots)] for _ in range(num_ranks)]
@@ -374,9 +377,9 @@ def _plan(values: np.ndarray, *, lengths: list[int], options: list[list[RingOpti
         rings.append(members)
         for r in members:
             schedule[r][i].append(s)
-    for r in range(num_ranks):  # slots after a rank's last used one do not run
-        while schedule[r] and not schedule[r][-1]:
-            schedule[r].pop()
+    for r in range(num_ranks):  # empty slots after a rank's last ring slot align nothing: they do not run
+        last_ring = max((i for i, held in enumerate(schedule[r]) if any(len(rings[s]) > 1 for s in held)), default=-1)
+        schedule[r] = schedule[r][:last_ring + 1] + [held for held in schedule[r][last_ring + 1:] if held]
     plan = assemble_plan(policy="optimal", lengths=lengths, rings=rings, offload_ratios=ratios, schedule=schedule,
                          capacity=capacity, cost_model=cost_model)
     if abs(plan.est_step_time - objective) > tolerance:
