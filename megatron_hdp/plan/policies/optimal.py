@@ -39,13 +39,17 @@ Z >= (summed times of the rings wider than D / (p + 1)) / p for p = 1 .. D - 1 (
 more than D ranks, so at most p run at once, and two on one rank run in different slots); Z >= the
 optimum of a smaller MILP without slots (`optimal_bound.assignment_bound`: each rank's own time and the
 rings that block each other, in any order), so that a plan at that bound is proven at once (the issue's
-10-document case: unproven in 120 s before, ~2 s with it). Times are in milliseconds in the model
-(`MILLISECONDS`).
+10-document case: unproven in 120 s before, ~2 s with it). The solve runs in stages (`optimal_stages`):
+first with the slot-free optimum's ring sizes and ranks fixed, then its sizes, then free, so that HiGHS
+need not search for a plan at the bound in the free model (the same case under the H100 mesh model:
+unproven in 120 s before, ~2.5 s with the stages and the slot-free bound's chain rows). Times are in
+milliseconds in the model (`MILLISECONDS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Sequence
 
@@ -58,6 +62,7 @@ from megatron_hdp.plan.cost.sharding import fits, needed_offload_ratio
 from megatron_hdp.plan.policies.balance import plan_balance
 from megatron_hdp.plan.policies.milp import Milp
 from megatron_hdp.plan.policies.optimal_bound import assignment_bound
+from megatron_hdp.plan.policies.optimal_stages import solve_in_stages
 from megatron_hdp.plan.step_plan import StepPlan
 from megatron_hdp.plan.timeline.timing import jitter_lead
 
@@ -183,21 +188,23 @@ def plan_optimal(
         big = step * (1 + UPPER_MARGIN)
         kept = prune_ring_sizes(options, num_ranks=num_ranks, overhead=overhead, step=big)
         in_ms = [[dataclasses.replace(o, time=o.time * MILLISECONDS) for o in opts] for opts in kept]
-        lower = assignment_bound(lengths, [{o.size: o.time for o in opts} for opts in in_ms], num_ranks=num_ranks,
-                                 capacity=capacity, overhead=overhead * MILLISECONDS, big=big * MILLISECONDS,
-                                 time_limit=BOUND_SHARE * max(0.0, deadline - time.perf_counter()))
-        m, cols = _formulation(lengths, in_ms, num_ranks=num_ranks, capacity=capacity,
-                               overhead=overhead * MILLISECONDS, big=big * MILLISECONDS)
-        m.row({cols["z"]: 1.0}, lower=lower - BOUND_SLACK)
-        result = m.solve(time_limit=max(0.0, deadline - time.perf_counter()))
+        slot_free = assignment_bound(lengths, [{o.size: o.time for o in opts} for opts in in_ms],
+                                     num_ranks=num_ranks, capacity=capacity, overhead=overhead * MILLISECONDS,
+                                     big=big * MILLISECONDS,
+                                     time_limit=BOUND_SHARE * max(0.0, deadline - time.perf_counter()))
+        build = functools.partial(_formulation, lengths, in_ms, num_ranks=num_ranks, capacity=capacity,
+                                  overhead=overhead * MILLISECONDS)
+        staged = solve_in_stages(build, slot_free, big=big * MILLISECONDS, slack=BOUND_SLACK, num_ranks=num_ranks,
+                                 time_limit=max(0.0, deadline - time.perf_counter()), margin=UPPER_MARGIN)
+        result = staged.result
         if result.status != 2:  # 2: infeasible; under the greedy plan's step it is not, so try that next
             break
-    if result.status != 0:
-        dual = max(lower, getattr(result, "mip_dual_bound", None) or 0.0) / MILLISECONDS
+    if not staged.proven:
         found = "" if result.x is None else f"its best plan takes {float(result.fun) / MILLISECONDS:.4g} s, "
-        raise ValueError(f"policy optimal found no proven optimum within {time_limit:g} s ({result.message}): "
-                         f"{found}no plan is faster than {dual:.4g} s; use balance, or fewer documents or ranks")
-    return _plan(result.x, lengths=lengths, options=kept, **cols, num_ranks=num_ranks,
+        raise ValueError(f"policy optimal found no proven optimum within {time_limit:g} s ({staged.message}): "
+                         f"{found}no plan is faster than {staged.dual / MILLISECONDS:.4g} s; use balance, or fewer "
+                         "documents or ranks")
+    return _plan(result.x, lengths=lengths, options=kept, **staged.columns, num_ranks=num_ranks,
                  capacity=capacity, cost_model=cost_model, objective=float(result.fun) / MILLISECONDS,
                  tolerance=1e-9 * big + INTEGRALITY_TOLERANCE * big)
 
@@ -228,9 +235,10 @@ def prune_ring_sizes(options: list[list[RingOption]], *, num_ranks: int, overhea
 
 
 def _formulation(lengths: Sequence[int], options: list[list[RingOption]], *, num_ranks: int, capacity: int,
-                 overhead: float, big: float) -> tuple[Milp, dict]:
-    """The MILP of the module doc for ring options `options`, every time below `big` seconds; returns the
-    model and the columns `_plan` reads (w, x, a, q) and the step's (z)."""
+                 overhead: float, big: float, symmetric: bool = True) -> tuple[Milp, dict]:
+    """The MILP of the module doc for ring options `options`, every time below `big` seconds, with the
+    symmetry rows unless `symmetric` is False; returns the model and the columns `_plan` reads (w, x, a,
+    q) and the step's (z)."""
     n = slots = len(lengths)
     m = Milp()
     w = [{o.size: m.add(integer=True) for o in opts} for opts in options]
@@ -304,7 +312,8 @@ def _formulation(lengths: Sequence[int], options: list[list[RingOption]], *, num
         wide = {w[s][k]: -ring_time[s][w[s][k]] for s in range(n) for k in w[s] if k * (most + 1) > num_ranks}
         if wide:
             m.row({z: float(most), **wide}, lower=0.0)
-    _break_symmetries(m, lengths, w=w, x=x, a=a, q=q, num_ranks=num_ranks)
+    if symmetric:
+        _break_symmetries(m, lengths, w=w, x=x, a=a, q=q, num_ranks=num_ranks)
     return m, {"w": w, "x": x, "a": a, "q": q, "z": z}
 
 
@@ -347,7 +356,10 @@ def _break_symmetries(m: Milp, lengths: Sequence[int], *, w, x, a, q, num_ranks:
 def _plan(values: np.ndarray, *, lengths: list[int], options: list[list[RingOption]], w, x, a, q, z, num_ranks: int,
           capacity: int, cost_model: CostModel, objective: float, tolerance: float) -> StepPlan:
     """The StepPlan of the solver's choice, timed by `assemble_plan`; its predicted step time must equal
-    the solver's objective within `tolerance` seconds (a solver answer that breaks a row would show here)."""
+    the solver's objective within `tolerance` seconds (a solver answer that breaks a row would show here).
+    Empty slots after a rank's last ring slot are dropped: they pad no ring, and the solver leaves them
+    where they cost nothing on the critical path (the issue's case had up to 10 micro-batches a rank);
+    without them that rank's later slots only start earlier and no ring waits for it, so the step holds."""
     on = lambda col: values[col] > 0.5  # noqa: E731
     slots = len(lengths)
     schedule: list[list[list[int]]] = [[[] for _ in range(slots)] for _ in range(num_ranks)]
@@ -365,9 +377,9 @@ def _plan(values: np.ndarray, *, lengths: list[int], options: list[list[RingOpti
         rings.append(members)
         for r in members:
             schedule[r][i].append(s)
-    for r in range(num_ranks):  # slots after a rank's last used one do not run
-        while schedule[r] and not schedule[r][-1]:
-            schedule[r].pop()
+    for r in range(num_ranks):  # empty slots after a rank's last ring slot align nothing: they do not run
+        last_ring = max((i for i, held in enumerate(schedule[r]) if any(len(rings[s]) > 1 for s in held)), default=-1)
+        schedule[r] = schedule[r][:last_ring + 1] + [held for held in schedule[r][last_ring + 1:] if held]
     plan = assemble_plan(policy="optimal", lengths=lengths, rings=rings, offload_ratios=ratios, schedule=schedule,
                          capacity=capacity, cost_model=cost_model)
     if abs(plan.est_step_time - objective) > tolerance:

@@ -10,26 +10,43 @@ rings from each other in any order:
   one micro-batch per rank), and the step is at least every rank's;
 - rings that cannot run side by side run one after the other: two rings of k and k' ranks with
   k + k' > D share a rank, so for a ring of k <= D / 2 ranks the rings wider than D - k and it are
-  pairwise serial (their times add up), and at most p rings wider than D / (p + 1) run at once.
+  pairwise serial (their times add up), and at most p rings wider than D / (p + 1) run at once;
+- chains of rings that pairwise share a rank, whichever ranks the plan gives them (`optimal_cuts`): per
+  rank r, the rings through it of at least m ranks and the others wider than D - m.
 
 Every plan of `optimal`'s space meets these rows with its own step time, so the relaxation's optimum (or
 the solver's dual bound when time runs out) is at most the plan space's optimum: `optimal` adds it as a
 row on the step, and a plan that reaches it is proven optimal at once. Symmetries: ranks are ordered by
-their own time, documents of one length by ring size. Times in the caller's unit (milliseconds there).
+their own time, documents of one length by ring size. Times in the caller's unit: milliseconds there (in
+seconds, HiGHS's tolerances let it call a plan 0.64 ms above its optimum optimal).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from megatron_hdp.plan.policies.milp import Milp
+from megatron_hdp.plan.policies.optimal_cuts import chain_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotFree:
+    """The relaxation's answer: `bound` on the step, and where its optimum (or, out of time, the best
+    assignment found) puts each document (`sizes[s]` ranks, `ranks[s]` which; None when the solver found
+    none): a hint where plans at the bound lie."""
+
+    bound: float
+    sizes: tuple[int, ...] | None = None
+    ranks: tuple[tuple[int, ...], ...] | None = None
 
 
 def assignment_bound(lengths: Sequence[int], times: Sequence[dict[int, float]], *, num_ranks: int,
-                     capacity: int, overhead: float, big: float, time_limit: float) -> float:
+                     capacity: int, overhead: float, big: float, time_limit: float) -> SlotFree:
     """A lower bound on the step time of every plan that runs document s on a ring of one of the sizes
     of `times[s]` (ring size -> slot time; size 1: whole, its time including one `overhead`), every time
-    below `big` (module doc). Returns 0 when the solver finds no bound in `time_limit` seconds."""
+    below `big` (module doc), with the relaxation's optimum. The bound is 0 when the solver finds none in
+    `time_limit` seconds."""
     n = len(lengths)
     m = Milp()
     w = [{k: m.add(integer=True) for k in times[s]} for s in range(n)]
@@ -68,6 +85,8 @@ def assignment_bound(lengths: Sequence[int], times: Sequence[dict[int, float]], 
             wider = {w[t][j]: -times[t][j] for t in range(n) if t != s for j in w[t] if j > num_ranks - k}
             if wider:
                 m.row({z: 1.0, w[s][k]: -times[s][k], **wider}, lower=0.0)
+    for chain in chain_rows(times, w=w, y=y, num_ranks=num_ranks):  # rings that pairwise share a rank
+        m.row({z: 1.0, **{col: -t for col, t in chain.items()}}, lower=0.0)
     order = sorted(range(n), key=lambda s: (-lengths[s], s))
     for earlier, later in zip(order, order[1:]):  # documents of one length: the earlier on the narrower ring
         if lengths[earlier] == lengths[later]:
@@ -76,5 +95,12 @@ def assignment_bound(lengths: Sequence[int], times: Sequence[dict[int, float]], 
     result = m.solve(time_limit=time_limit)
     bound = getattr(result, "mip_dual_bound", None)
     if result.status == 0:
-        return float(result.fun) if bound is None else min(float(result.fun), float(bound))
-    return 0.0 if bound is None or not bound > 0 else float(bound)
+        bound = float(result.fun) if bound is None else min(float(result.fun), float(bound))
+    bound = 0.0 if bound is None or not bound > 0 else float(bound)
+    if result.x is None:
+        return SlotFree(bound)
+    on = lambda col: result.x[col] > 0.5  # noqa: E731  (out of time: the best found, still a hint)
+    sizes = tuple(next(k for k in w[s] if on(w[s][k])) for s in range(n))
+    ranks = tuple(tuple(r for r in range(num_ranks) if on(x[s, r] if sizes[s] == 1 else y[s, sizes[s], r]))
+                  for s in range(n))
+    return SlotFree(bound, sizes, ranks)
