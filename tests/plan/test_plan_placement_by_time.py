@@ -9,22 +9,29 @@ import numpy as np
 from megatron_hdp.plan.search.placement import TimedLayout, place_rings_by_time
 
 
-def _by_definition(order, ring_sizes, weights, num_ranks, overhead, domains):
+def _by_definition(order, ring_sizes, weights, num_ranks, overhead, domains, latest_ready=False):
     layout = TimedLayout(num_ranks)
     count = np.zeros(num_ranks, dtype=np.int64)
     node = np.zeros(num_ranks, dtype=np.int64) if domains is None else np.asarray(domains, dtype=np.int64)
     for seq in order:
         k, weight = int(ring_sizes[seq]), float(weights[seq])
         by_time = np.lexsort((np.arange(num_ranks), count, layout.finish))
-        groups = [by_time[node[by_time] == n][:k] for n in np.unique(node) if (node == n).sum() >= k]
+        lists = [by_time[node[by_time] == n] for n in np.unique(node) if (node == n).sum() >= k] or [by_time]
         best = None
-        for group in groups or [by_time[:k]]:
+        for ranks in lists:
+            group = ranks[:k]
             slot = int(count[group].max())
             ready = layout.finish[group] + (slot - count[group]) * overhead
             key = (float(ready.max()), float(ready.sum()))
             if best is None or key < best[0]:
-                best = (key, group, slot, ready)
-        (start, _), members, slot, ready = best
+                best = (key, ranks)
+        members = best[1][:k]
+        if latest_ready:  # of the ranks finished by the k-th earliest's finish, the k that finish last
+            ready_by = int((layout.finish[best[1]] <= layout.finish[members[-1]]).sum())
+            members = best[1][ready_by - k:ready_by]
+        slot = int(count[members].max())
+        ready = layout.finish[members] + (slot - count[members]) * overhead
+        start = float(ready.max())
         for rank, rank_ready in zip(members.tolist(), ready.tolist()):
             fillers = slot - int(count[rank])
             if fillers:
@@ -52,12 +59,27 @@ def test_node_lists_reproduce_the_definition_exactly():
                    rng.permutation(rng.integers(0, 5, size=num_ranks) * 7)][trial % 3]
         order = list(range(num_rings)) if trial % 4 else sorted(range(num_rings), key=lambda s: -ring_sizes[s])
         args = dict(ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks, overhead=overhead)
-        got = place_rings_by_time(order, **args, domains=domains)
-        expected = _by_definition(order, ring_sizes, weights, num_ranks, overhead, domains)
+        latest_ready = trial % 5 == 1
+        got = place_rings_by_time(order, **args, domains=domains, latest_ready=latest_ready)
+        expected = _by_definition(order, ring_sizes, weights, num_ranks, overhead, domains, latest_ready)
         assert got.rings == expected.rings
         assert got.leading == expected.leading
         assert got.gaps == expected.gaps
         assert got.finish.tolist() == expected.finish.tolist()
+
+
+def test_latest_ready_members_start_the_ring_as_early_with_fewer_ranks_waiting():
+    """4 ranks, narrow rings first: A (2 s) and B (1 s) side by side, then a ring of 3 that cannot start
+    before A ends at 2 s. From the earliest ranks (B's two and one of A's) two ranks wait 1 s for it; from
+    the latest ranks ready by 2 s (A's two and one of B's) one waits, and the other of B's is free from
+    1 s for whole sequences. (All ranks ready at 0, the latest are the highest: A takes {2, 3}.)"""
+    args = dict(ring_sizes=[2, 2, 3], weights=[2.0, 1.0, 1.5], num_ranks=4, overhead=0.0)
+    earliest = place_rings_by_time([0, 1, 2], **args)
+    latest = place_rings_by_time([0, 1, 2], **args, latest_ready=True)
+    assert earliest.rings == {0: (0, 1), 1: (2, 3), 2: (0, 2, 3)}
+    assert latest.rings == {0: (2, 3), 1: (0, 1), 2: (1, 2, 3)}
+    assert earliest.finish.tolist() == [3.5, 2.0, 3.5, 3.5] and latest.finish.tolist() == [1.0, 3.5, 3.5, 3.5]
+    # the ring starts at 2 s either way (3.5 - 1.5); rank 1 (earliest) or rank 0 (latest) stays out
 
 
 def test_a_ring_stays_inside_a_node_when_one_has_room():

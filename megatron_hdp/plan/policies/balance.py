@@ -107,7 +107,8 @@ where a 1% predicted gain measured worse than the aligned plan: benchmarks/resul
 entry "placement-margin")."""
 
 SMALL_POOL = 64
-"""Largest pool on which balance also places rings by time narrowest first (`narrowest_first`) and climbs
+"""Largest pool on which balance also places rings by time narrowest first (`narrowest_first`; once more
+from the latest ranks ready for each ring, `place_rings_by_time(latest_ready=True)`) and climbs
 ring sizes one rank at a time (`neighbours`): where a few rings decide the step (the exact planner's
 worst cases); at 1,024 ranks the first alone cost 40 ms of a 65 ms plan."""
 
@@ -383,9 +384,9 @@ def _build(
         return _schedules([[[seq] for seq in ring_mbs] for ring_mbs in layout.ring_microbatches], layout.rings,
                           layout.finish, whole_order, **common)
 
-    def by_time(ring_order: list[int]):
+    def by_time(ring_order: list[int], latest_ready: bool = False):
         timed = place_rings_by_time(ring_order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
-                                    overhead=overhead, domains=nodes)
+                                    overhead=overhead, domains=nodes, latest_ready=latest_ready)
         left = fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
         return _schedules(timed.leading, timed.rings, timed.finish, left, **common)
 
@@ -396,9 +397,13 @@ def _build(
     can_replace = plan.est_step_time * (1 - PLACEMENT_MARGIN) > floor
     # rings that leave ranks idle, or a topology the aligned placement ignores: also place them by time
     if order and can_replace and ((plan.est_step_time > RETRY_GAP * max(mean, floor)) or nodes is not None):
-        narrow = narrowest_first(order, ring_sizes=ring_sizes) if num_ranks <= SMALL_POOL else order
-        for tag, ring_order in enumerate([order] + ([narrow] if narrow != order else [])):
-            candidate = _finish(shared.get(key + ("by time", tag), lambda: by_time(ring_order)), **timing)
+        variants = [(order, False)]
+        if num_ranks <= SMALL_POOL:  # narrow rings first, and then also from the latest ranks ready
+            narrow = narrowest_first(order, ring_sizes=ring_sizes)
+            variants += ([(narrow, False)] if narrow != order else []) + [(narrow, True)]
+        for tag, (ring_order, latest_ready) in enumerate(variants):
+            candidate = _finish(shared.get(key + ("by time", tag), lambda: by_time(ring_order, latest_ready)),
+                                **timing)
             if candidate.est_step_time < plan.est_step_time * (1 - PLACEMENT_MARGIN):
                 plan = candidate
     return plan

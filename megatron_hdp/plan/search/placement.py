@@ -23,6 +23,7 @@ import bisect
 import collections
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -189,6 +190,7 @@ def place_rings_by_time(
     num_ranks: int,
     overhead: float,
     domains: Sequence[int] | None = None,
+    latest_ready: bool = False,
 ) -> TimedLayout:
     """Each ring of `order` on the k ranks where it starts earliest, at any micro-batch index.
 
@@ -198,7 +200,10 @@ def place_rings_by_time(
     starts first (ties: least summed ready time, then lowest node id). The ring takes the next index of
     its member with most micro-batches; the others get filler slots before it (each an empty micro-batch
     of `overhead` seconds until `fill_gaps` puts whole sequences there), and it starts when its last
-    member is ready. Unlike `place_rings` this never waits for a group of aligned ranks to form.
+    member is ready. Unlike `place_rings` this never waits for a group of aligned ranks to form. With
+    `latest_ready` the members are instead the k that finish last among the ranks finished by then (the
+    k-th earliest's finish): the same start, fewer ranks waiting, and the ranks that finished first left
+    free for whole sequences (optimal_gap case 158).
 
     Each node keeps its ranks sorted by (finish, micro-batches, rank), so its candidate members are the
     head of its list, a node is timed again only when a ring lands on it or the ring size changes, and a
@@ -226,11 +231,15 @@ def place_rings_by_time(
         if fitting:
             while keys and keys[ranking[0][2]] != ranking[0][:2]:
                 heapq.heappop(ranking)
-            group = queues[ranking[0][2] if keys else fitting[0]][:k]
+            source = queues[ranking[0][2] if keys else fitting[0]]
         else:  # no node holds k ranks: the k earliest of all (the head of the nodes' merged lists)
             if everyone is None:
                 everyone = sorted(itertools.chain.from_iterable(queues.values()))
-            group = everyone[:k]
+            source = everyone
+        group = source[:k]
+        if latest_ready:  # the same start, from the latest of the ranks ready by then
+            ready_by = bisect.bisect_right(source, (group[-1][0], math.inf, math.inf))
+            group = source[ready_by - k:ready_by]
         slot, ready = _ready_times(group, overhead)
         start = max(ready)
         for (_, count, rank), rank_ready in zip(group, ready):
@@ -242,8 +251,13 @@ def place_rings_by_time(
         finish = start + overhead + weight
         layout.finish[members] = finish
         touched = collections.Counter(node_of[rank] for rank in members)
-        for n, taken in touched.items():  # the group is a head of the list of every node it draws from
-            del queues[n][:taken]
+        if latest_ready:
+            for entry in group:
+                queue = queues[node_of[entry[2]]]
+                del queue[bisect.bisect_left(queue, entry)]
+        else:
+            for n, taken in touched.items():  # the group is a head of the list of every node it draws from
+                del queues[n][:taken]
         for rank in members:
             bisect.insort(queues[node_of[rank]], (finish, slot + 1, rank))
         if everyone is not None:
