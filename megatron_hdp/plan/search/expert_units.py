@@ -48,7 +48,7 @@ import numpy as np
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.placement import lpt, place_rings
 from megatron_hdp.plan.search.refine import refine_local
-from megatron_hdp.plan.cost.sharding import (max_member_tokens, member_time, member_times, needed_offload_ratio,
+from megatron_hdp.plan.cost.sharding import (max_member_tokens, member_time, needed_offload_ratio,
                                              whole_times)
 
 ROW_TOLERANCE = 0.1
@@ -62,7 +62,7 @@ Option = tuple[np.ndarray, np.ndarray]
 
 
 def unit_ring_sizes(lengths: np.ndarray, option: Option, *, ep_size: int, capacity: int, cost_model: CostModel,
-                    pp_size: int = 1) -> Option:
+                    pp_size: int = 1, member_seconds: dict[tuple[int, int], float] | None = None) -> Option:
     """`option` with rings grown to whole units where that pays (step 1 of the module doc).
 
     The rings of k ranks not a multiple of e take k mod e lanes of a row (of their last unit); heaviest
@@ -73,14 +73,22 @@ def unit_ring_sizes(lengths: np.ndarray, option: Option, *, ep_size: int, capaci
     that adds (ring traffic and latency: size w(size) - k w(k) lane-seconds each) is less. A wider ring
     holds fewer tokens a member, so it fits wherever the narrower one did, at the smallest offload ratio
     that lets its members hold their shards; a ring stays as it is where it cannot grow (zigzag chunks of
-    a document of fewer than 2 x size tokens would be empty)."""
+    a document of fewer than 2 x size tokens would be empty). `member_seconds`: `member_time` by (length,
+    size), shared by the options of one batch (`unit_options`), which time the same rings again and again."""
     ring_sizes, offload_ratios = option
+    member_seconds = {} if member_seconds is None else member_seconds
+
+    def seconds(length: int, size: int) -> float:
+        if (length, size) not in member_seconds:
+            member_seconds[length, size] = member_time(length, size, cost_model=cost_model, pp_size=pp_size)
+        return member_seconds[length, size]
+
     sizes, ratios = ring_sizes.copy(), offload_ratios.copy()
     odd = np.flatnonzero((ring_sizes > 1) & (ring_sizes % ep_size != 0))
     if not len(odd):
         return sizes, ratios
     full = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
-    weights = member_times(lengths[odd], ring_sizes[odd], cost_model=cost_model, pp_size=pp_size)
+    weights = np.array([seconds(int(lengths[seq]), int(ring_sizes[seq])) for seq in odd.tolist()])
     rows: list[list] = []  # [time, free lanes, ring ids]
     for j in np.lexsort((odd, -weights)).tolist():
         lanes = int(ring_sizes[odd[j]]) % ep_size
@@ -98,8 +106,8 @@ def unit_ring_sizes(lengths: np.ndarray, option: Option, *, ep_size: int, capaci
             size = -(-k // ep_size) * ep_size
             if size <= s // 2:
                 grown[j] = size
-        added = sum(size * member_time(int(lengths[odd[j]]), size, cost_model=cost_model, pp_size=pp_size)
-                    - int(ring_sizes[odd[j]]) * float(weights[j]) for j, size in grown.items())
+        added = sum(size * seconds(int(lengths[odd[j]]), size) - int(ring_sizes[odd[j]]) * float(weights[j])
+                    for j, size in grown.items())
         if grown and added < idle:
             for j, size in grown.items():
                 seq = int(odd[j])
@@ -150,10 +158,10 @@ def unit_options(options: Sequence[Option], *, lengths: np.ndarray, capacity: in
     if cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size) > 0 and len(options):
         options = [options[0], within_capacity(lengths, options[0], capacity=capacity, cost_model=cost_model),
                    *options[1:]]
-    out, seen = [], set()
+    out, seen, member_seconds = [], set(), {}
     for option in options:
         sizes, ratios = unit_ring_sizes(lengths, option, ep_size=cost_model.expert_parallel_size, capacity=capacity,
-                                        cost_model=cost_model, pp_size=pp_size)
+                                        cost_model=cost_model, pp_size=pp_size, member_seconds=member_seconds)
         key = sizes.tobytes()
         if key not in seen:
             seen.add(key)
