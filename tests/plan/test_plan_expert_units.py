@@ -17,7 +17,8 @@ import pytest
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search import expert_units
-from megatron_hdp.plan.search.expert_units import Row, fill_holes, place_units, ring_rows, unit_ring_sizes, within_capacity
+from megatron_hdp.plan.search.expert_units import (ALLTOALL_SHARE, Row, fill_holes, place_units, ring_rows, unit_options,
+                                                   unit_ring_sizes, within_capacity)
 from megatron_hdp.plan.lengths import sample_global_batch
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.cost.presets import analytic_cost_model
@@ -245,6 +246,24 @@ def test_twin_rings_that_fill_whole_rows_keep_their_size():
     assert got.tolist() == [4, 4, 4, 4, 5, 5, 5, 4, 4]
     assert got_ratios.tolist() == [0.2] * 4 + [0.0] * 5
     assert _zigzag_fullest(4000, 5) == 800 and _zigzag_fullest(3000, 4) <= 800 < _zigzag_fullest(4000, 4)
+
+
+def test_rings_within_capacity_are_planned_only_where_the_all_to_all_costs():
+    """DeepSeek-V3 at EP 32 over NICs: the all-to-all of C tokens is ~3/4 of a C-token document's time, so
+    the option with a ring of 1.5 C tokens a member also comes widened to C a member; with transfers 20
+    times cheaper (under ALLTOALL_SHARE of the document) only the option itself is planned. (C = 20 tokens
+    and a 60-token document, so that no ring can grow to a whole unit of 32 and hide the difference.)"""
+    cost, capacity = ClusterSpec(model="deepseek-v3", num_gpus=512, tp_size=8, ep_size=32).cost_model(), 20
+    share = lambda model: (model.expert_alltoall_seconds_per_token() * capacity  # noqa: E731
+                           / (model.num_layers * (model.a1 * capacity ** 2 + model.b1 * capacity)))
+    cheap = dataclasses.replace(cost, expert_alltoall_bytes_per_token=cost.expert_alltoall_bytes_per_token / 20)
+    assert share(cheap) < ALLTOALL_SHARE < share(cost)
+    lengths = np.array([60, 10])
+    option = (np.array([2, 1]), np.array([0.5, 0.0]))
+    assert [sizes.tolist() for sizes, _ in unit_options([option], lengths=lengths, capacity=capacity,
+                                                         cost_model=cost)] == [[2, 1], [3, 1]]
+    assert [sizes.tolist() for sizes, _ in unit_options([option], lengths=lengths, capacity=capacity,
+                                                         cost_model=cheap)] == [[2, 1]]
 
 
 def test_deepseek_rings_within_capacity_win_where_the_all_to_all_waits_for_the_fullest_lane():

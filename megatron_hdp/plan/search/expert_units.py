@@ -57,6 +57,12 @@ ROW_TOLERANCE = 0.1
 FINE_PARTS = 4
 """The light rows of the last `fine_work` lane-seconds hold C / FINE_PARTS tokens a lane."""
 
+ALLTOALL_SHARE = 0.1
+"""The rings are also planned `within_capacity` where the all-to-all of C tokens takes at least this share
+of a whole C-token document's time (DeepSeek-V3 at EP 32 over NICs 0.75, Mixtral and qwen3 over NICs
+0.18-0.24; inside an NVLink node ~0.02, where a lane's extra tokens cost its row next to nothing and the
+extra family ~20% of Mixtral's plan time at 16,384 ranks)."""
+
 Option = tuple[np.ndarray, np.ndarray]
 """(ring sizes, offload ratios) of every sequence: one choice of `widening.widening_options`."""
 
@@ -153,9 +159,11 @@ def within_capacity(lengths: np.ndarray, option: Option, *, capacity: int, cost_
 def unit_options(options: Sequence[Option], *, lengths: np.ndarray, capacity: int, cost_model: CostModel,
                  pp_size: int = 1) -> list[Option]:
     """The distinct `unit_ring_sizes` of `options` (EP: `cost_model.expert_parallel_size`), in their order,
-    the first option's rings `within_capacity` second when the all-to-all has a cost (before the
-    alternatives, which `balance` tries with patience)."""
-    if cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size) > 0 and len(options):
+    the first option's rings `within_capacity` second where the all-to-all costs (`ALLTOALL_SHARE`; before
+    the alternatives, which `balance` tries with patience)."""
+    alltoall = cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size) * capacity
+    if len(options) and alltoall >= ALLTOALL_SHARE * float(whole_times([capacity], cost_model=cost_model,
+                                                                       pp_size=pp_size)[0]):
         options = [options[0], within_capacity(lengths, options[0], capacity=capacity, cost_model=cost_model),
                    *options[1:]]
     out, seen, member_seconds = [], set(), {}
