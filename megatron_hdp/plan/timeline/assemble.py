@@ -35,7 +35,6 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from megatron_hdp.plan.cost.experts import expert_groups
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.zigzag import zigzag_chunks, zigzag_num_tokens
 from megatron_hdp.plan.timeline.pipeline import pipelines_finish
@@ -307,8 +306,7 @@ def _expert_timeline(times: list[list[float]], tokens: list[list[int]], *, rings
     rank's time sums its spread times left to right (the zeros past its count add nothing)."""
     ep_size = cost_model.expert_parallel_size
     own = np.fromiter(map(len, times), dtype=np.int64, count=len(times))
-    num_groups = len(expert_groups(len(times), ep_size))  # raises where EP does not divide the ranks
-    counts = np.repeat(np.maximum(own, 1).reshape(num_groups, ep_size).max(axis=1), ep_size)
+    counts = np.asarray(runtime_microbatch_counts(own.tolist(), ep_size=ep_size), dtype=np.int64)
     index = np.arange(int(counts.max(initial=0)))
     filled = index < own[:, None]
     grid = np.where(index < counts[:, None], overhead, 0.0)

@@ -69,11 +69,8 @@ def runtime_microbatch_counts(counts: Sequence[int], *, pp_size: int = 1, ep_siz
     links = itertools.chain(((0, tuple(ring)) for ring in rings),  # read with virtual stages only
                             ((0, tuple(group)) for group in groups if len(group) > 1))
     out = padded_counts(counts, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, rings=links)
-    if ep_size > 1:
-        for group in groups:
-            most = max(out[r] for r in group)
-            for r in group:
-                out[r] = most
+    if ep_size > 1:  # groups are consecutive blocks of ep_size ranks (`expert_groups` checked it divides)
+        out = np.repeat(np.asarray(out).reshape(-1, ep_size).max(axis=1), ep_size).tolist()
     return out
 
 
