@@ -438,11 +438,12 @@ def _build_units(
                          alltoall=cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size))
     best = None
     rings = placed.rings(len(lengths))
-    if beat is not None and pp_size == 1 and ep_step_floor(next(placed.schedules()), rings=rings, lengths=lengths,
+    schedules = list(placed.schedules(lightest_first=(False, True) if pp_size > 1 else (False,)))
+    if beat is not None and pp_size == 1 and ep_step_floor(schedules[0], rings=rings, lengths=lengths,
                                                            cost_model=cost_model) >= beat:
         return None
     cache = TimingCache(contents=shared.contents)
-    for schedule in placed.schedules(lightest_first=(False, True) if pp_size > 1 else (False,)):
+    for schedule in schedules:
         plan = time_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=offload_ratios,
                          schedule=schedule, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
                          vpp_size=vpp_size, shared=cache)

@@ -22,8 +22,8 @@ time and every lane runs the unit's count:
    else the row that idles fewer lane-seconds, a new one or a slower one; whole sequences, heaviest first,
    into free lanes and the spare time and tokens of ring members where they fit the row's time, C and its
    fullest lane (best fit); the rest in rows of e bins in order of time, each sequence into the bin of
-   least time with room, a new row when none has room, so a row's bins hold alike sequences. The last `fine_work` lane-seconds go into rows of C / FINE_PARTS tokens:
-   light rows to balance the units with;
+   least time with room, a new row when none has room, so a row's bins hold alike sequences. The last
+   `fine_work` lane-seconds go into rows of C / FINE_PARTS tokens: light rows to balance the units with;
 4. rows to units (`placement.lpt` heaviest first from each unit's ring finish, then `refine.refine_local`
    on the units' times: moves and swaps of whole rows), each unit's rows after its step-2 rows. A row's
    time is its slowest lane's plus the all-to-all's for its fullest lane (every lane waits for the
