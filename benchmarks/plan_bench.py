@@ -45,7 +45,7 @@ import megatron_hdp.megatron  # noqa: F401  (registers megatron-hybrid-cp)
 from megatron_hdp.commands.plan import parse_count
 from megatron_hdp.commands.plan_budget import estimate_plan
 from megatron_hdp.config import POLICIES, HDPConfig
-from megatron_hdp.plan.policies import balance
+from megatron_hdp.plan.policies import balance_candidates
 from megatron_hdp.plan.timeline import assemble
 from megatron_hdp.plan.timeline.bounds import step_time_lower_bound
 from megatron_hdp.plan.lengths import DISTRIBUTIONS, sample_global_batch
@@ -76,12 +76,12 @@ class _AssemblyClock:
 
     def __enter__(self) -> "_AssemblyClock":
         self._originals = (assemble.time_plan, assemble.TimedPlan.build)
-        assemble.time_plan = balance.time_plan = self._timed(assemble.time_plan)
+        assemble.time_plan = balance_candidates.time_plan = self._timed(assemble.time_plan)
         assemble.TimedPlan.build = self._timed(assemble.TimedPlan.build)
         return self
 
     def __exit__(self, *exc) -> None:
-        assemble.time_plan = balance.time_plan = self._originals[0]
+        assemble.time_plan = balance_candidates.time_plan = self._originals[0]
         assemble.TimedPlan.build = self._originals[1]
 
 

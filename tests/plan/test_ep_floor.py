@@ -16,7 +16,7 @@ import pytest
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.presets import analytic_cost_model
 from megatron_hdp.plan.lengths import sample_global_batch
-from megatron_hdp.plan.policies import balance
+from megatron_hdp.plan.policies import balance, balance_candidates
 from megatron_hdp.plan.timeline.assemble import time_plan
 from megatron_hdp.plan.timeline.ep_floor import ep_step_floor
 
@@ -90,9 +90,9 @@ def test_balance_prunes_only_unit_families_that_could_not_win(monkeypatch):
 
     config = HDPConfig(hdp=True, hdp_capacity=16384)
     for lengths, ranks, cost_model in _balance_cases():
-        monkeypatch.setattr(balance, "ep_step_floor", checked)
+        monkeypatch.setattr(balance_candidates, "ep_step_floor", checked)
         pruned = balance.plan_balance(lengths, num_ranks=ranks, config=config, cost_model=cost_model)
-        monkeypatch.setattr(balance, "ep_step_floor", lambda *args, **kwargs: 0.0)
+        monkeypatch.setattr(balance_candidates, "ep_step_floor", lambda *args, **kwargs: 0.0)
         assert balance.plan_balance(lengths, num_ranks=ranks, config=config, cost_model=cost_model).digest() == \
             pruned.digest()
     assert floors  # the cases do plan more than one EP-unit family

@@ -1,5 +1,5 @@
 """Sequences longer than C packed on CP groups' rings, the others whole beside them: balance's placement
-for batches most of whose tokens need rings (`policies.balance._on_cp_groups`).
+for batches most of whose tokens need rings (`policies.balance_candidates.build_on_cp_groups`).
 
 Where most of a batch is longer than C (RL rollouts of median ~5K against a C of 4K), rings of one
 sequence each must line up their micro-batch indices across many sizes, and ranks wait. The static DP x
