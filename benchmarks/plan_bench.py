@@ -25,7 +25,8 @@ Targets (issue 2): balance <= 1.05 for `balance`; a 1,024-rank plan in <= 100 ms
 in <= 1 s; `balance` faster than `megatron-hybrid-cp` on every mix.
 `--features ep8,mla-auto-ep32,vpp10` times issue 41's cells instead (`FEATURE_CELLS`: EP, multi-latent
 attention with auto ring kinds, VPP with 512 pipelines; `balance` only, github and byted) against their
-budgets, into results/plan_bench_features.json.
+budgets, into results/plan_bench_features.json, each cell with the host's pace just before it
+(`host_pace.py`: a fixed workload's time over its reference; this host's pace drifts 1.0-2x by the hour).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from megatron_hdp.plan.lengths import DISTRIBUTIONS, sample_global_batch
 from megatron_hdp.plan.planner import make_plan, policy_function
 from megatron_hdp.plan.cost.presets import analytic_cost_model
 from megatron_hdp.sim.cluster import ClusterSpec
+from host_pace import pace
 from output import finish, print_new_rows
 from repeats import add_repeat_argument, format_spread, over_runs, repeat_measurement
 
@@ -207,13 +209,15 @@ FEATURE_CELLS = {
     "ep1": ("llama-7b", 1, 1, 1, 1, (1024, 16384)),
     "ep8": ("llama-7b", 1, 1, 1, 8, (1024, 16384)),
     "ep32": ("llama-7b", 1, 1, 1, 32, (1024, 16384)),
+    "mixtral-ep8": ("mixtral-8x7b", 1, 1, 1, 8, (1024, 16384)),
     "mla-auto": ("deepseek-v3", 8, 1, 1, 1, (1024, 16384)),
     "mla-auto-ep32": ("deepseek-v3", 8, 1, 1, 32, (1024, 16384)),
     "vpp4": ("llama-70b", 8, 4, 4, 1, (512,)),
     "vpp10": ("llama-70b", 8, 4, 10, 1, (512,)),
 }
 """`--features`: issue 41's cells, `balance` with every feature on. EP couples HDP ranks in groups of EP
-(`plan.search.expert_units`); MLA cells plan DeepSeek-V3 with auto ring kinds; VPP cells plan 512 pipelines
+(`plan.search.expert_units`): llama-7b's with the topology unknown to the cost model (plan_bench's own rows),
+Mixtral-8x7B's on nodes of 8 (the experts' all-to-all inside a node, as Megatron places EP 8); MLA cells plan DeepSeek-V3 with auto ring kinds; VPP cells plan 512 pipelines
 of 4 stages (llama-70b on 16,384 GPUs, TP 8, as benchmarks/vpp_table.py) with C from GPU memory."""
 
 FEATURE_MIXES = "github,byted"
@@ -240,6 +244,7 @@ def plan_features(args: argparse.Namespace, batches: dict[str, list[int]]) -> li
             record = {"cell": name, "model": model, "mix": mix, "ranks": num_ranks, "pp": pp, "vpp": vpp, "ep": ep,
                       "capacity": capacity, "ring_kind": cost_model.ring_kind, "policy": "balance",
                       "sequences": len(lengths), "budget_ms": FEATURE_BUDGET_MS[num_ranks]}
+            record.update(pace())  # the host's pace just before, beside the CPU time it qualifies
             record.update(measure("balance", lengths, num_ranks=num_ranks, config=HDPConfig(hdp=True, hdp_capacity=capacity),
                                   cost_model=cost_model, repeats=1, pp_size=pp, vpp_size=vpp))
             records.append(record)
@@ -252,23 +257,25 @@ FEATURE_HEAD = f"{'cell':<14}{'model':<12}{'mix':<8}{'ranks':>6}{'pp':>3}{'vpp':
 
 def features_table(records: list[dict]) -> str:
     """The feature cells: plan quality and balance's CPU and make_plan times against the budget."""
-    header = f"{FEATURE_HEAD}{'step s':>9}{'vs LB':>8}{'bal':>7}{'rings':>7}{'cpu ms':>8}{'make ms':>9}{'budget':>8}"
+    header = (f"{FEATURE_HEAD}{'step s':>9}{'vs LB':>8}{'bal':>7}{'rings':>7}{'cpu ms':>8}{'make ms':>9}{'budget':>8}"
+              f"{'pace':>6}")
     lines = [header, "-" * len(header)]
     for r in records:
         lines.append(f"{r['cell']:<14}{r['model']:<12}{r['mix']:<8}{r['ranks']:>6}{r['pp']:>3}{r['vpp']:>4}{r['ep']:>4}"
                      f"{r['step_s']:>9.3f}{'+%.1f%%' % (100 * r['gap']):>8}{r['balance']:>7.3f}{r['rings']:>7}"
-                     f"{r['cpu_ms']:>8.0f}{r['make_plan_ms']:>9.0f}{r['budget_ms']:>8.0f}")
+                     f"{r['cpu_ms']:>8.0f}{r['make_plan_ms']:>9.0f}{r['budget_ms']:>8.0f}{r['pace']:>6.2f}")
     return "\n".join(lines)
 
 
 def features_spread_table(records: list[dict]) -> str:
     """The feature cells' times over the runs, ms as median [min, max]."""
     times = ("cpu_ms", "make_plan_ms")
-    header = FEATURE_HEAD + "".join(f"{t:>22}" for t in times) + f"{'budget':>8}"
+    header = FEATURE_HEAD + "".join(f"{t:>22}" for t in times) + f"{'budget':>8}{'pace':>22}"
     lines = [header, "-" * len(header)]
     for r in records:
         lines.append(f"{r['cell']:<14}{r['model']:<12}{r['mix']:<8}{r['ranks']:>6}{r['pp']:>3}{r['vpp']:>4}{r['ep']:>4}"
-                     + "".join(f"{format_spread(r[t], '{:.0f}'):>22}" for t in times) + f"{r['budget_ms']:>8.0f}")
+                     + "".join(f"{format_spread(r[t], '{:.0f}'):>22}" for t in times) + f"{r['budget_ms']:>8.0f}"
+                     + f"{format_spread(r['pace'], '{:.2f}'):>22}")
     return "\n".join(lines)
 
 
