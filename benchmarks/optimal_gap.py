@@ -1,6 +1,6 @@
 """How far `balance` is from the optimum, and the lower bound below it, on small seeded random batches.
 
-    python benchmarks/optimal_gap.py [--cases 200] [--time-limit 30] [--max-ranks 8] [--max-docs 12] [--optimum-from JSON]
+    python benchmarks/optimal_gap.py [--cases 200] [--time-limit 30] [--max-ranks 8] [--max-docs 12] [--optimum-from JSON [--solve-unproven]]
                                      [--out benchmarks/results/optimal_gap.json]
 
 Each case draws 5-12 documents, 2-8 ranks, a capacity C of 512, 1,024 or 2,048 tokens and offloading on
@@ -12,7 +12,8 @@ first says how good balance is, the second how far the bound (the only measuring
 below the best plan. A case the solver does not prove within --time-limit seconds is counted, not
 used. Prints each case as it is solved, then the distribution (median, p90, worst) and the worst cases.
 `--optimum-from` takes the optima of an earlier run of the same cases and measures balance and the bound
-anew, in seconds instead of the solver's minutes.
+anew, in seconds instead of the solver's minutes; with `--solve-unproven` the cases that run left
+unproven are solved again with --time-limit (a longer limit for the few hard ones).
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimum-from", metavar="JSON",
                         help="an earlier result: its optima (proven or not) for the same cases, balance and the "
                              "bound measured anew (after a change to balance or the bound; the optimum is fixed)")
+    parser.add_argument("--solve-unproven", action="store_true",
+                        help="with --optimum-from: solve again, with --time-limit, the cases it left unproven")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "optimal_gap.json"))
     args = parser.parse_args(argv)
     earlier = {}
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         known = earlier.get(tuple(sorted((k, str(v)) for k, v in spec.items())))
         if args.optimum_from and known is None:
             raise SystemExit(f"case {seed} is not in {args.optimum_from}: run it with the same --max-ranks/--max-docs")
+        if args.solve_unproven and known is not None and known["optimum_s"] is None:
+            known = None  # a longer --time-limit than the earlier run's may prove it
         rows.append(measure(spec, time_limit=args.time_limit, known=known))
         print_new_rows(table, rows[-1:])
     solved = [r for r in rows if r["optimum_s"]]
