@@ -22,7 +22,8 @@ from megatron_hdp.plan.search.expert_units import (ALLTOALL_SHARE, Row, fill_hol
 from megatron_hdp.plan.lengths import sample_global_batch
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.cost.presets import analytic_cost_model
-from megatron_hdp.plan.cost.sharding import member_times
+from megatron_hdp.plan.cost.sharding import member_times, whole_times
+from megatron_hdp.plan.timeline.assemble import time_plan
 from megatron_hdp.plan.timeline.timing import plan_runtime_counts
 from megatron_hdp.sim.cluster import ClusterSpec
 from megatron_hdp.sim.simulator import simulate_step
@@ -199,6 +200,54 @@ def test_units_are_balanced_on_row_times_that_hold_the_all_to_all():
         fullest = max(sum(tokens[s] for s in lane) for lane in row.lanes)
         assert time == pytest.approx(0.05 + slowest + 0.01 * fullest)
     assert sorted(s for row in layout.rows for lane in row.lanes for s in lane) == list(range(6))
+
+
+def test_row_times_are_what_the_timeline_counts_with_the_expert_work_spread():
+    """DeepSeek-V3 at EP 32 (one unit of 32 lanes, whole sequences of 200-16,000 tokens): the routed expert
+    work is spread evenly over a row's lanes by the all-to-all, so a unit's rows summed as place_units times
+    them (the slowest lane apart from that work, its mean, the fullest lane's transfers) are the step that
+    `time_plan` predicts for the unit's schedule, to the float's rounding."""
+    spec = ClusterSpec(model="deepseek-v3", num_gpus=256, tp_size=8, ep_size=32)
+    cost, capacity = spec.cost_model(), spec.rank_capacity
+    assert spec.num_ranks == cost.expert_parallel_size == 32
+    tokens = np.random.default_rng(3).integers(200, 16_000, size=150)
+    weights = whole_times(tokens, cost_model=cost)
+    layout = place_units(ring_sizes=np.ones(len(tokens), dtype=np.int64), weights=weights, tokens=tokens,
+                         num_ranks=32, ep_size=32, capacity=capacity, overhead=cost.microbatch_time([]),
+                         full=float(whole_times([capacity], cost_model=cost)[0]), fine_work=0.0,
+                         alltoall=cost.expert_alltoall_seconds_per_token(), expert=cost.expert_seconds_per_token())
+    assert len(layout.rows) > 2 and cost.expert_seconds_per_token() > 0 and cost.expert_alltoall_seconds_per_token() > 0
+    timed = time_plan(policy="balance", lengths=tokens.tolist(), rings=layout.rings(len(tokens)),
+                      offload_ratios=np.zeros(len(tokens)), schedule=next(layout.schedules()), capacity=capacity,
+                      cost_model=cost)
+    assert timed.est_step_time == pytest.approx(float(layout.row_times.sum()), rel=1e-9)
+
+
+def test_a_free_lane_beside_a_ring_fills_to_the_rings_time_apart_from_the_routed_experts():
+    """EP 4, one unit: a ring of 2 members of 1.0 s and 300 tokens each, 0.3 s of which are routed expert
+    work (1 ms a token), and two whole sequences of 800 tokens and 1.4 s, 0.6 s apart from their 0.8 s of
+    expert work. The expert work is spread over the row's lanes, so each lane's own time is 0.7 s for the
+    members and 0.6 s for a whole sequence: both fit the ring's row (one row of 0.05 + 0.7 + 1 ms x 550
+    tokens + 10 us x 800 tokens). Counted with their expert work (1.4 s > 1.0 s) they would not, and would
+    take a row of their own."""
+    weights = np.array([1.0, 1.4, 1.4])
+    tokens = np.array([600, 800, 800])
+    layout = place_units(ring_sizes=np.array([2, 1, 1]), weights=weights, tokens=tokens, num_ranks=4, ep_size=4,
+                         capacity=1000, overhead=0.05, full=2.0, fine_work=0.0, alltoall=1e-5, expert=1e-3)
+    assert [row.lanes for row in layout.rows] == [[[0], [0], [1], [2]]]
+    assert layout.row_times.tolist() == pytest.approx([0.05 + 0.7 + 1e-3 * 550 + 1e-5 * 800])
+
+
+def test_rings_within_capacity_are_planned_grown_and_as_they_are():
+    """DeepSeek-V3 at EP 32, C = 16,384: a 75,000-token document on 3 members (25,000 tokens, offloading)
+    widens within capacity to 5 (15,000 tokens; 4 would hold 18,750). Its row of 5 lanes would leave 27
+    lanes to whole sequences of at most a 16K document's 1.4 s against its members' ~3.3 s, so both
+    choices grow to a whole unit of 32; the 5-member ring is planned too, as it is."""
+    cost = ClusterSpec(model="deepseek-v3", num_gpus=2048, tp_size=8, ep_size=32).cost_model()
+    lengths = np.array([75_000, 1_000])
+    option = (np.array([3, 1]), np.array([0.3, 0.0]))
+    assert [sizes.tolist() for sizes, _ in unit_options([option], lengths=lengths, capacity=16_384,
+                                                         cost_model=cost)] == [[32, 1], [5, 1]]
 
 
 def _zigzag_fullest(length: int, size: int) -> int:

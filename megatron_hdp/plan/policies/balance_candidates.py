@@ -237,7 +237,8 @@ def build_units(
                          ep_size=cost_model.expert_parallel_size, capacity=capacity,
                          overhead=cost_model.microbatch_time([], pp_size=pp_size), full=full,
                          fine_work=num_ranks * full,
-                         alltoall=cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size))
+                         alltoall=cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size),
+                         expert=cost_model.expert_seconds_per_token(pp_size=pp_size))
     best = None
     rings = placed.rings(len(lengths))
     schedules = list(placed.schedules(lightest_first=(False, True) if pp_size > 1 else (False,)))

@@ -15,20 +15,26 @@ time and every lane runs the unit's count:
    where their equal zigzag shards wait for nobody. When the all-to-all has a cost, the first choice of
    ring sizes is also planned with every ring `within_capacity` (no member over C tokens): a ring member
    that offloads holds more tokens than the lanes beside it, and all of its row waits for its transfers;
+   that choice both with rings grown and as it is (the growth judges a row by its rings alone, and rows
+   that mix rings of several member times, as `ring_rows` makes them, can fill lanes a grown ring took);
 2. rings of more than one unit, aligned at one index in every unit they span: `placement.place_rings`
    over the G = D / e units, a ring of k ranks on ceil(k / e) of them, its last unit's other lanes free;
 3. the rest in rows (`ring_rows`, `fill_holes`, `whole_rows`): rings of at most e ranks (*lane rings*)
    heaviest first, each into a row of about its member time with lanes free (step 2's rows included),
    else the row that idles fewer lane-seconds, a new one or a slower one; whole sequences, heaviest first,
    into free lanes and the spare time and tokens of ring members where they fit the row's time, C and its
-   fullest lane (best fit); the rest in rows of e bins in order of time, each sequence into the bin of
+   fullest lane (best fit; times here without the routed expert work, which the all-to-all spreads over
+   the row's lanes: a free lane of many short documents matches a ring member's attention-heavy time with
+   more tokens than a ring member holds); the rest in rows of e bins in order of time, each sequence into the bin of
    least time with room, a new row when none has room, so a row's bins hold alike sequences. The last
    `fine_work` lane-seconds go into rows of C / FINE_PARTS tokens: light rows to balance the units with;
 4. rows to units (`placement.lpt` heaviest first from each unit's ring finish, then `refine.refine_local`
    on the units' times: moves and swaps of whole rows), each unit's rows after its step-2 rows. A row's
-   time is its slowest lane's plus the all-to-all's for its fullest lane (every lane waits for the
-   transfers of the row's largest sender): at DeepSeek-V3's EP 32 over NICs those are ~1 s a full row,
-   and balancing units without them left units 24-35% apart.
+   time is as the timeline counts it (`experts.spread_grid`): its slowest lane apart from the routed
+   expert work, that work's mean over the lanes, and the all-to-all's for its fullest lane (every lane
+   waits for the transfers of the row's largest sender): at DeepSeek-V3's EP 32 over NICs those are ~1 s
+   a full row, and balancing units without them left units 24-35% apart; with the slowest lane's expert
+   work counted in full instead of spread, 1.3%.
 
 Every lane of a unit holds the unit's rows, so the runtime pads nothing (a lane with nothing at an index
 runs an empty micro-batch at the micro-batch overhead, as the runtime's padding would). Rings of several
@@ -160,27 +166,33 @@ def unit_options(options: Sequence[Option], *, lengths: np.ndarray, capacity: in
                  pp_size: int = 1) -> list[Option]:
     """The distinct `unit_ring_sizes` of `options` (EP: `cost_model.expert_parallel_size`), in their order,
     the first option's rings `within_capacity` second where the all-to-all costs (`ALLTOALL_SHARE`; before
-    the alternatives, which `balance` tries with patience)."""
+    the alternatives, which `balance` tries with patience), grown and then also as they are (module doc,
+    step 1: on DeepSeek-V3's EP 32 each of the two wins on some batches)."""
     alltoall = cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size) * capacity
     if len(options) and alltoall >= ALLTOALL_SHARE * float(whole_times([capacity], cost_model=cost_model,
                                                                        pp_size=pp_size)[0]):
         options = [options[0], within_capacity(lengths, options[0], capacity=capacity, cost_model=cost_model),
                    *options[1:]]
+        ungrown = options[1]
+    else:
+        ungrown = None
     out, seen, member_seconds = [], set(), {}
     for option in options:
-        sizes, ratios = unit_ring_sizes(lengths, option, ep_size=cost_model.expert_parallel_size, capacity=capacity,
-                                        cost_model=cost_model, pp_size=pp_size, member_seconds=member_seconds)
-        key = sizes.tobytes()
-        if key not in seen:
-            seen.add(key)
-            out.append((sizes, ratios))
+        grown = unit_ring_sizes(lengths, option, ep_size=cost_model.expert_parallel_size, capacity=capacity,
+                                cost_model=cost_model, pp_size=pp_size, member_seconds=member_seconds)
+        for sizes, ratios in [grown] + ([option] if option is ungrown else []):
+            key = sizes.tobytes()
+            if key not in seen:
+                seen.add(key)
+                out.append((sizes, ratios))
     return out
 
 
 @dataclass
 class Row:
     """One micro-batch index of a unit: what each of its lanes runs, the time of the rings in it (0 for a
-    row of whole sequences), and the lanes still free."""
+    row of whole sequences; member seconds while `ring_rows` forms the rows, then the slowest lane's
+    seconds apart from the routed expert work for `fill_holes`), and the lanes still free."""
 
     lanes: list[list[int]]
     time: float
@@ -235,12 +247,15 @@ def place_units(
     full: float,
     fine_work: float,
     alltoall: float = 0.0,
+    expert: float = 0.0,
 ) -> UnitLayout:
     """Steps 2-4 of the module doc. `weights`: each sequence's member seconds at its ring size (whole:
     its time on one rank); `overhead`: a micro-batch's fixed seconds; `full`: a whole C-token document's
     seconds, the most a free lane's whole sequences take; `fine_work`: lane-seconds of the light rows;
     `alltoall`: the all-to-all's seconds per token of a row's fullest lane
-    (`CostModel.expert_alltoall_seconds_per_token`), part of the row times units are balanced by."""
+    (`CostModel.expert_alltoall_seconds_per_token`), part of the row times units are balanced by;
+    `expert`: the routed expert work's seconds per token (`CostModel.expert_seconds_per_token`), which
+    the all-to-all spreads evenly over a row's lanes."""
     num_units = num_ranks // ep_size
     span = -(-ring_sizes // ep_size)  # units a ring touches
     wide = np.flatnonzero(span > 1)
@@ -263,14 +278,17 @@ def place_units(
     held = tokens.tolist()  # tokens each lane holds of each sequence: a ring member its fullest shard
     for seq in np.flatnonzero(ring_sizes > 1).tolist():
         held[seq] = max_member_tokens(held[seq], int(ring_sizes[seq]))
+    own = (weights - expert * np.asarray(held, dtype=np.float64)).tolist()  # seconds apart from routed experts
+    for row in rows:  # the rings' rows, timed as their lanes' own seconds (whole sequences fill up to them)
+        row.time = max(sum(map(own.__getitem__, lane)) for lane in row.lanes)
     left = fill_holes(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -weights[whole_ids]))].tolist(),
-                      weights=weights, tokens=tokens, held=held, capacity=capacity)
+                      weights=np.asarray(own), tokens=tokens, held=held, capacity=capacity)
     rows += whole_rows(left, weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity, fine_work=fine_work)
-    seconds = weights.tolist()
 
-    def row_time(row: Row) -> float:  # every lane waits for the slowest, and the all-to-all for its fullest
-        return (overhead + max(sum(map(seconds.__getitem__, lane)) for lane in row.lanes)
-                + alltoall * max(sum(map(held.__getitem__, lane)) for lane in row.lanes))
+    def row_time(row: Row) -> float:  # every lane waits for the slowest and the fullest's all-to-all
+        lane_tokens = [sum(map(held.__getitem__, lane)) for lane in row.lanes]
+        return (overhead + max(sum(map(own.__getitem__, lane)) for lane in row.lanes)
+                + expert * sum(lane_tokens) / ep_size + alltoall * max(lane_tokens))
 
     row_times = np.array([row_time(row) for row in rows])
     base = np.zeros(num_units)
