@@ -166,6 +166,21 @@ def test_a_lane_ring_joins_a_slower_row_when_a_new_row_could_not_be_filled():
     assert place(full=2.0) == [[[0], [0], [], []], [[1], [1], [], []]]
 
 
+def test_a_lane_ring_joins_a_row_up_to_the_join_tolerance_above_its_time():
+    """A ring of 1.0 s and a row of 1.15 s with two lanes free: 15% above, within JOIN_TOLERANCE (0.2), it
+    joins; a row of 1.3 s it would join only if that idled fewer lane-seconds than a new row, which whole
+    sequences (up to `full` = 2.0 s a lane) would fill: it takes a row of its own."""
+    def place(time: float) -> list:
+        rows = [Row([[0], [0], [], []], time, [2, 3])]
+        ring_rows(rows, [1], ring_sizes=np.array([2, 2]), weights=np.array([time, 1.0]), ep_size=4,
+                  whole_work=100.0, full=2.0)
+        return [row.lanes for row in rows]
+
+    assert expert_units.JOIN_TOLERANCE == 0.2
+    assert place(1.15) == [[[0], [0], [1], [1]]]
+    assert place(1.3) == [[[0], [0], [], []], [[1], [1], [], []]]
+
+
 def test_whole_sequences_fill_ring_members_with_time_and_tokens_to_spare():
     """A row of two rings on 4 lanes, no lane free: ring 0 (1.0 s, 300 tokens a member) sets the row's time
     and its fullest lane; ring 1's members (0.6 s, 200 tokens) have 0.4 s and 100 tokens to spare, up to

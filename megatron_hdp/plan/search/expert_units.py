@@ -58,7 +58,16 @@ from megatron_hdp.plan.cost.sharding import (max_member_tokens, member_time, nee
                                              whole_times)
 
 ROW_TOLERANCE = 0.1
-"""A lane ring joins a row whose time is at most this fraction above its member time."""
+"""`unit_ring_sizes`: a lane ring shares a row whose time is at most this fraction above its member time
+(the rows it judges growth by: rings of alike time only)."""
+
+JOIN_TOLERANCE = 0.2
+"""`ring_rows`: a lane ring joins a row whose time is at most this fraction above its member time without
+weighing the lane-seconds it idles there. Wider than `ROW_TOLERANCE` since `fill_holes` fills the rows
+to their rings' time apart from the routed expert work: against 0.1, DeepSeek-V3 at EP 32 (2,048 GPUs,
+github and byted, seeds 0-7) gains up to 0.34 points of the work floor on 14 of 16 batches and loses 0.15
+on one; 0.05 loses on all of seeds 0-3, 0.3 and 0.5 plan as 0.2 does. The 12 Mixtral / qwen3 EP cells
+of benchmarks/README.md: -0.2 to +0.2 points."""
 
 FINE_PARTS = 4
 """The light rows of the last `fine_work` lane-seconds hold C / FINE_PARTS tokens a lane."""
@@ -304,7 +313,7 @@ def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, 
               whole_work: float, full: float) -> None:
     """The lane rings of `order` (heaviest first) into `rows` (those there: rows of rings of several units,
     some lanes of their last unit free). A ring joins the row of least time T >= its member time w with
-    lanes free when T is within `ROW_TOLERANCE` of w, else that row or a new one, whichever idles fewer
+    lanes free when T is within `JOIN_TOLERANCE` of w, else that row or a new one, whichever idles fewer
     lane-seconds. Whole sequences not yet counted for free lanes (`whole_work` less the free lanes so far,
     `spare`) could run in the row's k lanes instead: joining idles k (T - w) of them, at most `spare`; a
     new row leaves e - k lanes free for w, which whole sequences of at most C tokens fill for at most
@@ -314,7 +323,7 @@ def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, 
         k, w = int(ring_sizes[seq]), float(weights[seq])
         at = min((i for i, row in enumerate(rows) if len(row.free) >= k and row.time >= w),
                  key=lambda i: (rows[i].time, i), default=None)
-        if at is not None and rows[at].time > w * (1 + ROW_TOLERANCE):
+        if at is not None and rows[at].time > w * (1 + JOIN_TOLERANCE):
             spare = max(0.0, whole_work - holes)
             fillable = (ep_size - k) * min(w, full)  # a free lane holds whole sequences of <= C tokens
             if min(k * (rows[at].time - w), spare) > (ep_size - k) * max(0.0, w - full) + max(0.0, fillable - spare):
