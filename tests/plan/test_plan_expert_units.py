@@ -22,7 +22,9 @@ from megatron_hdp.plan.search.expert_units import (ALLTOALL_SHARE, Row, fill_hol
 from megatron_hdp.plan.lengths import sample_global_batch
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.cost.presets import analytic_cost_model
-from megatron_hdp.plan.cost.sharding import member_times, whole_times
+from megatron_hdp.plan.cost.sharding import member_time, member_times, needed_offload_ratio, whole_times
+from megatron_hdp.plan.policies.balance_candidates import BatchShare, build_units
+from megatron_hdp.plan.search.unit_rows import widen_rings
 from megatron_hdp.plan.timeline.assemble import time_plan
 from megatron_hdp.plan.timeline.timing import plan_runtime_counts
 from megatron_hdp.sim.cluster import ClusterSpec
@@ -151,34 +153,72 @@ def test_ep_aware_balance_is_never_timed_slower_than_the_plan_made_as_if_ep_1(mi
         assert _simulated(aware, CPU_MOE) <= _simulated(unaware, CPU_MOE) * (1 + 1e-9), (mix, seed)
 
 
-def test_a_lane_ring_joins_a_slower_row_when_a_new_row_could_not_be_filled():
-    """A new row leaves e - k lanes free for the ring's member time w, but whole sequences of <= C tokens
-    fill a free lane for at most `full` seconds: with w = 1.0 and full = 0.3 on 4 lanes a new row idles
-    2 x (1.0 - 0.3) = 1.4 lane-seconds, joining a row of 1.5 idles 2 x 0.5 = 1.0, so it joins (and with
-    full >= w, where the free lanes fill, it takes a row of its own)."""
-    def place(full: float) -> list:
-        rows = [Row([[0], [0], [], []], 1.5, [2, 3])]  # a ring of 2 lanes taking 1.5 s, two lanes free
-        ring_rows(rows, [1], ring_sizes=np.array([2, 2]), weights=np.array([1.5, 1.0]), ep_size=4,
-                  whole_work=100.0, full=full)
-        return [row.lanes for row in rows]
-
-    assert place(full=0.3) == [[[0], [0], [1], [1]]]
-    assert place(full=2.0) == [[[0], [0], [], []], [[1], [1], [], []]]
-
-
 def test_a_lane_ring_joins_a_row_up_to_the_join_tolerance_above_its_time():
     """A ring of 1.0 s and a row of 1.15 s with two lanes free: 15% above, within JOIN_TOLERANCE (0.2), it
-    joins; a row of 1.3 s it would join only if that idled fewer lane-seconds than a new row, which whole
-    sequences (up to `full` = 2.0 s a lane) would fill: it takes a row of its own."""
+    joins; a row of 1.3 s is too slow for it, and it takes a row of its own (the slow row's free lanes are
+    for its own rings to widen into, `widen_rings`)."""
     def place(time: float) -> list:
         rows = [Row([[0], [0], [], []], time, [2, 3])]
-        ring_rows(rows, [1], ring_sizes=np.array([2, 2]), weights=np.array([time, 1.0]), ep_size=4,
-                  whole_work=100.0, full=2.0)
+        ring_rows(rows, [1], ring_sizes=np.array([2, 2]), weights=np.array([time, 1.0]), ep_size=4)
         return [row.lanes for row in rows]
 
     assert expert_units.JOIN_TOLERANCE == 0.2
     assert place(1.15) == [[[0], [0], [1], [1]]]
     assert place(1.3) == [[[0], [0], [], []], [[1], [1], [], []]]
+
+
+def test_widen_rings_gives_free_lanes_as_a_brute_force_over_all_splits_would():
+    """Rows of 8 lanes holding two or three rings of DeepSeek-V3 documents (EP 32 member times apart from
+    the routed experts) and 1-5 free lanes: the widened row's slowest ring, counted no lower than `fill`
+    (what whole sequences would take in a lane left free), is the least any split of the free lanes
+    among its rings reaches, searched over every split (sizes up to length / 2)."""
+    import itertools
+    cost = ClusterSpec(model="deepseek-v3", num_gpus=2048, tp_size=8, ep_size=32).cost_model()
+    expert = cost.expert_seconds_per_token()
+    own = lambda length, size: (member_time(length, size, cost_model=cost)  # noqa: E731
+                                - expert * -(-length // size))
+    rng = np.random.default_rng(5)
+    for _ in range(12):
+        count = int(rng.integers(2, 4))
+        lengths = rng.integers(20_000, 131_073, size=count)
+        sizes = [int(rng.integers(1, 4)) for _ in range(count)]
+        free = int(rng.integers(1, 6))
+        if sum(sizes) + free > 8:
+            continue
+        fill = float(rng.choice([0.5, 2.0, 4.0]))
+        lanes = [[seq] for seq, k in enumerate(sizes) for _ in range(k)] + [[] for _ in range(8 - sum(sizes))]
+        row = Row(lanes, 0.0, list(range(sum(sizes), sum(sizes) + free)))  # lanes past those: taken elsewhere
+        widen_rings([row], lengths=lengths, own=own, fill=fill)
+        got = {seq: sum(seq in lane for lane in row.lanes) for seq in range(count)}
+        best = min(max([fill] + [own(int(lengths[s]), sizes[s] + extra[s]) for s in range(count)])
+                   for extra in itertools.product(range(free + 1), repeat=count)
+                   if sum(extra) <= free and all(2 * (sizes[s] + extra[s]) <= lengths[s] for s in range(count)))
+        assert max([fill] + [own(int(lengths[s]), got[s]) for s in range(count)]) == pytest.approx(best, rel=1e-12)
+        assert sum(map(len, row.lanes)) == sum(got.values()) and len(row.free) == free + sum(sizes) - sum(got.values())
+        if any(got[s] > sizes[s] for s in range(count)):  # lanes go only to rings slower than a free lane
+            assert max(own(int(lengths[s]), got[s] - 1) for s in range(count) if got[s] > sizes[s]) > fill
+    row = Row([[0], [0], [], []], 0.0, [2, 3])  # a ring no slower than whole sequences in a free lane: as is
+    assert widen_rings([row], lengths=np.array([131_072]), own=own, fill=own(131_072, 2)) == {}
+    assert row.lanes == [[0], [0], [], []] and row.free == [2, 3]
+    # members that a wider ring makes slower (its traffic outweighs its smaller shards): as is, too
+    assert widen_rings([row], lengths=np.array([131_072]), own=lambda length, size: 1.0 + 0.1 * size, fill=0.0) == {}
+
+
+def test_a_heavy_rows_free_lanes_widen_its_rings_with_the_offload_they_then_need():
+    """DeepSeek-V3 at EP 32, one unit, C = 16,384: three 131,072-token documents on 6 members (21,846
+    tokens each, offloading) fill 18 lanes of a row whose other 14 whole sequences could not match
+    (~7 s a member against at most a C-token document's ~1 s). The 14 lanes go to the three rings in turn
+    (alike documents: the lowest id first on ties): 11, 11 and 10 members, which hold <= C tokens and so
+    offload nothing."""
+    cost, capacity = ClusterSpec(model="deepseek-v3", num_gpus=256, tp_size=8, ep_size=32).cost_model(), 16_384
+    lengths = [131_072] * 3 + [2_000] * 40
+    sizes = np.array([6] * 3 + [1] * 40)
+    ratios = np.array([needed_offload_ratio(cost, num_tokens=21_846, capacity=capacity)] * 3 + [0.0] * 40)
+    assert ratios[0] > 0
+    plan = build_units(lengths, sizes, ratios, tokens=np.array(lengths), num_ranks=32, capacity=capacity,
+                       cost_model=cost, pp_size=1, vpp_size=1, exact=False, shared=BatchShare())
+    assert [len(plan.rings[seq]) for seq in range(3)] == [11, 11, 10]
+    assert list(plan.offload_ratios[:3]) == [0.0, 0.0, 0.0] and list(ratios[:3]) != [0.0, 0.0, 0.0]
 
 
 def test_whole_sequences_fill_ring_members_with_time_and_tokens_to_spare():
@@ -257,12 +297,12 @@ def test_rings_within_capacity_are_planned_grown_and_as_they_are():
     """DeepSeek-V3 at EP 32, C = 16,384: a 75,000-token document on 3 members (25,000 tokens, offloading)
     widens within capacity to 5 (15,000 tokens; 4 would hold 18,750). Its row of 5 lanes would leave 27
     lanes to whole sequences of at most a 16K document's 1.4 s against its members' ~3.3 s, so both
-    choices grow to a whole unit of 32; the 5-member ring is planned too, as it is."""
+    choices grow to a whole unit of 32; the 3- and 5-member rings are planned too, as they are."""
     cost = ClusterSpec(model="deepseek-v3", num_gpus=2048, tp_size=8, ep_size=32).cost_model()
     lengths = np.array([75_000, 1_000])
     option = (np.array([3, 1]), np.array([0.3, 0.0]))
     assert [sizes.tolist() for sizes, _ in unit_options([option], lengths=lengths, capacity=16_384,
-                                                         cost_model=cost)] == [[32, 1], [5, 1]]
+                                                         cost_model=cost)] == [[32, 1], [3, 1], [5, 1]]
 
 
 def _zigzag_fullest(length: int, size: int) -> int:
@@ -334,10 +374,12 @@ def test_deepseek_rings_within_capacity_win_where_the_all_to_all_waits_for_the_f
     """DeepSeek-V3 at TP 8 and EP 32 over NICs (64 HDP ranks, 2 units): every lane of a row waits for the
     all-to-all of its fullest sender, so rings that offload (more than C tokens a member) make whole lanes
     beside them wait. balance plans the rings within capacity as well and keeps them here: no member holds
-    more than C, and the plan is faster than balance without that candidate."""
+    more than C, and the plan is faster than balance without that candidate. (Seed 1: on seed 0 the rings
+    that offload, widened into their rows' free lanes, now plan as fast; on seeds 1-2 of github and 0-2 of
+    byted the candidate wins by 0.1-8%.)"""
     spec = ClusterSpec(model="deepseek-v3", num_gpus=512, tp_size=8, ep_size=32)
     cost, capacity = spec.cost_model(), spec.rank_capacity
-    lengths = sample_global_batch("github", num_tokens=4 * capacity * spec.num_ranks, seed=0, max_length=131072)
+    lengths = sample_global_batch("github", num_tokens=4 * capacity * spec.num_ranks, seed=1, max_length=131072)
     config = HDPConfig(hdp_capacity=capacity)
     plan = make_plan(lengths, num_ranks=spec.num_ranks, config=config, cost_model=cost, policy="balance")
     rings = [s for s in plan.sequences if len(s.ring) > 1]

@@ -15,18 +15,21 @@ time and every lane runs the unit's count:
    where their equal zigzag shards wait for nobody. When the all-to-all has a cost, the first choice of
    ring sizes is also planned with every ring `within_capacity` (no member over C tokens): a ring member
    that offloads holds more tokens than the lanes beside it, and all of its row waits for its transfers;
-   that choice both with rings grown and as it is (the growth judges a row by its rings alone, and rows
-   that mix rings of several member times, as `ring_rows` makes them, can fill lanes a grown ring took);
+   these two choices both with rings grown and as they are (the growth judges a row by alike rings
+   alone, while `ring_rows` also fills rows with rings of other times and widens rings into lanes left
+   free, which can serve better than a ring grown to a unit);
 2. rings of more than one unit, aligned at one index in every unit they span: `placement.place_rings`
    over the G = D / e units, a ring of k ranks on ceil(k / e) of them, its last unit's other lanes free;
-3. the rest in rows (`ring_rows`, `fill_holes`, `whole_rows`): rings of at most e ranks (*lane rings*)
-   heaviest first, each into a row of about its member time with lanes free (step 2's rows included),
-   else the row that idles fewer lane-seconds, a new one or a slower one; whole sequences, heaviest first,
-   into free lanes and the spare time and tokens of ring members where they fit the row's time, C and its
-   fullest lane (best fit; times here without the routed expert work, which the all-to-all spreads over
-   the row's lanes: a free lane of many short documents matches a ring member's attention-heavy time with
-   more tokens than a ring member holds); the rest in rows of e bins in order of time, each sequence into the bin of
-   least time with room, a new row when none has room, so a row's bins hold alike sequences. The last
+3. the rest in rows (`ring_rows`, `unit_rows.widen_rings`, `fill_holes`, `whole_rows`): rings of at
+   most e ranks (*lane rings*) heaviest first, each into a row of about its member time with lanes free
+   (step 2's rows included), else a new one; the lanes a row's rings leave free go to those rings as extra
+   members while their members are slower than whole sequences in a free lane could be; whole sequences,
+   heaviest first, into free lanes and the spare time and tokens of ring members where they fit the row's
+   time, C and its fullest lane (best fit; times here without the routed expert work, which the
+   all-to-all spreads over the row's lanes: a free lane of many short documents matches a ring member's
+   attention-heavy time with more tokens than a ring member holds); the rest in rows of e bins in order
+   of time, each sequence into the bin of least time with room, a new row when none has room, so a row's
+   bins hold alike sequences. The last
    `fine_work` lane-seconds go into rows of C / FINE_PARTS tokens: light rows to balance the units with;
 4. rows to units (`placement.lpt` heaviest first from each unit's ring finish, then `refine.refine_local`
    on the units' times: moves and swaps of whole rows), each unit's rows after its step-2 rows. A row's
@@ -47,13 +50,14 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.placement import lpt, place_rings
 from megatron_hdp.plan.search.refine import refine_local
+from megatron_hdp.plan.search.unit_rows import Row, widen_rings
 from megatron_hdp.plan.cost.sharding import (max_member_tokens, member_time, needed_offload_ratio,
                                              whole_times)
 
@@ -175,21 +179,21 @@ def unit_options(options: Sequence[Option], *, lengths: np.ndarray, capacity: in
                  pp_size: int = 1) -> list[Option]:
     """The distinct `unit_ring_sizes` of `options` (EP: `cost_model.expert_parallel_size`), in their order,
     the first option's rings `within_capacity` second where the all-to-all costs (`ALLTOALL_SHARE`; before
-    the alternatives, which `balance` tries with patience), grown and then also as they are (module doc,
-    step 1: on DeepSeek-V3's EP 32 each of the two wins on some batches)."""
+    the alternatives, which `balance` tries with patience), and there these two each grown and then also
+    as they are (module doc, step 1: on DeepSeek-V3's EP 32 each of the four wins on some batches)."""
     alltoall = cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size) * capacity
     if len(options) and alltoall >= ALLTOALL_SHARE * float(whole_times([capacity], cost_model=cost_model,
                                                                        pp_size=pp_size)[0]):
         options = [options[0], within_capacity(lengths, options[0], capacity=capacity, cost_model=cost_model),
                    *options[1:]]
-        ungrown = options[1]
+        ungrown = options[:2]
     else:
-        ungrown = None
+        ungrown = []
     out, seen, member_seconds = [], set(), {}
     for option in options:
         grown = unit_ring_sizes(lengths, option, ep_size=cost_model.expert_parallel_size, capacity=capacity,
                                 cost_model=cost_model, pp_size=pp_size, member_seconds=member_seconds)
-        for sizes, ratios in [grown] + ([option] if option is ungrown else []):
+        for sizes, ratios in [grown] + ([option] if any(option is first for first in ungrown) else []):
             key = sizes.tobytes()
             if key not in seen:
                 seen.add(key)
@@ -198,26 +202,17 @@ def unit_options(options: Sequence[Option], *, lengths: np.ndarray, capacity: in
 
 
 @dataclass
-class Row:
-    """One micro-batch index of a unit: what each of its lanes runs, the time of the rings in it (0 for a
-    row of whole sequences; member seconds while `ring_rows` forms the rows, then the slowest lane's
-    seconds apart from the routed expert work for `fill_holes`), and the lanes still free."""
-
-    lanes: list[list[int]]
-    time: float
-    free: list[int]
-
-
-@dataclass
 class UnitLayout:
     """The rows of every unit: `lead[u]` the rows of unit u's rings of several units (at the indices
-    `placement.place_rings` aligned them to), `given[u]` its other rows; `row_times[r]` row r's time."""
+    `placement.place_rings` aligned them to), `given[u]` its other rows; `row_times[r]` row r's time;
+    `widened`: the rings given more members than their ring size (`unit_rows.widen_rings`), by sequence."""
 
     ep_size: int
     rows: list[Row]
     lead: list[list[int]]
     given: list[list[int]]
     row_times: np.ndarray
+    widened: dict[int, int]
 
     def schedules(self, *, lightest_first: Sequence[bool] = (False,)) -> Iterator[list[list[list[int]]]]:
         """Every rank's micro-batches (lists of sequence ids): each unit's lead rows, then its other rows
@@ -257,6 +252,7 @@ def place_units(
     fine_work: float,
     alltoall: float = 0.0,
     expert: float = 0.0,
+    member_seconds: Callable[[int, int], float] | None = None,
 ) -> UnitLayout:
     """Steps 2-4 of the module doc. `weights`: each sequence's member seconds at its ring size (whole:
     its time on one rank); `overhead`: a micro-batch's fixed seconds; `full`: a whole C-token document's
@@ -264,7 +260,8 @@ def place_units(
     `alltoall`: the all-to-all's seconds per token of a row's fullest lane
     (`CostModel.expert_alltoall_seconds_per_token`), part of the row times units are balanced by;
     `expert`: the routed expert work's seconds per token (`CostModel.expert_seconds_per_token`), which
-    the all-to-all spreads evenly over a row's lanes."""
+    the all-to-all spreads evenly over a row's lanes; `member_seconds`: (length, ring size) -> a member's
+    seconds, for the rings `widen_rings` widens (None: every ring keeps its size)."""
     num_units = num_ranks // ep_size
     span = -(-ring_sizes // ep_size)  # units a ring touches
     wide = np.flatnonzero(span > 1)
@@ -283,7 +280,23 @@ def place_units(
     lane_ids = np.flatnonzero((ring_sizes > 1) & (span == 1))
     whole_ids = np.flatnonzero(ring_sizes == 1)
     ring_rows(rows, lane_ids[np.lexsort((lane_ids, -weights[lane_ids]))].tolist(), ring_sizes=ring_sizes,
-              weights=weights, ep_size=ep_size, whole_work=float(weights[whole_ids].sum()), full=full)
+              weights=weights, ep_size=ep_size)
+    widened: dict[int, int] = {}
+    if member_seconds is not None:
+        seconds: dict[tuple[int, int], float] = {}
+
+        def own_seconds(length: int, size: int) -> float:  # a member's seconds apart from routed experts
+            if (length, size) not in seconds:
+                seconds[length, size] = (member_seconds(length, size)
+                                         - expert * max_member_tokens(length, size))
+            return seconds[length, size]
+
+        widened = widen_rings(rows[floating:], lengths=tokens, own=own_seconds, fill=full - expert * capacity)
+        if widened:
+            ring_sizes, weights = ring_sizes.copy(), weights.astype(np.float64)
+            for seq, size in widened.items():
+                ring_sizes[seq] = size
+                weights[seq] = member_seconds(int(tokens[seq]), size)
     held = tokens.tolist()  # tokens each lane holds of each sequence: a ring member its fullest shard
     for seq in np.flatnonzero(ring_sizes > 1).tolist():
         held[seq] = max_member_tokens(held[seq], int(ring_sizes[seq]))
@@ -306,34 +319,25 @@ def place_units(
     row_order = sorted(range(floating, len(rows)), key=lambda r: (-row_times[r], r))
     given = lpt(row_order, weights=row_times, loads=base.copy())
     given = refine_local(given, weights=row_times, base=base)
-    return UnitLayout(ep_size, rows, lead, given, row_times)
+    return UnitLayout(ep_size, rows, lead, given, row_times, widened)
 
 
-def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, weights: np.ndarray, ep_size: int,
-              whole_work: float, full: float) -> None:
+def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, weights: np.ndarray,
+              ep_size: int) -> None:
     """The lane rings of `order` (heaviest first) into `rows` (those there: rows of rings of several units,
     some lanes of their last unit free). A ring joins the row of least time T >= its member time w with
-    lanes free when T is within `JOIN_TOLERANCE` of w, else that row or a new one, whichever idles fewer
-    lane-seconds. Whole sequences not yet counted for free lanes (`whole_work` less the free lanes so far,
-    `spare`) could run in the row's k lanes instead: joining idles k (T - w) of them, at most `spare`; a
-    new row leaves e - k lanes free for w, which whole sequences of at most C tokens fill for at most
-    `full` seconds each: (e - k) max(0, w - full) idle, and what `spare` cannot fill of the rest."""
-    holes = sum(row.time * len(row.free) for row in rows)
+    lanes free when T is within `JOIN_TOLERANCE` of w, else opens a new row: the lanes a heavy row leaves
+    free go to its own rings as extra members (`unit_rows.widen_rings`), not to a lighter ring whose
+    members would idle there (before the widening: the row that idled fewer lane-seconds, counting what
+    whole sequences could fill, DeepSeek-V3 0.05-1.0 points of the work floor behind)."""
     for seq in order:
         k, w = int(ring_sizes[seq]), float(weights[seq])
-        at = min((i for i, row in enumerate(rows) if len(row.free) >= k and row.time >= w),
+        at = min((i for i, row in enumerate(rows) if len(row.free) >= k and w <= row.time <= w * (1 + JOIN_TOLERANCE)),
                  key=lambda i: (rows[i].time, i), default=None)
-        if at is not None and rows[at].time > w * (1 + JOIN_TOLERANCE):
-            spare = max(0.0, whole_work - holes)
-            fillable = (ep_size - k) * min(w, full)  # a free lane holds whole sequences of <= C tokens
-            if min(k * (rows[at].time - w), spare) > (ep_size - k) * max(0.0, w - full) + max(0.0, fillable - spare):
-                at = None
         if at is None:
             rows.append(Row([[] for _ in range(ep_size)], w, list(range(ep_size))))
-            holes += ep_size * w
             at = len(rows) - 1
         row = rows[at]
-        holes -= k * row.time
         for lane in row.free[:k]:
             row.lanes[lane].append(seq)
         del row.free[:k]
