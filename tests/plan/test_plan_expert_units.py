@@ -313,25 +313,26 @@ def _zigzag_fullest(length: int, size: int) -> int:
 
 
 def test_within_capacity_widens_each_ring_to_the_fewest_members_of_at_most_c_tokens():
-    """Against a search over ring sizes with the zigzag chunks counted one by one: a ring grows to the
-    smallest size at or above its own whose fullest member holds <= C tokens (offloading nothing), a ring
-    already there and a whole sequence stay, and a document too short to split that far stops where its
-    chunks would be empty."""
+    """Against a search over ring sizes with the zigzag chunks counted one by one: a ring, or a whole
+    sequence of more than C tokens (offloading on its one rank), grows to the smallest size at or above its
+    own whose fullest member holds <= C tokens (offloading nothing), a ring already there and a whole
+    sequence of at most C stay, and a document too short to split that far stops where its chunks would
+    be empty."""
     cost = MIXTRAL.cost_model()
     capacity = 1000
-    lengths = np.array([4001, 2500, 1999, 900, 9, 3000])
-    sizes = np.array([2, 3, 2, 1, 2, 5])
-    ratios = np.array([0.5, 0.2, 0.1, 0.0, 0.3, 0.0])
+    lengths = np.array([4001, 2500, 1999, 900, 9, 3000, 1500])
+    sizes = np.array([2, 3, 2, 1, 2, 5, 1])
+    ratios = np.array([0.5, 0.2, 0.1, 0.0, 0.3, 0.0, 0.4])
     got_sizes, got_ratios = within_capacity(lengths, (sizes, ratios), capacity=capacity, cost_model=cost)
     for length, size, got, ratio in zip(lengths.tolist(), sizes.tolist(), got_sizes.tolist(), got_ratios.tolist()):
-        if size == 1:
+        if size == 1 and length <= capacity:
             assert (got, ratio) == (1, 0.0)
             continue
         want = next((k for k in range(size, length // 2 + 1) if _zigzag_fullest(length, k) <= capacity), length // 2)
         assert got == want, (length, size)
         assert (ratio == 0.0) == (_zigzag_fullest(length, got) <= capacity)
-    assert got_sizes.tolist() == [5, 3, 2, 1, 2, 5]  # 4001 on 4 would hold 1001 at its fullest member
-    assert sizes.tolist() == [2, 3, 2, 1, 2, 5]  # the option given is not changed
+    assert got_sizes.tolist() == [5, 3, 2, 1, 2, 5, 2]  # 4001 on 4 would hold 1001 at its fullest member
+    assert sizes.tolist() == [2, 3, 2, 1, 2, 5, 1]  # the option given is not changed
     # at C = 2 a 9-token document's fullest member holds 3 tokens on 4 ranks, and 5 would leave chunks empty
     tiny, _ = within_capacity(np.array([9]), (np.array([2]), np.array([0.5])), capacity=2, cost_model=cost)
     assert tiny.tolist() == [4] and _zigzag_fullest(9, 4) == 3
