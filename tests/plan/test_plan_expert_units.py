@@ -242,6 +242,21 @@ def test_whole_sequences_fill_ring_members_with_time_and_tokens_to_spare():
     assert rows[0].lanes == [[0], [0], [1, 3, 4], [2, 5]]
 
 
+def test_short_whole_sequences_fill_the_holes_of_the_rows_of_long_ones():
+    """EP 2, C = 64 tokens, seconds = tokens / 64: 64 and 56 tokens fill a row (48 does not fit beside
+    them), 48 and 44 the next. Rowed together heaviest first, the short 8, 4 and 4 all land in that second
+    row (its lanes 0.875 and 0.8125 s), while the first keeps lanes of 1.0 and 0.875 s: 1.875 s in all.
+    The long ones rowed first (>= C / LARGE_PARTS = 16 tokens), the short ones fill holes up to each row's
+    slowest and fullest lane: 8 beside 56 (to 1.0 s, 64 tokens), a 4 beside 44 (to 0.75 s, 48 tokens), and
+    the last 4 takes a row of its own: 1.0 + 0.75 + 0.0625 = 1.8125 s."""
+    tokens = np.array([64, 56, 48, 44, 8, 4, 4])
+    layout = place_units(ring_sizes=np.ones(7, dtype=np.int64), weights=tokens / 64, tokens=tokens, num_ranks=2,
+                         ep_size=2, capacity=64, overhead=0.0, full=1.0, fine_work=0.0)
+    assert expert_units.LARGE_PARTS == 4
+    assert [row.lanes for row in layout.rows] == [[[0], [1, 4]], [[2], [3, 5]], [[6], []]]
+    assert float(layout.row_times.sum()) == 1.8125
+
+
 def test_units_are_balanced_on_row_times_that_hold_the_all_to_all():
     """Every lane of a row waits for the row's all-to-all, which ends with its fullest sender: the row times
     place_units balances units by are overhead + the slowest lane's seconds + the per-token all-to-all x the
