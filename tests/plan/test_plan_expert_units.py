@@ -22,7 +22,10 @@ from megatron_hdp.plan.search.expert_units import (ALLTOALL_SHARE, Row, fill_hol
 from megatron_hdp.plan.lengths import sample_global_batch
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.cost.presets import analytic_cost_model
-from megatron_hdp.plan.cost.sharding import member_times
+from megatron_hdp.plan.cost.sharding import member_time, member_times, needed_offload_ratio, whole_times
+from megatron_hdp.plan.policies.balance_candidates import BatchShare, build_units
+from megatron_hdp.plan.search.unit_rows import widen_rings
+from megatron_hdp.plan.timeline.assemble import time_plan
 from megatron_hdp.plan.timeline.timing import plan_runtime_counts
 from megatron_hdp.sim.cluster import ClusterSpec
 from megatron_hdp.sim.simulator import simulate_step
@@ -150,19 +153,72 @@ def test_ep_aware_balance_is_never_timed_slower_than_the_plan_made_as_if_ep_1(mi
         assert _simulated(aware, CPU_MOE) <= _simulated(unaware, CPU_MOE) * (1 + 1e-9), (mix, seed)
 
 
-def test_a_lane_ring_joins_a_slower_row_when_a_new_row_could_not_be_filled():
-    """A new row leaves e - k lanes free for the ring's member time w, but whole sequences of <= C tokens
-    fill a free lane for at most `full` seconds: with w = 1.0 and full = 0.3 on 4 lanes a new row idles
-    2 x (1.0 - 0.3) = 1.4 lane-seconds, joining a row of 1.5 idles 2 x 0.5 = 1.0, so it joins (and with
-    full >= w, where the free lanes fill, it takes a row of its own)."""
-    def place(full: float) -> list:
-        rows = [Row([[0], [0], [], []], 1.5, [2, 3])]  # a ring of 2 lanes taking 1.5 s, two lanes free
-        ring_rows(rows, [1], ring_sizes=np.array([2, 2]), weights=np.array([1.5, 1.0]), ep_size=4,
-                  whole_work=100.0, full=full)
+def test_a_lane_ring_joins_a_row_up_to_the_join_tolerance_above_its_time():
+    """A ring of 1.0 s and a row of 1.15 s with two lanes free: 15% above, within JOIN_TOLERANCE (0.2), it
+    joins; a row of 1.3 s is too slow for it, and it takes a row of its own (the slow row's free lanes are
+    for its own rings to widen into, `widen_rings`)."""
+    def place(time: float) -> list:
+        rows = [Row([[0], [0], [], []], time, [2, 3])]
+        ring_rows(rows, [1], ring_sizes=np.array([2, 2]), weights=np.array([time, 1.0]), ep_size=4)
         return [row.lanes for row in rows]
 
-    assert place(full=0.3) == [[[0], [0], [1], [1]]]
-    assert place(full=2.0) == [[[0], [0], [], []], [[1], [1], [], []]]
+    assert expert_units.JOIN_TOLERANCE == 0.2
+    assert place(1.15) == [[[0], [0], [1], [1]]]
+    assert place(1.3) == [[[0], [0], [], []], [[1], [1], [], []]]
+
+
+def test_widen_rings_gives_free_lanes_as_a_brute_force_over_all_splits_would():
+    """Rows of 8 lanes holding two or three rings of DeepSeek-V3 documents (EP 32 member times apart from
+    the routed experts) and 1-5 free lanes: the widened row's slowest ring, counted no lower than `fill`
+    (what whole sequences would take in a lane left free), is the least any split of the free lanes
+    among its rings reaches, searched over every split (sizes up to length / 2)."""
+    import itertools
+    cost = ClusterSpec(model="deepseek-v3", num_gpus=2048, tp_size=8, ep_size=32).cost_model()
+    expert = cost.expert_seconds_per_token()
+    own = lambda length, size: (member_time(length, size, cost_model=cost)  # noqa: E731
+                                - expert * -(-length // size))
+    rng = np.random.default_rng(5)
+    for _ in range(12):
+        count = int(rng.integers(2, 4))
+        lengths = rng.integers(20_000, 131_073, size=count)
+        sizes = [int(rng.integers(1, 4)) for _ in range(count)]
+        free = int(rng.integers(1, 6))
+        if sum(sizes) + free > 8:
+            continue
+        fill = float(rng.choice([0.5, 2.0, 4.0]))
+        lanes = [[seq] for seq, k in enumerate(sizes) for _ in range(k)] + [[] for _ in range(8 - sum(sizes))]
+        row = Row(lanes, 0.0, list(range(sum(sizes), sum(sizes) + free)))  # lanes past those: taken elsewhere
+        widen_rings([row], lengths=lengths, own=own, fill=fill)
+        got = {seq: sum(seq in lane for lane in row.lanes) for seq in range(count)}
+        best = min(max([fill] + [own(int(lengths[s]), sizes[s] + extra[s]) for s in range(count)])
+                   for extra in itertools.product(range(free + 1), repeat=count)
+                   if sum(extra) <= free and all(2 * (sizes[s] + extra[s]) <= lengths[s] for s in range(count)))
+        assert max([fill] + [own(int(lengths[s]), got[s]) for s in range(count)]) == pytest.approx(best, rel=1e-12)
+        assert sum(map(len, row.lanes)) == sum(got.values()) and len(row.free) == free + sum(sizes) - sum(got.values())
+        if any(got[s] > sizes[s] for s in range(count)):  # lanes go only to rings slower than a free lane
+            assert max(own(int(lengths[s]), got[s] - 1) for s in range(count) if got[s] > sizes[s]) > fill
+    row = Row([[0], [0], [], []], 0.0, [2, 3])  # a ring no slower than whole sequences in a free lane: as is
+    assert widen_rings([row], lengths=np.array([131_072]), own=own, fill=own(131_072, 2)) == {}
+    assert row.lanes == [[0], [0], [], []] and row.free == [2, 3]
+    # members that a wider ring makes slower (its traffic outweighs its smaller shards): as is, too
+    assert widen_rings([row], lengths=np.array([131_072]), own=lambda length, size: 1.0 + 0.1 * size, fill=0.0) == {}
+
+
+def test_a_heavy_rows_free_lanes_widen_its_rings_with_the_offload_they_then_need():
+    """DeepSeek-V3 at EP 32, one unit, C = 16,384: three 131,072-token documents on 6 members (21,846
+    tokens each, offloading) fill 18 lanes of a row whose other 14 whole sequences could not match
+    (~7 s a member against at most a C-token document's ~1 s). The 14 lanes go to the three rings in turn
+    (alike documents: the lowest id first on ties): 11, 11 and 10 members, which hold <= C tokens and so
+    offload nothing."""
+    cost, capacity = ClusterSpec(model="deepseek-v3", num_gpus=256, tp_size=8, ep_size=32).cost_model(), 16_384
+    lengths = [131_072] * 3 + [2_000] * 40
+    sizes = np.array([6] * 3 + [1] * 40)
+    ratios = np.array([needed_offload_ratio(cost, num_tokens=21_846, capacity=capacity)] * 3 + [0.0] * 40)
+    assert ratios[0] > 0
+    plan = build_units(lengths, sizes, ratios, tokens=np.array(lengths), num_ranks=32, capacity=capacity,
+                       cost_model=cost, pp_size=1, vpp_size=1, exact=False, shared=BatchShare())
+    assert [len(plan.rings[seq]) for seq in range(3)] == [11, 11, 10]
+    assert list(plan.offload_ratios[:3]) == [0.0, 0.0, 0.0] and list(ratios[:3]) != [0.0, 0.0, 0.0]
 
 
 def test_whole_sequences_fill_ring_members_with_time_and_tokens_to_spare():
@@ -186,6 +242,21 @@ def test_whole_sequences_fill_ring_members_with_time_and_tokens_to_spare():
     assert rows[0].lanes == [[0], [0], [1, 3, 4], [2, 5]]
 
 
+def test_short_whole_sequences_fill_the_holes_of_the_rows_of_long_ones():
+    """EP 2, C = 64 tokens, seconds = tokens / 64: 64 and 56 tokens fill a row (48 does not fit beside
+    them), 48 and 44 the next. Rowed together heaviest first, the short 8, 4 and 4 all land in that second
+    row (its lanes 0.875 and 0.8125 s), while the first keeps lanes of 1.0 and 0.875 s: 1.875 s in all.
+    The long ones rowed first (>= C / LARGE_PARTS = 16 tokens), the short ones fill holes up to each row's
+    slowest and fullest lane: 8 beside 56 (to 1.0 s, 64 tokens), a 4 beside 44 (to 0.75 s, 48 tokens), and
+    the last 4 takes a row of its own: 1.0 + 0.75 + 0.0625 = 1.8125 s."""
+    tokens = np.array([64, 56, 48, 44, 8, 4, 4])
+    layout = place_units(ring_sizes=np.ones(7, dtype=np.int64), weights=tokens / 64, tokens=tokens, num_ranks=2,
+                         ep_size=2, capacity=64, overhead=0.0, full=1.0, fine_work=0.0)
+    assert expert_units.LARGE_PARTS == 4
+    assert [row.lanes for row in layout.rows] == [[[0], [1, 4]], [[2], [3, 5]], [[6], []]]
+    assert float(layout.row_times.sum()) == 1.8125
+
+
 def test_units_are_balanced_on_row_times_that_hold_the_all_to_all():
     """Every lane of a row waits for the row's all-to-all, which ends with its fullest sender: the row times
     place_units balances units by are overhead + the slowest lane's seconds + the per-token all-to-all x the
@@ -201,6 +272,54 @@ def test_units_are_balanced_on_row_times_that_hold_the_all_to_all():
     assert sorted(s for row in layout.rows for lane in row.lanes for s in lane) == list(range(6))
 
 
+def test_row_times_are_what_the_timeline_counts_with_the_expert_work_spread():
+    """DeepSeek-V3 at EP 32 (one unit of 32 lanes, whole sequences of 200-16,000 tokens): the routed expert
+    work is spread evenly over a row's lanes by the all-to-all, so a unit's rows summed as place_units times
+    them (the slowest lane apart from that work, its mean, the fullest lane's transfers) are the step that
+    `time_plan` predicts for the unit's schedule, to the float's rounding."""
+    spec = ClusterSpec(model="deepseek-v3", num_gpus=256, tp_size=8, ep_size=32)
+    cost, capacity = spec.cost_model(), spec.rank_capacity
+    assert spec.num_ranks == cost.expert_parallel_size == 32
+    tokens = np.random.default_rng(3).integers(200, 16_000, size=150)
+    weights = whole_times(tokens, cost_model=cost)
+    layout = place_units(ring_sizes=np.ones(len(tokens), dtype=np.int64), weights=weights, tokens=tokens,
+                         num_ranks=32, ep_size=32, capacity=capacity, overhead=cost.microbatch_time([]),
+                         full=float(whole_times([capacity], cost_model=cost)[0]), fine_work=0.0,
+                         alltoall=cost.expert_alltoall_seconds_per_token(), expert=cost.expert_seconds_per_token())
+    assert len(layout.rows) > 2 and cost.expert_seconds_per_token() > 0 and cost.expert_alltoall_seconds_per_token() > 0
+    timed = time_plan(policy="balance", lengths=tokens.tolist(), rings=layout.rings(len(tokens)),
+                      offload_ratios=np.zeros(len(tokens)), schedule=next(layout.schedules()), capacity=capacity,
+                      cost_model=cost)
+    assert timed.est_step_time == pytest.approx(float(layout.row_times.sum()), rel=1e-9)
+
+
+def test_a_free_lane_beside_a_ring_fills_to_the_rings_time_apart_from_the_routed_experts():
+    """EP 4, one unit: a ring of 2 members of 1.0 s and 300 tokens each, 0.3 s of which are routed expert
+    work (1 ms a token), and two whole sequences of 800 tokens and 1.4 s, 0.6 s apart from their 0.8 s of
+    expert work. The expert work is spread over the row's lanes, so each lane's own time is 0.7 s for the
+    members and 0.6 s for a whole sequence: both fit the ring's row (one row of 0.05 + 0.7 + 1 ms x 550
+    tokens + 10 us x 800 tokens). Counted with their expert work (1.4 s > 1.0 s) they would not, and would
+    take a row of their own."""
+    weights = np.array([1.0, 1.4, 1.4])
+    tokens = np.array([600, 800, 800])
+    layout = place_units(ring_sizes=np.array([2, 1, 1]), weights=weights, tokens=tokens, num_ranks=4, ep_size=4,
+                         capacity=1000, overhead=0.05, full=2.0, fine_work=0.0, alltoall=1e-5, expert=1e-3)
+    assert [row.lanes for row in layout.rows] == [[[0], [0], [1], [2]]]
+    assert layout.row_times.tolist() == pytest.approx([0.05 + 0.7 + 1e-3 * 550 + 1e-5 * 800])
+
+
+def test_rings_within_capacity_are_planned_grown_and_as_they_are():
+    """DeepSeek-V3 at EP 32, C = 16,384: a 75,000-token document on 3 members (25,000 tokens, offloading)
+    widens within capacity to 5 (15,000 tokens; 4 would hold 18,750). Its row of 5 lanes would leave 27
+    lanes to whole sequences of at most a 16K document's 1.4 s against its members' ~3.3 s, so both
+    choices grow to a whole unit of 32; the 5-member ring is planned too, as it is, before its growth."""
+    cost = ClusterSpec(model="deepseek-v3", num_gpus=2048, tp_size=8, ep_size=32).cost_model()
+    lengths = np.array([75_000, 1_000])
+    option = (np.array([3, 1]), np.array([0.3, 0.0]))
+    assert [sizes.tolist() for sizes, _ in unit_options([option], lengths=lengths, capacity=16_384,
+                                                         cost_model=cost)] == [[32, 1], [5, 1]]
+
+
 def _zigzag_fullest(length: int, size: int) -> int:
     """Tokens of the fullest member of a zigzag ring, chunk by chunk: 2 size chunks, chunk j of
     floor((j + 1) L / 2 size) - floor(j L / 2 size) tokens, member p holding chunks p and 2 size - 1 - p."""
@@ -209,25 +328,26 @@ def _zigzag_fullest(length: int, size: int) -> int:
 
 
 def test_within_capacity_widens_each_ring_to_the_fewest_members_of_at_most_c_tokens():
-    """Against a search over ring sizes with the zigzag chunks counted one by one: a ring grows to the
-    smallest size at or above its own whose fullest member holds <= C tokens (offloading nothing), a ring
-    already there and a whole sequence stay, and a document too short to split that far stops where its
-    chunks would be empty."""
+    """Against a search over ring sizes with the zigzag chunks counted one by one: a ring, or a whole
+    sequence of more than C tokens (offloading on its one rank), grows to the smallest size at or above its
+    own whose fullest member holds <= C tokens (offloading nothing), a ring already there and a whole
+    sequence of at most C stay, and a document too short to split that far stops where its chunks would
+    be empty."""
     cost = MIXTRAL.cost_model()
     capacity = 1000
-    lengths = np.array([4001, 2500, 1999, 900, 9, 3000])
-    sizes = np.array([2, 3, 2, 1, 2, 5])
-    ratios = np.array([0.5, 0.2, 0.1, 0.0, 0.3, 0.0])
+    lengths = np.array([4001, 2500, 1999, 900, 9, 3000, 1500])
+    sizes = np.array([2, 3, 2, 1, 2, 5, 1])
+    ratios = np.array([0.5, 0.2, 0.1, 0.0, 0.3, 0.0, 0.4])
     got_sizes, got_ratios = within_capacity(lengths, (sizes, ratios), capacity=capacity, cost_model=cost)
     for length, size, got, ratio in zip(lengths.tolist(), sizes.tolist(), got_sizes.tolist(), got_ratios.tolist()):
-        if size == 1:
+        if size == 1 and length <= capacity:
             assert (got, ratio) == (1, 0.0)
             continue
         want = next((k for k in range(size, length // 2 + 1) if _zigzag_fullest(length, k) <= capacity), length // 2)
         assert got == want, (length, size)
         assert (ratio == 0.0) == (_zigzag_fullest(length, got) <= capacity)
-    assert got_sizes.tolist() == [5, 3, 2, 1, 2, 5]  # 4001 on 4 would hold 1001 at its fullest member
-    assert sizes.tolist() == [2, 3, 2, 1, 2, 5]  # the option given is not changed
+    assert got_sizes.tolist() == [5, 3, 2, 1, 2, 5, 2]  # 4001 on 4 would hold 1001 at its fullest member
+    assert sizes.tolist() == [2, 3, 2, 1, 2, 5, 1]  # the option given is not changed
     # at C = 2 a 9-token document's fullest member holds 3 tokens on 4 ranks, and 5 would leave chunks empty
     tiny, _ = within_capacity(np.array([9]), (np.array([2]), np.array([0.5])), capacity=2, cost_model=cost)
     assert tiny.tolist() == [4] and _zigzag_fullest(9, 4) == 3
@@ -270,10 +390,12 @@ def test_deepseek_rings_within_capacity_win_where_the_all_to_all_waits_for_the_f
     """DeepSeek-V3 at TP 8 and EP 32 over NICs (64 HDP ranks, 2 units): every lane of a row waits for the
     all-to-all of its fullest sender, so rings that offload (more than C tokens a member) make whole lanes
     beside them wait. balance plans the rings within capacity as well and keeps them here: no member holds
-    more than C, and the plan is faster than balance without that candidate."""
+    more than C, and the plan is faster than balance without that candidate. (Seed 1: on seed 0 the rings
+    that offload, widened into their rows' free lanes, now plan as fast; on seeds 1-2 of github and 0-2 of
+    byted the candidate wins by 0.1-8%.)"""
     spec = ClusterSpec(model="deepseek-v3", num_gpus=512, tp_size=8, ep_size=32)
     cost, capacity = spec.cost_model(), spec.rank_capacity
-    lengths = sample_global_batch("github", num_tokens=4 * capacity * spec.num_ranks, seed=0, max_length=131072)
+    lengths = sample_global_batch("github", num_tokens=4 * capacity * spec.num_ranks, seed=1, max_length=131072)
     config = HDPConfig(hdp_capacity=capacity)
     plan = make_plan(lengths, num_ranks=spec.num_ranks, config=config, cost_model=cost, policy="balance")
     rings = [s for s in plan.sequences if len(s.ring) > 1]

@@ -172,7 +172,8 @@ def _plan_balance(
                               max_offload_ratio=config.max_offload_ratio)
 
     def improvable(plan: TimedPlan) -> bool:  # with PP always; else above both its mean rank time and the bound
-        mean = sum(plan.rank_times) / num_ranks
+        # (with EP units the bound alone: a rank's time holds its rows' waits for their fullest all-to-all)
+        mean = 0.0 if units else sum(plan.rank_times) / num_ranks
         return pp_size > 1 or (plan.est_step_time > RETRY_GAP * mean and plan.est_step_time > RETRY_GAP * bound())
 
     plan, family = _best(lengths, (units or ranks)[:1], None, **common)

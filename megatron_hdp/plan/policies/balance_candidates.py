@@ -16,7 +16,8 @@ from typing import Sequence
 import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
-from megatron_hdp.plan.cost.sharding import member_times, whole_times
+from megatron_hdp.plan.cost.sharding import (max_member_tokens, member_time, member_times, needed_offload_ratio,
+                                             whole_times)
 from megatron_hdp.plan.search.cp_groups import group_size
 from megatron_hdp.plan.search.expert_units import place_units
 from megatron_hdp.plan.search.packed_rings import pack_on_groups
@@ -237,7 +238,15 @@ def build_units(
                          ep_size=cost_model.expert_parallel_size, capacity=capacity,
                          overhead=cost_model.microbatch_time([], pp_size=pp_size), full=full,
                          fine_work=num_ranks * full,
-                         alltoall=cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size))
+                         alltoall=cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size),
+                         expert=cost_model.expert_seconds_per_token(pp_size=pp_size),
+                         member_seconds=lambda length, size: member_time(length, size, cost_model=cost_model,
+                                                                         pp_size=pp_size))
+    if placed.widened:  # rings widened into their rows' free lanes hold fewer tokens a member
+        offload_ratios = offload_ratios.copy()
+        for seq, size in placed.widened.items():
+            offload_ratios[seq] = needed_offload_ratio(cost_model, num_tokens=max_member_tokens(int(tokens[seq]), size),
+                                                       capacity=capacity)
     best = None
     rings = placed.rings(len(lengths))
     schedules = list(placed.schedules(lightest_first=(False, True) if pp_size > 1 else (False,)))

@@ -9,26 +9,37 @@ time and every lane runs the unit's count:
 
 1. ring sizes (`unit_ring_sizes`): a ring of k ranks takes k mod e lanes of a row of its last unit, and
    the other lanes of that row can match its member time only with other rings' shards: whole sequences
-   of at most C tokens take at most a whole C-token document's time. Rows are formed as step 3 will form
+   of at most C tokens take at most a whole C-token document's time. Rows are formed much as step 3 forms
    them; the rings of a row whose free lanes would idle more than growing its rings to the next multiple
    of e adds (ring traffic; zigzag work is otherwise conserved over k) grow, and then fill whole units,
    where their equal zigzag shards wait for nobody. When the all-to-all has a cost, the first choice of
    ring sizes is also planned with every ring `within_capacity` (no member over C tokens): a ring member
    that offloads holds more tokens than the lanes beside it, and all of its row waits for its transfers;
+   that choice as it is and with rings grown (the growth judges a row by alike rings alone, while
+   `ring_rows` also fills rows with rings of other times and widens rings into lanes left free, which
+   mostly serves better than a ring grown to a unit);
 2. rings of more than one unit, aligned at one index in every unit they span: `placement.place_rings`
    over the G = D / e units, a ring of k ranks on ceil(k / e) of them, its last unit's other lanes free;
-3. the rest in rows (`ring_rows`, `fill_holes`, `whole_rows`): rings of at most e ranks (*lane rings*)
-   heaviest first, each into a row of about its member time with lanes free (step 2's rows included),
-   else the row that idles fewer lane-seconds, a new one or a slower one; whole sequences, heaviest first,
-   into free lanes and the spare time and tokens of ring members where they fit the row's time, C and its
-   fullest lane (best fit); the rest in rows of e bins in order of time, each sequence into the bin of
-   least time with room, a new row when none has room, so a row's bins hold alike sequences. The last
-   `fine_work` lane-seconds go into rows of C / FINE_PARTS tokens: light rows to balance the units with;
+3. the rest in rows (`ring_rows`, `unit_rows.widen_rings`, `fill_holes`, `whole_rows`): rings of at
+   most e ranks (*lane rings*) heaviest first, each into a row of about its member time with lanes free
+   (step 2's rows included), else a new one; the lanes a row's rings leave free go to those rings as extra
+   members while their members are slower than whole sequences in a free lane could be; whole sequences,
+   heaviest first, into free lanes and the spare time and tokens of ring members where they fit the row's
+   time, C and its fullest lane (best fit; times here without the routed expert work, which the
+   all-to-all spreads over the row's lanes: a free lane of many short documents matches a ring member's
+   attention-heavy time with more tokens than a ring member holds); the rest in rows of e bins in order
+   of time, each sequence into the bin of least time with room, a new row when none has room, so a row's
+   bins hold alike sequences: first those of at least C / LARGE_PARTS tokens, whose rows' holes the
+   shorter ones then fill as they fill the rings' rows, then the shorter ones left, in rows of their own.
+   The last `fine_work` lane-seconds go into rows of C / FINE_PARTS tokens: light rows to balance the
+   units with;
 4. rows to units (`placement.lpt` heaviest first from each unit's ring finish, then `refine.refine_local`
    on the units' times: moves and swaps of whole rows), each unit's rows after its step-2 rows. A row's
-   time is its slowest lane's plus the all-to-all's for its fullest lane (every lane waits for the
-   transfers of the row's largest sender): at DeepSeek-V3's EP 32 over NICs those are ~1 s a full row,
-   and balancing units without them left units 24-35% apart.
+   time is as the timeline counts it (`experts.spread_grid`): its slowest lane apart from the routed
+   expert work, that work's mean over the lanes, and the all-to-all's for its fullest lane (every lane
+   waits for the transfers of the row's largest sender): at DeepSeek-V3's EP 32 over NICs those are ~1 s
+   a full row, and balancing units without them left units 24-35% apart; with the slowest lane's expert
+   work counted in full instead of spread, 1.3%.
 
 Every lane of a unit holds the unit's rows, so the runtime pads nothing (a lane with nothing at an index
 runs an empty micro-batch at the micro-batch overhead, as the runtime's padding would). Rings of several
@@ -39,23 +50,43 @@ small batches a plan rank by rank may already run its EP groups in step.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.placement import lpt, place_rings
 from megatron_hdp.plan.search.refine import refine_local
+from megatron_hdp.plan.search.unit_rows import Row, widen_rings
 from megatron_hdp.plan.cost.sharding import (max_member_tokens, member_time, needed_offload_ratio,
                                              whole_times)
 
+_fullest = functools.lru_cache(maxsize=1 << 16)(max_member_tokens)
+"""`max_member_tokens` remembered: every unit family of a batch asks it for the same (length, size) pairs
+(~1,000 a family on DeepSeek-V3 at 2,048 GPUs, ~20 us each)."""
+
 ROW_TOLERANCE = 0.1
-"""A lane ring joins a row whose time is at most this fraction above its member time."""
+"""`unit_ring_sizes`: a lane ring shares a row whose time is at most this fraction above its member time
+(the rows it judges growth by: rings of alike time only)."""
+
+JOIN_TOLERANCE = 0.2
+"""`ring_rows`: a lane ring joins a row whose time is at most this fraction above its member time without
+weighing the lane-seconds it idles there. Wider than `ROW_TOLERANCE` since `fill_holes` fills the rows
+to their rings' time apart from the routed expert work: against 0.1, DeepSeek-V3 at EP 32 (2,048 GPUs,
+github and byted, seeds 0-7) gains up to 0.34 points of the work floor on 14 of 16 batches and loses 0.15
+on one; 0.05 loses on all of seeds 0-3, 0.3 and 0.5 plan as 0.2 does. The 12 Mixtral / qwen3 EP cells
+of benchmarks/README.md: -0.2 to +0.2 points."""
 
 FINE_PARTS = 4
 """The light rows of the last `fine_work` lane-seconds hold C / FINE_PARTS tokens a lane."""
+
+LARGE_PARTS = 4
+"""Whole sequences of at least C / LARGE_PARTS tokens are put in rows first, and the shorter ones fill
+those rows' holes before rows of their own (`place_units`). DeepSeek-V3 at EP 32, 2,048 GPUs, seeds 0-3:
++0.26 to +0.57 points of the work floor on all 8 batches (2: +0.3 to +0.5, 8: -0.1 to +0.6, 6 as 4)."""
 
 ALLTOALL_SHARE = 0.1
 """The rings are also planned `within_capacity` where the all-to-all of C tokens takes at least this share
@@ -118,15 +149,15 @@ def unit_ring_sizes(lengths: np.ndarray, option: Option, *, ep_size: int, capaci
             for j, size in grown.items():
                 seq = int(odd[j])
                 sizes[seq] = size
-                ratios[seq] = needed_offload_ratio(cost_model, num_tokens=max_member_tokens(int(lengths[seq]), size),
+                ratios[seq] = needed_offload_ratio(cost_model, num_tokens=_fullest(int(lengths[seq]), size),
                                                    capacity=capacity)
     return sizes, ratios
 
 
 def within_capacity(lengths: np.ndarray, option: Option, *, capacity: int, cost_model: CostModel) -> Option:
-    """`option` with every ring widened to the fewest members whose fullest holds at most C tokens (and
-    so offloads nothing), where the document allows it (zigzag chunks of >= 1 token: size <= s / 2),
-    except rings that fill whole rows with their twins.
+    """`option` with every ring, and every whole sequence of more than C tokens, widened to the fewest
+    members whose fullest holds at most C tokens (and so offloads nothing), where the document allows it
+    (zigzag chunks of >= 1 token: size <= s / 2), except rings that fill whole rows with their twins.
 
     Under expert parallelism every lane of a row waits for the all-to-all of the row's fullest lane. A
     ring that offloads holds more than C tokens a member, and beside lanes of at most C (whole sequences,
@@ -136,7 +167,11 @@ def within_capacity(lengths: np.ndarray, option: Option, *, capacity: int, cost_
     `balance` plans both and keeps the faster. Rings of one length and size that divides e, e / size of
     them to a row, wait for nobody's transfers but their own: as many of them as fill whole rows keep
     their size (byted's clipped 131,072-token documents: 4 members of 2C tokens, where 8 of C would pay
-    ring traffic their attention no longer hides)."""
+    ring traffic their attention no longer hides). A whole sequence of more than C tokens offloads to fit
+    its one rank and holds more tokens than the lanes beside it just as a ring member that offloads does
+    (github's 16-23K-token documents at C = 16K, a row of their own of 32 lengths apart); on 2 members it
+    is a lane ring that rows of alike rings take (DeepSeek-V3 at 2,048 GPUs: +0.04 to +0.44 points of the
+    work floor on github and byted seeds 0-3)."""
     ring_sizes, offload_ratios = option
     sizes, ratios = ring_sizes.copy(), offload_ratios.copy()
     ep_size = cost_model.expert_parallel_size
@@ -145,14 +180,14 @@ def within_capacity(lengths: np.ndarray, option: Option, *, capacity: int, cost_
         twins.setdefault((int(lengths[seq]), int(ring_sizes[seq])), []).append(seq)
     in_full_rows = {seq for (_, size), seqs in twins.items()
                     for seq in seqs[:len(seqs) - len(seqs) % (ep_size // size)]}
-    for seq in np.flatnonzero(ring_sizes > 1).tolist():
+    for seq in np.flatnonzero((ring_sizes > 1) | (lengths > capacity)).tolist():
         if seq in in_full_rows:
             continue
         length, size = int(lengths[seq]), int(ring_sizes[seq])
-        while max_member_tokens(length, size) > capacity and 2 * (size + 1) <= length:
+        while _fullest(length, size) > capacity and 2 * (size + 1) <= length:
             size += 1
         sizes[seq] = size
-        ratios[seq] = needed_offload_ratio(cost_model, num_tokens=max_member_tokens(length, size), capacity=capacity)
+        ratios[seq] = needed_offload_ratio(cost_model, num_tokens=_fullest(length, size), capacity=capacity)
     return sizes, ratios
 
 
@@ -160,43 +195,39 @@ def unit_options(options: Sequence[Option], *, lengths: np.ndarray, capacity: in
                  pp_size: int = 1) -> list[Option]:
     """The distinct `unit_ring_sizes` of `options` (EP: `cost_model.expert_parallel_size`), in their order,
     the first option's rings `within_capacity` second where the all-to-all costs (`ALLTOALL_SHARE`; before
-    the alternatives, which `balance` tries with patience)."""
+    the alternatives, which `balance` tries with patience), as they are and then grown (module doc, step
+    1: on DeepSeek-V3's EP 32, 2,048 GPUs, the rings within capacity as they are win 15 of 16 batches,
+    grown the 16th; the first option planned as it is too won none, nor did the alternatives)."""
     alltoall = cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size) * capacity
+    capped = None
     if len(options) and alltoall >= ALLTOALL_SHARE * float(whole_times([capacity], cost_model=cost_model,
                                                                        pp_size=pp_size)[0]):
-        options = [options[0], within_capacity(lengths, options[0], capacity=capacity, cost_model=cost_model),
-                   *options[1:]]
+        capped = within_capacity(lengths, options[0], capacity=capacity, cost_model=cost_model)
+        options = [options[0], capped, *options[1:]]
     out, seen, member_seconds = [], set(), {}
     for option in options:
-        sizes, ratios = unit_ring_sizes(lengths, option, ep_size=cost_model.expert_parallel_size, capacity=capacity,
-                                        cost_model=cost_model, pp_size=pp_size, member_seconds=member_seconds)
-        key = sizes.tobytes()
-        if key not in seen:
-            seen.add(key)
-            out.append((sizes, ratios))
+        grown = unit_ring_sizes(lengths, option, ep_size=cost_model.expert_parallel_size, capacity=capacity,
+                                cost_model=cost_model, pp_size=pp_size, member_seconds=member_seconds)
+        for sizes, ratios in ([option] if option is capped else []) + [grown]:
+            key = sizes.tobytes()
+            if key not in seen:
+                seen.add(key)
+                out.append((sizes, ratios))
     return out
-
-
-@dataclass
-class Row:
-    """One micro-batch index of a unit: what each of its lanes runs, the time of the rings in it (0 for a
-    row of whole sequences), and the lanes still free."""
-
-    lanes: list[list[int]]
-    time: float
-    free: list[int]
 
 
 @dataclass
 class UnitLayout:
     """The rows of every unit: `lead[u]` the rows of unit u's rings of several units (at the indices
-    `placement.place_rings` aligned them to), `given[u]` its other rows; `row_times[r]` row r's time."""
+    `placement.place_rings` aligned them to), `given[u]` its other rows; `row_times[r]` row r's time;
+    `widened`: the rings given more members than their ring size (`unit_rows.widen_rings`), by sequence."""
 
     ep_size: int
     rows: list[Row]
     lead: list[list[int]]
     given: list[list[int]]
     row_times: np.ndarray
+    widened: dict[int, int]
 
     def schedules(self, *, lightest_first: Sequence[bool] = (False,)) -> Iterator[list[list[list[int]]]]:
         """Every rank's micro-batches (lists of sequence ids): each unit's lead rows, then its other rows
@@ -235,12 +266,17 @@ def place_units(
     full: float,
     fine_work: float,
     alltoall: float = 0.0,
+    expert: float = 0.0,
+    member_seconds: Callable[[int, int], float] | None = None,
 ) -> UnitLayout:
     """Steps 2-4 of the module doc. `weights`: each sequence's member seconds at its ring size (whole:
     its time on one rank); `overhead`: a micro-batch's fixed seconds; `full`: a whole C-token document's
     seconds, the most a free lane's whole sequences take; `fine_work`: lane-seconds of the light rows;
     `alltoall`: the all-to-all's seconds per token of a row's fullest lane
-    (`CostModel.expert_alltoall_seconds_per_token`), part of the row times units are balanced by."""
+    (`CostModel.expert_alltoall_seconds_per_token`), part of the row times units are balanced by;
+    `expert`: the routed expert work's seconds per token (`CostModel.expert_seconds_per_token`), which
+    the all-to-all spreads evenly over a row's lanes; `member_seconds`: (length, ring size) -> a member's
+    seconds, for the rings `widen_rings` widens (None: every ring keeps its size)."""
     num_units = num_ranks // ep_size
     span = -(-ring_sizes // ep_size)  # units a ring touches
     wide = np.flatnonzero(span > 1)
@@ -259,18 +295,48 @@ def place_units(
     lane_ids = np.flatnonzero((ring_sizes > 1) & (span == 1))
     whole_ids = np.flatnonzero(ring_sizes == 1)
     ring_rows(rows, lane_ids[np.lexsort((lane_ids, -weights[lane_ids]))].tolist(), ring_sizes=ring_sizes,
-              weights=weights, ep_size=ep_size, whole_work=float(weights[whole_ids].sum()), full=full)
+              weights=weights, ep_size=ep_size)
+    widened: dict[int, int] = {}
+    if member_seconds is not None:
+        seconds: dict[tuple[int, int], float] = {}
+
+        def own_seconds(length: int, size: int) -> float:  # a member's seconds apart from routed experts
+            if (length, size) not in seconds:
+                seconds[length, size] = (member_seconds(length, size)
+                                         - expert * _fullest(length, size))
+            return seconds[length, size]
+
+        widened = widen_rings(rows[floating:], lengths=tokens, own=own_seconds, fill=full - expert * capacity)
+        if widened:
+            ring_sizes, weights = ring_sizes.copy(), weights.astype(np.float64)
+            for seq, size in widened.items():
+                ring_sizes[seq] = size
+                weights[seq] = member_seconds(int(tokens[seq]), size)
     held = tokens.tolist()  # tokens each lane holds of each sequence: a ring member its fullest shard
     for seq in np.flatnonzero(ring_sizes > 1).tolist():
-        held[seq] = max_member_tokens(held[seq], int(ring_sizes[seq]))
-    left = fill_holes(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -weights[whole_ids]))].tolist(),
-                      weights=weights, tokens=tokens, held=held, capacity=capacity)
-    rows += whole_rows(left, weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity, fine_work=fine_work)
-    seconds = weights.tolist()
+        held[seq] = _fullest(held[seq], int(ring_sizes[seq]))
+    own = (weights - expert * np.asarray(held, dtype=np.float64)).tolist()  # seconds apart from routed experts
 
-    def row_time(row: Row) -> float:  # every lane waits for the slowest, and the all-to-all for its fullest
-        return (overhead + max(sum(map(seconds.__getitem__, lane)) for lane in row.lanes)
-                + alltoall * max(sum(map(held.__getitem__, lane)) for lane in row.lanes))
+    def fill(holed: list[Row], order: list[int]) -> list[int]:  # rows timed as their lanes' own seconds
+        for row in holed:
+            row.time = max(sum(map(own.__getitem__, lane)) for lane in row.lanes)
+        return fill_holes(holed, order, weights=np.asarray(own), tokens=tokens, held=held, capacity=capacity)
+
+    left = fill(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -weights[whole_ids]))].tolist())
+    # whole rows: the large sequences first, one of which leaves a lane no room for the next, and the
+    # short ones into their holes, so that those rows' lanes end alike; the rest in rows of their own
+    short = [seq for seq in left if tokens[seq] * LARGE_PARTS < capacity]
+    large = whole_rows([seq for seq in left if tokens[seq] * LARGE_PARTS >= capacity], weights=weights,
+                       tokens=tokens, ep_size=ep_size, capacity=capacity,
+                       fine_work=fine_work - float(weights[short].sum()))  # the light rows' work, less the short
+    short = fill(large, short)
+    rows += large + whole_rows(short, weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity,
+                               fine_work=fine_work)
+
+    def row_time(row: Row) -> float:  # every lane waits for the slowest and the fullest's all-to-all
+        lane_tokens = [sum(map(held.__getitem__, lane)) for lane in row.lanes]
+        return (overhead + max(sum(map(own.__getitem__, lane)) for lane in row.lanes)
+                + expert * sum(lane_tokens) / ep_size + alltoall * max(lane_tokens))
 
     row_times = np.array([row_time(row) for row in rows])
     base = np.zeros(num_units)
@@ -279,34 +345,25 @@ def place_units(
     row_order = sorted(range(floating, len(rows)), key=lambda r: (-row_times[r], r))
     given = lpt(row_order, weights=row_times, loads=base.copy())
     given = refine_local(given, weights=row_times, base=base)
-    return UnitLayout(ep_size, rows, lead, given, row_times)
+    return UnitLayout(ep_size, rows, lead, given, row_times, widened)
 
 
-def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, weights: np.ndarray, ep_size: int,
-              whole_work: float, full: float) -> None:
+def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, weights: np.ndarray,
+              ep_size: int) -> None:
     """The lane rings of `order` (heaviest first) into `rows` (those there: rows of rings of several units,
     some lanes of their last unit free). A ring joins the row of least time T >= its member time w with
-    lanes free when T is within `ROW_TOLERANCE` of w, else that row or a new one, whichever idles fewer
-    lane-seconds. Whole sequences not yet counted for free lanes (`whole_work` less the free lanes so far,
-    `spare`) could run in the row's k lanes instead: joining idles k (T - w) of them, at most `spare`; a
-    new row leaves e - k lanes free for w, which whole sequences of at most C tokens fill for at most
-    `full` seconds each: (e - k) max(0, w - full) idle, and what `spare` cannot fill of the rest."""
-    holes = sum(row.time * len(row.free) for row in rows)
+    lanes free when T is within `JOIN_TOLERANCE` of w, else opens a new row: the lanes a heavy row leaves
+    free go to its own rings as extra members (`unit_rows.widen_rings`), not to a lighter ring whose
+    members would idle there (before the widening: the row that idled fewer lane-seconds, counting what
+    whole sequences could fill, DeepSeek-V3 0.05-1.0 points of the work floor behind)."""
     for seq in order:
         k, w = int(ring_sizes[seq]), float(weights[seq])
-        at = min((i for i, row in enumerate(rows) if len(row.free) >= k and row.time >= w),
+        at = min((i for i, row in enumerate(rows) if len(row.free) >= k and w <= row.time <= w * (1 + JOIN_TOLERANCE)),
                  key=lambda i: (rows[i].time, i), default=None)
-        if at is not None and rows[at].time > w * (1 + ROW_TOLERANCE):
-            spare = max(0.0, whole_work - holes)
-            fillable = (ep_size - k) * min(w, full)  # a free lane holds whole sequences of <= C tokens
-            if min(k * (rows[at].time - w), spare) > (ep_size - k) * max(0.0, w - full) + max(0.0, fillable - spare):
-                at = None
         if at is None:
             rows.append(Row([[] for _ in range(ep_size)], w, list(range(ep_size))))
-            holes += ep_size * w
             at = len(rows) - 1
         row = rows[at]
-        holes -= k * row.time
         for lane in row.free[:k]:
             row.lanes[lane].append(seq)
         del row.free[:k]
