@@ -161,6 +161,9 @@ class TimingCache:
     microbatches: dict[tuple[int, tuple[int, ...]], tuple[float, int, list[tuple[int, str]]]] = field(
         default_factory=dict)
     plans: dict[tuple[int, int | None, int], TimedPlan] = field(default_factory=dict)
+    loops: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    """`_microbatch_times` of each schedule timed, by (id, pp_size), with the schedule (whose identity is
+    checked): the same for every EP size."""
     contents: dict = field(default_factory=dict)
     """Ring micro-batches by content, whichever rank: per piece its length, its ring's label (in order of
     first piece) and the tokens it holds, and per ring its size and link bandwidth, which is all
@@ -222,6 +225,47 @@ def time_plan(
     if timed is not None and timed.schedule is schedule and timed.offload_ratios is offload_ratios and (
             timed.policy, timed.capacity, timed.pp_size, timed.vpp_size) == (policy, capacity, pp_size, vpp_size):
         return timed
+    loop = shared.loops.get((id(schedule), pp_size))
+    if loop is None or loop[0] is not schedule:
+        loop = shared.loops[(id(schedule), pp_size)] = (schedule, *_microbatch_times(
+            lengths=lengths, rings=rings, schedule=schedule, cost_model=cost_model, pp_size=pp_size, shared=shared))
+    _, times, tokens, kinds, ring_index = loop
+    overhead = cost_model.microbatch_time([], pp_size=pp_size)
+    ep_size = cost_model.expert_parallel_size
+    if pp_size == 1 and ep_size > 1:
+        alone, step = _expert_timeline(times, tokens, rings=rings, ring_index=ring_index, overhead=overhead,
+                                       cost_model=cost_model)
+    else:
+        counts = runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size, ep_size=ep_size,
+                                           vpp_size=vpp_size, rings={rings[seq] for seq in ring_index},
+                                           group_size=group_size)
+        padded = [t + [overhead] * (count - len(t)) for t, count in zip(times, counts)]  # the runtime's padding
+        padded_tokens = [t + [0] * (count - len(t)) for t, count in zip(tokens, counts)]
+        padded = cost_model.expert_coupled_times(padded, padded_tokens, pp_size=pp_size)
+        alone = pipelines_finish(padded, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
+        step = step_time(padded, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
+                         jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
+    timed = TimedPlan(policy=policy, lengths=lengths, rings=rings, offload_ratios=offload_ratios, schedule=schedule,
+                      capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, times=times,
+                      held=tokens, kinds=kinds, rank_times=alone, est_step_time=step)
+    shared.plans[(id(schedule), group_size, cost_model.expert_parallel_size)] = timed
+    return timed
+
+
+def _microbatch_times(
+    *,
+    lengths: list[int],
+    rings: Sequence[tuple[int, ...]],
+    schedule: Sequence[Sequence[Sequence[int]]],
+    cost_model: CostModel,
+    pp_size: int,
+    shared: TimingCache,
+) -> tuple[list[list[float]], list[list[int]], list[str], dict[int, int]]:
+    """`time_plan`'s micro-batch loop: every micro-batch's own time (before padding and the EP coupling) and
+    the tokens it holds, per rank, each sequence's ring kind and the index of each ring sequence's
+    micro-batch. None of these read the EP size, so `time_plan` makes them once per schedule
+    (`TimingCache.loops`) and the EP-1 pass's re-timing of a placement under the coupling only re-runs the
+    timeline after them."""
     if shared.positions is None:
         in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
         shared.positions = {seq: {rank: p for p, rank in enumerate(rings[seq])}
@@ -275,25 +319,7 @@ def time_plan(
             rank_tokens.append(held)
         times.append(rank_times)
         tokens.append(rank_tokens)
-    ep_size = cost_model.expert_parallel_size
-    if pp_size == 1 and ep_size > 1:
-        alone, step = _expert_timeline(times, tokens, rings=rings, ring_index=ring_index, overhead=overhead,
-                                       cost_model=cost_model)
-    else:
-        counts = runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size, ep_size=ep_size,
-                                           vpp_size=vpp_size, rings={rings[seq] for seq in ring_index},
-                                           group_size=group_size)
-        padded = [t + [overhead] * (count - len(t)) for t, count in zip(times, counts)]  # the runtime's padding
-        padded_tokens = [t + [0] * (count - len(t)) for t, count in zip(tokens, counts)]
-        padded = cost_model.expert_coupled_times(padded, padded_tokens, pp_size=pp_size)
-        alone = pipelines_finish(padded, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
-        step = step_time(padded, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
-                         jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
-    timed = TimedPlan(policy=policy, lengths=lengths, rings=rings, offload_ratios=offload_ratios, schedule=schedule,
-                      capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, times=times,
-                      held=tokens, kinds=kinds, rank_times=alone, est_step_time=step)
-    shared.plans[(id(schedule), group_size, cost_model.expert_parallel_size)] = timed
-    return timed
+    return times, tokens, kinds, ring_index
 
 
 def _expert_timeline(times: list[list[float]], tokens: list[list[int]], *, rings: Sequence[tuple[int, ...]],
