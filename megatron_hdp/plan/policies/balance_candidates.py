@@ -26,7 +26,7 @@ from megatron_hdp.plan.search.refine import PipelineCost, refine_exact, refine_l
 from megatron_hdp.plan.search.ring_shifts import RING_SHIFTS, fits_memory, group_sizes, shifted
 from megatron_hdp.plan.timeline.assemble import TimedPlan, TimingCache, time_plan
 from megatron_hdp.plan.timeline.bounds import step_time_lower_bound
-from megatron_hdp.plan.timeline.ep_floor import ep_step_floor
+from megatron_hdp.plan.timeline.ep_floor import ep_prefix_floor, ep_step_floor
 
 PLACEMENT_MARGIN = 0.02
 """The by-time ring placement replaces the aligned one only when predicted this much faster: it couples
@@ -129,6 +129,9 @@ class BatchShare:
     bounds: dict = dataclasses.field(default_factory=dict)
     """`step_time_lower_bound` by the all-to-all's seconds per token (`bound`)."""
 
+    placements: dict = dataclasses.field(default_factory=dict)
+    """By-time ring placements with the whole sequences left after their gaps, by the same keys."""
+
     def bound(self, tokens: np.ndarray, *, cost_model: CostModel, **limits) -> float:
         """`step_time_lower_bound(tokens, cost_model=cost_model, **limits)`, computed once per batch for
         cost models of one all-to-all time per token: the bound reads the EP size only there (0 at EP 1,
@@ -138,11 +141,12 @@ class BatchShare:
             self.bounds[key] = step_time_lower_bound(tokens, cost_model=cost_model, **limits)
         return self.bounds[key]
 
-    def get(self, key: tuple, make):
-        """`make()`'s schedules (`_schedules`) for placement `key`, made once."""
-        if key not in self.schedules:
-            self.schedules[key] = make()
-        return self.schedules[key]
+    def get(self, key: tuple, make, store: dict | None = None):
+        """`make()`'s schedules (`_schedules`) for placement `key` (or what `make` makes for `store`), made once."""
+        store = self.schedules if store is None else store
+        if key not in store:
+            store[key] = make()
+        return store[key]
 
 
 def with_coupling(plan: TimedPlan, cost_model: CostModel, shared: BatchShare) -> TimedPlan:
@@ -186,10 +190,13 @@ def build_ranks(
         return _schedules([[[seq] for seq in ring_mbs] for ring_mbs in layout.ring_microbatches], layout.rings,
                           layout.finish, whole_order, **common)
 
-    def by_time(ring_order: list[int], latest_ready: bool = False):
+    def placed(ring_order: list[int], latest_ready: bool):  # rings by time, whole sequences in their gaps
         timed = place_rings_by_time(ring_order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
                                     overhead=overhead, domains=nodes, latest_ready=latest_ready)
-        left = fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
+        return timed, fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
+
+    def by_time(placement: tuple):
+        timed, left = placement
         return _schedules(timed.leading, timed.rings, timed.finish, left, **common)
 
     plan = _finish(shared.get(key + ("aligned",), aligned), **timing)
@@ -204,8 +211,13 @@ def build_ranks(
             narrow = narrowest_first(order, ring_sizes=ring_sizes)
             variants += ([(narrow, False)] if narrow != order else []) + [(narrow, True)]
         for tag, (ring_order, latest_ready) in enumerate(variants):
-            candidate = _finish(shared.get(key + ("by time", tag), lambda: by_time(ring_order, latest_ready)),
-                                **timing)
+            placement = shared.get(key + ("by time", tag), lambda: placed(ring_order, latest_ready),
+                                   store=shared.placements)
+            if pp_size == 1 and cost_model.expert_parallel_size > 1 and ep_prefix_floor(
+                    placement[0].leading, ring_of=placement[0].rings, lengths=lengths,
+                    cost_model=cost_model) >= plan.est_step_time * (1 - PLACEMENT_MARGIN):
+                continue  # whatever follows its rings, it would not replace the plan (`ep_floor`)
+            candidate = _finish(shared.get(key + ("by time", tag), lambda: by_time(placement)), **timing)
             if candidate.est_step_time < plan.est_step_time * (1 - PLACEMENT_MARGIN):
                 plan = candidate
     return plan

@@ -27,6 +27,17 @@ Why (every step a lower bound of the one before, in exact arithmetic):
    the runtime's counts (`runtime_microbatch_counts`: at least every member's count, the group's largest
    for all) only add indices. The step is the latest group's end: at least the largest such sum.
 
+A ring placement's floor (`ep_prefix_floor`): `balance` places rings first (`leading[r]`, rank r's
+micro-batches up to its last ring) and appends micro-batches of whole sequences after them (assignment
+and packing, the costlier half of a candidate). Every completion's floor is at least the floor of
+`leading` alone: an appended whole sequence of s tokens in a cell (rank, index) adds w(s) =
+(a1 s^2 + b1 s) L to `own` and s to h, so own - spt h grows by w(s) - spt s >= 0 (spt = expert_share b1 L,
+and `CostModel` holds expert_share to [0, 1]), and mean h and max h do not fall: step 2's term at that
+index does not fall, whether the cell was an empty (padded) one inside the group's count or past it; an
+index past the group's count adds a term >= 0 (at the member of least h, own - spt h + spt mean h >= own
+>= 0). So a by-time placement whose prefix floor is already no better than what it must beat is not worth
+assigning, packing and timing.
+
 Floats: the bound sums in another order than the timing, so it is scaled by 1 - `SLACK` (far above the
 ~1e-13 relative error of a few hundred float additions), so that floor <= the timed step holds to the bit.
 tests/plan/test_ep_floor.py checks the inequality on random batches, schedules and cost models.
@@ -88,9 +99,26 @@ def ep_step_floor(
         held[at] = t
     own = overhead + np.bincount(cell, weights=extra, minlength=num_ranks * width)
     tokens = np.bincount(cell, weights=held, minlength=num_ranks * width)
-    own, tokens = own.reshape(-1, ep_size, width), tokens.reshape(-1, ep_size, width)
+    groups = num_ranks // ep_size
+    own, tokens = own.reshape(groups, ep_size, width), tokens.reshape(groups, ep_size, width)
     spt = cost_model.expert_seconds_per_token()
     a2a = cost_model.expert_alltoall_seconds_per_token()
     term = (own - spt * tokens).max(axis=1) + spt * tokens.mean(axis=1) + a2a * tokens.max(axis=1)
     term[np.arange(width)[None, :] >= depth[:, None]] = 0.0  # no index there: the group has finished
     return float(term.sum(axis=1).max(initial=0.0)) * (1 - SLACK)
+
+
+def ep_prefix_floor(
+    leading: Sequence[Sequence[Sequence[int]]],
+    *,
+    ring_of: dict[int, tuple[int, ...]],
+    lengths: Sequence[int],
+    cost_model: CostModel,
+) -> float:
+    """A lower bound on the timed step (`pp_size` 1, EP size e > 1) of every schedule that runs
+    `leading[r]` first on rank r and only micro-batches of whole sequences after it (module doc): the
+    floor of `leading` with the rings of `ring_of` (sequence -> ring)."""
+    rings: list[tuple[int, ...]] = [()] * len(lengths)
+    for seq, ring in ring_of.items():
+        rings[seq] = ring
+    return ep_step_floor(leading, rings=rings, lengths=lengths, cost_model=cost_model)
