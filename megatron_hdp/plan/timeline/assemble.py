@@ -153,11 +153,12 @@ class TimingCache:
     coupling), so calls whose cost models differ only in it may share one; `basis` (the cost model at EP 1)
     holds them to that. A schedule timed again under the same EP size (balance's EP-1 pass re-timing its
     winner with the coupling) is the plan timed before (`plans`). Pass one only to calls with the same
-    lengths and rings."""
+    lengths and rings (`positions`, `in_ring` and `whole`, each sequence's whole time, are theirs)."""
 
     basis: CostModel | None = None
     positions: dict[int, dict[int, int]] | None = None
-    whole: list[float] | None = None
+    in_ring: np.ndarray | None = None
+    whole: np.ndarray | None = None
     microbatches: dict[tuple[int, tuple[int, ...]], tuple[float, int, list[tuple[int, str]]]] = field(
         default_factory=dict)
     plans: dict[tuple[int, int | None, int], TimedPlan] = field(default_factory=dict)
@@ -240,8 +241,9 @@ def time_plan(
                                            vpp_size=vpp_size, rings={rings[seq] for seq in ring_index},
                                            group_size=group_size)
         padded = [t + [overhead] * (count - len(t)) for t, count in zip(times, counts)]  # the runtime's padding
-        padded_tokens = [t + [0] * (count - len(t)) for t, count in zip(tokens, counts)]
-        padded = cost_model.expert_coupled_times(padded, padded_tokens, pp_size=pp_size)
+        if ep_size > 1:  # at EP 1 the spread is the identity (`spread_expert_work`'s copy of float lists)
+            padded_tokens = [t + [0] * (count - len(t)) for t, count in zip(tokens, counts)]
+            padded = cost_model.expert_coupled_times(padded, padded_tokens, pp_size=pp_size)
         alone = pipelines_finish(padded, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
         step = step_time(padded, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
                          jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
@@ -265,61 +267,76 @@ def _microbatch_times(
     the tokens it holds, per rank, each sequence's ring kind and the index of each ring sequence's
     micro-batch. None of these read the EP size, so `time_plan` makes them once per schedule
     (`TimingCache.loops`) and the EP-1 pass's re-timing of a placement under the coupling only re-runs the
-    timeline after them."""
+    timeline after them.
+
+    A micro-batch of whole sequences takes the micro-batch overhead plus each sequence's whole time (the
+    cost model is additive over shards): all of them at once, summed by `np.bincount` in the order of the
+    schedule from 0.0, the float additions of Python's `sum` (3.11: plain, left to right). Micro-batches
+    with ring shards go through the cost model, rank by rank and in order (`_ring_microbatch`)."""
     if shared.positions is None:
         in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
         shared.positions = {seq: {rank: p for p, rank in enumerate(rings[seq])}
                             for seq in np.flatnonzero(in_ring).tolist()}
-        # A micro-batch of whole sequences takes the micro-batch overhead plus each sequence's whole time
-        # (the cost model is additive over shards); micro-batches with ring shards go through the cost model.
-        shared.whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size).tolist()
-    positions, whole, ring_microbatches = shared.positions, shared.whole, shared.microbatches
+        shared.whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size)
+        shared.in_ring = in_ring
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
-    ring_index: dict[int, int] = {}
+    per_rank = np.fromiter(map(len, schedule), dtype=np.int64, count=len(schedule))
+    flat = list(itertools.chain.from_iterable(schedule))  # every micro-batch, rank by rank
+    sizes = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
+    seqs = np.fromiter(itertools.chain.from_iterable(flat), dtype=np.int64, count=int(sizes.sum()))
+    cell = np.repeat(np.arange(len(flat)), sizes)
+    times = (overhead + np.bincount(cell, weights=shared.whole[seqs], minlength=len(flat))).tolist()
+    held = np.bincount(cell, weights=np.asarray(lengths, dtype=np.float64)[seqs], minlength=len(flat))
+    tokens = held.astype(np.int64).tolist()  # exact: far below 2^53 tokens
     kinds = ["kv"] * len(lengths)
-    times: list[list[float]] = []
-    tokens: list[list[int]] = []
-    for rank, microbatches in enumerate(schedule):
-        rank_times: list[float] = []
-        rank_tokens: list[int] = []
-        for index, seqs in enumerate(microbatches):
-            if positions.keys().isdisjoint(seqs):  # whole sequences only
-                held = sum(map(lengths.__getitem__, seqs))
-                time = overhead + sum(map(whole.__getitem__, seqs))
-            else:
-                key = (rank, tuple(seqs))
-                known = ring_microbatches.get(key)
-                if known is None:
-                    labels: dict[tuple[int, ...], int] = {}  # the micro-batch's rings, in order of first piece
-                    parts = []
-                    for seq in seqs:
-                        where = positions.get(seq)
-                        parts.append((lengths[seq], -1, lengths[seq]) if where is None else
-                                     (lengths[seq], labels.setdefault(rings[seq], len(labels)),
-                                      zigzag_num_tokens(lengths[seq], len(where), where[rank])))
-                    content = (pp_size, tuple(parts), tuple((len(ring), cost_model.ring_link_bandwidth(ring))
-                                                            for ring in labels))
-                    same = shared.contents.get(content)
-                    if same is None:
-                        _decide_ring_kinds(seqs, rings=rings, lengths=lengths, kinds=kinds, cost_model=cost_model,
-                                           decided=ring_index)
-                        costs = [(length, held, rings[seq] if label >= 0 else (), kinds[seq])
-                                 for seq, (length, label, held) in zip(seqs, parts)]
-                        ring_kinds = {labels[rings[seq]]: kinds[seq] for seq in seqs if seq in positions}
-                        same = shared.contents[content] = (cost_model.microbatch_time(costs, pp_size=pp_size),
-                                                           sum(c[1] for c in costs),
-                                                           [ring_kinds[label] for label in range(len(labels))])
-                    known = ring_microbatches[key] = (same[0], same[1], [(seq, same[2][labels[rings[seq]]])
-                                                                        for seq in seqs if seq in positions])
-                time, held, ring_kinds = known
-                for seq, kind in ring_kinds:
-                    kinds[seq] = kind
-                    ring_index.setdefault(seq, index)
-            rank_times.append(time)
-            rank_tokens.append(held)
-        times.append(rank_times)
-        tokens.append(rank_tokens)
-    return times, tokens, kinds, ring_index
+    ring_index: dict[int, int] = {}
+    starts = np.concatenate([[0], np.cumsum(per_rank)])
+    rank_of = np.repeat(np.arange(len(schedule)), per_rank)
+    for at in np.unique(cell[shared.in_ring[seqs]]).tolist():  # in order: rank by rank, index by index
+        rank = int(rank_of[at])
+        times[at], tokens[at] = _ring_microbatch(flat[at], rank, int(at - starts[rank]), lengths=lengths, rings=rings,
+                                                 kinds=kinds, ring_index=ring_index, cost_model=cost_model,
+                                                 pp_size=pp_size, shared=shared)
+    bounds = starts.tolist()
+    return ([times[a:b] for a, b in zip(bounds, bounds[1:])], [tokens[a:b] for a, b in zip(bounds, bounds[1:])],
+            kinds, ring_index)
+
+
+def _ring_microbatch(seqs: Sequence[int], rank: int, index: int, *, lengths: list[int],
+                     rings: Sequence[tuple[int, ...]], kinds: list[str], ring_index: dict[int, int],
+                     cost_model: CostModel, pp_size: int, shared: TimingCache) -> tuple[float, int]:
+    """The time and tokens of rank `rank`'s micro-batch `index` holding ring shards (`seqs`), from the cost
+    model once per (rank, sequences) and once per content (`TimingCache`); writes its rings' kinds into
+    `kinds` and their index into `ring_index` where not there yet."""
+    positions = shared.positions
+    key = (rank, tuple(seqs))
+    known = shared.microbatches.get(key)
+    if known is None:
+        labels: dict[tuple[int, ...], int] = {}  # the micro-batch's rings, in order of first piece
+        parts = []
+        for seq in seqs:
+            where = positions.get(seq)
+            parts.append((lengths[seq], -1, lengths[seq]) if where is None else
+                         (lengths[seq], labels.setdefault(rings[seq], len(labels)),
+                          zigzag_num_tokens(lengths[seq], len(where), where[rank])))
+        content = (pp_size, tuple(parts), tuple((len(ring), cost_model.ring_link_bandwidth(ring)) for ring in labels))
+        same = shared.contents.get(content)
+        if same is None:
+            _decide_ring_kinds(seqs, rings=rings, lengths=lengths, kinds=kinds, cost_model=cost_model,
+                               decided=ring_index)
+            costs = [(length, held, rings[seq] if label >= 0 else (), kinds[seq])
+                     for seq, (length, label, held) in zip(seqs, parts)]
+            ring_kinds = {labels[rings[seq]]: kinds[seq] for seq in seqs if seq in positions}
+            same = shared.contents[content] = (cost_model.microbatch_time(costs, pp_size=pp_size),
+                                               sum(c[1] for c in costs),
+                                               [ring_kinds[label] for label in range(len(labels))])
+        known = shared.microbatches[key] = (same[0], same[1], [(seq, same[2][labels[rings[seq]]])
+                                                              for seq in seqs if seq in positions])
+    time, held, ring_kinds = known
+    for seq, kind in ring_kinds:
+        kinds[seq] = kind
+        ring_index.setdefault(seq, index)
+    return time, held
 
 
 def _expert_timeline(times: list[list[float]], tokens: list[list[int]], *, rings: Sequence[tuple[int, ...]],
