@@ -36,7 +36,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
-from megatron_hdp.plan.zigzag import zigzag_chunks, zigzag_num_tokens
+from megatron_hdp.plan.zigzag import zigzag_chunks, zigzag_token_counts
 from megatron_hdp.plan.timeline.pipeline import pipelines_finish
 from megatron_hdp.plan.cost.sharding import whole_times
 from megatron_hdp.plan.timeline.timing import (coupled_finish, expert_coupled_finish, expert_links, link_groups,
@@ -158,6 +158,11 @@ class TimingCache:
     basis: CostModel | None = None
     positions: dict[int, dict[int, int]] | None = None
     in_ring: np.ndarray | None = None
+    ring_ids: dict[int, int] | None = None
+    """Each ring sequence's ring, numbered by distinct ring (`ring_shapes[id]`: its size and link bandwidth)."""
+    ring_shapes: list[tuple[int, float]] | None = None
+    ring_tokens: dict[int, list[int]] = field(default_factory=dict)
+    """Each ring sequence's tokens at every ring position (`zigzag_token_counts`), made where first needed."""
     whole: np.ndarray | None = None
     microbatches: dict[tuple[int, tuple[int, ...]], tuple[float, int, list[tuple[int, str]]]] = field(
         default_factory=dict)
@@ -279,6 +284,9 @@ def _microbatch_times(
                             for seq in np.flatnonzero(in_ring).tolist()}
         shared.whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size)
         shared.in_ring = in_ring
+        distinct: dict[tuple[int, ...], int] = {}  # each ring hashed once, not at every member's micro-batch
+        shared.ring_ids = {seq: distinct.setdefault(rings[seq], len(distinct)) for seq in shared.positions}
+        shared.ring_shapes = [(len(ring), cost_model.ring_link_bandwidth(ring)) for ring in distinct]
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     per_rank = np.fromiter(map(len, schedule), dtype=np.int64, count=len(schedule))
     flat = list(itertools.chain.from_iterable(schedule))  # every micro-batch, rank by rank
@@ -308,29 +316,31 @@ def _ring_microbatch(seqs: Sequence[int], rank: int, index: int, *, lengths: lis
     """The time and tokens of rank `rank`'s micro-batch `index` holding ring shards (`seqs`), from the cost
     model once per (rank, sequences) and once per content (`TimingCache`); writes its rings' kinds into
     `kinds` and their index into `ring_index` where not there yet."""
-    positions = shared.positions
+    positions, ring_ids = shared.positions, shared.ring_ids
     key = (rank, tuple(seqs))
     known = shared.microbatches.get(key)
     if known is None:
-        labels: dict[tuple[int, ...], int] = {}  # the micro-batch's rings, in order of first piece
+        labels: dict[int, int] = {}  # the micro-batch's rings (by `ring_ids`), in order of first piece
         parts = []
         for seq in seqs:
             where = positions.get(seq)
+            if where is not None and seq not in shared.ring_tokens:
+                shared.ring_tokens[seq] = zigzag_token_counts(lengths[seq], len(where)).tolist()
             parts.append((lengths[seq], -1, lengths[seq]) if where is None else
-                         (lengths[seq], labels.setdefault(rings[seq], len(labels)),
-                          zigzag_num_tokens(lengths[seq], len(where), where[rank])))
-        content = (pp_size, tuple(parts), tuple((len(ring), cost_model.ring_link_bandwidth(ring)) for ring in labels))
+                         (lengths[seq], labels.setdefault(ring_ids[seq], len(labels)),
+                          shared.ring_tokens[seq][where[rank]]))
+        content = (pp_size, tuple(parts), tuple(shared.ring_shapes[ring] for ring in labels))
         same = shared.contents.get(content)
         if same is None:
             _decide_ring_kinds(seqs, rings=rings, lengths=lengths, kinds=kinds, cost_model=cost_model,
                                decided=ring_index)
             costs = [(length, held, rings[seq] if label >= 0 else (), kinds[seq])
                      for seq, (length, label, held) in zip(seqs, parts)]
-            ring_kinds = {labels[rings[seq]]: kinds[seq] for seq in seqs if seq in positions}
+            ring_kinds = {labels[ring_ids[seq]]: kinds[seq] for seq in seqs if seq in positions}
             same = shared.contents[content] = (cost_model.microbatch_time(costs, pp_size=pp_size),
                                                sum(c[1] for c in costs),
                                                [ring_kinds[label] for label in range(len(labels))])
-        known = shared.microbatches[key] = (same[0], same[1], [(seq, same[2][labels[rings[seq]]])
+        known = shared.microbatches[key] = (same[0], same[1], [(seq, same[2][labels[ring_ids[seq]]])
                                                               for seq in seqs if seq in positions])
     time, held, ring_kinds = known
     for seq, kind in ring_kinds:
