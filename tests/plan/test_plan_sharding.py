@@ -183,3 +183,23 @@ def test_zigzag_token_counts_are_every_positions_zigzag_num_tokens():
             counts = zigzag_token_counts(length, ring_size)
             assert counts.tolist() == [zigzag_num_tokens(length, ring_size, p) for p in range(ring_size)]
             assert counts.sum() == length
+
+
+@pytest.mark.parametrize("max_ratio", [1.0, 0.5, 0.0])
+def test_the_lower_bound_from_the_shardings_ring_sizes_is_the_bound(max_ratio):
+    """balance hands `step_time_lower_bound` the D(s) its sharding found (`fewest`) instead of finding them
+    again: the bound must be the one it finds itself, to the bit (it decides which candidates run), sequences
+    beyond C that offloading lets run whole (D(s) = 1) included."""
+    from megatron_hdp.plan.cost.presets import analytic_cost_model
+    from megatron_hdp.plan.lengths import sample_global_batch
+    from megatron_hdp.plan.timeline.bounds import step_time_lower_bound
+
+    for model, ranks, mix, seed in (("llama-7b", 64, "byted", 0), ("mixtral-8x7b", 1024, "github", 1),
+                                    ("llama-7b", 16, "github", 2)):
+        cost_model = analytic_cost_model(model, "h100")
+        lengths = np.asarray(sample_global_batch(mix, num_tokens=ranks * 2 * 8192, seed=seed, max_length=ranks * 4096))
+        limits = dict(num_ranks=ranks, capacity=8192, cost_model=cost_model, max_offload_ratio=max_ratio)
+        sharding = shard_sequences(lengths, **limits)
+        long = lengths > 8192
+        fewest = dict(zip(lengths[long].tolist(), sharding.ring_sizes[long].tolist()))
+        assert step_time_lower_bound(lengths, **limits, fewest=fewest) == step_time_lower_bound(lengths, **limits)

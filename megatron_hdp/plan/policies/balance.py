@@ -168,8 +168,12 @@ def _plan_balance(
     if cost_model.expert_parallel_size > 1:  # EP groups planned as units; plans rank by rank stay candidates
         units = [(build_units, option) for option in unit_options(options, lengths=tokens, capacity=capacity,
                                                                    cost_model=cost_model, pp_size=pp_size)]
+    fewest = None  # D(s) of the sequences beyond C for the bound, taken at PP 1: the sharding's where it was too
+    if pp_size == 1:
+        long = tokens > capacity
+        fewest = dict(zip(tokens[long].tolist(), sharding.ring_sizes[long].tolist()))
     bound = functools.partial(shared.bound, tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
-                              max_offload_ratio=config.max_offload_ratio)
+                              max_offload_ratio=config.max_offload_ratio, fewest=fewest)
 
     def improvable(plan: TimedPlan) -> bool:  # with PP always; else above both its mean rank time and the bound
         mean = sum(plan.rank_times) / num_ranks

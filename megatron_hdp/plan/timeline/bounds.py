@@ -66,11 +66,14 @@ def step_time_lower_bound(
     cost_model: CostModel,
     pp_size: int = 1,
     max_offload_ratio: float = 1.0,
+    fewest: dict[int, int] | None = None,
 ) -> float:
     """The lower bound of the module docstring, in seconds.
 
     `max_offload_ratio` only tightens the bound (a ring has at least D(s) members, and more offloading
-    allows fewer); the default 1.0 gives a bound valid for every configuration.
+    allows fewer); the default 1.0 gives a bound valid for every configuration. `fewest`: D(s) by length
+    where the caller has them (`sharding.shard_sequences` with the same capacity, ranks, offload limit and
+    `pp_size`), else each is found here (`min_ring_size`).
     """
     if num_ranks <= 0:
         raise ValueError(f"num_ranks must be positive, got {num_ranks}")
@@ -83,13 +86,14 @@ def step_time_lower_bound(
     if not len(long_lengths):
         pieces = _pieces_floor(whole, np.ones(len(whole)), num_ranks) if num_ranks <= SMALL_POOL else 0.0
         return max(other_work / num_ranks, slowest, pieces)
-    fewest = {}
-    for s in long_lengths.tolist():
-        try:
-            fewest[s], _ = min_ring_size(s, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
-                                         max_offload_ratio=max_offload_ratio, pp_size=pp_size)
-        except ValueError:
-            fewest[s] = num_ranks  # no plan exists; keep the bound finite
+    if fewest is None:
+        fewest = {}
+        for s in long_lengths.tolist():
+            try:
+                fewest[s], _ = min_ring_size(s, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
+                                             max_offload_ratio=max_offload_ratio, pp_size=pp_size)
+            except ValueError:
+                fewest[s] = num_ranks  # no plan exists; keep the bound finite
     sizer = RingSizer(long_lengths.tolist(), fewest, widest=lambda s: num_ranks, cost_model=cost_model,
                       pp_size=pp_size, fractional=True)
     work = settle_target(sizer, counts=counts.tolist(), other_work=other_work,
