@@ -238,9 +238,9 @@ def time_plan(
     _, times, tokens, kinds, ring_index = loop
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     ep_size = cost_model.expert_parallel_size
-    if pp_size == 1 and ep_size > 1:
-        alone, step = _expert_timeline(times, tokens, rings=rings, ring_index=ring_index, overhead=overhead,
-                                       cost_model=cost_model)
+    if pp_size == 1 and (ep_size > 1 or not cost_model.jitter):
+        alone, step = _grid_timeline(times, tokens, rings=rings, ring_index=ring_index, overhead=overhead,
+                                     cost_model=cost_model)
     else:
         counts = runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size, ep_size=ep_size,
                                            vpp_size=vpp_size, rings={rings[seq] for seq in ring_index},
@@ -349,14 +349,17 @@ def _ring_microbatch(seqs: Sequence[int], rank: int, index: int, *, lengths: lis
     return time, held
 
 
-def _expert_timeline(times: list[list[float]], tokens: list[list[int]], *, rings: Sequence[tuple[int, ...]],
-                     ring_index: dict[int, int], overhead: float, cost_model: CostModel) -> tuple[list[float], float]:
-    """Each rank's busy time and the step time without PP and with EP, as `time_plan`'s general path computes
-    them (`runtime_microbatch_counts`, `expert_coupled_times`, `pipelines_finish`, `step_time`), the same
-    floats, on [rank, index] arrays instead of per-rank lists (at 16,384 ranks the lists' padding, spread,
-    counts and sums cost more than the micro-batch loop): every rank runs its EP group's largest count (at
-    least 1; without PP and VPP no other padding), padding micro-batches the overhead with 0 tokens; a
-    rank's time sums its spread times left to right (the zeros past its count add nothing)."""
+def _grid_timeline(times: list[list[float]], tokens: list[list[int]], *, rings: Sequence[tuple[int, ...]],
+                   ring_index: dict[int, int], overhead: float, cost_model: CostModel) -> tuple[list[float], float]:
+    """Each rank's busy time and the step time without PP, with EP or (at EP 1) without jitter, as
+    `time_plan`'s general path computes them (`runtime_microbatch_counts`, `expert_coupled_times`,
+    `pipelines_finish`, `step_time`), the same floats, on [rank, index] arrays instead of per-rank lists (at
+    16,384 ranks the lists' padding, spread, counts and sums and the union-find over every ring member's
+    key cost more than the micro-batch loop): every rank runs its EP group's largest count (at least 1;
+    without PP and VPP no other padding), padding micro-batches the overhead with 0 tokens; a rank's time
+    sums its spread times left to right (the zeros past its count add nothing). At EP 1 the spread is the
+    identity and every rank its own group (`expert_coupled_finish`: maxima, as `coupled_finish`; with
+    jitter its lead would sum members in another order, so the general path times that)."""
     ep_size = cost_model.expert_parallel_size
     own = np.fromiter(map(len, times), dtype=np.int64, count=len(times))
     counts = np.asarray(runtime_microbatch_counts(own.tolist(), ep_size=ep_size), dtype=np.int64)
@@ -412,7 +415,7 @@ def step_time(
     release them together, with the cost model's `jitter` (`timing.coupled_finish`; with PP every op of
     Megatron's pipeline order coupled the same way, `timing.pipeline_step_finish`, with `vpp_size` model
     chunks per stage and groups of `group_size`). `time_plan` times EP without PP a whole index at a time
-    instead (`_expert_timeline`, the same floats)."""
+    instead (`_grid_timeline`, the same floats)."""
     links = [(index, rings[seq]) for seq, index in ring_index.items()]
     groups = link_groups(links + expert_links([len(t) for t in times], ep_size))
     if pp_size > 1:
