@@ -75,3 +75,30 @@ def test_microbatch_times_are_the_loops_floats(seed):
                           schedule=schedule, capacity=60_000, cost_model=other, pp_size=pp)
         assert (again.times, again.held, again.kinds, again.est_step_time, again.rank_times) == (
             fresh.times, fresh.held, fresh.kinds, fresh.est_step_time, fresh.rank_times)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_build_is_the_plan_made_object_by_object(seed):
+    """`TimedPlan.build` makes its micro-batches and ranks column by column (`build_many`): the StepPlan
+    must equal the one made by calling the classes per micro-batch, zigzag chunks for ring members."""
+    from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan
+    from megatron_hdp.plan.zigzag import zigzag_chunks
+
+    rng = np.random.default_rng(100 + seed)
+    cost_model = dataclasses.replace(analytic_cost_model("mixtral-8x7b", "h100"), expert_parallel_size=2)
+    lengths, rings, schedule = _schedule(rng, 2 * int(rng.integers(1, 5)))
+    ratios = rng.random(len(lengths)).round(2).tolist()
+    timed = time_plan(policy="t", lengths=lengths, rings=rings, offload_ratios=ratios, schedule=schedule,
+                      capacity=20_000, cost_model=cost_model)
+    ranks = tuple(RankSchedule(rank, tuple(
+        MicroBatch(tuple(Shard(s, ((0, lengths[s]),)) if len(rings[s]) == 1 else
+                         Shard(s, zigzag_chunks(lengths[s], len(rings[s]), rings[s].index(rank))) for s in mb),
+                   max(20_000, held), time)
+        for mb, held, time in zip(microbatches, timed.held[rank], timed.times[rank])), timed.rank_times[rank])
+        for rank, microbatches in enumerate(schedule))
+    expected = StepPlan(policy="t", num_ranks=len(schedule), capacity=20_000, ranks=ranks,
+                        sequences=tuple(SequencePlacement(s, lengths[s], rings[s], ratios[s], timed.kinds[s])
+                                        for s in range(len(lengths))),
+                        est_step_time=timed.est_step_time, pp_size=1, vpp_size=1, group_size=None)
+    assert timed.build() == expected
+    assert timed.build().digest() == expected.digest()

@@ -123,18 +123,25 @@ class TimedPlan:
             by_seq = np.empty(len(lengths), dtype=object)
             by_seq[whole_ids] = whole_shards
             whole_shards = by_seq.tolist()
-        ranks = []
-        for rank, microbatches in enumerate(self.schedule):
-            built = []
-            for seqs, held, time in zip(microbatches, self.held[rank], self.times[rank]):
-                if positions.keys().isdisjoint(seqs):  # whole sequences only
-                    shards = tuple(map(whole_shards.__getitem__, seqs))
-                else:
-                    shards = tuple(whole_shards[seq] if seq not in positions else
-                                   Shard(seq, zigzag_chunks(lengths[seq], len(positions[seq]), positions[seq][rank]))
-                                   for seq in seqs)
-                built.append(MicroBatch(shards, max(self.capacity, held), time))
-            ranks.append(RankSchedule(rank, tuple(built), self.rank_times[rank]))
+        # Every micro-batch's shards, rank by rank; then the micro-batches and ranks built column by column.
+        flat = list(itertools.chain.from_iterable(self.schedule))
+        shards = [tuple(map(whole_shards.__getitem__, seqs)) for seqs in flat]
+        sizes = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
+        seqs = np.fromiter(itertools.chain.from_iterable(flat), dtype=np.int64, count=int(sizes.sum()))
+        per_mb = np.repeat(np.arange(len(flat)), sizes)
+        counts = np.fromiter(map(len, self.schedule), dtype=np.int64, count=len(self.schedule))
+        rank_of = np.repeat(np.arange(len(self.schedule)), counts)
+        for at in np.unique(per_mb[in_ring[seqs]]).tolist():  # micro-batches holding ring shards
+            rank = int(rank_of[at])
+            shards[at] = tuple(whole_shards[seq] if seq not in positions else
+                               Shard(seq, zigzag_chunks(lengths[seq], len(positions[seq]), positions[seq][rank]))
+                               for seq in flat[at])
+        held = np.fromiter(itertools.chain.from_iterable(self.held), dtype=np.int64, count=len(flat))
+        microbatches = build_many(MicroBatch, shards, np.maximum(held, self.capacity).tolist(),
+                                  list(itertools.chain.from_iterable(self.times)))
+        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        ranks = build_many(RankSchedule, range(len(self.schedule)),
+                           [tuple(microbatches[a:b]) for a, b in zip(bounds, bounds[1:])], self.rank_times)
         ratios = np.asarray(self.offload_ratios, dtype=np.float64).tolist()
         sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios, self.kinds))
         return StepPlan(policy=self.policy, num_ranks=len(ranks), capacity=self.capacity, sequences=sequences,
