@@ -93,8 +93,9 @@ def test_build_ranks_prunes_only_by_time_placements_that_could_not_replace(monke
     timed = {"on": 0, "off": 0}
     finish = balance_candidates._finish
     wins = 0
-    for model, tp, ep, ranks, mix, seed in (("mixtral-8x7b", 1, 8, 32, "byted", 1),
-                                            ("mixtral-8x7b", 1, 4, 64, "github", 1), ("deepseek-v3", 8, 8, 32, "byted", 2)):
+    cases = (("mixtral-8x7b", 1, 8, 32, "byted", 1), ("mixtral-8x7b", 1, 4, 64, "github", 1),
+             ("deepseek-v3", 8, 8, 32, "byted", 2))
+    for model, tp, ep, ranks, mix, seed in cases:
         cost_model = dataclasses.replace(analytic_cost_model(model, "h100", tp_size=tp), ranks_per_node=8,
                                          expert_parallel_size=ep)
         lengths = sample_global_batch(mix, num_tokens=ranks * 2 * 16384, seed=seed, max_length=ranks * 8192)
@@ -110,7 +111,8 @@ def test_build_ranks_prunes_only_by_time_placements_that_could_not_replace(monke
             monkeypatch.setattr(balance_candidates, "_finish", counted)
             return [balance_candidates.build_ranks(
                 lengths, sizes, ratios, tokens=tokens, num_ranks=ranks, capacity=16384, cost_model=cost_model,
-                pp_size=1, vpp_size=1, exact=False, shared=balance_candidates.BatchShare()) for sizes, ratios in options]
+                pp_size=1, vpp_size=1, exact=False, shared=balance_candidates.BatchShare())
+                for sizes, ratios in options]
 
         on, off = plans(ep_prefix_floor, "on"), plans(lambda *a, **k: 0.0, "off")
         never = plans(lambda *a, **k: float("inf"))

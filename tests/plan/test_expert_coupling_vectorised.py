@@ -99,9 +99,10 @@ def test_a_timing_cache_shared_across_ep_sizes_gives_the_fresh_times():
 @pytest.mark.parametrize("jitter", [0.0, 0.05])
 def test_time_plan_with_ep_without_pp_is_the_general_timeline_on_lists(jitter):
     """`assemble.time_plan` times EP without PP on [rank, index] arrays (`_grid_timeline`; at EP 1 too,
-    without jitter); its rank times and step must be those of the general path on per-rank lists: `runtime_microbatch_counts`, the padding,
-    `CostModel.expert_coupled_times`, per-rank sums, and `coupled_finish` over the union-find of the rings'
-    and EP groups' (rank, index) keys (to 1e-13 with jitter, whose lead sums members in another order)."""
+    without jitter); its rank times and step must be those of the general path on per-rank lists:
+    `runtime_microbatch_counts`, the padding, `CostModel.expert_coupled_times`, per-rank sums, and
+    `coupled_finish` over the union-find of the rings' and EP groups' (rank, index) keys (to 1e-13 with
+    jitter, whose lead sums members in another order)."""
     import dataclasses
 
     from megatron_hdp.plan.cost.presets import analytic_cost_model

@@ -1,5 +1,7 @@
 """Data-aware sharding and the offload decision, against brute force over the cost model's definitions."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -188,8 +190,9 @@ def test_zigzag_token_counts_are_every_positions_zigzag_num_tokens():
 @pytest.mark.parametrize("max_ratio", [1.0, 0.5, 0.0])
 def test_the_lower_bound_from_the_shardings_ring_sizes_is_the_bound(max_ratio):
     """balance hands `step_time_lower_bound` the D(s) its sharding found (`fewest`) instead of finding them
-    again: the bound must be the one it finds itself, to the bit (it decides which candidates run), sequences
-    beyond C that offloading lets run whole (D(s) = 1) included."""
+    again, and the member times of a bound under another EP size (`sizers`): the bound must be the one it
+    finds itself, to the bit (it decides which candidates run), sequences beyond C that offloading lets run
+    whole (D(s) = 1) included."""
     from megatron_hdp.plan.cost.presets import analytic_cost_model
     from megatron_hdp.plan.lengths import sample_global_batch
     from megatron_hdp.plan.timeline.bounds import step_time_lower_bound
@@ -203,3 +206,12 @@ def test_the_lower_bound_from_the_shardings_ring_sizes_is_the_bound(max_ratio):
         long = lengths > 8192
         fewest = dict(zip(lengths[long].tolist(), sharding.ring_sizes[long].tolist()))
         assert step_time_lower_bound(lengths, **limits, fewest=fewest) == step_time_lower_bound(lengths, **limits)
+        sizers = {}  # shared by cost models that differ in the EP size only (balance's EP and EP-1 passes)
+        for ep in (8, 1, 4):
+            model_ep = dataclasses.replace(cost_model, expert_parallel_size=ep)
+            shared = step_time_lower_bound(lengths, **{**limits, "cost_model": model_ep}, fewest=fewest, sizers=sizers)
+            assert shared == step_time_lower_bound(lengths, **{**limits, "cost_model": model_ep}), ep
+        assert len(sizers) == 1
+        with pytest.raises(AssertionError, match="beyond the EP size"):
+            other = dataclasses.replace(cost_model, b1=2 * cost_model.b1)
+            step_time_lower_bound(lengths, **{**limits, "cost_model": other}, fewest=fewest, sizers=sizers)

@@ -129,6 +129,9 @@ class BatchShare:
     bounds: dict = dataclasses.field(default_factory=dict)
     """`step_time_lower_bound` by the all-to-all's seconds per token (`bound`)."""
 
+    sizers: dict = dataclasses.field(default_factory=dict)
+    """The bound's member times (`step_time_lower_bound`'s `sizers`), shared by the EP and EP-1 passes."""
+
     placements: dict = dataclasses.field(default_factory=dict)
     """By-time ring placements with the whole sequences left after their gaps, by the same keys."""
 
@@ -138,7 +141,7 @@ class BatchShare:
         where the EP-1 pass of a model without the all-to-all's transfers reuses the EP pass's bound)."""
         key = cost_model.expert_alltoall_seconds_per_token()
         if key not in self.bounds:
-            self.bounds[key] = step_time_lower_bound(tokens, cost_model=cost_model, **limits)
+            self.bounds[key] = step_time_lower_bound(tokens, cost_model=cost_model, sizers=self.sizers, **limits)
         return self.bounds[key]
 
     def get(self, key: tuple, make, store: dict | None = None):

@@ -196,8 +196,9 @@ def coupled_finish(
 def expert_coupled_finish(matrix: np.ndarray, counts: np.ndarray, ring_links: Iterable[tuple[int, Sequence[int]]],
                           *, ep_size: int, jitter: float = 0.0) -> np.ndarray:
     """`coupled_finish([times], link_groups(ring_links + expert_links(...)), jitter=jitter)` without PP (and
-    with `ep_size` > 1, or at 1 without jitter: every rank its own group), computed a whole index at a time, for the times `matrix[rank, index]` (padded as the
-    runtime runs them, `counts[rank]` of them: equal counts inside a group; zeros past them): every rank's
+    with `ep_size` > 1, or at 1 without jitter: every rank its own group), computed a whole index at a time,
+    for the times `matrix[rank, index]` (padded as the runtime runs them, `counts[rank]` of them: equal
+    counts inside a group; zeros past them): every rank's
     index i is coupled with its expert-parallel group, and the rings of `ring_links` ((index, members))
     merge groups at their index. Per index the groups' latest clock and longest time are numpy reductions
     over [group, member], merged along the rings of that index by a union-find over groups, instead of a
