@@ -307,14 +307,30 @@ def _microbatch_times(
     ring_index: dict[int, int] = {}
     starts = np.concatenate([[0], np.cumsum(per_rank)])
     rank_of = np.repeat(np.arange(len(schedule)), per_rank)
-    for at in np.unique(cell[shared.in_ring[seqs]]).tolist():  # in order: rank by rank, index by index
-        rank = int(rank_of[at])
-        times[at], tokens[at] = _ring_microbatch(flat[at], rank, int(at - starts[rank]), lengths=lengths, rings=rings,
+    alike: dict[tuple[int, int], int] = {}  # a lone ring shard's micro-batch by (sequence, tokens held)
+    positions, ring_tokens = shared.positions, shared.ring_tokens
+    for at, rank, alone in zip(*(a.tolist() for a in _ring_cells(cell[shared.in_ring[seqs]], rank_of, sizes))):
+        if alone:  # the ring's members holding as many tokens share its time: the first one's (the same floats)
+            seq = flat[at][0]
+            if seq not in ring_tokens:
+                ring_tokens[seq] = zigzag_token_counts(lengths[seq], len(positions[seq])).tolist()
+            first = alike.setdefault((seq, ring_tokens[seq][positions[seq][rank]]), at)
+            if first != at:
+                times[at], tokens[at] = times[first], tokens[first]
+                continue
+        times[at], tokens[at] = _ring_microbatch(flat[at], rank, at - int(starts[rank]), lengths=lengths, rings=rings,
                                                  kinds=kinds, ring_index=ring_index, cost_model=cost_model,
                                                  pp_size=pp_size, shared=shared)
     bounds = starts.tolist()
     return ([times[a:b] for a, b in zip(bounds, bounds[1:])], [tokens[a:b] for a, b in zip(bounds, bounds[1:])],
             kinds, ring_index)
+
+
+def _ring_cells(ring_pieces: np.ndarray, rank_of: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The micro-batches (flat indices, in order: rank by rank, index by index) holding ring shards, given
+    one entry per ring shard, with each one's rank and whether the shard is alone in it."""
+    at = np.unique(ring_pieces)
+    return at, rank_of[at], sizes[at] == 1
 
 
 def _ring_microbatch(seqs: Sequence[int], rank: int, index: int, *, lengths: list[int],
