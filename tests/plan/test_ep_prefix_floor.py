@@ -13,13 +13,14 @@ import dataclasses
 import numpy as np
 import pytest
 
+from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.presets import analytic_cost_model
 from megatron_hdp.plan.cost.sharding import shard_sequences
 from megatron_hdp.plan.lengths import sample_global_batch
-from megatron_hdp.plan.policies import balance_candidates
+from megatron_hdp.plan.policies import balance, balance_candidates
 from megatron_hdp.plan.search.widening import widening_options
 from megatron_hdp.plan.timeline.assemble import time_plan
-from megatron_hdp.plan.timeline.ep_floor import ep_prefix_floor
+from megatron_hdp.plan.timeline.ep_floor import ep_coupled_floor, ep_prefix_floor, ep_step_floor
 
 
 def _cost_models():
@@ -101,7 +102,7 @@ def test_build_ranks_prunes_only_by_time_placements_that_could_not_replace(monke
         lengths = sample_global_batch(mix, num_tokens=ranks * 2 * 16384, seed=seed, max_length=ranks * 8192)
         tokens, options = _options(lengths, ranks, cost_model)
 
-        def plans(floor, count=None):
+        def plans(floor, count=None, beats=None):
             monkeypatch.setattr(balance_candidates, "ep_prefix_floor", floor)
 
             def counted(*args, **kwargs):
@@ -111,12 +112,61 @@ def test_build_ranks_prunes_only_by_time_placements_that_could_not_replace(monke
             monkeypatch.setattr(balance_candidates, "_finish", counted)
             return [balance_candidates.build_ranks(
                 lengths, sizes, ratios, tokens=tokens, num_ranks=ranks, capacity=16384, cost_model=cost_model,
-                pp_size=1, vpp_size=1, exact=False, shared=balance_candidates.BatchShare())
-                for sizes, ratios in options]
+                pp_size=1, vpp_size=1, exact=False, shared=balance_candidates.BatchShare(),
+                beat=None if beats is None else beats[i]) for i, (sizes, ratios) in enumerate(options)]
 
         on, off = plans(ep_prefix_floor, "on"), plans(lambda *a, **k: 0.0, "off")
         never = plans(lambda *a, **k: float("inf"))
         for a, b in zip(on, off):
             assert (a.est_step_time, a.schedule, a.rings) == (b.est_step_time, b.schedule, b.rings)
         wins += sum(b.schedule != c.schedule for b, c in zip(off, never))
+        # told to beat a step just above the plan's, every by-time placement that wins must still be made
+        just = plans(ep_prefix_floor, "beat", beats=[b.est_step_time * (1 + 1e-9) for b in off])
+        for a, b in zip(just, off):
+            assert (a.est_step_time, a.schedule) == (b.est_step_time, b.schedule)
     assert timed["on"] < timed["off"] and wins
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_coupled_floor_is_between_the_step_floor_and_the_timed_step(seed):
+    """`ep_coupled_floor` (the floor's grid run through the coupling) is at most the timed step of every
+    schedule, jitter included, and at least `ep_step_floor` (the rings only add waits)."""
+    rng = np.random.default_rng(1000 + seed)
+    for cost_model in _cost_models():
+        ep = int(rng.choice([2, 4, 8]))
+        num_ranks = ep * int(rng.integers(1, 5))
+        cost_model = dataclasses.replace(cost_model, expert_parallel_size=ep)
+        lengths, rings, _, schedule = _prefix_and_completion(
+            rng, num_ranks, num_rings=int(rng.integers(0, 5)), num_whole=int(rng.integers(0, 6 * num_ranks)))
+        step = time_plan(policy="balance", lengths=lengths, rings=rings, offload_ratios=[0.0] * len(lengths),
+                         schedule=schedule, capacity=200_000, cost_model=cost_model).est_step_time
+        coupled = ep_coupled_floor(schedule, rings=rings, lengths=lengths, cost_model=cost_model)
+        floor = ep_step_floor(schedule, rings=rings, lengths=lengths, cost_model=cost_model)
+        assert floor * (1 - 1e-12) <= coupled <= step, (seed, ep, floor, coupled, step)
+
+
+def test_balance_prunes_only_by_time_placements_that_could_not_win(monkeypatch):
+    """balance under EP, whose plans rank by rank skip by-time placements that could not beat the best plan
+    so far (`beat`) or replace their aligned plan, makes the plan it makes with the pruning off, to the
+    digest, on batches where it prunes (fewer placements timed)."""
+    timed = {}
+    finish = balance_candidates._finish
+    config = HDPConfig(hdp=True, hdp_capacity=16384)
+    cases = (("mixtral-8x7b", 1, 8, 64, "byted", 1), ("mixtral-8x7b", 1, 8, 32, "github", 1),
+             ("deepseek-v3", 8, 8, 32, "byted", 1))
+    for model, tp, ep, ranks, mix, seed in cases:
+        cost_model = dataclasses.replace(analytic_cost_model(model, "h100", tp_size=tp), ranks_per_node=8,
+                                         expert_parallel_size=ep)
+        lengths = sample_global_batch(mix, num_tokens=ranks * 2 * 16384, seed=seed, max_length=ranks * 8192)
+        digests = {}
+        for name, floor in (("on", ep_prefix_floor), ("off", lambda *args, **kwargs: 0.0)):
+            def counted(*args, name=name, **kwargs):
+                timed[name] = timed.get(name, 0) + 1
+                return finish(*args, **kwargs)
+
+            monkeypatch.setattr(balance_candidates, "_finish", counted)
+            monkeypatch.setattr(balance_candidates, "ep_prefix_floor", floor)
+            plan = balance.plan_balance(lengths, num_ranks=ranks, config=config, cost_model=cost_model)
+            digests[name] = plan.digest()
+        assert digests["on"] == digests["off"], (model, ranks, mix, seed)
+    assert timed["on"] < timed["off"]

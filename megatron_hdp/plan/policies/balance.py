@@ -214,12 +214,13 @@ def _best(lengths: list[int], builds: list, best: tuple | None, *, patience: int
           **common) -> tuple[TimedPlan, object]:
     """(plan, builder) of least predicted step time among `best` and the plans `builds` make, each a
     (builder, option) pair: `build_ranks` plans rank by rank, `build_units` EP groups as units. With `patience`,
-    stop after that many plans in a row that do not beat the best (`UNIT_PATIENCE`). An EP-unit family is
-    told the step to beat, and skips its timing where it provably cannot (`build_units`: None); it counts
-    as a plan that did not beat the best, as its timed plan would have."""
+    stop after that many plans in a row that do not beat the best (`UNIT_PATIENCE`). Each builder is told
+    the step to beat: an EP-unit family skips its timing where it provably cannot (`build_units`: None; it
+    counts as a plan that did not beat the best, as its timed plan would have), a plan rank by rank its
+    by-time placements that cannot (`build_ranks`)."""
     worse = 0
     for build, (ring_sizes, offload_ratios) in builds:
-        beat = {} if best is None or build is not build_units else {"beat": best[0].est_step_time * (1 - 1e-9)}
+        beat = {} if best is None else {"beat": best[0].est_step_time * (1 - 1e-9)}
         candidate = build(lengths, ring_sizes, offload_ratios, **common, **beat)
         if candidate is not None and (best is None or candidate.est_step_time < best[0].est_step_time * (1 - 1e-9)):
             best, worse = (candidate, build), 0

@@ -173,9 +173,13 @@ def build_ranks(
     vpp_size: int,
     exact: bool,
     shared: BatchShare,
+    beat: float | None = None,
 ) -> TimedPlan:
     """Steps 3-6 of the module doc for one choice of ring sizes (`tokens`: the lengths as an array); each
-    placement's schedules are made once per batch (`shared`) and timed under `cost_model`."""
+    placement's schedules are made once per batch (`shared`) and timed under `cost_model`. With EP and
+    without PP a by-time placement is not completed where its rings alone (`ep_floor.ep_prefix_floor`)
+    show it could not replace the aligned plan, nor reach `beat` (the step a plan must be under to win):
+    the plan returned may then differ, but only where neither could have won."""
     weights = member_times(tokens, ring_sizes, cost_model=cost_model, pp_size=pp_size)
     long_ids = np.flatnonzero(ring_sizes > 1)
     order = long_ids[np.lexsort((long_ids, -weights[long_ids], -ring_sizes[long_ids]))].tolist()
@@ -218,8 +222,9 @@ def build_ranks(
                                    store=shared.placements)
             if pp_size == 1 and cost_model.expert_parallel_size > 1 and ep_prefix_floor(
                     placement[0].leading, ring_of=placement[0].rings, lengths=lengths,
-                    cost_model=cost_model) >= plan.est_step_time * (1 - PLACEMENT_MARGIN):
-                continue  # whatever follows its rings, it would not replace the plan (`ep_floor`)
+                    cost_model=cost_model) >= min(plan.est_step_time * (1 - PLACEMENT_MARGIN),
+                                                  np.inf if beat is None else beat):
+                continue  # whatever follows its rings, it would not replace the plan nor win (`ep_floor`)
             candidate = _finish(shared.get(key + ("by time", tag), lambda: by_time(placement)), **timing)
             if candidate.est_step_time < plan.est_step_time * (1 - PLACEMENT_MARGIN):
                 plan = candidate
