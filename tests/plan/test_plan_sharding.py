@@ -215,3 +215,15 @@ def test_the_lower_bound_from_the_shardings_ring_sizes_is_the_bound(max_ratio):
         with pytest.raises(AssertionError, match="beyond the EP size"):
             other = dataclasses.replace(cost_model, b1=2 * cost_model.b1)
             step_time_lower_bound(lengths, **{**limits, "cost_model": other}, fewest=fewest, sizers=sizers)
+
+
+def test_pack_for_pipelines_without_pp_is_best_fit_per_rank():
+    """Without PP every rank's whole sequences are packed best fit; ranks holding none or one take the
+    shortcut (no bin, or one bin of that sequence): the bins best_fit itself gives them."""
+    from megatron_hdp.plan.search.packing import pack_for_pipelines
+
+    rng = np.random.default_rng(7)
+    ranks = [rng.integers(1, 40_000, size=int(rng.choice([0, 1, 1, 2, 5]))).tolist() for _ in range(200)]
+    got = pack_for_pipelines([(sizes, [1.0] * len(sizes), []) for sizes in ranks], capacity=16384, overhead=0.1,
+                             pp_size=1)
+    assert got == [best_fit(sizes, capacity=16384) for sizes in ranks]
