@@ -318,8 +318,11 @@ def _schedules(
         items = given[rank]
         for seq in items:
             rings[seq] = whole
-        times = [overhead + sum(map(seconds.__getitem__, mb)) for mb in leading[rank]]
-        jobs.append((list(map(lengths.__getitem__, items)), list(map(seconds.__getitem__, items)), times))
+        if pp_size > 1:  # the packer times pipelines; without PP it reads the sizes alone
+            times = [overhead + sum(map(seconds.__getitem__, mb)) for mb in leading[rank]]
+            jobs.append((list(map(lengths.__getitem__, items)), list(map(seconds.__getitem__, items)), times))
+        else:
+            jobs.append((list(map(lengths.__getitem__, items)), (), ()))
         leads.append([list(mb) for mb in leading[rank]])
     packed = [[[items[j] for j in b] for b in bins] for items, bins in zip(
         given, pack_for_pipelines(jobs, capacity=capacity, overhead=overhead, pp_size=pp_size, vpp_size=vpp_size))]
@@ -327,7 +330,7 @@ def _schedules(
     candidates = []
     for shift in RING_SHIFTS if pp_size > 1 else (0,):
         schedule = [shifted(lead, bins, shift, weight=lambda mb: sum(map(seconds.__getitem__, mb)))
-                    for lead, bins in zip(leads, packed)]
+                    for lead, bins in zip(leads, packed)] if shift else list(map(list.__add__, leads, packed))
         candidates += [(schedule, group) for group in group_sizes(pp_size, vpp_size, shift + most_rings)]
     return rings, candidates, TimingCache(contents=contents)  # every shift and group size has the same rings
 
