@@ -43,7 +43,10 @@ matching time, the same count on every lane): first, then rank by rank unless th
 within `RETRY_GAP` of its mean rank time or the lower bound, and the plan of least predicted step time
 under the EP coupling is kept; the alternative ring sizes are then tried in the family that planned better.
 An EP-unit family whose placement's step floor (`ep_floor.ep_step_floor`, proven <= its timed step) is
-already no better than the best plan so far is not timed (without PP): the same plan comes out.
+already no better than the best plan so far is not timed (without PP): the same plan comes out. Likewise a
+by-time placement rank by rank whose rings alone bound every completion (`ep_floor.ep_prefix_floor`, the
+rings' coupling included) at or above what it must beat (the aligned plan less `PLACEMENT_MARGIN`, or the
+best plan so far) is not assigned, packed nor timed.
 A plan still that far from both is last compared with the plan made as if e = 1, timed with the coupling
 and the routed expert work the all-to-all spreads (`timing.spread_expert_work`): where a micro-batch's
 overhead is large, fewer micro-batches can beat matched lanes (`with_coupling`). That pass re-times the
