@@ -32,7 +32,7 @@ def _random_case(rng, ep_size):
 def test_a_whole_index_at_a_time_is_the_union_find_over_rank_index_keys(jitter):
     rng = np.random.default_rng(41)
     for trial in range(200):
-        ep_size = [2, 4, 8][trial % 3]
+        ep_size = [1, 2, 4, 8][trial % 4]
         times, links = _random_case(rng, ep_size)
         groups = link_groups(links + expert_links([len(t) for t in times], ep_size))
         expected = coupled_finish([times], groups, jitter=jitter)
@@ -98,10 +98,11 @@ def test_a_timing_cache_shared_across_ep_sizes_gives_the_fresh_times():
 
 @pytest.mark.parametrize("jitter", [0.0, 0.05])
 def test_time_plan_with_ep_without_pp_is_the_general_timeline_on_lists(jitter):
-    """`assemble.time_plan` times EP without PP on [rank, index] arrays (`_expert_timeline`); its rank times
-    and step must be those of the general path on per-rank lists: `runtime_microbatch_counts`, the padding,
-    `CostModel.expert_coupled_times`, per-rank sums, and `coupled_finish` over the union-find of the rings'
-    and EP groups' (rank, index) keys (to 1e-13 with jitter, whose lead sums members in another order)."""
+    """`assemble.time_plan` times EP without PP on [rank, index] arrays (`_grid_timeline`; at EP 1 too,
+    without jitter); its rank times and step must be those of the general path on per-rank lists:
+    `runtime_microbatch_counts`, the padding, `CostModel.expert_coupled_times`, per-rank sums, and
+    `coupled_finish` over the union-find of the rings' and EP groups' (rank, index) keys (to 1e-13 with
+    jitter, whose lead sums members in another order)."""
     import dataclasses
 
     from megatron_hdp.plan.cost.presets import analytic_cost_model
@@ -111,7 +112,7 @@ def test_time_plan_with_ep_without_pp_is_the_general_timeline_on_lists(jitter):
     rng = np.random.default_rng(3)
     base = analytic_cost_model("mixtral-8x7b", "h100")
     for trial in range(60):
-        ep_size = [2, 4, 8][trial % 3]
+        ep_size = [1, 2, 4, 8][trial % 4]
         cost_model = dataclasses.replace(base, expert_parallel_size=ep_size, jitter=jitter,
                                          ranks_per_node=[None, 4][trial % 2],
                                          expert_alltoall_bytes_per_token=[0.0, 7168.0][trial % 4 // 2])

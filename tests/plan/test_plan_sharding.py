@@ -1,5 +1,7 @@
 """Data-aware sharding and the offload decision, against brute force over the cost model's definitions."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -183,3 +185,45 @@ def test_zigzag_token_counts_are_every_positions_zigzag_num_tokens():
             counts = zigzag_token_counts(length, ring_size)
             assert counts.tolist() == [zigzag_num_tokens(length, ring_size, p) for p in range(ring_size)]
             assert counts.sum() == length
+
+
+@pytest.mark.parametrize("max_ratio", [1.0, 0.5, 0.0])
+def test_the_lower_bound_from_the_shardings_ring_sizes_is_the_bound(max_ratio):
+    """balance hands `step_time_lower_bound` the D(s) its sharding found (`fewest`) instead of finding them
+    again, and the member times of a bound under another EP size (`sizers`): the bound must be the one it
+    finds itself, to the bit (it decides which candidates run), sequences beyond C that offloading lets run
+    whole (D(s) = 1) included."""
+    from megatron_hdp.plan.cost.presets import analytic_cost_model
+    from megatron_hdp.plan.lengths import sample_global_batch
+    from megatron_hdp.plan.timeline.bounds import step_time_lower_bound
+
+    for model, ranks, mix, seed in (("llama-7b", 64, "byted", 0), ("mixtral-8x7b", 1024, "github", 1),
+                                    ("llama-7b", 16, "github", 2)):
+        cost_model = analytic_cost_model(model, "h100")
+        lengths = np.asarray(sample_global_batch(mix, num_tokens=ranks * 2 * 8192, seed=seed, max_length=ranks * 4096))
+        limits = dict(num_ranks=ranks, capacity=8192, cost_model=cost_model, max_offload_ratio=max_ratio)
+        sharding = shard_sequences(lengths, **limits)
+        long = lengths > 8192
+        fewest = dict(zip(lengths[long].tolist(), sharding.ring_sizes[long].tolist()))
+        assert step_time_lower_bound(lengths, **limits, fewest=fewest) == step_time_lower_bound(lengths, **limits)
+        sizers = {}  # shared by cost models that differ in the EP size only (balance's EP and EP-1 passes)
+        for ep in (8, 1, 4):
+            model_ep = dataclasses.replace(cost_model, expert_parallel_size=ep)
+            shared = step_time_lower_bound(lengths, **{**limits, "cost_model": model_ep}, fewest=fewest, sizers=sizers)
+            assert shared == step_time_lower_bound(lengths, **{**limits, "cost_model": model_ep}), ep
+        assert len(sizers) == 1
+        with pytest.raises(AssertionError, match="beyond the EP size"):
+            other = dataclasses.replace(cost_model, b1=2 * cost_model.b1)
+            step_time_lower_bound(lengths, **{**limits, "cost_model": other}, fewest=fewest, sizers=sizers)
+
+
+def test_pack_for_pipelines_without_pp_is_best_fit_per_rank():
+    """Without PP every rank's whole sequences are packed best fit; ranks holding none or one take the
+    shortcut (no bin, or one bin of that sequence): the bins best_fit itself gives them."""
+    from megatron_hdp.plan.search.packing import pack_for_pipelines
+
+    rng = np.random.default_rng(7)
+    ranks = [rng.integers(1, 40_000, size=int(rng.choice([0, 1, 1, 2, 5]))).tolist() for _ in range(200)]
+    got = pack_for_pipelines([(sizes, [1.0] * len(sizes), []) for sizes in ranks], capacity=16384, overhead=0.1,
+                             pp_size=1)
+    assert got == [best_fit(sizes, capacity=16384) for sizes in ranks]

@@ -43,7 +43,10 @@ matching time, the same count on every lane): first, then rank by rank unless th
 within `RETRY_GAP` of its mean rank time or the lower bound, and the plan of least predicted step time
 under the EP coupling is kept; the alternative ring sizes are then tried in the family that planned better.
 An EP-unit family whose placement's step floor (`ep_floor.ep_step_floor`, proven <= its timed step) is
-already no better than the best plan so far is not timed (without PP): the same plan comes out.
+already no better than the best plan so far is not timed (without PP): the same plan comes out. Likewise a
+by-time placement rank by rank whose rings alone bound every completion (`ep_floor.ep_prefix_floor`, the
+rings' coupling included) at or above what it must beat (the aligned plan less `PLACEMENT_MARGIN`, or the
+best plan so far) is not assigned, packed nor timed.
 A plan still that far from both is last compared with the plan made as if e = 1, timed with the coupling
 and the routed expert work the all-to-all spreads (`timing.spread_expert_work`): where a micro-batch's
 overhead is large, fewer micro-batches can beat matched lanes (`with_coupling`). That pass re-times the
@@ -168,8 +171,12 @@ def _plan_balance(
     if cost_model.expert_parallel_size > 1:  # EP groups planned as units; plans rank by rank stay candidates
         units = [(build_units, option) for option in unit_options(options, lengths=tokens, capacity=capacity,
                                                                    cost_model=cost_model, pp_size=pp_size)]
+    fewest = None  # D(s) of the sequences beyond C for the bound, taken at PP 1: the sharding's where it was too
+    if pp_size == 1:
+        long = tokens > capacity
+        fewest = dict(zip(tokens[long].tolist(), sharding.ring_sizes[long].tolist()))
     bound = functools.partial(shared.bound, tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
-                              max_offload_ratio=config.max_offload_ratio)
+                              max_offload_ratio=config.max_offload_ratio, fewest=fewest)
 
     def improvable(plan: TimedPlan) -> bool:  # with PP always; else above both its mean rank time and the bound
         # (with EP units the bound alone: a rank's time holds its rows' waits for their fullest all-to-all)
@@ -211,12 +218,13 @@ def _best(lengths: list[int], builds: list, best: tuple | None, *, patience: int
           **common) -> tuple[TimedPlan, object]:
     """(plan, builder) of least predicted step time among `best` and the plans `builds` make, each a
     (builder, option) pair: `build_ranks` plans rank by rank, `build_units` EP groups as units. With `patience`,
-    stop after that many plans in a row that do not beat the best (`UNIT_PATIENCE`). An EP-unit family is
-    told the step to beat, and skips its timing where it provably cannot (`build_units`: None); it counts
-    as a plan that did not beat the best, as its timed plan would have."""
+    stop after that many plans in a row that do not beat the best (`UNIT_PATIENCE`). Each builder is told
+    the step to beat: an EP-unit family skips its timing where it provably cannot (`build_units`: None; it
+    counts as a plan that did not beat the best, as its timed plan would have), a plan rank by rank its
+    by-time placements that cannot (`build_ranks`)."""
     worse = 0
     for build, (ring_sizes, offload_ratios) in builds:
-        beat = {} if best is None or build is not build_units else {"beat": best[0].est_step_time * (1 - 1e-9)}
+        beat = {} if best is None else {"beat": best[0].est_step_time * (1 - 1e-9)}
         candidate = build(lengths, ring_sizes, offload_ratios, **common, **beat)
         if candidate is not None and (best is None or candidate.est_step_time < best[0].est_step_time * (1 - 1e-9)):
             best, worse = (candidate, build), 0

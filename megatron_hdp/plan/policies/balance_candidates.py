@@ -27,7 +27,7 @@ from megatron_hdp.plan.search.refine import PipelineCost, refine_exact, refine_l
 from megatron_hdp.plan.search.ring_shifts import RING_SHIFTS, fits_memory, group_sizes, shifted
 from megatron_hdp.plan.timeline.assemble import TimedPlan, TimingCache, time_plan
 from megatron_hdp.plan.timeline.bounds import step_time_lower_bound
-from megatron_hdp.plan.timeline.ep_floor import ep_step_floor
+from megatron_hdp.plan.timeline.ep_floor import ep_prefix_floor, ep_step_floor
 
 PLACEMENT_MARGIN = 0.02
 """The by-time ring placement replaces the aligned one only when predicted this much faster: it couples
@@ -130,20 +130,27 @@ class BatchShare:
     bounds: dict = dataclasses.field(default_factory=dict)
     """`step_time_lower_bound` by the all-to-all's seconds per token (`bound`)."""
 
+    sizers: dict = dataclasses.field(default_factory=dict)
+    """The bound's member times (`step_time_lower_bound`'s `sizers`), shared by the EP and EP-1 passes."""
+
+    placements: dict = dataclasses.field(default_factory=dict)
+    """By-time ring placements with the whole sequences left after their gaps, by the same keys."""
+
     def bound(self, tokens: np.ndarray, *, cost_model: CostModel, **limits) -> float:
         """`step_time_lower_bound(tokens, cost_model=cost_model, **limits)`, computed once per batch for
         cost models of one all-to-all time per token: the bound reads the EP size only there (0 at EP 1,
         where the EP-1 pass of a model without the all-to-all's transfers reuses the EP pass's bound)."""
         key = cost_model.expert_alltoall_seconds_per_token()
         if key not in self.bounds:
-            self.bounds[key] = step_time_lower_bound(tokens, cost_model=cost_model, **limits)
+            self.bounds[key] = step_time_lower_bound(tokens, cost_model=cost_model, sizers=self.sizers, **limits)
         return self.bounds[key]
 
-    def get(self, key: tuple, make):
-        """`make()`'s schedules (`_schedules`) for placement `key`, made once."""
-        if key not in self.schedules:
-            self.schedules[key] = make()
-        return self.schedules[key]
+    def get(self, key: tuple, make, store: dict | None = None):
+        """`make()`'s schedules (`_schedules`) for placement `key` (or what `make` makes for `store`), made once."""
+        store = self.schedules if store is None else store
+        if key not in store:
+            store[key] = make()
+        return store[key]
 
 
 def with_coupling(plan: TimedPlan, cost_model: CostModel, shared: BatchShare) -> TimedPlan:
@@ -167,9 +174,13 @@ def build_ranks(
     vpp_size: int,
     exact: bool,
     shared: BatchShare,
+    beat: float | None = None,
 ) -> TimedPlan:
     """Steps 3-6 of the module doc for one choice of ring sizes (`tokens`: the lengths as an array); each
-    placement's schedules are made once per batch (`shared`) and timed under `cost_model`."""
+    placement's schedules are made once per batch (`shared`) and timed under `cost_model`. With EP and
+    without PP a by-time placement is not completed where its rings alone (`ep_floor.ep_prefix_floor`)
+    show it could not replace the aligned plan, nor reach `beat` (the step a plan must be under to win):
+    the plan returned may then differ, but only where neither could have won."""
     weights = member_times(tokens, ring_sizes, cost_model=cost_model, pp_size=pp_size)
     long_ids = np.flatnonzero(ring_sizes > 1)
     order = long_ids[np.lexsort((long_ids, -weights[long_ids], -ring_sizes[long_ids]))].tolist()
@@ -187,10 +198,13 @@ def build_ranks(
         return _schedules([[[seq] for seq in ring_mbs] for ring_mbs in layout.ring_microbatches], layout.rings,
                           layout.finish, whole_order, **common)
 
-    def by_time(ring_order: list[int], latest_ready: bool = False):
+    def placed(ring_order: list[int], latest_ready: bool):  # rings by time, whole sequences in their gaps
         timed = place_rings_by_time(ring_order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
                                     overhead=overhead, domains=nodes, latest_ready=latest_ready)
-        left = fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
+        return timed, fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
+
+    def by_time(placement: tuple):
+        timed, left = placement
         return _schedules(timed.leading, timed.rings, timed.finish, left, **common)
 
     plan = _finish(shared.get(key + ("aligned",), aligned), **timing)
@@ -205,8 +219,14 @@ def build_ranks(
             narrow = narrowest_first(order, ring_sizes=ring_sizes)
             variants += ([(narrow, False)] if narrow != order else []) + [(narrow, True)]
         for tag, (ring_order, latest_ready) in enumerate(variants):
-            candidate = _finish(shared.get(key + ("by time", tag), lambda: by_time(ring_order, latest_ready)),
-                                **timing)
+            placement = shared.get(key + ("by time", tag), lambda: placed(ring_order, latest_ready),
+                                   store=shared.placements)
+            if pp_size == 1 and cost_model.expert_parallel_size > 1 and ep_prefix_floor(
+                    placement[0].leading, ring_of=placement[0].rings, lengths=lengths,
+                    cost_model=cost_model) >= min(plan.est_step_time * (1 - PLACEMENT_MARGIN),
+                                                  np.inf if beat is None else beat):
+                continue  # whatever follows its rings, it would not replace the plan nor win (`ep_floor`)
+            candidate = _finish(shared.get(key + ("by time", tag), lambda: by_time(placement)), **timing)
             if candidate.est_step_time < plan.est_step_time * (1 - PLACEMENT_MARGIN):
                 plan = candidate
     return plan
@@ -307,8 +327,11 @@ def _schedules(
         items = given[rank]
         for seq in items:
             rings[seq] = whole
-        times = [overhead + sum(map(seconds.__getitem__, mb)) for mb in leading[rank]]
-        jobs.append((list(map(lengths.__getitem__, items)), list(map(seconds.__getitem__, items)), times))
+        if pp_size > 1:  # the packer times pipelines; without PP it reads the sizes alone
+            times = [overhead + sum(map(seconds.__getitem__, mb)) for mb in leading[rank]]
+            jobs.append((list(map(lengths.__getitem__, items)), list(map(seconds.__getitem__, items)), times))
+        else:
+            jobs.append((list(map(lengths.__getitem__, items)), (), ()))
         leads.append([list(mb) for mb in leading[rank]])
     packed = [[[items[j] for j in b] for b in bins] for items, bins in zip(
         given, pack_for_pipelines(jobs, capacity=capacity, overhead=overhead, pp_size=pp_size, vpp_size=vpp_size))]
@@ -316,7 +339,7 @@ def _schedules(
     candidates = []
     for shift in RING_SHIFTS if pp_size > 1 else (0,):
         schedule = [shifted(lead, bins, shift, weight=lambda mb: sum(map(seconds.__getitem__, mb)))
-                    for lead, bins in zip(leads, packed)]
+                    for lead, bins in zip(leads, packed)] if shift else list(map(list.__add__, leads, packed))
         candidates += [(schedule, group) for group in group_sizes(pp_size, vpp_size, shift + most_rings)]
     return rings, candidates, TimingCache(contents=contents)  # every shift and group size has the same rings
 

@@ -107,8 +107,8 @@ def pack_for_pipelines(
 ) -> list[list[list[int]]]:
     """`pack_for_pipeline` of many pipeline ranks, each given as (sizes, times, leading): the same bins,
     with every rank's candidate packings timed together (`VECTOR_MIN_CANDIDATES`)."""
-    if pp_size == 1:
-        return [best_fit(sizes, capacity=capacity) for sizes, _, _ in ranks]
+    if pp_size == 1:  # most ranks of a large pool hold at most one whole sequence: its own bin, if any
+        return [best_fit(sizes, capacity=capacity) if len(sizes) > 1 else [[0]] * len(sizes) for sizes, _, _ in ranks]
     # packing stays importable on its own
     from megatron_hdp.plan.timeline.interleaved import padded_counts
 

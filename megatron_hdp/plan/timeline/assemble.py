@@ -36,7 +36,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
-from megatron_hdp.plan.zigzag import zigzag_chunks, zigzag_num_tokens
+from megatron_hdp.plan.zigzag import zigzag_chunks, zigzag_token_counts
 from megatron_hdp.plan.timeline.pipeline import pipelines_finish
 from megatron_hdp.plan.cost.sharding import whole_times
 from megatron_hdp.plan.timeline.timing import (coupled_finish, expert_coupled_finish, expert_links, link_groups,
@@ -123,18 +123,25 @@ class TimedPlan:
             by_seq = np.empty(len(lengths), dtype=object)
             by_seq[whole_ids] = whole_shards
             whole_shards = by_seq.tolist()
-        ranks = []
-        for rank, microbatches in enumerate(self.schedule):
-            built = []
-            for seqs, held, time in zip(microbatches, self.held[rank], self.times[rank]):
-                if positions.keys().isdisjoint(seqs):  # whole sequences only
-                    shards = tuple(map(whole_shards.__getitem__, seqs))
-                else:
-                    shards = tuple(whole_shards[seq] if seq not in positions else
-                                   Shard(seq, zigzag_chunks(lengths[seq], len(positions[seq]), positions[seq][rank]))
-                                   for seq in seqs)
-                built.append(MicroBatch(shards, max(self.capacity, held), time))
-            ranks.append(RankSchedule(rank, tuple(built), self.rank_times[rank]))
+        # Every micro-batch's shards, rank by rank; then the micro-batches and ranks built column by column.
+        flat = list(itertools.chain.from_iterable(self.schedule))
+        shards = [tuple(map(whole_shards.__getitem__, seqs)) for seqs in flat]
+        sizes = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
+        seqs = np.fromiter(itertools.chain.from_iterable(flat), dtype=np.int64, count=int(sizes.sum()))
+        per_mb = np.repeat(np.arange(len(flat)), sizes)
+        counts = np.fromiter(map(len, self.schedule), dtype=np.int64, count=len(self.schedule))
+        rank_of = np.repeat(np.arange(len(self.schedule)), counts)
+        for at in np.unique(per_mb[in_ring[seqs]]).tolist():  # micro-batches holding ring shards
+            rank = int(rank_of[at])
+            shards[at] = tuple(whole_shards[seq] if seq not in positions else
+                               Shard(seq, zigzag_chunks(lengths[seq], len(positions[seq]), positions[seq][rank]))
+                               for seq in flat[at])
+        held = np.fromiter(itertools.chain.from_iterable(self.held), dtype=np.int64, count=len(flat))
+        microbatches = build_many(MicroBatch, shards, np.maximum(held, self.capacity).tolist(),
+                                  list(itertools.chain.from_iterable(self.times)))
+        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        ranks = build_many(RankSchedule, range(len(self.schedule)),
+                           [tuple(microbatches[a:b]) for a, b in zip(bounds, bounds[1:])], self.rank_times)
         ratios = np.asarray(self.offload_ratios, dtype=np.float64).tolist()
         sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios, self.kinds))
         return StepPlan(policy=self.policy, num_ranks=len(ranks), capacity=self.capacity, sequences=sequences,
@@ -153,14 +160,23 @@ class TimingCache:
     coupling), so calls whose cost models differ only in it may share one; `basis` (the cost model at EP 1)
     holds them to that. A schedule timed again under the same EP size (balance's EP-1 pass re-timing its
     winner with the coupling) is the plan timed before (`plans`). Pass one only to calls with the same
-    lengths and rings."""
+    lengths and rings (`positions`, `in_ring` and `whole`, each sequence's whole time, are theirs)."""
 
     basis: CostModel | None = None
     positions: dict[int, dict[int, int]] | None = None
-    whole: list[float] | None = None
+    in_ring: np.ndarray | None = None
+    ring_ids: dict[int, int] | None = None
+    """Each ring sequence's ring, numbered by distinct ring (`ring_shapes[id]`: its size and link bandwidth)."""
+    ring_shapes: list[tuple[int, float]] | None = None
+    ring_tokens: dict[int, list[int]] = field(default_factory=dict)
+    """Each ring sequence's tokens at every ring position (`zigzag_token_counts`), made where first needed."""
+    whole: np.ndarray | None = None
     microbatches: dict[tuple[int, tuple[int, ...]], tuple[float, int, list[tuple[int, str]]]] = field(
         default_factory=dict)
     plans: dict[tuple[int, int | None, int], TimedPlan] = field(default_factory=dict)
+    loops: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    """`_microbatch_times` of each schedule timed, by (id, pp_size), with the schedule (whose identity is
+    checked): the same for every EP size."""
     contents: dict = field(default_factory=dict)
     """Ring micro-batches by content, whichever rank: per piece its length, its ring's label (in order of
     first piece) and the tokens it holds, and per ring its size and link bandwidth, which is all
@@ -222,70 +238,24 @@ def time_plan(
     if timed is not None and timed.schedule is schedule and timed.offload_ratios is offload_ratios and (
             timed.policy, timed.capacity, timed.pp_size, timed.vpp_size) == (policy, capacity, pp_size, vpp_size):
         return timed
-    if shared.positions is None:
-        in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
-        shared.positions = {seq: {rank: p for p, rank in enumerate(rings[seq])}
-                            for seq in np.flatnonzero(in_ring).tolist()}
-        # A micro-batch of whole sequences takes the micro-batch overhead plus each sequence's whole time
-        # (the cost model is additive over shards); micro-batches with ring shards go through the cost model.
-        shared.whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size).tolist()
-    positions, whole, ring_microbatches = shared.positions, shared.whole, shared.microbatches
+    loop = shared.loops.get((id(schedule), pp_size))
+    if loop is None or loop[0] is not schedule:
+        loop = shared.loops[(id(schedule), pp_size)] = (schedule, *_microbatch_times(
+            lengths=lengths, rings=rings, schedule=schedule, cost_model=cost_model, pp_size=pp_size, shared=shared))
+    _, times, tokens, kinds, ring_index = loop
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
-    ring_index: dict[int, int] = {}
-    kinds = ["kv"] * len(lengths)
-    times: list[list[float]] = []
-    tokens: list[list[int]] = []
-    for rank, microbatches in enumerate(schedule):
-        rank_times: list[float] = []
-        rank_tokens: list[int] = []
-        for index, seqs in enumerate(microbatches):
-            if positions.keys().isdisjoint(seqs):  # whole sequences only
-                held = sum(map(lengths.__getitem__, seqs))
-                time = overhead + sum(map(whole.__getitem__, seqs))
-            else:
-                key = (rank, tuple(seqs))
-                known = ring_microbatches.get(key)
-                if known is None:
-                    labels: dict[tuple[int, ...], int] = {}  # the micro-batch's rings, in order of first piece
-                    parts = []
-                    for seq in seqs:
-                        where = positions.get(seq)
-                        parts.append((lengths[seq], -1, lengths[seq]) if where is None else
-                                     (lengths[seq], labels.setdefault(rings[seq], len(labels)),
-                                      zigzag_num_tokens(lengths[seq], len(where), where[rank])))
-                    content = (pp_size, tuple(parts), tuple((len(ring), cost_model.ring_link_bandwidth(ring))
-                                                            for ring in labels))
-                    same = shared.contents.get(content)
-                    if same is None:
-                        _decide_ring_kinds(seqs, rings=rings, lengths=lengths, kinds=kinds, cost_model=cost_model,
-                                           decided=ring_index)
-                        costs = [(length, held, rings[seq] if label >= 0 else (), kinds[seq])
-                                 for seq, (length, label, held) in zip(seqs, parts)]
-                        ring_kinds = {labels[rings[seq]]: kinds[seq] for seq in seqs if seq in positions}
-                        same = shared.contents[content] = (cost_model.microbatch_time(costs, pp_size=pp_size),
-                                                           sum(c[1] for c in costs),
-                                                           [ring_kinds[label] for label in range(len(labels))])
-                    known = ring_microbatches[key] = (same[0], same[1], [(seq, same[2][labels[rings[seq]]])
-                                                                        for seq in seqs if seq in positions])
-                time, held, ring_kinds = known
-                for seq, kind in ring_kinds:
-                    kinds[seq] = kind
-                    ring_index.setdefault(seq, index)
-            rank_times.append(time)
-            rank_tokens.append(held)
-        times.append(rank_times)
-        tokens.append(rank_tokens)
     ep_size = cost_model.expert_parallel_size
-    if pp_size == 1 and ep_size > 1:
-        alone, step = _expert_timeline(times, tokens, rings=rings, ring_index=ring_index, overhead=overhead,
-                                       cost_model=cost_model)
+    if pp_size == 1 and (ep_size > 1 or not cost_model.jitter):
+        alone, step = _grid_timeline(times, tokens, rings=rings, ring_index=ring_index, overhead=overhead,
+                                     cost_model=cost_model)
     else:
         counts = runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size, ep_size=ep_size,
                                            vpp_size=vpp_size, rings={rings[seq] for seq in ring_index},
                                            group_size=group_size)
         padded = [t + [overhead] * (count - len(t)) for t, count in zip(times, counts)]  # the runtime's padding
-        padded_tokens = [t + [0] * (count - len(t)) for t, count in zip(tokens, counts)]
-        padded = cost_model.expert_coupled_times(padded, padded_tokens, pp_size=pp_size)
+        if ep_size > 1:  # at EP 1 the spread is the identity (`spread_expert_work`'s copy of float lists)
+            padded_tokens = [t + [0] * (count - len(t)) for t, count in zip(tokens, counts)]
+            padded = cost_model.expert_coupled_times(padded, padded_tokens, pp_size=pp_size)
         alone = pipelines_finish(padded, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size).tolist()
         step = step_time(padded, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
                          jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
@@ -296,14 +266,123 @@ def time_plan(
     return timed
 
 
-def _expert_timeline(times: list[list[float]], tokens: list[list[int]], *, rings: Sequence[tuple[int, ...]],
-                     ring_index: dict[int, int], overhead: float, cost_model: CostModel) -> tuple[list[float], float]:
-    """Each rank's busy time and the step time without PP and with EP, as `time_plan`'s general path computes
-    them (`runtime_microbatch_counts`, `expert_coupled_times`, `pipelines_finish`, `step_time`), the same
-    floats, on [rank, index] arrays instead of per-rank lists (at 16,384 ranks the lists' padding, spread,
-    counts and sums cost more than the micro-batch loop): every rank runs its EP group's largest count (at
-    least 1; without PP and VPP no other padding), padding micro-batches the overhead with 0 tokens; a
-    rank's time sums its spread times left to right (the zeros past its count add nothing)."""
+def _microbatch_times(
+    *,
+    lengths: list[int],
+    rings: Sequence[tuple[int, ...]],
+    schedule: Sequence[Sequence[Sequence[int]]],
+    cost_model: CostModel,
+    pp_size: int,
+    shared: TimingCache,
+) -> tuple[list[list[float]], list[list[int]], list[str], dict[int, int]]:
+    """`time_plan`'s micro-batch loop: every micro-batch's own time (before padding and the EP coupling) and
+    the tokens it holds, per rank, each sequence's ring kind and the index of each ring sequence's
+    micro-batch. None of these read the EP size, so `time_plan` makes them once per schedule
+    (`TimingCache.loops`) and the EP-1 pass's re-timing of a placement under the coupling only re-runs the
+    timeline after them.
+
+    A micro-batch of whole sequences takes the micro-batch overhead plus each sequence's whole time (the
+    cost model is additive over shards): all of them at once, summed by `np.bincount` in the order of the
+    schedule from 0.0, the float additions of Python's `sum` (3.11: plain, left to right). Micro-batches
+    with ring shards go through the cost model, rank by rank and in order (`_ring_microbatch`)."""
+    if shared.positions is None:
+        in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
+        shared.positions = {seq: {rank: p for p, rank in enumerate(rings[seq])}
+                            for seq in np.flatnonzero(in_ring).tolist()}
+        shared.whole = whole_times(lengths, cost_model=cost_model, pp_size=pp_size)
+        shared.in_ring = in_ring
+        distinct: dict[tuple[int, ...], int] = {}  # each ring hashed once, not at every member's micro-batch
+        shared.ring_ids = {seq: distinct.setdefault(rings[seq], len(distinct)) for seq in shared.positions}
+        shared.ring_shapes = [(len(ring), cost_model.ring_link_bandwidth(ring)) for ring in distinct]
+    overhead = cost_model.microbatch_time([], pp_size=pp_size)
+    per_rank = np.fromiter(map(len, schedule), dtype=np.int64, count=len(schedule))
+    flat = list(itertools.chain.from_iterable(schedule))  # every micro-batch, rank by rank
+    sizes = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
+    seqs = np.fromiter(itertools.chain.from_iterable(flat), dtype=np.int64, count=int(sizes.sum()))
+    cell = np.repeat(np.arange(len(flat)), sizes)
+    times = (overhead + np.bincount(cell, weights=shared.whole[seqs], minlength=len(flat))).tolist()
+    held = np.bincount(cell, weights=np.asarray(lengths, dtype=np.float64)[seqs], minlength=len(flat))
+    tokens = held.astype(np.int64).tolist()  # exact: far below 2^53 tokens
+    kinds = ["kv"] * len(lengths)
+    ring_index: dict[int, int] = {}
+    starts = np.concatenate([[0], np.cumsum(per_rank)])
+    rank_of = np.repeat(np.arange(len(schedule)), per_rank)
+    alike: dict[tuple[int, int], int] = {}  # a lone ring shard's micro-batch by (sequence, tokens held)
+    positions, ring_tokens = shared.positions, shared.ring_tokens
+    for at, rank, alone in zip(*(a.tolist() for a in _ring_cells(cell[shared.in_ring[seqs]], rank_of, sizes))):
+        if alone:  # the ring's members holding as many tokens share its time: the first one's (the same floats)
+            seq = flat[at][0]
+            if seq not in ring_tokens:
+                ring_tokens[seq] = zigzag_token_counts(lengths[seq], len(positions[seq])).tolist()
+            first = alike.setdefault((seq, ring_tokens[seq][positions[seq][rank]]), at)
+            if first != at:
+                times[at], tokens[at] = times[first], tokens[first]
+                continue
+        times[at], tokens[at] = _ring_microbatch(flat[at], rank, at - int(starts[rank]), lengths=lengths, rings=rings,
+                                                 kinds=kinds, ring_index=ring_index, cost_model=cost_model,
+                                                 pp_size=pp_size, shared=shared)
+    bounds = starts.tolist()
+    return ([times[a:b] for a, b in zip(bounds, bounds[1:])], [tokens[a:b] for a, b in zip(bounds, bounds[1:])],
+            kinds, ring_index)
+
+
+def _ring_cells(ring_pieces: np.ndarray, rank_of: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The micro-batches (flat indices, in order: rank by rank, index by index) holding ring shards, given
+    one entry per ring shard, with each one's rank and whether the shard is alone in it."""
+    at = np.unique(ring_pieces)
+    return at, rank_of[at], sizes[at] == 1
+
+
+def _ring_microbatch(seqs: Sequence[int], rank: int, index: int, *, lengths: list[int],
+                     rings: Sequence[tuple[int, ...]], kinds: list[str], ring_index: dict[int, int],
+                     cost_model: CostModel, pp_size: int, shared: TimingCache) -> tuple[float, int]:
+    """The time and tokens of rank `rank`'s micro-batch `index` holding ring shards (`seqs`), from the cost
+    model once per (rank, sequences) and once per content (`TimingCache`); writes its rings' kinds into
+    `kinds` and their index into `ring_index` where not there yet."""
+    positions, ring_ids = shared.positions, shared.ring_ids
+    key = (rank, tuple(seqs))
+    known = shared.microbatches.get(key)
+    if known is None:
+        labels: dict[int, int] = {}  # the micro-batch's rings (by `ring_ids`), in order of first piece
+        parts = []
+        for seq in seqs:
+            where = positions.get(seq)
+            if where is not None and seq not in shared.ring_tokens:
+                shared.ring_tokens[seq] = zigzag_token_counts(lengths[seq], len(where)).tolist()
+            parts.append((lengths[seq], -1, lengths[seq]) if where is None else
+                         (lengths[seq], labels.setdefault(ring_ids[seq], len(labels)),
+                          shared.ring_tokens[seq][where[rank]]))
+        content = (pp_size, tuple(parts), tuple(shared.ring_shapes[ring] for ring in labels))
+        same = shared.contents.get(content)
+        if same is None:
+            _decide_ring_kinds(seqs, rings=rings, lengths=lengths, kinds=kinds, cost_model=cost_model,
+                               decided=ring_index)
+            costs = [(length, held, rings[seq] if label >= 0 else (), kinds[seq])
+                     for seq, (length, label, held) in zip(seqs, parts)]
+            ring_kinds = {labels[ring_ids[seq]]: kinds[seq] for seq in seqs if seq in positions}
+            same = shared.contents[content] = (cost_model.microbatch_time(costs, pp_size=pp_size),
+                                               sum(c[1] for c in costs),
+                                               [ring_kinds[label] for label in range(len(labels))])
+        known = shared.microbatches[key] = (same[0], same[1], [(seq, same[2][labels[ring_ids[seq]]])
+                                                              for seq in seqs if seq in positions])
+    time, held, ring_kinds = known
+    for seq, kind in ring_kinds:
+        kinds[seq] = kind
+        ring_index.setdefault(seq, index)
+    return time, held
+
+
+def _grid_timeline(times: list[list[float]], tokens: list[list[int]], *, rings: Sequence[tuple[int, ...]],
+                   ring_index: dict[int, int], overhead: float, cost_model: CostModel) -> tuple[list[float], float]:
+    """Each rank's busy time and the step time without PP, with EP or (at EP 1) without jitter, as
+    `time_plan`'s general path computes them (`runtime_microbatch_counts`, `expert_coupled_times`,
+    `pipelines_finish`, `step_time`), the same floats, on [rank, index] arrays instead of per-rank lists (at
+    16,384 ranks the lists' padding, spread, counts and sums and the union-find over every ring member's
+    key cost more than the micro-batch loop): every rank runs its EP group's largest count (at least 1;
+    without PP and VPP no other padding), padding micro-batches the overhead with 0 tokens; a rank's time
+    sums its spread times left to right (the zeros past its count add nothing). At EP 1 the spread is the
+    identity and every rank its own group (`expert_coupled_finish`: maxima, as `coupled_finish`; with
+    jitter its lead would sum members in another order, so the general path times that)."""
     ep_size = cost_model.expert_parallel_size
     own = np.fromiter(map(len, times), dtype=np.int64, count=len(times))
     counts = np.asarray(runtime_microbatch_counts(own.tolist(), ep_size=ep_size), dtype=np.int64)
@@ -359,7 +438,7 @@ def step_time(
     release them together, with the cost model's `jitter` (`timing.coupled_finish`; with PP every op of
     Megatron's pipeline order coupled the same way, `timing.pipeline_step_finish`, with `vpp_size` model
     chunks per stage and groups of `group_size`). `time_plan` times EP without PP a whole index at a time
-    instead (`_expert_timeline`, the same floats)."""
+    instead (`_grid_timeline`, the same floats)."""
     links = [(index, rings[seq]) for seq, index in ring_index.items()]
     groups = link_groups(links + expert_links([len(t) for t in times], ep_size))
     if pp_size > 1:

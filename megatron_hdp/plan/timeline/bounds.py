@@ -47,6 +47,7 @@ document sets it above the work bound (issue 23); `critical_path_floor` is the l
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -66,11 +67,17 @@ def step_time_lower_bound(
     cost_model: CostModel,
     pp_size: int = 1,
     max_offload_ratio: float = 1.0,
+    fewest: dict[int, int] | None = None,
+    sizers: dict | None = None,
 ) -> float:
     """The lower bound of the module docstring, in seconds.
 
     `max_offload_ratio` only tightens the bound (a ring has at least D(s) members, and more offloading
-    allows fewer); the default 1.0 gives a bound valid for every configuration.
+    allows fewer); the default 1.0 gives a bound valid for every configuration. `fewest`: D(s) by length
+    where the caller has them (`sharding.shard_sequences` with the same capacity, ranks, offload limit and
+    `pp_size`), else each is found here (`min_ring_size`). `sizers`: a dict the caller keeps for bounds of one
+    batch whose cost models differ at most in the EP size (balance's EP and EP-1 passes): the member times
+    and fastest ring sizes (`RingSizer`) read nothing of it, so they are found once.
     """
     if num_ranks <= 0:
         raise ValueError(f"num_ranks must be positive, got {num_ranks}")
@@ -83,15 +90,23 @@ def step_time_lower_bound(
     if not len(long_lengths):
         pieces = _pieces_floor(whole, np.ones(len(whole)), num_ranks) if num_ranks <= SMALL_POOL else 0.0
         return max(other_work / num_ranks, slowest, pieces)
-    fewest = {}
-    for s in long_lengths.tolist():
-        try:
-            fewest[s], _ = min_ring_size(s, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
-                                         max_offload_ratio=max_offload_ratio, pp_size=pp_size)
-        except ValueError:
-            fewest[s] = num_ranks  # no plan exists; keep the bound finite
-    sizer = RingSizer(long_lengths.tolist(), fewest, widest=lambda s: num_ranks, cost_model=cost_model,
-                      pp_size=pp_size, fractional=True)
+    if fewest is None:
+        fewest = {}
+        for s in long_lengths.tolist():
+            try:
+                fewest[s], _ = min_ring_size(s, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
+                                             max_offload_ratio=max_offload_ratio, pp_size=pp_size)
+            except ValueError:
+                fewest[s] = num_ranks  # no plan exists; keep the bound finite
+    key, basis = (num_ranks, pp_size, tuple(fewest.items())), dataclasses.replace(cost_model, expert_parallel_size=1)
+    if sizers is None or key not in sizers:
+        sizer = RingSizer(long_lengths.tolist(), fewest, widest=lambda s: num_ranks, cost_model=cost_model,
+                          pp_size=pp_size, fractional=True)
+        if sizers is not None:
+            sizers[key] = (basis, sizer)
+    else:
+        known, sizer = sizers[key]
+        assert known == basis, "bound sizers shared by cost models that differ beyond the EP size"
     work = settle_target(sizer, counts=counts.tolist(), other_work=other_work,
                          floor=max(slowest, sizer.floor()), num_ranks=num_ranks, slack=0.0, from_below=True)
     if num_ranks > SMALL_POOL:

@@ -195,9 +195,10 @@ def coupled_finish(
 
 def expert_coupled_finish(matrix: np.ndarray, counts: np.ndarray, ring_links: Iterable[tuple[int, Sequence[int]]],
                           *, ep_size: int, jitter: float = 0.0) -> np.ndarray:
-    """`coupled_finish([times], link_groups(ring_links + expert_links(...)), jitter=jitter)` without PP and
-    with `ep_size` > 1, computed a whole index at a time, for the times `matrix[rank, index]` (padded as the
-    runtime runs them, `counts[rank]` of them: equal counts inside a group; zeros past them): every rank's
+    """`coupled_finish([times], link_groups(ring_links + expert_links(...)), jitter=jitter)` without PP (and
+    with `ep_size` > 1, or at 1 without jitter: every rank its own group), computed a whole index at a time,
+    for the times `matrix[rank, index]` (padded as the runtime runs them, `counts[rank]` of them: equal
+    counts inside a group; zeros past them): every rank's
     index i is coupled with its expert-parallel group, and the rings of `ring_links` ((index, members))
     merge groups at their index. Per index the groups' latest clock and longest time are numpy reductions
     over [group, member], merged along the rings of that index by a union-find over groups, instead of a
@@ -216,11 +217,15 @@ def expert_coupled_finish(matrix: np.ndarray, counts: np.ndarray, ring_links: It
         size = np.full(num_groups, ep_size)
         if index in rings_at:
             parent = list(range(num_groups))
+            touched = set()
             for ranks in rings_at[index]:
                 first = union_root(parent, ranks[0] // ep_size)
                 for rank in ranks[1:]:
                     parent[union_root(parent, rank // ep_size)] = first
-            root = np.array([union_root(parent, g) for g in range(num_groups)])
+                touched.update(rank // ep_size for rank in ranks)
+            root = np.arange(num_groups)  # a group no ring touches is its own root
+            for g in touched:
+                root[g] = union_root(parent, g)
             start, top = _merged_max(start, root), _merged_max(top, root)
             size = np.bincount(root, minlength=num_groups)[root] * ep_size
         end = np.repeat(start + top, ep_size)
