@@ -1,9 +1,10 @@
 """`assemble.time_plan` prices its whole-sequence micro-batches all at once (`np.bincount`): each must be the
-float a micro-batch loop gives (the overhead plus Python's sum of its whole times), each ring micro-batch
+float a micro-batch loop gives (the overhead plus its whole times added left to right from 0.0), each ring micro-batch
 the cost model's `microbatch_time`, and the tokens, kinds and times of a schedule timed under one EP size
 reused under another.
 
-References: Python's `sum` per micro-batch, and `CostModel.microbatch_time` of every micro-batch's shards
+References: a left-to-right loop of additions per micro-batch (not Python's `sum`, which compensates from
+3.12 on), and `CostModel.microbatch_time` of every micro-batch's shards
 (the whole-sequence micro-batches to 1e-12: the model sums per layer, the timing per sequence).
 """
 
@@ -19,6 +20,14 @@ from megatron_hdp.plan.cost.sharding import whole_times
 from megatron_hdp.plan.timeline.assemble import TimingCache, time_plan
 from megatron_hdp.plan.zigzag import zigzag_num_tokens
 
+
+
+def _left_to_right(values) -> float:
+    """Plain float additions in order from 0.0 (Python 3.11's `sum`; 3.12's compensates, so not that)."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
 
 def _schedule(rng: np.random.Generator, num_ranks: int):
     """Rings at one index of their members (several rings may share a micro-batch), whole sequences beside
@@ -63,7 +72,7 @@ def test_microbatch_times_are_the_loops_floats(seed):
             for index, mb in enumerate(microbatches):
                 got = timed.times[rank][index]
                 if all(len(rings[s]) == 1 for s in mb):
-                    assert got == overhead + sum(whole[s] for s in mb), (seed, trial, rank, index)
+                    assert got == overhead + _left_to_right(whole[s] for s in mb), (seed, trial, rank, index)
                 shards = [(lengths[s], lengths[s], (rank,)) if len(rings[s]) == 1 else
                           (lengths[s], zigzag_num_tokens(lengths[s], len(rings[s]), rings[s].index(rank)), rings[s],
                            timed.kinds[s]) for s in mb]

@@ -283,7 +283,8 @@ def _microbatch_times(
 
     A micro-batch of whole sequences takes the micro-batch overhead plus each sequence's whole time (the
     cost model is additive over shards): all of them at once, summed by `np.bincount` in the order of the
-    schedule from 0.0, the float additions of Python's `sum` (3.11: plain, left to right). Micro-batches
+    schedule from 0.0, plain float additions left to right (Python 3.11's `sum`; the same floats on
+    every rank whatever its Python). Micro-batches
     with ring shards go through the cost model, rank by rank and in order (`_ring_microbatch`)."""
     if shared.positions is None:
         in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
