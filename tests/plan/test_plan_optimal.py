@@ -179,6 +179,15 @@ def test_balance_climbs_to_ring_sizes_no_single_target_gives():
     assert_balance_reaches_the_optimum(lengths, num_ranks=5, config=config)
 
 
+def test_balance_climbs_on_from_a_level_plan_whose_rings_carry_extra_work():
+    """optimal_gap case 172 (5.1% above the optimum before): balance's plan was level (every rank within 2%
+    of its mean), with 1,382 tokens on a ring of 4. The optimum runs it on a ring of 3 beside 1,249's on the
+    same three ranks, 65 ms less ring work, and leaves the fourth rank to the whole documents: a level plan
+    can still be improved, so the climb stops at the lower bound, not at the plan's own mean."""
+    lengths = [82, 191, 148, 245, 1423, 1382, 501, 1249, 110, 91, 291, 168]
+    assert_balance_reaches_the_optimum(lengths, num_ranks=4, config=HDPConfig(hdp_capacity=512, hdp_offload=True))
+
+
 def test_balance_exchanges_two_short_documents_for_one():
     """optimal_gap case 36 (6% above the optimum before): after the rings of 658 and 587 tokens, the
     optimum puts 297 and 236 beside the ring that ends first and 466 beside the other; no single move or
