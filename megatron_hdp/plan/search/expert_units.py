@@ -192,28 +192,31 @@ def within_capacity(lengths: np.ndarray, option: Option, *, capacity: int, cost_
 
 
 def unit_options(options: Sequence[Option], *, lengths: np.ndarray, capacity: int, cost_model: CostModel,
-                 pp_size: int = 1) -> list[Option]:
+                 pp_size: int = 1) -> tuple[list[Option], list[Option]]:
     """The distinct `unit_ring_sizes` of `options` (EP: `cost_model.expert_parallel_size`), in their order,
-    the first option's rings `within_capacity` second where the all-to-all costs (`ALLTOALL_SHARE`; before
-    the alternatives, which `balance` tries with patience), as they are and then grown (module doc, step
-    1: on DeepSeek-V3's EP 32, 2,048 GPUs, the rings within capacity as they are win 15 of 16 batches,
-    grown the 16th; the first option planned as it is too won none, nor did the alternatives)."""
+    as (the first option's families, the alternatives' families). The first option's: its rings grown,
+    then, where the all-to-all costs (`ALLTOALL_SHARE`), its rings `within_capacity` as they are and grown
+    (module doc, step 1: on DeepSeek-V3's EP 32, 2,048 GPUs, the rings within capacity as they are win 15
+    of 16 batches, grown the 16th; the first option planned as it is too won none). `balance` tries the
+    alternatives (lower targets, ever wider rings that offload) only where no family within capacity beat
+    the first: where one did, an alternative won none of the DeepSeek-V3 EP 32 batches (2,048 GPUs, seeds
+    0-7, both mixes), nor of the Mixtral / qwen3 EP cells of benchmarks/README.md, and they cost DeepSeek-V3
+    3-4 placements of a unit family each."""
     alltoall = cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size) * capacity
     capped = None
     if len(options) and alltoall >= ALLTOALL_SHARE * float(whole_times([capacity], cost_model=cost_model,
                                                                        pp_size=pp_size)[0]):
         capped = within_capacity(lengths, options[0], capacity=capacity, cost_model=cost_model)
-        options = [options[0], capped, *options[1:]]
-    out, seen, member_seconds = [], set(), {}
-    for option in options:
+    first, alternatives, seen, member_seconds = [], [], set(), {}
+    for i, option in enumerate([*options[:1], *([capped] if capped is not None else []), *options[1:]]):
         grown = unit_ring_sizes(lengths, option, ep_size=cost_model.expert_parallel_size, capacity=capacity,
                                 cost_model=cost_model, pp_size=pp_size, member_seconds=member_seconds)
         for sizes, ratios in ([option] if option is capped else []) + [grown]:
             key = sizes.tobytes()
             if key not in seen:
                 seen.add(key)
-                out.append((sizes, ratios))
-    return out
+                (first if i <= (capped is not None) else alternatives).append((sizes, ratios))
+    return first, alternatives
 
 
 @dataclass
