@@ -50,6 +50,7 @@ small batches a plan rank by rank may already run its EP groups in step.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 from dataclasses import dataclass
@@ -387,18 +388,19 @@ def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, to
     (`first`: where both its time left and its room suffice); holes wait in a heap on that position and
     join the holes open to the current sequence, a heap on time left, when it is reached."""
     order = list(order)
-    neg_weights = -weights[order]
-    neg_tokens = -tokens[order]
+    seconds_of, tokens_of = weights.tolist(), tokens.tolist()
+    neg_weights = (-weights[order]).tolist()  # lists: `bisect_left` on them is `np.searchsorted` without
+    neg_tokens = (-tokens[order]).tolist()    # its ~10 us a scalar call (thousands of calls a family)
 
     def first(seconds: float, room: int) -> int:
-        return max(int(np.searchsorted(neg_weights, -seconds)), int(np.searchsorted(neg_tokens, -room)))
+        return max(bisect.bisect_left(neg_weights, -seconds), bisect.bisect_left(neg_tokens, -room))
 
     holes, room = [], []
     for i, row in enumerate(rows):
         lane_tokens = [sum(held[seq] for seq in members) for members in row.lanes]
         fullest = capacity if row.free else min(capacity, max(lane_tokens))
         for lane, members in enumerate(row.lanes):
-            spare_time = row.time - sum(float(weights[seq]) for seq in members)
+            spare_time = row.time - sum(seconds_of[seq] for seq in members)
             spare_tokens = (capacity if lane in row.free else fullest) - lane_tokens[lane]
             if spare_time > 0 and spare_tokens > 0:
                 holes.append([spare_time, i, lane])
@@ -419,8 +421,8 @@ def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, to
             continue
         _, h = heapq.heappop(open_holes)
         rows[holes[h][1]].lanes[holes[h][2]].append(seq)
-        holes[h][0] -= float(weights[seq])
-        room[h] -= int(tokens[seq])
+        holes[h][0] -= seconds_of[seq]
+        room[h] -= tokens_of[seq]
         if room[h] > 0 and holes[h][0] > 0:
             heapq.heappush(waiting, (max(at + 1, first(holes[h][0], room[h])), h))
     return left
@@ -434,11 +436,12 @@ def whole_rows(order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
     left, else of capacity / FINE_PARTS. The open row's bins are a heap on (time, bin)."""
     rows: list[Row] = []
     left = float(weights[list(order)].sum()) if len(order) else 0.0
+    seconds_of, tokens_of = weights.tolist(), tokens.tolist()
     bins: list[list[int]] = []
     room: list[int] = []
     heap: list[tuple[float, int]] = []
     for seq in order:
-        w, t = float(weights[seq]), int(tokens[seq])
+        w, t = seconds_of[seq], tokens_of[seq]
         full = []
         while heap and room[heap[0][1]] < t and bins[heap[0][1]]:
             full.append(heapq.heappop(heap))
