@@ -20,10 +20,12 @@ time and every lane runs the unit's count:
    mostly serves better than a ring grown to a unit);
 2. rings of more than one unit, aligned at one index in every unit they span: `placement.place_rings`
    over the G = D / e units, a ring of k ranks on ceil(k / e) of them, its last unit's other lanes free;
-3. the rest in rows (`ring_rows`, `unit_rows.widen_rings`, `fill_holes`, `whole_rows`): rings of at
-   most e ranks (*lane rings*) heaviest first, each into a row of about its member time with lanes free
-   (step 2's rows included), else a new one; the lanes a row's rings leave free go to those rings as extra
-   members while their members are slower than whole sequences in a free lane could be; whole sequences,
+3. the rest in rows (`ring_rows`, `unit_rows.level_rows`, `unit_rows.widen_rings`, `fill_holes`,
+   `whole_rows`): rings of at most e ranks (*lane rings*) heaviest first, each into a row of about its
+   member time with lanes free (step 2's rows included), else a new one; rings moved and swapped between
+   new rows adjacent in time where that lowers their summed time once widened; the lanes a row's rings
+   leave free go to those rings as extra members while their members are slower than whole sequences in a
+   free lane could be; whole sequences,
    heaviest first, into free lanes and the spare time and tokens of ring members where they fit the row's
    time, C and its fullest lane (best fit; times here without the routed expert work, which the
    all-to-all spreads over the row's lanes: a free lane of many short documents matches a ring member's
@@ -61,7 +63,7 @@ import numpy as np
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.placement import lpt, place_rings
 from megatron_hdp.plan.search.refine import refine_local
-from megatron_hdp.plan.search.unit_rows import Row, widen_rings
+from megatron_hdp.plan.search.unit_rows import Row, level_rows, widen_rings
 from megatron_hdp.plan.cost.sharding import (max_member_tokens, member_time, needed_offload_ratio,
                                              whole_times)
 
@@ -310,6 +312,7 @@ def place_units(
                                          - expert * _fullest(length, size))
             return seconds[length, size]
 
+        rows[floating:] = level_rows(rows[floating:], lengths=tokens, own=own_seconds, fill=full - expert * capacity)
         widened = widen_rings(rows[floating:], lengths=tokens, own=own_seconds, fill=full - expert * capacity)
         if widened:
             ring_sizes, weights = ring_sizes.copy(), weights.astype(np.float64)
