@@ -41,7 +41,8 @@ micro-batch together (the MoE all-to-all): steps 3-6 are also run with each EP g
 e lanes (`expert_units`: rings grown to whole units where that pays, lanes of one micro-batch index of
 matching time, the same count on every lane): first, then rank by rank unless the unit plan is already
 within `RETRY_GAP` of its mean rank time or the lower bound, and the plan of least predicted step time
-under the EP coupling is kept; the alternative ring sizes are then tried in the family that planned better.
+under the EP coupling is kept; the alternative ring sizes are then tried in the family that planned better
+(EP units: only where no family of rings within capacity beat the first, `expert_units.unit_options`).
 An EP-unit family whose placement's step floor (`ep_floor.ep_step_floor`, proven <= its timed step) is
 already no better than the best plan so far is not timed (without PP): the same plan comes out. Likewise a
 by-time placement rank by rank whose rings alone bound every completion (`ep_floor.ep_prefix_floor`, the
@@ -170,10 +171,11 @@ def _plan_balance(
     common = dict(tokens=tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
                   vpp_size=vpp_size, exact=exact, shared=shared)
     ranks = [(build_ranks, option) for option in options]
-    units = []
+    units, alternatives = [], []
     if cost_model.expert_parallel_size > 1:  # EP groups planned as units; plans rank by rank stay candidates
-        units = [(build_units, option) for option in unit_options(options, lengths=tokens, capacity=capacity,
-                                                                   cost_model=cost_model, pp_size=pp_size)]
+        first, rest = unit_options(options, lengths=tokens, capacity=capacity, cost_model=cost_model,
+                                   pp_size=pp_size)
+        units, alternatives = [(build_units, option) for option in first], [(build_units, option) for option in rest]
     fewest = None  # D(s) of the sequences beyond C for the bound, taken at PP 1: the sharding's where it was too
     if pp_size == 1:
         long = tokens > capacity
@@ -193,7 +195,10 @@ def _plan_balance(
     if units and improvable(plan):  # the plan rank by rank, when the units' leaves room
         plan, family = _best(lengths, ranks[:1], (plan, family), **common)
     if improvable(plan):  # the alternatives of the family that planned better (both when rank by rank did)
-        best = _best(lengths, units[1:], (plan, family), patience=UNIT_PATIENCE if pp_size == 1 else None, **common)
+        patience = UNIT_PATIENCE if pp_size == 1 else None
+        best = _best(lengths, units[1:], (plan, family), patience=patience, **common)
+        if best[0] is plan:  # no family within capacity beat it: the alternatives' (`unit_options`)
+            best = _best(lengths, alternatives, best, patience=patience, **common)
         plan, _ = _best(lengths, ranks[1:] if family is build_ranks else [], best, **common)
     if not units and pp_size == 1 and num_ranks <= SMALL_POOL and len(
             {length for length, ring in zip(lengths, plan.rings) if len(ring) > 1}) <= CLIMB_LENGTHS:

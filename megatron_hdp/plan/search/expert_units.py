@@ -20,10 +20,12 @@ time and every lane runs the unit's count:
    mostly serves better than a ring grown to a unit);
 2. rings of more than one unit, aligned at one index in every unit they span: `placement.place_rings`
    over the G = D / e units, a ring of k ranks on ceil(k / e) of them, its last unit's other lanes free;
-3. the rest in rows (`ring_rows`, `unit_rows.widen_rings`, `fill_holes`, `whole_rows`): rings of at
-   most e ranks (*lane rings*) heaviest first, each into a row of about its member time with lanes free
-   (step 2's rows included), else a new one; the lanes a row's rings leave free go to those rings as extra
-   members while their members are slower than whole sequences in a free lane could be; whole sequences,
+3. the rest in rows (`ring_rows`, `unit_rows.level_rows`, `unit_rows.widen_rings`, `fill_holes`,
+   `whole_rows`): rings of at most e ranks (*lane rings*) heaviest first, each into a row of about its
+   member time with lanes free (step 2's rows included), else a new one; rings moved and swapped between
+   new rows adjacent in time where that lowers their summed time once widened; the lanes a row's rings
+   leave free go to those rings as extra members while their members are slower than whole sequences in a
+   free lane could be; whole sequences,
    heaviest first, into free lanes and the spare time and tokens of ring members where they fit the row's
    time, C and its fullest lane (best fit; times here without the routed expert work, which the
    all-to-all spreads over the row's lanes: a free lane of many short documents matches a ring member's
@@ -50,6 +52,7 @@ small batches a plan rank by rank may already run its EP groups in step.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 from dataclasses import dataclass
@@ -60,7 +63,7 @@ import numpy as np
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.placement import lpt, place_rings
 from megatron_hdp.plan.search.refine import refine_local
-from megatron_hdp.plan.search.unit_rows import Row, widen_rings
+from megatron_hdp.plan.search.unit_rows import Row, level_rows, widen_rings
 from megatron_hdp.plan.cost.sharding import (max_member_tokens, member_time, needed_offload_ratio,
                                              whole_times)
 
@@ -192,28 +195,31 @@ def within_capacity(lengths: np.ndarray, option: Option, *, capacity: int, cost_
 
 
 def unit_options(options: Sequence[Option], *, lengths: np.ndarray, capacity: int, cost_model: CostModel,
-                 pp_size: int = 1) -> list[Option]:
+                 pp_size: int = 1) -> tuple[list[Option], list[Option]]:
     """The distinct `unit_ring_sizes` of `options` (EP: `cost_model.expert_parallel_size`), in their order,
-    the first option's rings `within_capacity` second where the all-to-all costs (`ALLTOALL_SHARE`; before
-    the alternatives, which `balance` tries with patience), as they are and then grown (module doc, step
-    1: on DeepSeek-V3's EP 32, 2,048 GPUs, the rings within capacity as they are win 15 of 16 batches,
-    grown the 16th; the first option planned as it is too won none, nor did the alternatives)."""
+    as (the first option's families, the alternatives' families). The first option's: its rings grown,
+    then, where the all-to-all costs (`ALLTOALL_SHARE`), its rings `within_capacity` as they are and grown
+    (module doc, step 1: on DeepSeek-V3's EP 32, 2,048 GPUs, the rings within capacity as they are win 15
+    of 16 batches, grown the 16th; the first option planned as it is too won none). `balance` tries the
+    alternatives (lower targets, ever wider rings that offload) only where no family within capacity beat
+    the first: where one did, an alternative won none of the DeepSeek-V3 EP 32 batches (2,048 GPUs, seeds
+    0-7, both mixes), nor of the Mixtral / qwen3 EP cells of benchmarks/README.md, and they cost DeepSeek-V3
+    3-4 placements of a unit family each."""
     alltoall = cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size) * capacity
     capped = None
     if len(options) and alltoall >= ALLTOALL_SHARE * float(whole_times([capacity], cost_model=cost_model,
                                                                        pp_size=pp_size)[0]):
         capped = within_capacity(lengths, options[0], capacity=capacity, cost_model=cost_model)
-        options = [options[0], capped, *options[1:]]
-    out, seen, member_seconds = [], set(), {}
-    for option in options:
+    first, alternatives, seen, member_seconds = [], [], set(), {}
+    for i, option in enumerate([*options[:1], *([capped] if capped is not None else []), *options[1:]]):
         grown = unit_ring_sizes(lengths, option, ep_size=cost_model.expert_parallel_size, capacity=capacity,
                                 cost_model=cost_model, pp_size=pp_size, member_seconds=member_seconds)
         for sizes, ratios in ([option] if option is capped else []) + [grown]:
             key = sizes.tobytes()
             if key not in seen:
                 seen.add(key)
-                out.append((sizes, ratios))
-    return out
+                (first if i <= (capped is not None) else alternatives).append((sizes, ratios))
+    return first, alternatives
 
 
 @dataclass
@@ -306,6 +312,7 @@ def place_units(
                                          - expert * _fullest(length, size))
             return seconds[length, size]
 
+        rows[floating:] = level_rows(rows[floating:], lengths=tokens, own=own_seconds, fill=full - expert * capacity)
         widened = widen_rings(rows[floating:], lengths=tokens, own=own_seconds, fill=full - expert * capacity)
         if widened:
             ring_sizes, weights = ring_sizes.copy(), weights.astype(np.float64)
@@ -384,18 +391,19 @@ def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, to
     (`first`: where both its time left and its room suffice); holes wait in a heap on that position and
     join the holes open to the current sequence, a heap on time left, when it is reached."""
     order = list(order)
-    neg_weights = -weights[order]
-    neg_tokens = -tokens[order]
+    seconds_of, tokens_of = weights.tolist(), tokens.tolist()
+    neg_weights = (-weights[order]).tolist()  # lists: `bisect_left` on them is `np.searchsorted` without
+    neg_tokens = (-tokens[order]).tolist()    # its ~10 us a scalar call (thousands of calls a family)
 
     def first(seconds: float, room: int) -> int:
-        return max(int(np.searchsorted(neg_weights, -seconds)), int(np.searchsorted(neg_tokens, -room)))
+        return max(bisect.bisect_left(neg_weights, -seconds), bisect.bisect_left(neg_tokens, -room))
 
     holes, room = [], []
     for i, row in enumerate(rows):
         lane_tokens = [sum(held[seq] for seq in members) for members in row.lanes]
         fullest = capacity if row.free else min(capacity, max(lane_tokens))
         for lane, members in enumerate(row.lanes):
-            spare_time = row.time - sum(float(weights[seq]) for seq in members)
+            spare_time = row.time - sum(seconds_of[seq] for seq in members)
             spare_tokens = (capacity if lane in row.free else fullest) - lane_tokens[lane]
             if spare_time > 0 and spare_tokens > 0:
                 holes.append([spare_time, i, lane])
@@ -416,8 +424,8 @@ def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, to
             continue
         _, h = heapq.heappop(open_holes)
         rows[holes[h][1]].lanes[holes[h][2]].append(seq)
-        holes[h][0] -= float(weights[seq])
-        room[h] -= int(tokens[seq])
+        holes[h][0] -= seconds_of[seq]
+        room[h] -= tokens_of[seq]
         if room[h] > 0 and holes[h][0] > 0:
             heapq.heappush(waiting, (max(at + 1, first(holes[h][0], room[h])), h))
     return left
@@ -431,11 +439,12 @@ def whole_rows(order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
     left, else of capacity / FINE_PARTS. The open row's bins are a heap on (time, bin)."""
     rows: list[Row] = []
     left = float(weights[list(order)].sum()) if len(order) else 0.0
+    seconds_of, tokens_of = weights.tolist(), tokens.tolist()
     bins: list[list[int]] = []
     room: list[int] = []
     heap: list[tuple[float, int]] = []
     for seq in order:
-        w, t = float(weights[seq]), int(tokens[seq])
+        w, t = seconds_of[seq], tokens_of[seq]
         full = []
         while heap and room[heap[0][1]] < t and bins[heap[0][1]]:
             full.append(heapq.heappop(heap))

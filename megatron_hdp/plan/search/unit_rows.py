@@ -15,6 +15,12 @@ left 2-6 lanes of 32 that a lighter ring took (members at 50-60% of the row's ti
 Widened instead (and rings joining only rows within `expert_units.JOIN_TOLERANCE` of their time), the
 plans at 2,048 GPUs gain 0.04-1.0 points of the work floor (github and byted, seeds 0-3), at 1,024 GPUs
 1.5-2.0, at 512 GPUs -0.6 to +2.4.
+
+Before the widening, `level_rows` moves and swaps rings between rows adjacent in time while that lowers
+their summed time once widened: `ring_rows` forms rows heaviest first, ring by ring, and rings of
+different lengths in one row wait for the slowest (attention per token grows with the length, member
+counts are whole numbers). DeepSeek-V3 at EP 32, 2,048 GPUs, seeds 0-7: 0.0 to +0.64 points of the
+work floor on github, +0.17 to +0.91 on byted, no batch worse (benchmarks/README.md, round 2).
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+
+LEVEL_ROUNDS = 3
+"""`level_rows`' passes over the rows (10 on DeepSeek-V3's EP 32 cell, before `level_rows` moved only
+slowest rings: -0.04 to +0.35 points on seeds 0-3, at more plan time)."""
 
 
 @dataclass
@@ -52,11 +62,103 @@ def widen_rings(rows: Sequence[Row], *, lengths: np.ndarray, own: Callable[[int,
         for lane in row.lanes:
             for seq in lane:
                 size[seq] = size.get(seq, 0) + 1
-        while row.free and size:
-            seq = max(size, key=lambda s: (own(int(lengths[s]), size[s]), -s))
-            length, k = int(lengths[seq]), size[seq]
-            if 2 * (k + 1) > length or own(length, k) <= fill or own(length, k + 1) >= own(length, k):
-                break
+        for seq in _growth(size, len(row.free), lengths=lengths, own=own, fill=fill)[0]:
             row.lanes[row.free.pop(0)].append(seq)
-            size[seq] = widened[seq] = k + 1
+            widened[seq] = size[seq]
     return widened
+
+
+def _growth(size: dict[int, int], free: int, *, lengths: Sequence[int], own: Callable[[int, int], float],
+            fill: float) -> tuple[list[int], dict[int, float]]:
+    """`widen_rings`' steps for one row of rings of `size` (by sequence; grown in place) and `free` lanes:
+    the ring each free lane goes to, in order, and every ring's member seconds after them."""
+    times = {seq: own(int(lengths[seq]), k) for seq, k in size.items()}
+    steps = []
+    while free and size:
+        seq = max(times, key=lambda s: (times[s], -s))
+        length, k = int(lengths[seq]), size[seq]
+        if 2 * (k + 1) > length or times[seq] <= fill:
+            break
+        wider = own(length, k + 1)
+        if wider >= times[seq]:
+            break
+        size[seq], times[seq] = k + 1, wider
+        free -= 1
+        steps.append(seq)
+    return steps, times
+
+
+def widened_time(size: dict[int, int], free: int, *, lengths: Sequence[int], own: Callable[[int, int], float],
+                 fill: float) -> tuple[float, int | None]:
+    """(seconds, sequence) of the slowest ring member of a row of rings of `size` (by sequence) and `free`
+    lanes once `widen_rings` has widened them ((0, None) for no rings; ties: the lowest sequence id)."""
+    if not size:
+        return 0.0, None
+    _, times = _growth(dict(size), free, lengths=lengths, own=own, fill=fill)
+    seq = max(times, key=lambda s: (times[s], -s))
+    return times[seq], seq
+
+
+def level_rows(rows: Sequence[Row], *, lengths: np.ndarray, own: Callable[[int, int], float], fill: float,
+               rounds: int = LEVEL_ROUNDS) -> list[Row]:
+    """Lane rings moved and swapped between rows adjacent in time, before `widen_rings`: rows in order of
+    time, each with the next, take the move of one ring, or swap of two, that lowers their summed
+    `widened_time` the most (where the lanes allow), among those that move the slowest ring of either row
+    (the rest could lower a row's time only through the lanes they free), for up to `rounds` passes. Every
+    lane of a row waits for its slowest ring member, so a row's time counts for all its lanes. Rows must
+    hold lane rings only (each ring's members in one row); changes them in place, the rings of a row on
+    its first lanes, slowest first, and returns those still holding rings (a move can empty one), in order."""
+    if not rows:
+        return []
+    ep_size = len(rows[0].lanes)
+    lengths = lengths.tolist()  # list items: the hot loop indexes them tens of thousands of times
+    sets = []
+    for row in rows:
+        size: dict[int, int] = {}
+        for lane in row.lanes:
+            for seq in lane:
+                size[seq] = size.get(seq, 0) + 1
+        sets.append(size)
+    memo: dict[frozenset, tuple[float, int | None]] = {}
+
+    def time(size: dict[int, int]) -> tuple[float, int | None]:
+        key = frozenset(size.items())
+        if key not in memo:
+            memo[key] = widened_time(size, ep_size - sum(size.values()), lengths=lengths, own=own, fill=fill)
+        return memo[key]
+
+    times = [time(size) for size in sets]
+    for _ in range(rounds):
+        changed = False
+        order = sorted(range(len(rows)), key=lambda r: (-times[r][0], r))
+        for a, b in zip(order, order[1:]):
+            best = None
+            free_a, free_b = ep_size - sum(sets[a].values()), ep_size - sum(sets[b].values())
+            now = times[a][0] + times[b][0]
+            for i in [*sets[a], None]:
+                for j in [*sets[b], None]:
+                    ki, kj = sets[a].get(i, 0), sets[b].get(j, 0)
+                    if ((i, j) == (None, None) or (i != times[a][1] and j != times[b][1])
+                            or free_a + ki < kj or free_b + kj < ki):
+                        continue
+                    new_a = {s: k for s, k in sets[a].items() if s != i} | ({j: kj} if j is not None else {})
+                    new_b = {s: k for s, k in sets[b].items() if s != j} | ({i: ki} if i is not None else {})
+                    ta, tb = time(new_a), time(new_b)
+                    gain = now - ta[0] - tb[0]
+                    if gain > 1e-9 * now and (best is None or gain > best[0]):
+                        best = (gain, new_a, new_b, ta, tb)
+            if best is not None:
+                _, sets[a], sets[b], times[a], times[b] = best
+                changed = True
+        if not changed:
+            break
+    for row, size in zip(rows, sets):
+        row.lanes = [[] for _ in range(ep_size)]
+        lane = 0
+        for seq, k in sorted(size.items(), key=lambda item: (-own(int(lengths[item[0]]), item[1]), item[0])):
+            for _ in range(k):
+                row.lanes[lane].append(seq)
+                lane += 1
+        row.free = list(range(lane, ep_size))
+        row.time = max((own(int(lengths[seq]), k) for seq, k in size.items()), default=0.0)
+    return [row for row, size in zip(rows, sets) if size]
