@@ -58,6 +58,15 @@ def test_no_offload_is_ceil_unless_zigzag_rounds_up(capacity):
         assert k in (-(-length // capacity), -(-length // capacity) + 1)
 
 
+@pytest.mark.parametrize("capacity", [7, 64])
+def test_no_offload_ring_size_at_every_length(capacity):
+    """Every length up to 6 C (the stride above skips most of those where ceil(s/k) fits C but zigzag
+    rounding gives a member C + 1 tokens, which `min_ring_size` checks only when the two differ)."""
+    for length in range(capacity + 1, 6 * capacity):
+        k, _ = min_ring_size(length, capacity=capacity, num_ranks=10**6, cost_model=LLAMA, max_offload_ratio=0.0)
+        assert k == brute_force_ring_size(length, capacity=capacity, num_ranks=10**6, cm=LLAMA, max_ratio=0.0)[0]
+
+
 @pytest.mark.parametrize("host", [None, 2e9, 50e9])
 @pytest.mark.parametrize("max_ratio", [0.3, 0.9, 1.0])
 def test_offload_ring_size_is_the_smallest_feasible(host, max_ratio):

@@ -152,6 +152,7 @@ class CostModel:
     group the one `ring_kind_for` times faster (always "kv" without a latent)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_ring_factors", {})  # `_ring_terms`' memo (not a field: eq, hash, asdict skip it)
         if self.ring_kind not in RING_KIND_SETTINGS:
             raise ValueError(f"cost model ring_kind must be one of {RING_KIND_SETTINGS}, got {self.ring_kind!r}")
         if self.ring_kind == "latent" and not self.latent_bytes_per_token:
@@ -256,13 +257,25 @@ class CostModel:
         """Messages one member sends per layer: k-1 forward, k-1 K/V + k dK/dV backward."""
         return 3 * ring_size - 2 if ring_size > 1 else 0
 
+    def _ring_terms(self, ring_size: int, kind: str) -> tuple[float, float, int]:
+        """The per-layer factors of one member of a ring of `ring_size` (> 1) and `kind`: bytes sent per token
+        held (forward: k-1 blocks of what circulates; backward: k-1 again and k of its gradient partials),
+        seconds of its messages' latency, and up-projections per token held (a latent ring: 4 per received
+        token, 1 per own one; 0 for K/V). Computed once per model and (size, kind): the ring sizing times
+        thousands of shards a plan, each through `layer_ring_overlap_time`."""
+        terms = self._ring_factors.get((ring_size, kind))
+        if terms is None:
+            per_token = 2 * (ring_size - 1) * self.ring_bytes_per_token(kind) + ring_size * self.grad_bytes_per_token(kind)
+            ups = 4 * (ring_size - 1) + 1 if kind == "latent" else 0
+            terms = self._ring_factors[ring_size, kind] = (per_token, self.ring_messages(ring_size) * self.ring_latency, ups)
+        return terms
+
     def layer_ring_bytes(self, *, num_tokens, ring_size: int, kind: str = "kv"):
         """Bytes one member holding `num_tokens` sends around a ring of `ring_size` and `kind`, one layer,
         fwd + bwd."""
         if ring_size <= 1:
             return 0.0
-        per_token = 2 * (ring_size - 1) * self.ring_bytes_per_token(kind) + ring_size * self.grad_bytes_per_token(kind)
-        return per_token * num_tokens
+        return self._ring_terms(ring_size, kind)[0] * num_tokens
 
     def layer_ring_comm_time(self, *, num_tokens, ring_size: int, bandwidth=None, kind: str = "kv"):
         """Seconds one ring member spends sending its share (K/V or latent, and their gradients) around a
@@ -270,22 +283,38 @@ class CostModel:
         placed inside a node if it fits, `size_bandwidth`)."""
         if bandwidth is None:
             bandwidth = self.size_bandwidth(ring_size)
-        return (self.layer_ring_bytes(num_tokens=num_tokens, ring_size=ring_size, kind=kind) / bandwidth
-                + self.ring_messages(ring_size) * self.ring_latency)
+        return self._comm(num_tokens, ring_size, bandwidth, kind)
+
+    def _comm(self, num_tokens, ring_size: int, bandwidth: float, kind: str):
+        """`layer_ring_comm_time` with every argument given (positional: the ring sizing's hot path)."""
+        if ring_size <= 1:
+            return 0.0 / bandwidth + self.ring_messages(ring_size) * self.ring_latency
+        per_token, messages, _ = self._ring_terms(ring_size, kind)
+        return per_token * num_tokens / bandwidth + messages
 
     def layer_up_projection_time(self, *, num_tokens, ring_size: int, kind: str = "kv"):
         """Seconds of up-projection one member of a latent ring adds in one layer, holding `num_tokens`:
         4 up-projections per received token ((k-1) t: the position-0 member attends every row it receives,
         and ring steps wait for the slowest member) and 1 per own token (the backward's recompute)."""
+        return self._up(num_tokens, ring_size, kind)
+
+    def _up(self, num_tokens, ring_size: int, kind: str):
+        """`layer_up_projection_time`, positional."""
         if kind != "latent" or ring_size <= 1:
             return 0.0 * num_tokens
-        return (4 * (ring_size - 1) + 1) * num_tokens * self.up_projection_time
+        return self._ring_terms(ring_size, kind)[2] * num_tokens * self.up_projection_time
 
     def layer_ring_overlap_time(self, *, num_tokens, attention, ring_size: int, bandwidth=None, kind: str = "kv"):
         """Seconds of one layer of a ring group beyond its linear work: its attention (and up-projection)
         with the ring's traffic hidden under them, only the excess exposed."""
-        work = attention + self.layer_up_projection_time(num_tokens=num_tokens, ring_size=ring_size, kind=kind)
-        comm = self.layer_ring_comm_time(num_tokens=num_tokens, ring_size=ring_size, bandwidth=bandwidth, kind=kind)
+        if bandwidth is None:
+            bandwidth = self.size_bandwidth(ring_size)
+        return self._overlap(num_tokens, attention, ring_size, bandwidth, kind)
+
+    def _overlap(self, num_tokens, attention, ring_size: int, bandwidth: float, kind: str):
+        """`layer_ring_overlap_time` with every argument given, positional."""
+        work = attention + self._up(num_tokens, ring_size, kind)
+        comm = self._comm(num_tokens, ring_size, bandwidth, kind)
         return np.maximum(work, comm) if isinstance(work, np.ndarray) else max(work, comm)
 
     def ring_kind_for(self, *, num_tokens: float, attention: float, ring_size: int, bandwidth=None) -> str:
@@ -347,12 +376,13 @@ class CostModel:
         ring kind `ring_kind_for` picks, at `size_bandwidth`)."""
         attention = self.a1 * seq_len * num_tokens
         bandwidth = self.size_bandwidth(ring_size)
-        timing = dict(num_tokens=num_tokens, attention=attention, ring_size=ring_size, bandwidth=bandwidth)
         if self.ring_kind == "auto" and self.latent_bytes_per_token and ring_size > 1:
             # the kind ring_kind_for picks is the one of least overlap time (K/V on a tie: the same value),
             # so each kind is timed once here instead of again for the kind picked (the ring sizing's hot path)
-            return self.b1 * num_tokens + min(self.layer_ring_overlap_time(**timing, kind=kind) for kind in RING_KINDS)
-        return self.b1 * num_tokens + self.layer_ring_overlap_time(**timing, kind=self.ring_kind_for(**timing))
+            return self.b1 * num_tokens + min(self._overlap(num_tokens, attention, ring_size, bandwidth, "kv"),
+                                              self._overlap(num_tokens, attention, ring_size, bandwidth, "latent"))
+        kind = self.ring_kind_for(num_tokens=num_tokens, attention=attention, ring_size=ring_size, bandwidth=bandwidth)
+        return self.b1 * num_tokens + self._overlap(num_tokens, attention, ring_size, bandwidth, kind)
 
     def activation_bytes(self, num_tokens: int) -> float:
         """Act(t): activation bytes of one layer for `num_tokens` tokens in one micro-batch."""

@@ -116,9 +116,10 @@ def min_ring_size(
     # exact zigzag maximum: the first k passing both is the smallest feasible one.
     common = dict(seq_len=length, capacity=capacity, max_offload_ratio=max_offload_ratio, pp_size=pp_size)
     while k <= num_ranks:
-        if fits(cost_model, ring_size=k, num_tokens=-(-length // k), **common):
+        even = -(-length // k)
+        if fits(cost_model, ring_size=k, num_tokens=even, **common):
             held = max_member_tokens(length, k)
-            if fits(cost_model, ring_size=k, num_tokens=held, **common):
+            if held == even or fits(cost_model, ring_size=k, num_tokens=held, **common):  # the same question
                 return k, needed_offload_ratio(cost_model, num_tokens=held, capacity=capacity)
         k += 1
     raise ValueError(

@@ -94,7 +94,7 @@ from megatron_hdp.plan.policies.balance_candidates import (
     RETRY_GAP, SMALL_POOL, BatchShare, build_on_cp_groups, build_ranks, build_units, with_coupling)
 from megatron_hdp.plan.search.expert_units import unit_options
 from megatron_hdp.plan.search.neighbours import neighbours
-from megatron_hdp.plan.search.widening import widening_options
+from megatron_hdp.plan.search.widening import LazyOptions
 from megatron_hdp.plan.step_plan import StepPlan
 from megatron_hdp.plan.timeline.assemble import TimedPlan, gc_paused
 from megatron_hdp.plan.timeline.bounds import gap
@@ -163,14 +163,13 @@ def _plan_balance(
     if shared.options is None:
         shared.sharding = shard_sequences(tokens, capacity=capacity, num_ranks=num_ranks, cost_model=cost_model,
                                           max_offload_ratio=config.max_offload_ratio, pp_size=pp_size)
-        shared.options = widening_options(
+        shared.options = LazyOptions(  # the alternatives made where a plan asks for them (`improvable`)
             tokens, shared.sharding.ring_sizes, shared.sharding.offload_ratios, num_ranks=num_ranks,
-            capacity=capacity, cost_model=cost_model, max_offload_ratio=config.max_offload_ratio, pp_size=pp_size,
-            alternatives=True)
+            capacity=capacity, cost_model=cost_model, max_offload_ratio=config.max_offload_ratio, pp_size=pp_size)
     sharding, options = shared.sharding, shared.options
     common = dict(tokens=tokens, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model, pp_size=pp_size,
                   vpp_size=vpp_size, exact=exact, shared=shared)
-    ranks = [(build_ranks, option) for option in options]
+    ranks = [(build_ranks, options[0])]  # the alternatives' builds below, where asked for
     units, alternatives = [], []
     if cost_model.expert_parallel_size > 1:  # EP groups planned as units; plans rank by rank stay candidates
         first, rest = unit_options(options, lengths=tokens, capacity=capacity, cost_model=cost_model,
@@ -199,7 +198,8 @@ def _plan_balance(
         best = _best(lengths, units[1:], (plan, family), patience=patience, **common)
         if best[0] is plan:  # no family within capacity beat it: the alternatives' (`unit_options`)
             best = _best(lengths, alternatives, best, patience=patience, **common)
-        plan, _ = _best(lengths, ranks[1:] if family is build_ranks else [], best, **common)
+        plan, _ = _best(lengths, [(build_ranks, option) for option in options[1:]] if family is build_ranks else [],
+                        best, **common)
     if not units and pp_size == 1 and num_ranks <= SMALL_POOL and len(
             {length for length, ring in zip(lengths, plan.rings) if len(ring) > 1}) <= CLIMB_LENGTHS:
         for _ in range(CLIMB_ROUNDS):  # ring sizes no one target gives, a rank at a time

@@ -25,6 +25,7 @@ from megatron_hdp.plan.search.packing import pack_for_pipelines
 from megatron_hdp.plan.search.placement import fill_gaps, lpt, narrowest_first, place_rings, place_rings_by_time
 from megatron_hdp.plan.search.refine import PipelineCost, refine_exact, refine_local, refine_pairs
 from megatron_hdp.plan.search.ring_shifts import RING_SHIFTS, fits_memory, group_sizes, shifted
+from megatron_hdp.plan.search.widening import LazyOptions
 from megatron_hdp.plan.timeline.assemble import TimedPlan, TimingCache, time_plan
 from megatron_hdp.plan.timeline.bounds import step_time_lower_bound
 from megatron_hdp.plan.timeline.ep_floor import ep_prefix_floor, ep_step_floor
@@ -122,7 +123,7 @@ class BatchShare:
     pass re-times the placements the EP pass made instead of making them again."""
 
     sharding: object = None
-    options: list | None = None
+    options: LazyOptions | None = None
     schedules: dict = dataclasses.field(default_factory=dict)
     contents: dict = dataclasses.field(default_factory=dict)
     """Ring micro-batch times by content (`TimingCache.contents`), shared by every placement's cache."""

@@ -20,7 +20,7 @@ Offloading is re-decided for the smaller shards of widened rings.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -81,12 +81,61 @@ def widening_options(
     - with PP, caps of a full micro-batch's time / PIPELINE_CAPS (PP-Balance: a ring micro-batch much
       heavier than the pipeline's others sets the 1F1B bubble; wider rings make it lighter).
     """
+    return list(_options(lengths, ring_sizes, offload_ratios, num_ranks=num_ranks, capacity=capacity,
+                         cost_model=cost_model, max_offload_ratio=max_offload_ratio, pp_size=pp_size,
+                         alternatives=alternatives))
+
+
+class LazyOptions:
+    """`widening_options(..., alternatives=True)`, its alternatives made when something past the first option
+    is first asked for (an index or slice beyond it, iteration, `len`). Balance plans the first option and
+    the alternatives only where that plan leaves room (`policies.balance`'s `improvable`), and on large
+    batches it mostly does not: the ladder of lower targets and their offload decisions were 20-40% of the
+    widening's time on DeepSeek-V3 at 1,024 ranks (MLA auto rings). The options are those of
+    `widening_options`, in its order."""
+
+    def __init__(self, lengths: Sequence[int], ring_sizes: np.ndarray, offload_ratios: np.ndarray, **settings) -> None:
+        self._rest: Iterator | None = _options(lengths, ring_sizes, offload_ratios, alternatives=True, **settings)
+        self._made = [next(self._rest)]
+
+    def _all(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        if self._rest is not None:
+            self._made += list(self._rest)
+            self._rest = None
+        return self._made
+
+    def __getitem__(self, index):
+        if index == 0:
+            return self._made[0]
+        return self._all()[index]
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+def _options(
+    lengths: Sequence[int],
+    ring_sizes: np.ndarray,
+    offload_ratios: np.ndarray,
+    *,
+    num_ranks: int,
+    capacity: int,
+    cost_model: CostModel,
+    max_offload_ratio: float,
+    pp_size: int = 1,
+    alternatives: bool = False,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The options of `widening_options`, one at a time: the first before any alternative is computed."""
     lengths = np.asarray(lengths, dtype=np.int64)
     long_mask = lengths > capacity
     long_ids = np.flatnonzero(long_mask)
     long_lengths, inverse, counts = np.unique(lengths[long_ids], return_inverse=True, return_counts=True)
     if not len(long_lengths):
-        return [(ring_sizes, offload_ratios)]
+        yield ring_sizes, offload_ratios
+        return
     long_lengths, counts = long_lengths.tolist(), counts.tolist()
     holders = {s: long_ids[inverse == j] for j, s in enumerate(long_lengths)}  # the sequences of each length
     fewest = {s: int(ring_sizes[holders[s][0]]) for s in long_lengths}
@@ -111,7 +160,7 @@ def widening_options(
             targets += narrower_targets(sizer, target, fewest=fewest)
         if pp_size > 1:
             targets += [max(lowest, min(target, full_microbatch / parts)) for parts in PIPELINE_CAPS]
-    options, seen = [], set()
+    seen = set()
     widened: dict[tuple[int, int], float | None] = {}  # (s, k) -> offload ratio, None if k does not fit
     for goal in targets:
         chosen = sizer.sizes_for(goal)
@@ -129,5 +178,4 @@ def widening_options(
             if widened[s, k] is not None:
                 sizes[holders[s]] = k
                 ratios[holders[s]] = widened[s, k]
-        options.append((sizes, ratios))
-    return options
+        yield sizes, ratios  # the first before the alternatives' ring sizes and offload decisions are made

@@ -131,7 +131,7 @@ class TimedPlan:
         per_mb = np.repeat(np.arange(len(flat)), sizes)
         counts = np.fromiter(map(len, self.schedule), dtype=np.int64, count=len(self.schedule))
         rank_of = np.repeat(np.arange(len(self.schedule)), counts)
-        for at in np.unique(per_mb[in_ring[seqs]]).tolist():  # micro-batches holding ring shards
+        for at in _distinct_sorted(per_mb[in_ring[seqs]]).tolist():  # micro-batches holding ring shards
             rank = int(rank_of[at])
             shards[at] = tuple(whole_shards[seq] if seq not in positions else
                                Shard(seq, zigzag_chunks(lengths[seq], len(positions[seq]), positions[seq][rank]))
@@ -330,8 +330,18 @@ def _microbatch_times(
 def _ring_cells(ring_pieces: np.ndarray, rank_of: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, ...]:
     """The micro-batches (flat indices, in order: rank by rank, index by index) holding ring shards, given
     one entry per ring shard, with each one's rank and whether the shard is alone in it."""
-    at = np.unique(ring_pieces)
+    at = _distinct_sorted(ring_pieces)
     return at, rank_of[at], sizes[at] == 1
+
+
+def _distinct_sorted(values: np.ndarray) -> np.ndarray:
+    """`np.unique(values)` of a sorted 1-D array (micro-batch numbers taken in schedule order), without its
+    sort: the first of each run. (NumPy 2's `unique` also imports `numpy.ma` on its first call, ~25 ms of
+    the first plan a process makes.)"""
+    keep = np.empty(len(values), dtype=bool)
+    keep[:1] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
 
 
 def _ring_microbatch(seqs: Sequence[int], rank: int, index: int, *, lengths: list[int],
