@@ -16,15 +16,15 @@ import pytest
 
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.model import CostModel
-from megatron_hdp.plan.search import expert_units
-from megatron_hdp.plan.search.expert_units import (ALLTOALL_SHARE, Row, fill_holes, place_units, ring_rows, unit_options,
-                                                   unit_ring_sizes, within_capacity)
+from megatron_hdp.plan.search import expert_units, unit_rows
+from megatron_hdp.plan.search.expert_units import (ALLTOALL_SHARE, place_units, unit_options, unit_ring_sizes,
+                                                   within_capacity)
 from megatron_hdp.plan.lengths import sample_global_batch
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.cost.presets import analytic_cost_model
 from megatron_hdp.plan.cost.sharding import member_time, member_times, needed_offload_ratio, whole_times
 from megatron_hdp.plan.policies.balance_candidates import BatchShare, build_units
-from megatron_hdp.plan.search.unit_rows import level_rows, widen_rings
+from megatron_hdp.plan.search.unit_rows import Row, fill_holes, level_rows, ring_rows, widen_rings
 from megatron_hdp.plan.timeline.assemble import time_plan
 from megatron_hdp.plan.timeline.timing import plan_runtime_counts
 from megatron_hdp.sim.cluster import ClusterSpec
@@ -162,7 +162,7 @@ def test_a_lane_ring_joins_a_row_up_to_the_join_tolerance_above_its_time():
         ring_rows(rows, [1], ring_sizes=np.array([2, 2]), weights=np.array([time, 1.0]), ep_size=4)
         return [row.lanes for row in rows]
 
-    assert expert_units.JOIN_TOLERANCE == 0.2
+    assert unit_rows.JOIN_TOLERANCE == 0.2
     assert place(1.15) == [[[0], [0], [1], [1]]]
     assert place(1.3) == [[[0], [0], [], []], [[1], [1], [], []]]
 

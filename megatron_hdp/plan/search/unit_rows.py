@@ -1,8 +1,9 @@
-"""Rows of an EP unit (`expert_units`) and the widening of their rings into the lanes they leave free.
+"""Rows of an EP unit (`expert_units`): formed (`ring_rows`, `fill_holes`, `whole_rows`), levelled, and
+their rings widened into the lanes they leave free.
 
 A row is one micro-batch index of a unit of e lanes: every lane of it waits at each MoE layer for the
 row's slowest lane. Lane rings (rings of at most e ranks) are grouped into rows of alike member time
-(`expert_units.ring_rows`), and the lanes their sizes leave free take whole sequences. But whole
+(`ring_rows`), and the lanes their sizes leave free take whole sequences. But whole
 sequences of at most C tokens take at most a C-token document's time on a lane, while the members of the
 rings of long documents take several times that: the free lanes of such a row idle. `widen_rings` gives
 those lanes to the row's rings as extra members instead, each to the ring whose members are slowest then
@@ -12,7 +13,7 @@ where that traffic makes the members slower, the ring stays as it is).
 
 On DeepSeek-V3 at EP 32 rows of rings of 75K-130K-token documents, sized within capacity for C = 16K,
 left 2-6 lanes of 32 that a lighter ring took (members at 50-60% of the row's time, benchmarks/README.md).
-Widened instead (and rings joining only rows within `expert_units.JOIN_TOLERANCE` of their time), the
+Widened instead (and rings joining only rows within `JOIN_TOLERANCE` of their time), the
 plans at 2,048 GPUs gain 0.04-1.0 points of the work floor (github and byted, seeds 0-3), at 1,024 GPUs
 1.5-2.0, at 512 GPUs -0.6 to +2.4.
 
@@ -25,10 +26,23 @@ work floor on github, +0.17 to +0.91 on byted, no batch worse (benchmarks/README
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+
+JOIN_TOLERANCE = 0.2
+"""`ring_rows`: a lane ring joins a row whose time is at most this fraction above its member time without
+weighing the lane-seconds it idles there. Wider than `expert_units.ROW_TOLERANCE` since `fill_holes` fills the rows
+to their rings' time apart from the routed expert work: against 0.1, DeepSeek-V3 at EP 32 (2,048 GPUs,
+github and byted, seeds 0-7) gains up to 0.34 points of the work floor on 14 of 16 batches and loses 0.15
+on one; 0.05 loses on all of seeds 0-3, 0.3 and 0.5 plan as 0.2 does. The 12 Mixtral / qwen3 EP cells
+of benchmarks/README.md: -0.2 to +0.2 points."""
+
+FINE_PARTS = 4
+"""The light rows of the last `fine_work` lane-seconds hold C / FINE_PARTS tokens a lane."""
 
 LEVEL_ROUNDS = 3
 """`level_rows`' passes over the rows (10 on DeepSeek-V3's EP 32 cell, before `level_rows` moved only
@@ -162,3 +176,114 @@ def level_rows(rows: Sequence[Row], *, lengths: np.ndarray, own: Callable[[int, 
         row.free = list(range(lane, ep_size))
         row.time = max((own(int(lengths[seq]), k) for seq, k in size.items()), default=0.0)
     return [row for row, size in zip(rows, sets) if size]
+
+
+def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, weights: np.ndarray,
+              ep_size: int) -> None:
+    """The lane rings of `order` (heaviest first) into `rows` (those there: rows of rings of several units,
+    some lanes of their last unit free). A ring joins the row of least time T >= its member time w with
+    lanes free when T is within `JOIN_TOLERANCE` of w, else opens a new row: the lanes a heavy row leaves
+    free go to its own rings as extra members (`unit_rows.widen_rings`), not to a lighter ring whose
+    members would idle there (before the widening: the row that idled fewer lane-seconds, counting what
+    whole sequences could fill, DeepSeek-V3 0.05-1.0 points of the work floor behind)."""
+    for seq in order:
+        k, w = int(ring_sizes[seq]), float(weights[seq])
+        at = min((i for i, row in enumerate(rows) if len(row.free) >= k and w <= row.time <= w * (1 + JOIN_TOLERANCE)),
+                 key=lambda i: (rows[i].time, i), default=None)
+        if at is None:
+            rows.append(Row([[] for _ in range(ep_size)], w, list(range(ep_size))))
+            at = len(rows) - 1
+        row = rows[at]
+        for lane in row.free[:k]:
+            row.lanes[lane].append(seq)
+        del row.free[:k]
+
+
+def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
+               held: Sequence[int], capacity: int) -> list[int]:
+    """Whole sequences of `order` (heaviest first, and so longest first: a whole sequence's time grows with
+    its length) into the holes of the ring rows `rows`, each into the hole of least time left that takes
+    it: they run while the lane waits for the row's rings. A hole is a free lane (the row's time, C tokens)
+    or a ring member's micro-batch with time and tokens to spare: the row's time less the member's, and
+    up to the tokens of the row's fullest lane less the `held` tokens of its shard (C where the row has free
+    lanes, which whole sequences fill up to C), so that the row's all-to-all, which waits for its fullest
+    lane, does not grow. A ring within capacity leaves its members that room. Returns the sequences left,
+    in order.
+
+    Both the times and the lengths of `order` fall, so a hole takes every sequence from some position on
+    (`first`: where both its time left and its room suffice); holes wait in a heap on that position and
+    join the holes open to the current sequence, a heap on time left, when it is reached."""
+    order = list(order)
+    seconds_of, tokens_of = weights.tolist(), tokens.tolist()
+    neg_weights = (-weights[order]).tolist()  # lists: `bisect_left` on them is `np.searchsorted` without
+    neg_tokens = (-tokens[order]).tolist()    # its ~10 us a scalar call (thousands of calls a family)
+
+    def first(seconds: float, room: int) -> int:
+        return max(bisect.bisect_left(neg_weights, -seconds), bisect.bisect_left(neg_tokens, -room))
+
+    holes, room = [], []
+    for i, row in enumerate(rows):
+        lane_tokens = [sum(held[seq] for seq in members) for members in row.lanes]
+        fullest = capacity if row.free else min(capacity, max(lane_tokens))
+        for lane, members in enumerate(row.lanes):
+            spare_time = row.time - sum(seconds_of[seq] for seq in members)
+            spare_tokens = (capacity if lane in row.free else fullest) - lane_tokens[lane]
+            if spare_time > 0 and spare_tokens > 0:
+                holes.append([spare_time, i, lane])
+                room.append(spare_tokens)
+    waiting = [(first(seconds, room[h]), h) for h, (seconds, _, _) in enumerate(holes)]
+    heapq.heapify(waiting)
+    open_holes: list[tuple[float, int]] = []
+    left = []
+    for at, seq in enumerate(order):
+        while waiting and waiting[0][0] <= at:
+            h = heapq.heappop(waiting)[1]
+            heapq.heappush(open_holes, (holes[h][0], h))
+        if not open_holes:
+            left.append(seq)
+            if not waiting:
+                left += order[at + 1:]
+                break
+            continue
+        _, h = heapq.heappop(open_holes)
+        rows[holes[h][1]].lanes[holes[h][2]].append(seq)
+        holes[h][0] -= seconds_of[seq]
+        room[h] -= tokens_of[seq]
+        if room[h] > 0 and holes[h][0] > 0:
+            heapq.heappush(waiting, (max(at + 1, first(holes[h][0], room[h])), h))
+    return left
+
+
+def whole_rows(order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray, ep_size: int, capacity: int,
+               fine_work: float) -> list[Row]:
+    """Rows of the whole sequences of `order` (heaviest first): each into the bin of least time with room
+    in the open row (an empty bin takes a sequence longer than C, which offloading lets one rank hold), a
+    new row when none has room: of bins of `capacity` tokens while `fine_work` lane-seconds or more are
+    left, else of capacity / FINE_PARTS. The open row's bins are a heap on (time, bin)."""
+    rows: list[Row] = []
+    left = float(weights[list(order)].sum()) if len(order) else 0.0
+    seconds_of, tokens_of = weights.tolist(), tokens.tolist()
+    bins: list[list[int]] = []
+    room: list[int] = []
+    heap: list[tuple[float, int]] = []
+    for seq in order:
+        w, t = seconds_of[seq], tokens_of[seq]
+        full = []
+        while heap and room[heap[0][1]] < t and bins[heap[0][1]]:
+            full.append(heapq.heappop(heap))
+        if not heap:
+            if bins:
+                rows.append(Row(bins, 0.0, []))
+            budget = capacity if left >= fine_work else max(1, capacity // FINE_PARTS)
+            bins, room, full = [[] for _ in range(ep_size)], [budget] * ep_size, []
+            heap = [(0.0, b) for b in range(ep_size)]
+        time, b = heapq.heappop(heap)
+        bins[b].append(seq)
+        room[b] -= t
+        heapq.heappush(heap, (time + w, b))
+        for entry in full:
+            heapq.heappush(heap, entry)
+        left -= w
+    if bins:
+        rows.append(Row(bins, 0.0, []))
+    return rows
