@@ -81,6 +81,20 @@ def assert_same_weights(got: dict, expected: dict, *, exact: bool = True) -> Non
             torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+def assert_within_bf16_regrouping(got: dict, expected: dict, *, lr: float = 3e-3) -> None:
+    """bf16 weights one step after the same weights, planned on another pool: its plan groups the documents
+    into other micro-batches, so the bf16 matmuls sum in another order and the gradients differ at bf16's
+    precision (~2^-8), not only by reduction order. Adam turns that into a different update only where an
+    element's gradient is near zero, by at most about lr: so every element within lr, and most bitwise equal
+    (a gradient wrong for the whole batch moves far more of them). Seen 2026-11-29: 96-99.4% equal, the
+    rest within 0.16 lr (`pretrain_harness.TINY`'s 3e-3)."""
+    assert got.keys() == expected.keys()
+    for name in expected:
+        difference = (got[name].float() - expected[name].float()).abs()
+        assert float(difference.max()) <= lr, name
+        assert float((difference == 0).float().mean()) >= 0.9, name
+
+
 def _checkpoint_keys(directory: Path) -> dict:
     """Key -> size of every entry of a torch_dist checkpoint (its DCP metadata)."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -275,7 +289,8 @@ def test_a_bf16_moe_ep2_checkpoint_resumes_exactly_on_4_ranks_and_on_2(data, tmp
     """P (plain, 4 ranks) -> H (--hdp, saved at 3) -> H4 and H2 from it: --bf16 with the distributed
     optimizer and EP 2. H4 repeats H to the bit, so the fp32 main parameters and Adam's moments came back
     (bf16 weights alone cannot restore them); H2 starts from H's weights exactly (resharded, experts
-    included) and its step equals H's up to reduction order."""
+    included), its loss equals H's, and its step equals H's up to the bf16 regrouping of its own plan
+    (`assert_within_bf16_regrouping`)."""
     chain = Chain(tmp_path, TINY + data + MOE_EP_BF16, iterations=4, resume_at=3)
     plain, whole = chain["plain"], chain["hdp"]
     assert_same_weights(whole[0]["weights"][2], plain[0]["weights"][2])  # plain bf16 -> HDP: the saved weights
@@ -293,5 +308,5 @@ def test_a_bf16_moe_ep2_checkpoint_resumes_exactly_on_4_ranks_and_on_2(data, tmp
     for rank in range(2):
         assert fewer[rank]["ids"] == whole[rank]["ids"][-1:]
         assert_same_weights(fewer[rank]["weights"][3], whole[rank]["weights"][3])
-        assert_same_weights(fewer[rank]["weights"][4], whole[rank]["weights"][4], exact=False)
+        assert_within_bf16_regrouping(fewer[rank]["weights"][4], whole[rank]["weights"][4])
     assert fewer[0]["losses"] == pytest.approx(whole[0]["losses"][-1:], rel=1e-5)
