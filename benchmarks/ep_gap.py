@@ -10,7 +10,7 @@ rows. The work floor (`sim.compare.compute_floor`) holds each document's whole t
 all-to-all, spread evenly. So, per rank, step - floor is exactly the sum of
 
 - ring inflation: what a document's ring members do beyond its whole time (ring traffic their attention
-  does not hide, ring latency), summed over split documents;
+  does not hide, ring latency), each member timed on its own zigzag share, summed over split documents;
 - overheads: every lane's micro-batch overhead at every index (empty ones included);
 - compute row loss: per row, the lanes' time below the row's slowest lane (apart from the expert work),
   for rows holding lane rings and for rows of whole sequences;
@@ -39,10 +39,11 @@ from output import finish  # noqa: E402
 
 from megatron_hdp.config import HDPConfig  # noqa: E402
 from megatron_hdp.plan.cost.model import CostModel  # noqa: E402
-from megatron_hdp.plan.cost.sharding import member_time, whole_times  # noqa: E402
+from megatron_hdp.plan.cost.sharding import member_time, shard_time, whole_times  # noqa: E402
 from megatron_hdp.plan.lengths import sample_global_batch  # noqa: E402
 from megatron_hdp.plan.planner import make_plan  # noqa: E402
 from megatron_hdp.plan.step_plan import StepPlan  # noqa: E402
+from megatron_hdp.plan.zigzag import zigzag_token_counts  # noqa: E402
 from megatron_hdp.sim.cluster import ClusterSpec  # noqa: E402
 from megatron_hdp.sim.compare import MICROBATCHES_PER_RANK, step_floors  # noqa: E402
 
@@ -58,7 +59,8 @@ def decompose(plan: StepPlan, lengths: np.ndarray, cost: CostModel, floor: float
     overhead = cost.microbatch_time([], pp_size=1)
     split = [seq for seq in plan.sequences if len(seq.ring) > 1]
     parts = dict.fromkeys(PARTS, 0.0)
-    parts["inflation"] = sum(len(s.ring) * member_time(s.length, len(s.ring), cost_model=cost) for s in split)
+    parts["inflation"] = sum(shard_time(cost, seq_len=s.length, num_tokens=int(t), ring_size=len(s.ring))
+                             for s in split for t in zigzag_token_counts(s.length, len(s.ring)))
     parts["inflation"] -= float(whole_times([s.length for s in split], cost_model=cost).sum())
     units = []
     for unit in range(ranks // e):
