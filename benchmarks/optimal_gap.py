@@ -1,6 +1,7 @@
 """How far `balance` is from the optimum, and the lower bound below it, on small seeded random batches.
 
-    python benchmarks/optimal_gap.py [--cases 200] [--time-limit 30] [--max-ranks 8] [--max-docs 12] [--optimum-from JSON [--solve-unproven]]
+    python benchmarks/optimal_gap.py [--cases 200] [--time-limit 30] [--max-ranks 8] [--max-docs 12]
+                                     [--optimum-from JSON [--solve-unproven [SEED ...]]]
                                      [--out benchmarks/results/optimal_gap.json]
 
 Each case draws 5-12 documents, 2-8 ranks, a capacity C of 512, 1,024 or 2,048 tokens and offloading on
@@ -10,10 +11,12 @@ predicted step time over the optimum of `plan.optimal` (the exact planner, a MIL
 planning logic with balance) and the optimum over `bounds.step_time_lower_bound`, side by side: the
 first says how good balance is, the second how far the bound (the only measuring stick at scale) sits
 below the best plan. A case the solver does not prove within --time-limit seconds is counted, not
-used. Prints each case as it is solved, then the distribution (median, p90, worst) and the worst cases.
+used for the distribution; the solver's dual bound on it (a step no plan beats) still caps balance's gap
+there. Prints each case as it is solved, then the distribution (median, p90, worst) and the worst cases.
 `--optimum-from` takes the optima of an earlier run of the same cases and measures balance and the bound
 anew, in seconds instead of the solver's minutes; with `--solve-unproven` the cases that run left
-unproven are solved again with --time-limit (a longer limit for the few hard ones).
+unproven (or only the seeds it names) are solved again with --time-limit (a longer limit for the few hard
+ones).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from output import finish, print_new_rows  # noqa: E402
 
 from megatron_hdp.config import HDPConfig  # noqa: E402
 from megatron_hdp.plan.timeline.bounds import step_time_lower_bound  # noqa: E402
-from megatron_hdp.plan.policies.optimal import plan_optimal  # noqa: E402
+from megatron_hdp.plan.policies.optimal import UnprovenOptimum, plan_optimal  # noqa: E402
 from megatron_hdp.plan.planner import make_plan  # noqa: E402
 from megatron_hdp.plan.cost.presets import analytic_cost_model  # noqa: E402
 
@@ -66,22 +69,36 @@ def measure(spec: dict, *, time_limit: float, known: dict | None = None) -> dict
     bound = step_time_lower_bound(spec["lengths"], num_ranks=spec["num_ranks"], capacity=spec["capacity"],
                                   cost_model=cost_model, max_offload_ratio=config.max_offload_ratio)
     if known is not None:
-        return {**spec, "balance_s": balance, "optimum_s": known["optimum_s"], "bound_s": bound,
+        bracket = {k: known[k] for k in ("dual_s", "incumbent_s") if k in known}
+        return {**spec, "balance_s": balance, "optimum_s": known["optimum_s"], "bound_s": bound, **bracket,
                 "balance_plan_ms": 1e3 * balance_s, "solve_s": known["solve_s"]}
     start = time.perf_counter()
     try:
         optimum = plan_optimal(spec["lengths"], time_limit=time_limit, upper_bound=balance, **common).est_step_time
-    except ValueError:
+        bracket = {}
+    except UnprovenOptimum as unproven:
         optimum = None
-    return {**spec, "balance_s": balance, "optimum_s": optimum, "bound_s": bound,
+        bracket = {"dual_s": unproven.dual, "incumbent_s": unproven.best}
+    return {**spec, "balance_s": balance, "optimum_s": optimum, "bound_s": bound, **bracket,
             "balance_plan_ms": 1e3 * balance_s, "solve_s": time.perf_counter() - start}
 
 
+def tighter(solved: dict, earlier: dict) -> dict:
+    """A case solved again (`solved`), still unproven, keeps the closer bracket of both solves: the higher
+    dual bound, the better plan found."""
+    if solved["optimum_s"] or "dual_s" not in earlier:
+        return solved
+    plans = [p for p in (solved["incumbent_s"], earlier["incumbent_s"]) if p is not None]
+    return {**solved, "dual_s": max(solved["dual_s"], earlier["dual_s"]), "incumbent_s": min(plans, default=None)}
+
+
 def table(rows: list[dict]) -> str:
-    """One line per case: pool, batch, balance / optimum, optimum / bound, solver seconds."""
+    """One line per case: pool, batch, balance / optimum (of an unproven case, `<=` balance / the solver's
+    dual bound, an upper bound on it), optimum / bound, solver seconds."""
     lines = ["seed ranks     C offload docs  balance/opt  opt/bound  solve s", "-" * 62]
     for r in rows:
-        ratio = f"{r['balance_s'] / r['optimum_s']:11.4f}" if r["optimum_s"] else "   unproven"
+        ratio = (f"{r['balance_s'] / r['optimum_s']:11.4f}" if r["optimum_s"]
+                 else f"  <={r['balance_s'] / r['dual_s']:7.4f}" if r.get("dual_s") else "   unproven")
         bound = f"{r['optimum_s'] / r['bound_s']:9.4f}" if r["optimum_s"] else "        -"
         lines.append(f"{r['seed']:4d} {r['num_ranks']:5d} {r['capacity']:5d} {str(r['offload']):>7s} "
                      f"{len(r['lengths']):4d}  {ratio}  {bound}  {r['solve_s']:7.1f}")
@@ -102,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimum-from", metavar="JSON",
                         help="an earlier result: its optima (proven or not) for the same cases, balance and the "
                              "bound measured anew (after a change to balance or the bound; the optimum is fixed)")
-    parser.add_argument("--solve-unproven", action="store_true",
-                        help="with --optimum-from: solve again, with --time-limit, the cases it left unproven")
+    parser.add_argument("--solve-unproven", nargs="*", type=int, metavar="SEED",
+                        help="with --optimum-from: solve again, with --time-limit, the cases it left unproven "
+                             "(only these seeds when given)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "optimal_gap.json"))
     args = parser.parse_args(argv)
     earlier = {}
@@ -116,9 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         known = earlier.get(tuple(sorted((k, str(v)) for k, v in spec.items())))
         if args.optimum_from and known is None:
             raise SystemExit(f"case {seed} is not in {args.optimum_from}: run it with the same --max-ranks/--max-docs")
-        if args.solve_unproven and known is not None and known["optimum_s"] is None:
-            known = None  # a longer --time-limit than the earlier run's may prove it
-        rows.append(measure(spec, time_limit=args.time_limit, known=known))
+        if (args.solve_unproven is not None and known is not None and known["optimum_s"] is None
+                and (not args.solve_unproven or seed in args.solve_unproven)):
+            rows.append(tighter(measure(spec, time_limit=args.time_limit), known))  # a longer limit may prove it
+        else:
+            rows.append(measure(spec, time_limit=args.time_limit, known=known))
         print_new_rows(table, rows[-1:])
     solved = [r for r in rows if r["optimum_s"]]
     if not solved:
@@ -128,11 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"cases": len(rows), "proven": len(solved), "balance_over_optimum": distribution(gaps),
                "optimum_over_bound": distribution(bounds),
                "balance_within_1pct": float(np.mean(gaps <= 1.01)), "balance_within_5pct": float(np.mean(gaps <= 1.05))}
+    bracketed = [r for r in rows if not r["optimum_s"] and r.get("dual_s")]
+    if bracketed:  # balance / dual bound >= balance / optimum: a proven ceiling on the unproven cases' gaps
+        ceilings = np.array([r["balance_s"] / r["dual_s"] for r in bracketed])
+        summary["unproven_balance_over_dual"] = {"cases": len(bracketed), "worst": float(ceilings.max()),
+                                                 "within_5pct": float(np.mean(ceilings <= 1.05))}
     worst = sorted(solved, key=lambda r: -r["balance_s"] / r["optimum_s"])[:5]
     text = table(worst) + "\n\n" + "\n".join(
         f"{name}: median {d['median']:.4f}, p90 {d['p90']:.4f}, worst {d['worst']:.4f}"
         for name, d in (("balance / optimum", summary["balance_over_optimum"]),
                         ("optimum / lower bound", summary["optimum_over_bound"])))
+    if bracketed:
+        text += (f"\nunproven, balance / the solver's dual bound (at least balance / optimum): worst "
+                 f"{ceilings.max():.4f}, {int(np.sum(ceilings <= 1.05))} of {len(bracketed)} within 5%")
     text += (f"\n{len(solved)} of {len(rows)} cases proven optimal "
              + (f"(optima from {args.optimum_from})" if args.optimum_from else f"within {args.time_limit:g} s"))
     finish("worst cases:\n" + text, {"command": " ".join(["python", "benchmarks/optimal_gap.py", *(argv or sys.argv[1:])]),

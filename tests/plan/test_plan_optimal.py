@@ -285,3 +285,6 @@ def test_an_unproven_solve_names_the_bound_it_proved():
     best = re.search(r"best plan takes ([\d.e+-]+) s", message)
     assert 0.5 * balance < bound <= balance * (1 + 1e-3)  # printed to 4 digits
     assert best is None or bound <= float(best.group(1))
+    assert error.value.dual == pytest.approx(bound, rel=1e-3)  # what optimal_gap records of an unproven case
+    assert (best is None) == (error.value.best is None)
+    assert best is None or error.value.best == pytest.approx(float(best.group(1)), rel=1e-3)

@@ -90,6 +90,16 @@ TIME_LIMIT = 120.0
 """Seconds the solver may take before `plan_optimal` gives up (it returns only proven optima)."""
 
 
+class UnprovenOptimum(ValueError):
+    """`plan_optimal` ran out of time: no proven optimum, but `dual` (seconds), a step no plan of the space
+    beats, and `best`, the step of the best plan found (None when none was), which bracket the optimum."""
+
+    def __init__(self, message: str, *, dual: float, best: float | None):
+        super().__init__(message)
+        self.dual = dual
+        self.best = best
+
+
 @dataclasses.dataclass(frozen=True)
 class RingOption:
     """One way to hold a document: on a ring of `size` ranks (1: whole), `time` seconds for the ring's
@@ -166,8 +176,8 @@ def plan_optimal(
     upper_bound: float | None = None,
 ) -> StepPlan:
     """The plan of least predicted step time (module doc) of at most `MAX_DOCUMENTS` documents on at most
-    `MAX_RANKS` ranks; ValueError above that size, with PP, EP or a pool over several nodes, and when the
-    solver proves no optimum within `time_limit` seconds.
+    `MAX_RANKS` ranks; ValueError above that size, with PP, EP or a pool over several nodes, and
+    `UnprovenOptimum` (a ValueError) when the solver proves no optimum within `time_limit` seconds.
 
     `upper_bound` (seconds): the step time of a plan known to lie in the module doc's space (default: the
     `balance` policy's plan of the batch), used only to cut the search (module doc: big-M, pruned ring
@@ -200,10 +210,11 @@ def plan_optimal(
         if result.status != 2:  # 2: infeasible; under the greedy plan's step it is not, so try that next
             break
     if not staged.proven:
-        found = "" if result.x is None else f"its best plan takes {float(result.fun) / MILLISECONDS:.4g} s, "
-        raise ValueError(f"policy optimal found no proven optimum within {time_limit:g} s ({staged.message}): "
-                         f"{found}no plan is faster than {staged.dual / MILLISECONDS:.4g} s; use balance, or fewer "
-                         "documents or ranks")
+        best = None if result.x is None else float(result.fun) / MILLISECONDS
+        found = "" if best is None else f"its best plan takes {best:.4g} s, "
+        raise UnprovenOptimum(f"policy optimal found no proven optimum within {time_limit:g} s ({staged.message}): "
+                              f"{found}no plan is faster than {staged.dual / MILLISECONDS:.4g} s; use balance, or "
+                              "fewer documents or ranks", dual=staged.dual / MILLISECONDS, best=best)
     return _plan(result.x, lengths=lengths, options=kept, **staged.columns, num_ranks=num_ranks,
                  capacity=capacity, cost_model=cost_model, objective=float(result.fun) / MILLISECONDS,
                  tolerance=1e-9 * big + INTEGRALITY_TOLERANCE * big)
