@@ -219,13 +219,21 @@ def place_rings_by_time(
         queues[n].append((0.0, 0, rank))  # (finish, micro-batches, rank), sorted since all finish at 0
     held = {n: len(queue) for n, queue in queues.items()}  # a ring takes entries off and puts them back
     widest = max(held.values(), default=0)
-    everyone = None  # every rank's entry, sorted: kept once a ring fits in no node
+    # the last ring that fits in no node: past it the merged list of every rank's entry is read no more
+    last_merged = max((at for at, seq in enumerate(order) if int(ring_sizes[seq]) > widest), default=-1)
+    everyone = None  # every rank's entry, sorted: kept once a ring fits in no node, up to `last_merged`
+    untouched = set(queues)  # nodes no ring has landed on: every entry (0.0, 0, rank), keyed (0.0, 0.0)
     size = None
-    for seq in order:
+    for at, seq in enumerate(order):
         k, weight = int(ring_sizes[seq]), float(weights[seq])
         if k != size:  # with one rank a node (16,384 nodes) no ring fits one: no scan
             size, fitting = k, [n for n in queues if held[n] >= k] if k <= widest else []
-            keys = dict(zip(fitting, _start_keys([queues[n][:k] for n in fitting], overhead))) if len(fitting) > 1 else {}
+            keys = {}
+            if len(fitting) > 1:
+                timed = [n for n in fitting if n not in untouched]
+                keys = {n: _UNTOUCHED for n in fitting}  # in `fitting`'s order, the timed ones replaced
+                if timed:
+                    keys.update(zip(timed, _start_keys([queues[n][:k] for n in timed], overhead)))
             ranking = [(*key, n) for n, key in keys.items()]  # a heap; entries of re-timed nodes go stale
             heapq.heapify(ranking)
         if fitting:
@@ -260,15 +268,25 @@ def place_rings_by_time(
                 del queues[n][:taken]
         for rank in members:
             bisect.insort(queues[node_of[rank]], (finish, slot + 1, rank))
-        if everyone is not None:
-            for entry in group:
-                del everyone[bisect.bisect_left(everyone, entry)]
+        untouched.difference_update(touched)
+        if everyone is not None and at < last_merged:
+            if source is everyone:  # the group is a slice of it
+                start_at = bisect.bisect_left(everyone, group[0])
+                del everyone[start_at:start_at + k]
+            else:
+                for entry in group:
+                    del everyone[bisect.bisect_left(everyone, entry)]
             for rank in members:
                 bisect.insort(everyone, (finish, slot + 1, rank))
         for n in touched.keys() & keys.keys():
             keys[n] = _start_key(queues[n][:k], overhead)
             heapq.heappush(ranking, (*keys[n], n))
     return layout
+
+
+_UNTOUCHED = (0.0, 0.0)
+"""`_start_key` of a node's k first entries while no ring has landed on it (all ready at 0.0: 0.0 + 0 x
+overhead each, their maximum and numpy's sum 0.0), for any k."""
 
 
 def _ready_times(group: list[tuple[float, int, int]], overhead: float) -> tuple[int, list[float]]:
