@@ -318,22 +318,21 @@ def _schedules(
     for seq, ring in ring_of.items():
         rings[seq] = ring
     seconds = weights.tolist()  # Python floats: indexing them per item is far cheaper than the array
-    leads, jobs = [], []
-    for rank in range(num_ranks):
-        whole = (rank,)  # one tuple shared by all the rank's whole sequences
-        for mb in leading[rank]:
+    wholes = list(zip(range(num_ranks)))  # (rank,): one tuple shared by all the rank's whole sequences
+    for rank, lead in enumerate(leading):
+        for mb in lead:  # filler slots' whole sequences (most ranks of a large pool lead with nothing)
             for seq in mb:
                 if seq not in ring_of:
-                    rings[seq] = whole
-        items = given[rank]
+                    rings[seq] = wholes[rank]
+    for rank, items in enumerate(given):
         for seq in items:
-            rings[seq] = whole
-        if pp_size > 1:  # the packer times pipelines; without PP it reads the sizes alone
-            times = [overhead + sum(map(seconds.__getitem__, mb)) for mb in leading[rank]]
-            jobs.append((list(map(lengths.__getitem__, items)), list(map(seconds.__getitem__, items)), times))
-        else:
-            jobs.append((list(map(lengths.__getitem__, items)), (), ()))
-        leads.append([list(mb) for mb in leading[rank]])
+            rings[seq] = wholes[rank]
+    if pp_size > 1:  # the packer times pipelines; without PP it reads the sizes alone
+        jobs = [(list(map(lengths.__getitem__, items)), list(map(seconds.__getitem__, items)),
+                 [overhead + sum(map(seconds.__getitem__, mb)) for mb in lead]) for items, lead in zip(given, leading)]
+    else:
+        jobs = [(list(map(lengths.__getitem__, items)), (), ()) for items in given]
+    leads = [[list(mb) for mb in lead] for lead in leading]
     packed = [[[items[j] for j in b] for b in bins] for items, bins in zip(
         given, pack_for_pipelines(jobs, capacity=capacity, overhead=overhead, pp_size=pp_size, vpp_size=vpp_size))]
     most_rings = max(map(len, leads), default=0)
