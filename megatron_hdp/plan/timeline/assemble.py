@@ -422,7 +422,7 @@ def _grid_timeline(times: list[float], tokens: list[int], bounds: list[int], *, 
     `tokens`: every micro-batch's, rank by rank (rank r's from `bounds[r]` to `bounds[r + 1]`)."""
     ep_size = cost_model.expert_parallel_size
     own = np.diff(np.asarray(bounds, dtype=np.int64))
-    counts = np.asarray(runtime_microbatch_counts(own.tolist(), ep_size=ep_size), dtype=np.int64)
+    counts = np.asarray(runtime_microbatch_counts(own, ep_size=ep_size), dtype=np.int64)
     index = np.arange(int(counts.max(initial=0)))
     filled = index < own[:, None]
     grid = np.where(index < counts[:, None], overhead, 0.0)
