@@ -213,10 +213,14 @@ def place_rings_by_time(
     one HDP rank per node at 16,384 ranks: DeepSeek-V3 at TP 8).
     """
     layout = TimedLayout(num_ranks)
-    node_of = [0] * num_ranks if domains is None else [int(n) for n in domains]
-    queues: dict[int, list[tuple[float, int, int]]] = {n: [] for n in sorted(set(node_of))}
-    for rank, n in enumerate(node_of):
-        queues[n].append((0.0, 0, rank))  # (finish, micro-batches, rank), sorted since all finish at 0
+    nodes = np.zeros(num_ranks, dtype=np.int64) if domains is None else np.asarray(domains, dtype=np.int64)
+    node_of = nodes.tolist()
+    # each node's entries (finish, micro-batches, rank), sorted since all finish at 0; nodes in order
+    by_node = np.argsort(nodes, kind="stable")  # ranks node by node, in rank order within each
+    cuts = (np.flatnonzero(np.diff(nodes[by_node])) + 1).tolist()
+    entries = list(zip(itertools.repeat(0.0), itertools.repeat(0), by_node.tolist()))
+    queues: dict[int, list[tuple[float, int, int]]] = {
+        node_of[entries[a][2]]: entries[a:b] for a, b in zip([0, *cuts], [*cuts, num_ranks]) if a < b}
     held = {n: len(queue) for n, queue in queues.items()}  # a ring takes entries off and puts them back
     widest = max(held.values(), default=0)
     # the last ring that fits in no node: past it the merged list of every rank's entry is read no more
