@@ -444,11 +444,15 @@ def _decide_ring_kinds(
 ) -> None:
     """Write into `kinds` the ring kind of every ring call of the micro-batch `seqs` not decided yet (its
     sequences not in `decided`): one per ring, from ceil(s/k) tokens per member of each of its sequences,
-    so that every member of the ring, holding the same sequences in its micro-batch, decides alike."""
+    so that every member of the ring, holding the same sequences in its micro-batch, decides alike (a kind
+    the cost model forces, `ring_kind_for` returns without reading the call: no sums for it)."""
     calls: dict[tuple[int, ...], list[int]] = {}
     for seq in seqs:
         if len(rings[seq]) > 1 and seq not in decided:
-            calls.setdefault(rings[seq], []).append(seq)
+            if cost_model.ring_kind != "auto":
+                kinds[seq] = cost_model.ring_kind
+            else:
+                calls.setdefault(rings[seq], []).append(seq)
     for ring, members in calls.items():
         k = len(ring)
         tokens = [-(-lengths[seq] // k) for seq in members]
