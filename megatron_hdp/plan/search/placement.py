@@ -331,12 +331,17 @@ def fill_gaps(
     room = {g: [seconds, capacity] for g, (_, _, seconds) in enumerate(layout.gaps) if seconds > 0}
     ranked = sorted((seconds, g) for g, (seconds, _) in room.items())
     seconds_of = np.asarray(weights, dtype=np.float64).tolist() if len(order) else []
+    tokens_of = np.asarray(tokens, dtype=np.int64).tolist() if len(order) else []
+    most = max((free for _, free in room.values()), default=0)  # the most tokens any slot has left
     left = []
     for at, seq in enumerate(order):
         if not room:
             left += order[at:]
             break
-        weight, size = seconds_of[seq], int(tokens[seq])
+        weight, size = seconds_of[seq], tokens_of[seq]
+        if size > most:  # no slot has the room (most of a large batch's sequences)
+            left.append(seq)
+            continue
         place = bisect.bisect_left(ranked, (weight, -1))  # the first slot with at least `weight` left
         while place < len(ranked) and room[ranked[place][1]][1] < size:
             place += 1
@@ -352,6 +357,7 @@ def fill_gaps(
             del room[g]
         else:
             bisect.insort(ranked, (room[g][0], g))
+        most = max((free for _, free in room.values()), default=0)
     return left
 
 
