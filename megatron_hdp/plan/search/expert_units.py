@@ -330,9 +330,10 @@ def place_units(
     left = fill(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -weights[whole_ids]))].tolist())
     # whole rows: the large sequences first, one of which leaves a lane no room for the next, and the
     # short ones into their holes, so that those rows' lanes end alike; the rest in rows of their own
-    short = [seq for seq in left if tokens[seq] * LARGE_PARTS < capacity]
-    large = whole_rows([seq for seq in left if tokens[seq] * LARGE_PARTS >= capacity], weights=weights,
-                       tokens=tokens, ep_size=ep_size, capacity=capacity,
+    left = np.asarray(left, dtype=np.int64)
+    is_short = tokens[left] * LARGE_PARTS < capacity
+    short = left[is_short].tolist()
+    large = whole_rows(left[~is_short].tolist(), weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity,
                        fine_work=fine_work - float(weights[short].sum()))  # the light rows' work, less the short
     short = fill(large, short)
     rows += large + whole_rows(short, weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity,
