@@ -307,7 +307,7 @@ def _schedules(
     (`refine_local`) starts from. Returns every sequence's ring, the (schedule, group size) candidates
     (`_finish` times them) and the `TimingCache` they share (with the batch's `contents`)."""
     num_ranks = len(leading)
-    counts = np.array([len(mbs) for mbs in leading], dtype=np.int64)
+    counts = np.fromiter(map(len, leading), dtype=np.int64, count=num_ranks)
     cost = PipelineCost(pp_size, capacity, counts, vpp_size)
     if given is not None:
         given = refine_local(given, weights=weights, base=finish, tokens=tokens, cost=cost)
@@ -318,23 +318,25 @@ def _schedules(
     for seq, ring in ring_of.items():
         rings[seq] = ring
     seconds = weights.tolist()  # Python floats: indexing them per item is far cheaper than the array
-    leads, jobs = [], []
-    for rank in range(num_ranks):
-        whole = (rank,)  # one tuple shared by all the rank's whole sequences
-        for mb in leading[rank]:
+    # Most ranks of a large pool lead with nothing and hold at most one whole sequence: the per-rank steps
+    # below skip empty lists without a call (at 16,384 ranks each pass over every rank costs milliseconds).
+    wholes = list(zip(range(num_ranks)))  # (rank,): one tuple shared by all the rank's whole sequences
+    for rank in np.flatnonzero(counts).tolist():
+        for mb in leading[rank]:  # filler slots' whole sequences
             for seq in mb:
                 if seq not in ring_of:
-                    rings[seq] = whole
-        items = given[rank]
-        for seq in items:
-            rings[seq] = whole
-        if pp_size > 1:  # the packer times pipelines; without PP it reads the sizes alone
-            times = [overhead + sum(map(seconds.__getitem__, mb)) for mb in leading[rank]]
-            jobs.append((list(map(lengths.__getitem__, items)), list(map(seconds.__getitem__, items)), times))
-        else:
-            jobs.append((list(map(lengths.__getitem__, items)), (), ()))
-        leads.append([list(mb) for mb in leading[rank]])
-    packed = [[[items[j] for j in b] for b in bins] for items, bins in zip(
+                    rings[seq] = wholes[rank]
+    for rank in np.flatnonzero(np.fromiter(map(len, given), dtype=np.int64, count=num_ranks)).tolist():
+        for seq in given[rank]:
+            rings[seq] = wholes[rank]
+    if pp_size > 1:  # the packer times pipelines; without PP it reads the sizes alone
+        jobs = [(list(map(lengths.__getitem__, items)), list(map(seconds.__getitem__, items)),
+                 [overhead + sum(map(seconds.__getitem__, mb)) for mb in lead]) for items, lead in zip(given, leading)]
+    else:
+        nothing = ((), (), ())
+        jobs = [(list(map(lengths.__getitem__, items)), (), ()) if items else nothing for items in given]
+    leads = [[list(mb) for mb in lead] if lead else [] for lead in leading]
+    packed = [[[items[j] for j in b] for b in bins] if bins else [] for items, bins in zip(
         given, pack_for_pipelines(jobs, capacity=capacity, overhead=overhead, pp_size=pp_size, vpp_size=vpp_size))]
     most_rings = max(map(len, leads), default=0)
     candidates = []

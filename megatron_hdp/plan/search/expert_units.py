@@ -53,6 +53,7 @@ small batches a plan rank by rank may already run its EP groups in step.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -309,34 +310,45 @@ def place_units(
     held = tokens.tolist()  # tokens each lane holds of each sequence: a ring member its fullest shard
     for seq in np.flatnonzero(ring_sizes > 1).tolist():
         held[seq] = _fullest(held[seq], int(ring_sizes[seq]))
-    own = (weights - expert * np.asarray(held, dtype=np.float64)).tolist()  # seconds apart from routed experts
+    held_seconds = weights - expert * np.asarray(held, dtype=np.float64)  # seconds apart from routed experts
+
+    def lane_sums(some: list[Row], values: np.ndarray) -> np.ndarray:
+        """[row, lane] sums of `values` over each lane's sequences: np.bincount adds them in lane order
+        from 0.0, the floats of Python's `sum` (3.11: left to right) of each lane, in one pass."""
+        lanes = [lane for row in some for lane in row.lanes]
+        sizes = np.fromiter(map(len, lanes), dtype=np.int64, count=len(lanes))
+        seqs = np.fromiter(itertools.chain.from_iterable(lanes), dtype=np.int64, count=int(sizes.sum()))
+        cell = np.repeat(np.arange(len(lanes)), sizes)
+        sums = np.bincount(cell, weights=values[seqs], minlength=len(lanes))
+        return sums.astype(np.float64, copy=False).reshape(len(some), ep_size)  # (int zeros where no pieces)
 
     def fill(holed: list[Row], order: list[int]) -> list[int]:  # rows timed as their lanes' own seconds
-        for row in holed:
-            row.time = max(sum(map(own.__getitem__, lane)) for lane in row.lanes)
-        return fill_holes(holed, order, weights=np.asarray(own), tokens=tokens, held=held, capacity=capacity)
+        for row, time in zip(holed, lane_sums(holed, held_seconds).max(axis=1, initial=-np.inf).tolist()):
+            row.time = time
+        return fill_holes(holed, order, weights=held_seconds, tokens=tokens, held=held, capacity=capacity)
 
     left = fill(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -weights[whole_ids]))].tolist())
     # whole rows: the large sequences first, one of which leaves a lane no room for the next, and the
     # short ones into their holes, so that those rows' lanes end alike; the rest in rows of their own
-    short = [seq for seq in left if tokens[seq] * LARGE_PARTS < capacity]
-    large = whole_rows([seq for seq in left if tokens[seq] * LARGE_PARTS >= capacity], weights=weights,
-                       tokens=tokens, ep_size=ep_size, capacity=capacity,
+    left = np.asarray(left, dtype=np.int64)
+    is_short = tokens[left] * LARGE_PARTS < capacity
+    short = left[is_short].tolist()
+    large = whole_rows(left[~is_short].tolist(), weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity,
                        fine_work=fine_work - float(weights[short].sum()))  # the light rows' work, less the short
     short = fill(large, short)
     rows += large + whole_rows(short, weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity,
                                fine_work=fine_work)
 
-    def row_time(row: Row) -> float:  # every lane waits for the slowest and the fullest's all-to-all
-        lane_tokens = [sum(map(held.__getitem__, lane)) for lane in row.lanes]
-        return (overhead + max(sum(map(own.__getitem__, lane)) for lane in row.lanes)
-                + expert * sum(lane_tokens) / ep_size + alltoall * max(lane_tokens))
-
-    row_times = np.array([row_time(row) for row in rows])
+    # a row's time: every lane waits for the slowest and the fullest's all-to-all (lane tokens are
+    # integers, so their sums in floats are exact)
+    lane_tokens = lane_sums(rows, np.asarray(held, dtype=np.float64))
+    row_times = (overhead + lane_sums(rows, held_seconds).max(axis=1, initial=-np.inf)
+                 + expert * lane_tokens.sum(axis=1) / ep_size + alltoall * lane_tokens.max(axis=1, initial=0.0))
     base = np.zeros(num_units)
     for unit, mine in enumerate(lead):
         base[unit] = layout.finish[unit] + overhead * len(mine)
-    row_order = sorted(range(floating, len(rows)), key=lambda r: (-row_times[r], r))
+    later = np.arange(floating, len(rows))
+    row_order = later[np.lexsort((later, -row_times[floating:]))].tolist()
     given = lpt(row_order, weights=row_times, loads=base.copy())
     given = refine_local(given, weights=row_times, base=base)
     return UnitLayout(ep_size, rows, lead, given, row_times, widened)

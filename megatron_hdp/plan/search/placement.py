@@ -213,19 +213,31 @@ def place_rings_by_time(
     one HDP rank per node at 16,384 ranks: DeepSeek-V3 at TP 8).
     """
     layout = TimedLayout(num_ranks)
-    node_of = [0] * num_ranks if domains is None else [int(n) for n in domains]
-    queues: dict[int, list[tuple[float, int, int]]] = {n: [] for n in sorted(set(node_of))}
-    for rank, n in enumerate(node_of):
-        queues[n].append((0.0, 0, rank))  # (finish, micro-batches, rank), sorted since all finish at 0
+    nodes = np.zeros(num_ranks, dtype=np.int64) if domains is None else np.asarray(domains, dtype=np.int64)
+    node_of = nodes.tolist()
+    # each node's entries (finish, micro-batches, rank), sorted since all finish at 0; nodes in order
+    by_node = np.argsort(nodes, kind="stable")  # ranks node by node, in rank order within each
+    cuts = (np.flatnonzero(np.diff(nodes[by_node])) + 1).tolist()
+    entries = list(zip(itertools.repeat(0.0), itertools.repeat(0), by_node.tolist()))
+    queues: dict[int, list[tuple[float, int, int]]] = {
+        node_of[entries[a][2]]: entries[a:b] for a, b in zip([0, *cuts], [*cuts, num_ranks]) if a < b}
     held = {n: len(queue) for n, queue in queues.items()}  # a ring takes entries off and puts them back
     widest = max(held.values(), default=0)
-    everyone = None  # every rank's entry, sorted: kept once a ring fits in no node
+    # the last ring that fits in no node: past it the merged list of every rank's entry is read no more
+    last_merged = max((at for at, seq in enumerate(order) if int(ring_sizes[seq]) > widest), default=-1)
+    everyone = None  # every rank's entry, sorted: kept once a ring fits in no node, up to `last_merged`
+    untouched = set(queues)  # nodes no ring has landed on: every entry (0.0, 0, rank), keyed (0.0, 0.0)
     size = None
-    for seq in order:
+    for at, seq in enumerate(order):
         k, weight = int(ring_sizes[seq]), float(weights[seq])
         if k != size:  # with one rank a node (16,384 nodes) no ring fits one: no scan
             size, fitting = k, [n for n in queues if held[n] >= k] if k <= widest else []
-            keys = dict(zip(fitting, _start_keys([queues[n][:k] for n in fitting], overhead))) if len(fitting) > 1 else {}
+            keys = {}
+            if len(fitting) > 1:
+                timed = [n for n in fitting if n not in untouched]
+                keys = {n: _UNTOUCHED for n in fitting}  # in `fitting`'s order, the timed ones replaced
+                if timed:
+                    keys.update(zip(timed, _start_keys([queues[n][:k] for n in timed], overhead)))
             ranking = [(*key, n) for n, key in keys.items()]  # a heap; entries of re-timed nodes go stale
             heapq.heapify(ranking)
         if fitting:
@@ -260,15 +272,25 @@ def place_rings_by_time(
                 del queues[n][:taken]
         for rank in members:
             bisect.insort(queues[node_of[rank]], (finish, slot + 1, rank))
-        if everyone is not None:
-            for entry in group:
-                del everyone[bisect.bisect_left(everyone, entry)]
+        untouched.difference_update(touched)
+        if everyone is not None and at < last_merged:
+            if source is everyone:  # the group is a slice of it
+                start_at = bisect.bisect_left(everyone, group[0])
+                del everyone[start_at:start_at + k]
+            else:
+                for entry in group:
+                    del everyone[bisect.bisect_left(everyone, entry)]
             for rank in members:
                 bisect.insort(everyone, (finish, slot + 1, rank))
         for n in touched.keys() & keys.keys():
             keys[n] = _start_key(queues[n][:k], overhead)
             heapq.heappush(ranking, (*keys[n], n))
     return layout
+
+
+_UNTOUCHED = (0.0, 0.0)
+"""`_start_key` of a node's k first entries while no ring has landed on it (all ready at 0.0: 0.0 + 0 x
+overhead each, their maximum and numpy's sum 0.0), for any k."""
 
 
 def _ready_times(group: list[tuple[float, int, int]], overhead: float) -> tuple[int, list[float]]:
@@ -301,25 +323,41 @@ def fill_gaps(
 ) -> list[int]:
     """Put whole sequences of `order` (heaviest first) into filler slots whose idle time they fit (best
     fit; <= `capacity` tokens per slot), so they run while the rank waits for a ring's other members and
-    delay nothing. Returns the sequences left over, in order."""
+    delay nothing. Returns the sequences left over, in order.
+
+    Best fit is the slot of least idle time left (ties: the first gap) among those with the time and the
+    tokens: the slots wait in a list sorted by (time left, gap), so it is the first from the sequence's
+    time on with the tokens (a scan of every slot per sequence cost ~20 ms at 1,024 ranks)."""
     room = {g: [seconds, capacity] for g, (_, _, seconds) in enumerate(layout.gaps) if seconds > 0}
+    ranked = sorted((seconds, g) for g, (seconds, _) in room.items())
+    seconds_of = np.asarray(weights, dtype=np.float64).tolist() if len(order) else []
+    tokens_of = np.asarray(tokens, dtype=np.int64).tolist() if len(order) else []
+    most = max((free for _, free in room.values()), default=0)  # the most tokens any slot has left
     left = []
     for at, seq in enumerate(order):
         if not room:
             left += order[at:]
             break
-        weight, size = float(weights[seq]), int(tokens[seq])
-        fitting = [g for g, (seconds, free) in room.items() if weight <= seconds and size <= free]
-        if not fitting:
+        weight, size = seconds_of[seq], tokens_of[seq]
+        if size > most:  # no slot has the room (most of a large batch's sequences)
             left.append(seq)
             continue
-        g = min(fitting, key=lambda g: (room[g][0], g))
+        place = bisect.bisect_left(ranked, (weight, -1))  # the first slot with at least `weight` left
+        while place < len(ranked) and room[ranked[place][1]][1] < size:
+            place += 1
+        if place == len(ranked):
+            left.append(seq)
+            continue
+        g = ranked.pop(place)[1]
         rank, slot, _ = layout.gaps[g]
         layout.leading[rank][slot].append(seq)
         room[g][0] -= weight
         room[g][1] -= size
         if room[g][0] <= 0 or room[g][1] <= 0:
             del room[g]
+        else:
+            bisect.insort(ranked, (room[g][0], g))
+        most = max((free for _, free in room.values()), default=0)
     return left
 
 

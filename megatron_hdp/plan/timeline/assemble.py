@@ -27,6 +27,7 @@ calls that share lengths and rings share a `TimingCache`. The timing:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 from contextlib import contextmanager
@@ -42,6 +43,14 @@ from megatron_hdp.plan.cost.sharding import whole_times
 from megatron_hdp.plan.timeline.timing import (coupled_finish, expert_coupled_finish, expert_links, link_groups,
                                                pipeline_step_finish, runtime_microbatch_counts)
 from megatron_hdp.plan.step_plan import MicroBatch, RankSchedule, SequencePlacement, Shard, StepPlan, build_many
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _token_counts(length: int, ring_size: int) -> list[int]:
+    """`zigzag_token_counts(length, ring_size)` as a list, remembered (read only: callers index it): every
+    placement's TimingCache asks again for the rings of the batch's lengths and sizes (~800 a family on
+    Mixtral EP 8 at 1,024 ranks, ~10 us each in numpy)."""
+    return zigzag_token_counts(length, ring_size).tolist()
 
 
 @contextmanager
@@ -82,9 +91,11 @@ class TimedPlan:
     (`build`); `assemble_plan` is `time_plan(...).build()`, so every policy's plan is timed the same way.
 
     The decisions are `time_plan`'s arguments (`decisions()` gives them back, to re-time the placement
-    under another cost model); the times are each rank's micro-batches' own times (`times`, before padding
-    and the EP coupling), the tokens each holds (`held`), each sequence's ring kind, each rank's
-    `rank_times` (its StepPlan `est_time`) and `est_step_time`."""
+    under another cost model); the times are every micro-batch's own time (`flat_times`, rank by rank,
+    before padding and the EP coupling; rank r's are `flat_times[bounds[r]:bounds[r + 1]]`, `times[r]`),
+    the tokens each holds (`flat_held`, `held[r]`), each sequence's ring kind, each rank's `rank_times`
+    (its StepPlan `est_time`) and `est_step_time`. The per-rank lists are made only where read (with PP):
+    at 16,384 ranks slicing them cost ~8 ms a timing."""
 
     policy: str
     lengths: list[int]
@@ -95,11 +106,22 @@ class TimedPlan:
     pp_size: int
     vpp_size: int
     group_size: int | None
-    times: list[list[float]]
-    held: list[list[int]]
+    flat_times: list[float]
+    flat_held: list[int]
+    bounds: list[int]
     kinds: list[str]
     rank_times: list[float]
     est_step_time: float
+
+    @functools.cached_property
+    def times(self) -> list[list[float]]:
+        """Each rank's micro-batches' own times."""
+        return _per_rank(self.flat_times, self.bounds)
+
+    @functools.cached_property
+    def held(self) -> list[list[int]]:
+        """The tokens each rank's micro-batches hold."""
+        return _per_rank(self.flat_held, self.bounds)
 
     def decisions(self) -> dict:
         """The keyword arguments of `time_plan` that made this plan, less the cost model."""
@@ -113,10 +135,12 @@ class TimedPlan:
         p and 2k-1-p, a whole sequence one shard of all its tokens."""
         lengths, rings = self.lengths, self.rings
         in_ring = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings)) > 1
-        positions: dict[int, dict[int, int]] = {
-            seq: {rank: p for p, rank in enumerate(rings[seq])} for seq in np.flatnonzero(in_ring).tolist()
-        }
-        # The one shard of each whole sequence, built in one go (see `build_many`) and indexed by sequence.
+        # Every ring member's shard, built in one go by (sequence, rank), and each whole sequence's one shard
+        # indexed by sequence (see `build_many`).
+        members = [(seq, rank, p) for seq in np.flatnonzero(in_ring).tolist() for p, rank in enumerate(rings[seq])]
+        ring_shards = dict(zip([(seq, rank) for seq, rank, _ in members], build_many(
+            Shard, [seq for seq, _, _ in members],
+            [zigzag_chunks(lengths[seq], len(rings[seq]), p) for seq, _, p in members])))
         whole_ids = np.flatnonzero(~in_ring).tolist()
         whole_shards = build_many(Shard, whole_ids, [((0, lengths[seq]),) for seq in whole_ids])
         if len(whole_ids) < len(lengths):
@@ -129,19 +153,15 @@ class TimedPlan:
         sizes = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
         seqs = np.fromiter(itertools.chain.from_iterable(flat), dtype=np.int64, count=int(sizes.sum()))
         per_mb = np.repeat(np.arange(len(flat)), sizes)
-        counts = np.fromiter(map(len, self.schedule), dtype=np.int64, count=len(self.schedule))
-        rank_of = np.repeat(np.arange(len(self.schedule)), counts)
-        for at in _distinct_sorted(per_mb[in_ring[seqs]]).tolist():  # micro-batches holding ring shards
-            rank = int(rank_of[at])
-            shards[at] = tuple(whole_shards[seq] if seq not in positions else
-                               Shard(seq, zigzag_chunks(lengths[seq], len(positions[seq]), positions[seq][rank]))
-                               for seq in flat[at])
-        held = np.fromiter(itertools.chain.from_iterable(self.held), dtype=np.int64, count=len(flat))
-        microbatches = build_many(MicroBatch, shards, np.maximum(held, self.capacity).tolist(),
-                                  list(itertools.chain.from_iterable(self.times)))
-        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        rank_of = np.repeat(np.arange(len(self.schedule)), np.diff(np.asarray(self.bounds, dtype=np.int64)))
+        at_ring = _distinct_sorted(per_mb[in_ring[seqs]]).tolist()  # micro-batches holding ring shards
+        for at, rank in zip(at_ring, rank_of[at_ring].tolist()):
+            shards[at] = tuple(ring_shards.get((seq, rank)) or whole_shards[seq] for seq in flat[at])
+        held = np.asarray(self.flat_held, dtype=np.int64)
+        microbatches = tuple(build_many(MicroBatch, shards, np.maximum(held, self.capacity).tolist(), self.flat_times))
+        bounds = self.bounds
         ranks = build_many(RankSchedule, range(len(self.schedule)),
-                           [tuple(microbatches[a:b]) for a, b in zip(bounds, bounds[1:])], self.rank_times)
+                           [microbatches[a:b] for a, b in zip(bounds, bounds[1:])], self.rank_times)
         ratios = np.asarray(self.offload_ratios, dtype=np.float64).tolist()
         sequences = tuple(build_many(SequencePlacement, range(len(lengths)), lengths, rings, ratios, self.kinds))
         return StepPlan(policy=self.policy, num_ranks=len(ranks), capacity=self.capacity, sequences=sequences,
@@ -242,13 +262,14 @@ def time_plan(
     if loop is None or loop[0] is not schedule:
         loop = shared.loops[(id(schedule), pp_size)] = (schedule, *_microbatch_times(
             lengths=lengths, rings=rings, schedule=schedule, cost_model=cost_model, pp_size=pp_size, shared=shared))
-    _, times, tokens, kinds, ring_index = loop
+    _, flat_times, flat_tokens, bounds, kinds, ring_index = loop
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     ep_size = cost_model.expert_parallel_size
     if pp_size == 1 and (ep_size > 1 or not cost_model.jitter):
-        alone, step = _grid_timeline(times, tokens, rings=rings, ring_index=ring_index, overhead=overhead,
-                                     cost_model=cost_model)
+        alone, step = _grid_timeline(flat_times, flat_tokens, bounds, rings=rings, ring_index=ring_index,
+                                     overhead=overhead, cost_model=cost_model)
     else:
+        times, tokens = _per_rank(flat_times, bounds), _per_rank(flat_tokens, bounds)
         counts = runtime_microbatch_counts(list(map(len, times)), pp_size=pp_size, ep_size=ep_size,
                                            vpp_size=vpp_size, rings={rings[seq] for seq in ring_index},
                                            group_size=group_size)
@@ -260,8 +281,9 @@ def time_plan(
         step = step_time(padded, rings=rings, ring_index=ring_index, pp_size=pp_size, ep_size=ep_size,
                          jitter=cost_model.jitter, vpp_size=vpp_size, group_size=group_size)
     timed = TimedPlan(policy=policy, lengths=lengths, rings=rings, offload_ratios=offload_ratios, schedule=schedule,
-                      capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size, times=times,
-                      held=tokens, kinds=kinds, rank_times=alone, est_step_time=step)
+                      capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, group_size=group_size,
+                      flat_times=flat_times, flat_held=flat_tokens, bounds=bounds, kinds=kinds, rank_times=alone,
+                      est_step_time=step)
     shared.plans[(id(schedule), group_size, cost_model.expert_parallel_size)] = timed
     return timed
 
@@ -274,10 +296,10 @@ def _microbatch_times(
     cost_model: CostModel,
     pp_size: int,
     shared: TimingCache,
-) -> tuple[list[list[float]], list[list[int]], list[str], dict[int, int]]:
+) -> tuple[list[float], list[int], list[int], list[str], dict[int, int]]:
     """`time_plan`'s micro-batch loop: every micro-batch's own time (before padding and the EP coupling) and
-    the tokens it holds, per rank, each sequence's ring kind and the index of each ring sequence's
-    micro-batch. None of these read the EP size, so `time_plan` makes them once per schedule
+    the tokens it holds, rank by rank, where each rank's start (`TimedPlan.bounds`), each sequence's ring
+    kind and the index of each ring sequence's micro-batch. None of these read the EP size, so `time_plan` makes them once per schedule
     (`TimingCache.loops`) and the EP-1 pass's re-timing of a placement under the coupling only re-runs the
     timeline after them.
 
@@ -314,7 +336,7 @@ def _microbatch_times(
         if alone:  # the ring's members holding as many tokens share its time: the first one's (the same floats)
             seq = flat[at][0]
             if seq not in ring_tokens:
-                ring_tokens[seq] = zigzag_token_counts(lengths[seq], len(positions[seq])).tolist()
+                ring_tokens[seq] = _token_counts(lengths[seq], len(positions[seq]))
             first = alike.setdefault((seq, ring_tokens[seq][positions[seq][rank]]), at)
             if first != at:
                 times[at], tokens[at] = times[first], tokens[first]
@@ -322,9 +344,12 @@ def _microbatch_times(
         times[at], tokens[at] = _ring_microbatch(flat[at], rank, at - int(starts[rank]), lengths=lengths, rings=rings,
                                                  kinds=kinds, ring_index=ring_index, cost_model=cost_model,
                                                  pp_size=pp_size, shared=shared)
-    bounds = starts.tolist()
-    return ([times[a:b] for a, b in zip(bounds, bounds[1:])], [tokens[a:b] for a, b in zip(bounds, bounds[1:])],
-            kinds, ring_index)
+    return times, tokens, starts.tolist(), kinds, ring_index
+
+
+def _per_rank(flat: list, bounds: list[int]) -> list[list]:
+    """`flat`'s items rank by rank: rank r's are flat[bounds[r]:bounds[r + 1]]."""
+    return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def _ring_cells(ring_pieces: np.ndarray, rank_of: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -359,7 +384,7 @@ def _ring_microbatch(seqs: Sequence[int], rank: int, index: int, *, lengths: lis
         for seq in seqs:
             where = positions.get(seq)
             if where is not None and seq not in shared.ring_tokens:
-                shared.ring_tokens[seq] = zigzag_token_counts(lengths[seq], len(where)).tolist()
+                shared.ring_tokens[seq] = _token_counts(lengths[seq], len(where))
             parts.append((lengths[seq], -1, lengths[seq]) if where is None else
                          (lengths[seq], labels.setdefault(ring_ids[seq], len(labels)),
                           shared.ring_tokens[seq][where[rank]]))
@@ -383,7 +408,7 @@ def _ring_microbatch(seqs: Sequence[int], rank: int, index: int, *, lengths: lis
     return time, held
 
 
-def _grid_timeline(times: list[list[float]], tokens: list[list[int]], *, rings: Sequence[tuple[int, ...]],
+def _grid_timeline(times: list[float], tokens: list[int], bounds: list[int], *, rings: Sequence[tuple[int, ...]],
                    ring_index: dict[int, int], overhead: float, cost_model: CostModel) -> tuple[list[float], float]:
     """Each rank's busy time and the step time without PP, with EP or (at EP 1) without jitter, as
     `time_plan`'s general path computes them (`runtime_microbatch_counts`, `expert_coupled_times`,
@@ -393,18 +418,19 @@ def _grid_timeline(times: list[list[float]], tokens: list[list[int]], *, rings: 
     without PP and VPP no other padding), padding micro-batches the overhead with 0 tokens; a rank's time
     sums its spread times left to right (the zeros past its count add nothing). At EP 1 the spread is the
     identity and every rank its own group (`expert_coupled_finish`: maxima, as `coupled_finish`; with
-    jitter its lead would sum members in another order, so the general path times that)."""
+    jitter its lead would sum members in another order, so the general path times that). `times` and
+    `tokens`: every micro-batch's, rank by rank (rank r's from `bounds[r]` to `bounds[r + 1]`)."""
     ep_size = cost_model.expert_parallel_size
-    own = np.fromiter(map(len, times), dtype=np.int64, count=len(times))
-    counts = np.asarray(runtime_microbatch_counts(own.tolist(), ep_size=ep_size), dtype=np.int64)
+    own = np.diff(np.asarray(bounds, dtype=np.int64))
+    counts = np.asarray(runtime_microbatch_counts(own, ep_size=ep_size), dtype=np.int64)
     index = np.arange(int(counts.max(initial=0)))
     filled = index < own[:, None]
     grid = np.where(index < counts[:, None], overhead, 0.0)
-    grid[filled] = np.fromiter(itertools.chain.from_iterable(times), dtype=np.float64, count=int(own.sum()))
+    grid[filled] = times
     held = np.zeros(grid.shape)
-    held[filled] = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.float64, count=int(own.sum()))
+    held[filled] = tokens
     grid = cost_model.expert_coupled_grid(grid, held)
-    busy = np.zeros(len(times))
+    busy = np.zeros(len(own))
     for column in grid.T:
         busy = busy + column
     links = [(at, rings[seq]) for seq, at in ring_index.items()]
@@ -418,11 +444,15 @@ def _decide_ring_kinds(
 ) -> None:
     """Write into `kinds` the ring kind of every ring call of the micro-batch `seqs` not decided yet (its
     sequences not in `decided`): one per ring, from ceil(s/k) tokens per member of each of its sequences,
-    so that every member of the ring, holding the same sequences in its micro-batch, decides alike."""
+    so that every member of the ring, holding the same sequences in its micro-batch, decides alike (a kind
+    the cost model forces, `ring_kind_for` returns without reading the call: no sums for it)."""
     calls: dict[tuple[int, ...], list[int]] = {}
     for seq in seqs:
         if len(rings[seq]) > 1 and seq not in decided:
-            calls.setdefault(rings[seq], []).append(seq)
+            if cost_model.ring_kind != "auto":
+                kinds[seq] = cost_model.ring_kind
+            else:
+                calls.setdefault(rings[seq], []).append(seq)
     for ring, members in calls.items():
         k = len(ring)
         tokens = [-(-lengths[seq] // k) for seq in members]

@@ -49,6 +49,7 @@ tests/plan/test_ep_floor.py checks the inequality on random batches, schedules a
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -127,11 +128,12 @@ def _floor_grid(
     depth = counts.reshape(-1, ep_size).max(axis=1)  # each group's count: the runtime pads its members to it
     width = int(depth.max(initial=0))
     # every piece as (cell = rank x width + index, sequence), whole sequences priced as arrays
-    sizes = [len(seqs) for microbatches in schedule for seqs in microbatches]
-    cell = np.repeat([rank * width + index for rank, microbatches in enumerate(schedule)
-                      for index in range(len(microbatches))], sizes).astype(np.int64)
-    seq = np.fromiter((s for microbatches in schedule for seqs in microbatches for s in seqs), dtype=np.int64,
-                      count=int(sum(sizes)))
+    flat = list(itertools.chain.from_iterable(schedule))  # every micro-batch, rank by rank
+    sizes = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
+    starts = np.cumsum(counts) - counts
+    index = np.arange(len(flat)) - np.repeat(starts, counts)  # each micro-batch's index on its rank
+    cell = np.repeat(np.repeat(np.arange(num_ranks) * width, counts) + index, sizes)
+    seq = np.fromiter(itertools.chain.from_iterable(flat), dtype=np.int64, count=int(sizes.sum()))
     length = np.asarray(lengths, dtype=np.int64)
     extra = whole_times(length, cost_model=cost_model)[seq]
     held = length[seq].astype(np.float64)
