@@ -23,18 +23,26 @@ for a member holding t_p tokens of a document of s tokens on a ring of k members
 
 A row (one index of one EP unit) lasts its slowest lane's own time + the routed expert work's mean + the
 all-to-all of its fullest lane (`experts.spread_grid`); a unit's step is the sum of its rows, the plan's step
-the slowest unit's (no PP, no jitter; checked against `StepPlan.est_step_time`). Three estimates per row:
+the slowest unit's (no PP, no jitter; rebuilt from the rows and checked against `StepPlan.est_step_time`).
+Rows without a ring keep their time. Three estimates per row holding a ring:
 
-- ideal: every row holding a ring levelled to its lanes' mean own time at today's ring times (exact
-  levelling; an upper estimate for unequal shares: they cannot lower the inflation, see above);
+- ideal: the row's lanes levelled exactly, own time and tokens both at their means (at today's ring sizes
+  the lanes' summed own time cannot fall, see above, so this is an upper estimate); it removes what
+  `ep_gap.py` counts as the ring rows' compute loss and their all-to-all waits;
 - members: each ring's shares re-chosen among its own members only (same ring sizes);
-- lanes: each ring may also take a share on any other lane of its row (a whole-document lane or another
-  ring's member), paying its whole traffic there.
+- lanes: also shares on any other lane of the row (a whole-document lane or another ring's member, which
+  then pays both rings' traffic): rings placed on the lanes with the most room, or laid end to end along
+  the lanes (McNaughton's wrap-around), over ring sizes k-1 .. k+3, a grid of largest shares and both ring
+  kinds.
 
-For the last two a bisection on the row's slowest own time places the rings (largest document first) on
-the lanes with the most room, over a grid of ring sizes, largest shares and both ring kinds, with a lane's
-tokens at most its row's fullest lane today (the all-to-all cannot grow) and at most max(C, its tokens
-today) (memory: no new offload). Writes benchmarks/results/share_whatif.json with the command and the date.
+For the last two a bisection on the row's slowest own time finds the least time at which the rings fit,
+with a lane's tokens at most the row's fullest lane today times `CAP_FACTORS` (the all-to-all traded for
+time; the best of them is kept) and the memory rule: C tokens a lane, more only for a lane holding one
+ring's share alone where the offload hides (`sharding.fits`; `--no-memory` drops the rule). Each estimate
+is printed twice: the slowest unit as planned, and in brackets the mean unit (what a planner that also
+re-levels the units could reach at best). `--offload-family` plans without the rings-within-capacity family
+(rings offload, members above C: where attention, not traffic, sets the member time). Writes
+benchmarks/results/share_whatif.json (or `--out`) with the command and the date.
 """
 
 from __future__ import annotations
@@ -85,11 +93,12 @@ class Ring:
 
 
 class ShareCost:
-    """The per-layer terms of a ring member holding t tokens with the ring's largest share tau (docstring)."""
+    """A ring member's seconds holding t tokens with the ring's largest share tau (the module docstring's
+    terms), the tokens a lane may hold (the memory rule), and the all-to-all's seconds a token."""
 
     def __init__(self, cost: CostModel, capacity: int, max_offload_ratio: float, memory: bool = True) -> None:
-        self.cost, self.layers, self.capacity, self.max_offload_ratio = cost, cost.num_layers, capacity, max_offload_ratio
-        self.memory = memory
+        self.cost, self.layers, self.capacity, self.memory = cost, cost.num_layers, capacity, memory
+        self.max_offload_ratio = max_offload_ratio
         self._fit: dict[tuple[int, int], int] = {}
         self.alltoall = cost.expert_alltoall_seconds_per_token()
         self.linear = cost.b1 * (1.0 - cost.expert_share)
@@ -100,7 +109,7 @@ class ShareCost:
     def piece(self, length: int, t, tau, k: int, bandwidth: float, kind: str):
         """Seconds (all layers) a lane spends on t tokens of a ring of k members, largest share tau."""
         c = self.cost
-        per_token, latency, ups = c._ring_terms(k, kind)
+        per_token, latency, _ = c._ring_terms(k, kind)
         up = c.up_projection_time if kind == "latent" else 0.0
         work = c.a1 * length * t + up * (t + 4 * (k - 1) * tau)
         comm = per_token * tau / bandwidth + latency
@@ -130,7 +139,7 @@ class ShareCost:
     def room(self, length: int, spare, tau, k: int, bandwidth: float, kind: str):
         """Most tokens t <= tau a lane with `spare` seconds left can take of such a ring (<= 0: none)."""
         c = self.cost
-        per_token, latency, ups = c._ring_terms(k, kind)
+        per_token, latency, _ = c._ring_terms(k, kind)
         up = c.up_projection_time if kind == "latent" else 0.0
         budget = spare / self.layers - c.layer_ring_block_time(num_documents=1, ring_size=k)
         comm = per_token * tau / bandwidth + latency
@@ -232,8 +241,12 @@ def wrap_rings(rings: list[Ring], order: np.ndarray, base: np.ndarray, held: np.
     return base, held
 
 
-def row_estimates(lanes: list, plan: StepPlan, cost: CostModel, share: ShareCost, spt: float, a2a: float, overhead: float) -> dict[str, float] | None:
-    """Seconds of one row under each estimate, or None for a row without rings of its own lanes alone."""
+def row_estimates(lanes: list, plan: StepPlan, cost: CostModel, share: ShareCost, spt: float, a2a: float,
+                  overhead: float) -> dict:
+    """Seconds of one row (its lanes' (rank, micro-batch or None)) under each of `ESTIMATES`, whether it holds
+    rings (`rings`), and how far its lanes' own times rebuilt in this module's terms at today's shares stand
+    from the plan's, relative (`error`). A row without rings, or with a ring reaching beyond it, keeps today's
+    time."""
     ranks = [rank for rank, _ in lanes]
     tokens = np.array([mb.num_tokens if mb else 0 for _, mb in lanes], dtype=np.float64)
     own = np.array([mb.est_time if mb else overhead for _, mb in lanes]) - spt * tokens
@@ -353,20 +366,22 @@ def main() -> None:
             plan = make_plan(lengths, num_ranks=ranks, config=config, cost_model=cost, policy="balance")
             steps = whatif(plan, cost, config, memory=not args.no_memory)
             record = {"model": model, "gpus": gpus, "tp": tp, "ep": ep, "dist": dist, "context": context,
-                      "seed": seed, "floor_s": floor, "plan_step_s": plan.est_step_time, "ring_rows": steps["ring_rows"],
-                      "rebuild_error": steps["error"],
+                      "seed": seed, "floor_s": floor, "plan_step_s": plan.est_step_time,
+                      "ring_rows": steps["ring_rows"], "rebuild_error": steps["error"],
                       **{f"{name}_s": steps[name] for name in ESTIMATES},
                       **{f"{name}_of_floor": floor / steps[name] for name in ESTIMATES},
                       **{f"{name}_units_level_of_floor": floor / steps[f"{name}_mean"] for name in ESTIMATES}}
             records.append(record)
             print(f"{model} {gpus} ep{ep} {dist} {context // 1024}K seed {seed}: "
-                  + " ".join(f"{name} {floor / steps[name]:.2%} ({floor / steps[name + '_mean']:.2%})" for name in ESTIMATES)
+                  + " ".join(f"{name} {floor / steps[name]:.2%} ({floor / steps[name + '_mean']:.2%})"
+                             for name in ESTIMATES)
                   + f" (plan {floor / plan.est_step_time:.2%}, rebuilt rows within {steps['error']:.1e})", flush=True)
-    lines = ["| cell | seed | plan | " + " | ".join(ESTIMATES) + " |", "|---|---:|---:|" + "---:|" * len(ESTIMATES)]
+    lines = ["of the work floor: the slowest unit as planned (the mean unit)", "",
+             "| cell | seed | " + " | ".join(ESTIMATES) + " |", "|---|---:|" + "---:|" * len(ESTIMATES)]
     for r in records:
         lines.append(f"| {r['model']} {r['gpus']} EP {r['ep']} {r['dist']} {r['context'] // 1024}K | {r['seed']} | "
-                     f"{r['floor_s'] / r['plan_step_s']:.2%} | "
-                     + " | ".join(f"{r[f'{name}_of_floor']:.2%}" for name in ESTIMATES) + " |")
+                     + " | ".join(f"{r[f'{name}_of_floor']:.2%} ({r[f'{name}_units_level_of_floor']:.2%})"
+                                  for name in ESTIMATES) + " |")
     result = {"command": " ".join(sys.argv), "offload_family": args.offload_family,
               "memory_rule": not args.no_memory, "date": datetime.date.today().isoformat(), "records": records}
     finish("\n".join(lines), result, args.out)
