@@ -198,14 +198,15 @@ def test_balance_places_its_rings_by_time_in_an_order_neither_widest_nor_narrowe
 
 def test_balance_reaches_the_best_plan_the_solver_found_on_case_8():
     """optimal_gap case 8 (7 ranks, C 512; rings of 3 for 1,171 and 1,068 tokens, of 2 for 1,003, 946, 702
-    and 659): balance was 162.5 ms, 6.7% above the best plan the exact planner found in 120 s (152.31 ms,
-    unproven; its dual bound 147.4 ms). That plan runs 1,068 on a ring of 3 beside two rings of 2 from
-    the start and 1,171's ring last on the pair of one and the third rank of the other; balance's climb
-    over ring orders finds it (the solver's plan is a number here: 12 documents take minutes to solve)."""
+    and 659): balance was 162.5 ms, 7.0% above the best plan the exact planner found in 120 s (151.86 ms,
+    unproven; its dual bound 147.4 ms). 1,068 on a ring of 3 beside two rings of 2 from the start and
+    1,171's ring last, on the pair of one and the third rank of the other, takes 152.31 ms; balance's
+    climb over ring orders finds it (the solver's plan is a number here: 12 documents take minutes).
+    """
     lengths = [1171, 415, 315, 252, 1068, 1003, 659, 702, 422, 946, 258, 329]
     config, cost_model = HDPConfig(hdp_capacity=512, hdp_offload=False), analytic_cost_model("llama-7b")
     balance = make_plan(lengths, num_ranks=7, config=config, cost_model=cost_model, policy="balance")
-    assert balance.est_step_time <= 0.15232
+    assert balance.est_step_time <= 1.005 * 0.15186
 
 
 def test_balance_exchanges_two_short_documents_for_one():

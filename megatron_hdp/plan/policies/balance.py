@@ -59,7 +59,7 @@ StepPlan of the one kept is built at the end (`TimedPlan.build`).
 On pools of <= `SMALL_POOL` ranks with at most `CLIMB_LENGTHS` distinct lengths on rings, ring sizes
 are also climbed a rank at a time (`neighbours`). On pools of <= `balance_orders.ORDER_POOL` ranks without
 PP, a plan still `RETRY_GAP` above the lower bound has its rings placed by time in other orders than
-widest and narrowest first (`balance_orders.reorder_rings`: optimal_gap case 8, 6.7% faster).
+widest and narrowest first (`balance_orders.reorder_rings`: optimal_gap case 8, 6.3% faster).
 
 Without EP units or virtual stages, a plan still more than `RETRY_GAP` above both its mean rank time and
 the lower bound is also compared with the static mesh's rings for the sequences longer than C only
