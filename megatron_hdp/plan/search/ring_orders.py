@@ -6,10 +6,9 @@ follows from the order alone, and neither of those two may be the one that fills
 case 8 (7 ranks, rings of 3, 3, 2, 2, 2, 2) a ring of 3 and two rings of 2 side by side from the start
 and the other ring of 3 last, on the busy pair of one ring of 2 and the third member of the first ring
 of 3, take 152.3 ms (the exact planner's best plan found: 151.9), widest first 168.7, narrowest first
-162.5. `climb_orders`
-searches the orders near the given ones: each ring moved to the front or to the back, or swapped with its
-neighbour, the best such move taken while it lowers the caller's step time, within a budget of
-evaluations (the same for every rank: no clock).
+162.5. `climb_orders` searches the orders near the given ones: each ring moved to the front or to the
+back, or swapped with its neighbour, the best such move taken while it lowers the caller's step time,
+within a budget of evaluations (the same for every rank: no clock).
 """
 
 from __future__ import annotations
