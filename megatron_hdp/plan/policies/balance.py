@@ -57,7 +57,9 @@ Every candidate is compared by its predicted times only (`assemble.time_plan`, a
 StepPlan of the one kept is built at the end (`TimedPlan.build`).
 
 On pools of <= `SMALL_POOL` ranks with at most `CLIMB_LENGTHS` distinct lengths on rings, ring sizes
-are also climbed a rank at a time (`neighbours`).
+are also climbed a rank at a time (`neighbours`). On pools of <= `balance_orders.ORDER_POOL` ranks without
+PP, a plan still `RETRY_GAP` above the lower bound has its rings placed by time in other orders than
+widest and narrowest first (`balance_orders.reorder_rings`: optimal_gap case 8, 6.3% faster).
 
 Without EP units or virtual stages, a plan still more than `RETRY_GAP` above both its mean rank time and
 the lower bound is also compared with the static mesh's rings for the sequences longer than C only
@@ -92,6 +94,7 @@ from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.cost.sharding import shard_sequences
 from megatron_hdp.plan.policies.balance_candidates import (
     RETRY_GAP, SMALL_POOL, BatchShare, build_on_cp_groups, build_ranks, build_units, with_coupling)
+from megatron_hdp.plan.policies.balance_orders import ORDER_POOL, reorder_rings
 from megatron_hdp.plan.search.expert_units import unit_options
 from megatron_hdp.plan.search.neighbours import neighbours
 from megatron_hdp.plan.search.widening import LazyOptions
@@ -214,6 +217,8 @@ def _plan_balance(
             if climbed[0] is plan:
                 break
             plan, family = climbed
+    if not units and pp_size == 1 and num_ranks <= ORDER_POOL and above_bound(plan):  # other ring orders
+        plan = reorder_rings(plan, lengths, **common)  # (`balance_orders`)
     if not units and vpp_size == 1 and improvable(plan):  # the static mesh's rings for the sequences beyond C
         plan = min([plan, *build_on_cp_groups(lengths, **common)], key=lambda p: p.est_step_time)
     if units and improvable(plan):  # still room: the plan made as if EP 1, timed with the coupling
