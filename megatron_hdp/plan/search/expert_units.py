@@ -53,7 +53,6 @@ small batches a plan rank by rank may already run its EP groups in step.
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -62,7 +61,8 @@ import numpy as np
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.placement import lpt, place_rings
 from megatron_hdp.plan.search.refine import refine_local
-from megatron_hdp.plan.search.unit_rows import Row, fill_holes, level_rows, ring_rows, whole_rows, widen_rings
+from megatron_hdp.plan.search.unit_rows import (Row, fill_holes, lane_sums, level_rows, ring_rows, whole_rows,
+                                                widen_rings)
 from megatron_hdp.plan.cost.sharding import (max_member_tokens, member_time, needed_offload_ratio,
                                              whole_times)
 
@@ -310,20 +310,11 @@ def place_units(
     held = tokens.tolist()  # tokens each lane holds of each sequence: a ring member its fullest shard
     for seq in np.flatnonzero(ring_sizes > 1).tolist():
         held[seq] = _fullest(held[seq], int(ring_sizes[seq]))
-    held_seconds = weights - expert * np.asarray(held, dtype=np.float64)  # seconds apart from routed experts
-
-    def lane_sums(some: list[Row], values: np.ndarray) -> np.ndarray:
-        """[row, lane] sums of `values` over each lane's sequences: np.bincount adds them in lane order
-        from 0.0, the floats of Python's `sum` (3.11: left to right) of each lane, in one pass."""
-        lanes = [lane for row in some for lane in row.lanes]
-        sizes = np.fromiter(map(len, lanes), dtype=np.int64, count=len(lanes))
-        seqs = np.fromiter(itertools.chain.from_iterable(lanes), dtype=np.int64, count=int(sizes.sum()))
-        cell = np.repeat(np.arange(len(lanes)), sizes)
-        sums = np.bincount(cell, weights=values[seqs], minlength=len(lanes))
-        return sums.astype(np.float64, copy=False).reshape(len(some), ep_size)  # (int zeros where no pieces)
+    held = np.asarray(held, dtype=np.float64)  # (integers: their float sums are exact)
+    held_seconds = weights - expert * held  # seconds apart from routed experts
 
     def fill(holed: list[Row], order: list[int]) -> list[int]:  # rows timed as their lanes' own seconds
-        for row, time in zip(holed, lane_sums(holed, held_seconds).max(axis=1, initial=-np.inf).tolist()):
+        for row, time in zip(holed, lane_sums(holed, held_seconds, ep_size).max(axis=1, initial=-np.inf).tolist()):
             row.time = time
         return fill_holes(holed, order, weights=held_seconds, tokens=tokens, held=held, capacity=capacity)
 
@@ -341,8 +332,8 @@ def place_units(
 
     # a row's time: every lane waits for the slowest and the fullest's all-to-all (lane tokens are
     # integers, so their sums in floats are exact)
-    lane_tokens = lane_sums(rows, np.asarray(held, dtype=np.float64))
-    row_times = (overhead + lane_sums(rows, held_seconds).max(axis=1, initial=-np.inf)
+    lane_tokens = lane_sums(rows, held, ep_size)
+    row_times = (overhead + lane_sums(rows, held_seconds, ep_size).max(axis=1, initial=-np.inf)
                  + expert * lane_tokens.sum(axis=1) / ep_size + alltoall * lane_tokens.max(axis=1, initial=0.0))
     base = np.zeros(num_units)
     for unit, mine in enumerate(lead):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -199,6 +200,18 @@ def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, 
         del row.free[:k]
 
 
+def lane_sums(rows: Sequence[Row], values: np.ndarray, ep_size: int) -> np.ndarray:
+    """[row, lane] sums of `values` (by sequence) over each lane's sequences of `rows` (of `ep_size` lanes):
+    np.bincount adds them in lane order from 0.0, the floats of Python's `sum` (3.11: left to right) of
+    each lane, in one pass."""
+    lanes = [lane for row in rows for lane in row.lanes]
+    sizes = np.fromiter(map(len, lanes), dtype=np.int64, count=len(lanes))
+    seqs = np.fromiter(itertools.chain.from_iterable(lanes), dtype=np.int64, count=int(sizes.sum()))
+    cell = np.repeat(np.arange(len(lanes)), sizes)
+    sums = np.bincount(cell, weights=values[seqs], minlength=len(lanes))
+    return sums.astype(np.float64, copy=False).reshape(len(rows), ep_size)  # (int zeros where no pieces)
+
+
 def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
                held: Sequence[int], capacity: int) -> list[int]:
     """Whole sequences of `order` (heaviest first, and so longest first: a whole sequence's time grows with
@@ -212,45 +225,50 @@ def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, to
 
     Both the times and the lengths of `order` fall, so a hole takes every sequence from some position on
     (`first`: where both its time left and its room suffice); holes wait in a heap on that position and
-    join the holes open to the current sequence, a heap on time left, when it is reached."""
+    join the holes open to the current sequence, a heap on time left, when it is reached. While no hole is
+    open, the sequences up to the first waiting hole's position are left at once (most of them, on the
+    EP 8 cells of benchmarks/README.md)."""
     order = list(order)
-    seconds_of, tokens_of = weights.tolist(), tokens.tolist()
+    if not rows:
+        return order
     neg_weights = (-weights[order]).tolist()  # lists: `bisect_left` on them is `np.searchsorted` without
     neg_tokens = (-tokens[order]).tolist()    # its ~10 us a scalar call (thousands of calls a family)
 
     def first(seconds: float, room: int) -> int:
         return max(bisect.bisect_left(neg_weights, -seconds), bisect.bisect_left(neg_tokens, -room))
 
-    holes, room = [], []
+    ep_size = len(rows[0].lanes)
+    lane_tokens = lane_sums(rows, np.asarray(held, dtype=np.float64), ep_size)
+    free = np.zeros((len(rows), ep_size), dtype=bool)
     for i, row in enumerate(rows):
-        lane_tokens = [sum(held[seq] for seq in members) for members in row.lanes]
-        fullest = capacity if row.free else min(capacity, max(lane_tokens))
-        for lane, members in enumerate(row.lanes):
-            spare_time = row.time - sum(seconds_of[seq] for seq in members)
-            spare_tokens = (capacity if lane in row.free else fullest) - lane_tokens[lane]
-            if spare_time > 0 and spare_tokens > 0:
-                holes.append([spare_time, i, lane])
-                room.append(spare_tokens)
+        free[i, row.free] = True
+    fullest = np.where(free.any(axis=1), capacity, np.minimum(capacity, lane_tokens.max(axis=1)))
+    spare_time = np.array([row.time for row in rows])[:, None] - lane_sums(rows, weights, ep_size)
+    spare_tokens = np.where(free, capacity, fullest[:, None]) - lane_tokens
+    at_row, at_lane = np.nonzero((spare_time > 0) & (spare_tokens > 0))  # row by row, lane by lane
+    holes = [list(hole) for hole in zip(spare_time[at_row, at_lane].tolist(), at_row.tolist(), at_lane.tolist())]
+    room = spare_tokens[at_row, at_lane].astype(np.int64).tolist()
     waiting = [(first(seconds, room[h]), h) for h, (seconds, _, _) in enumerate(holes)]
     heapq.heapify(waiting)
     open_holes: list[tuple[float, int]] = []
     left = []
-    for at, seq in enumerate(order):
+    at, end = 0, len(order)
+    while at < end:
         while waiting and waiting[0][0] <= at:
             h = heapq.heappop(waiting)[1]
             heapq.heappush(open_holes, (holes[h][0], h))
-        if not open_holes:
-            left.append(seq)
-            if not waiting:
-                left += order[at + 1:]
-                break
+        if not open_holes:  # no hole takes a sequence before the first waiting hole's position
+            stop = waiting[0][0] if waiting else end
+            left += order[at:stop]
+            at = stop
             continue
         _, h = heapq.heappop(open_holes)
-        rows[holes[h][1]].lanes[holes[h][2]].append(seq)
-        holes[h][0] -= seconds_of[seq]
-        room[h] -= tokens_of[seq]
+        rows[holes[h][1]].lanes[holes[h][2]].append(order[at])
+        holes[h][0] += neg_weights[at]  # less the sequence's seconds (negation is exact)
+        room[h] += neg_tokens[at]
+        at += 1
         if room[h] > 0 and holes[h][0] > 0:
-            heapq.heappush(waiting, (max(at + 1, first(holes[h][0], room[h])), h))
+            heapq.heappush(waiting, (max(at, first(holes[h][0], room[h])), h))
     return left
 
 
@@ -261,13 +279,19 @@ def whole_rows(order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
     new row when none has room: of bins of `capacity` tokens while `fine_work` lane-seconds or more are
     left, else of capacity / FINE_PARTS. The open row's bins are a heap on (time, bin)."""
     rows: list[Row] = []
-    left = float(weights[list(order)].sum()) if len(order) else 0.0
-    seconds_of, tokens_of = weights.tolist(), tokens.tolist()
+    order = list(order)
+    left = float(weights[order].sum()) if order else 0.0
     bins: list[list[int]] = []
     room: list[int] = []
-    heap: list[tuple[float, int]] = []
-    for seq in order:
-        w, t = seconds_of[seq], tokens_of[seq]
+    heap: list[tuple[float, int]] = []  # (time, bin): bins are distinct, so any valid heap pops alike
+    for seq, w, t in zip(order, weights[order].tolist(), tokens[order].tolist()):
+        if heap and (room[heap[0][1]] >= t or not bins[heap[0][1]]):  # the least bin takes it
+            time, b = heap[0]
+            bins[b].append(seq)
+            room[b] -= t
+            heapq.heapreplace(heap, (time + w, b))
+            left -= w
+            continue
         full = []
         while heap and room[heap[0][1]] < t and bins[heap[0][1]]:
             full.append(heapq.heappop(heap))
