@@ -109,6 +109,9 @@ def widened_time(size: dict[int, int], free: int, *, lengths: Sequence[int], own
     lanes once `widen_rings` has widened them ((0, None) for no rings; ties: the lowest sequence id)."""
     if not size:
         return 0.0, None
+    if not free:  # nothing to widen into: the slowest member of the rings as they are
+        seconds, neg_seq = max((own(int(lengths[seq]), k), -seq) for seq, k in size.items())
+        return seconds, -neg_seq
     _, times = _growth(dict(size), free, lengths=lengths, own=own, fill=fill)
     seq = max(times, key=lambda s: (times[s], -s))
     return times[seq], seq
@@ -134,37 +137,51 @@ def level_rows(rows: Sequence[Row], *, lengths: np.ndarray, own: Callable[[int, 
             for seq in lane:
                 size[seq] = size.get(seq, 0) + 1
         sets.append(size)
-    memo: dict[frozenset, tuple[float, int | None]] = {}
+    memo: dict[frozenset, tuple[float, int | None]] = {}  # by a row's (ring, size) pairs
 
-    def time(size: dict[int, int]) -> tuple[float, int | None]:
-        key = frozenset(size.items())
-        if key not in memo:
-            memo[key] = widened_time(size, ep_size - sum(size.values()), lengths=lengths, own=own, fill=fill)
+    def time(key: frozenset) -> tuple[float, int | None]:
+        if key not in memo:  # (`widened_time` does not depend on the rings' order)
+            memo[key] = widened_time(dict(key), ep_size - sum(k for _, k in key), lengths=lengths, own=own, fill=fill)
         return memo[key]
 
-    times = [time(size) for size in sets]
+    keys = [frozenset(size.items()) for size in sets]
+    used = [sum(size.values()) for size in sets]  # lanes the rings of each row take
+    times = [time(key) for key in keys]
+    settled: set[tuple[frozenset, frozenset]] = set()  # pairs of rows no move or swap improves
     for _ in range(rounds):
         changed = False
         order = sorted(range(len(rows)), key=lambda r: (-times[r][0], r))
         for a, b in zip(order, order[1:]):
+            if (keys[a], keys[b]) in settled:
+                continue
             best = None
-            free_a, free_b = ep_size - sum(sets[a].values()), ep_size - sum(sets[b].values())
-            now = times[a][0] + times[b][0]
+            (time_a, slowest_a), (time_b, slowest_b) = times[a], times[b]
+            free_a, free_b = ep_size - used[a], ep_size - used[b]
+            now = time_a + time_b
             for i in [*sets[a], None]:
-                for j in [*sets[b], None]:
+                # the moves and swaps of a slowest ring of either row, in the order of all pairs (i, j)
+                for j in ([*sets[b], None] if i == slowest_a else [slowest_b]):
                     ki, kj = sets[a].get(i, 0), sets[b].get(j, 0)
-                    if ((i, j) == (None, None) or (i != times[a][1] and j != times[b][1])
-                            or free_a + ki < kj or free_b + kj < ki):
+                    if (i, j) == (None, None) or free_a + ki < kj or free_b + kj < ki:
                         continue
-                    new_a = {s: k for s, k in sets[a].items() if s != i} | ({j: kj} if j is not None else {})
-                    new_b = {s: k for s, k in sets[b].items() if s != j} | ({i: ki} if i is not None else {})
-                    ta, tb = time(new_a), time(new_b)
+                    key_a, key_b = keys[a], keys[b]
+                    if i is not None:
+                        key_a, key_b = key_a - {(i, ki)}, key_b | {(i, ki)}
+                    if j is not None:
+                        key_a, key_b = key_a | {(j, kj)}, key_b - {(j, kj)}
+                    ta, tb = time(key_a), time(key_b)
                     gain = now - ta[0] - tb[0]
                     if gain > 1e-9 * now and (best is None or gain > best[0]):
-                        best = (gain, new_a, new_b, ta, tb)
-            if best is not None:
-                _, sets[a], sets[b], times[a], times[b] = best
-                changed = True
+                        best = (gain, i, j, key_a, key_b, ta, tb)
+            if best is None:
+                settled.add((keys[a], keys[b]))
+                continue
+            _, i, j, keys[a], keys[b], times[a], times[b] = best
+            ki, kj = sets[a].get(i, 0), sets[b].get(j, 0)
+            sets[a] = {s: k for s, k in sets[a].items() if s != i} | ({j: kj} if j is not None else {})
+            sets[b] = {s: k for s, k in sets[b].items() if s != j} | ({i: ki} if i is not None else {})
+            used[a], used[b] = used[a] - ki + kj, used[b] - kj + ki
+            changed = True
         if not changed:
             break
     for row, size in zip(rows, sets):
