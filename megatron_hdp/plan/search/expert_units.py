@@ -53,6 +53,7 @@ small batches a plan rank by rank may already run its EP groups in step.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -238,14 +239,19 @@ class UnitLayout:
             yield schedule
 
     def rings(self, num_sequences: int) -> list[tuple[int, ...]]:
-        """Every sequence's ring: the ranks holding it, in rank order (one rank: it is whole)."""
-        rings: list[list[int]] = [[] for _ in range(num_sequences)]
-        for unit, (lead, mine) in enumerate(zip(self.lead, self.given)):
-            for r in lead + mine:
-                for lane, mb in enumerate(self.rows[r].lanes):
-                    for seq in mb:
-                        rings[seq].append(unit * self.ep_size + lane)
-        return [tuple(sorted(members)) for members in rings]
+        """Every sequence's ring: the ranks holding it, in rank order (one rank: it is whole). Every
+        (sequence, rank) pair in numpy, sorted by sequence then rank in one pass."""
+        placed = [(unit, r) for unit, (lead, mine) in enumerate(zip(self.lead, self.given)) for r in lead + mine]
+        lanes = [lane for _, r in placed for lane in self.rows[r].lanes]
+        sizes = np.fromiter(map(len, lanes), dtype=np.int64, count=len(lanes))
+        seqs = np.fromiter(itertools.chain.from_iterable(lanes), dtype=np.int64, count=int(sizes.sum()))
+        units = np.fromiter((unit for unit, _ in placed), dtype=np.int64, count=len(placed))
+        lane_ranks = (units[:, None] * self.ep_size + np.arange(self.ep_size)).ravel()
+        ranks = np.repeat(lane_ranks, sizes)
+        by_seq = np.lexsort((ranks, seqs))
+        ends = np.cumsum(np.bincount(seqs, minlength=num_sequences)).tolist()
+        ranks = ranks[by_seq].tolist()
+        return [tuple(ranks[start:end]) for start, end in zip([0] + ends[:-1], ends)]
 
 
 def place_units(
