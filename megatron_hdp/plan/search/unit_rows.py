@@ -203,18 +203,26 @@ def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, 
     lanes free when T is within `JOIN_TOLERANCE` of w, else opens a new row: the lanes a heavy row leaves
     free go to its own rings as extra members (`unit_rows.widen_rings`), not to a lighter ring whose
     members would idle there (before the widening: the row that idled fewer lane-seconds, counting what
-    whole sequences could fill, DeepSeek-V3 0.05-1.0 points of the work floor behind)."""
+    whole sequences could fill, DeepSeek-V3 0.05-1.0 points of the work floor behind).
+
+    The rows with lanes free wait in a list sorted by (time, row), so that a ring scans only those of
+    times in its range, least first."""
+    open_rows = sorted((row.time, i) for i, row in enumerate(rows) if row.free)
     for seq in order:
         k, w = int(ring_sizes[seq]), float(weights[seq])
-        at = min((i for i, row in enumerate(rows) if len(row.free) >= k and w <= row.time <= w * (1 + JOIN_TOLERANCE)),
-                 key=lambda i: (rows[i].time, i), default=None)
-        if at is None:
+        start = bisect.bisect_left(open_rows, (w, -1))
+        at = next((i for time, i in itertools.islice(open_rows, start, None) if len(rows[i].free) >= k
+                   or time > w * (1 + JOIN_TOLERANCE)), None)
+        if at is None or rows[at].time > w * (1 + JOIN_TOLERANCE):
             rows.append(Row([[] for _ in range(ep_size)], w, list(range(ep_size))))
             at = len(rows) - 1
+            bisect.insort(open_rows, (w, at))
         row = rows[at]
         for lane in row.free[:k]:
             row.lanes[lane].append(seq)
         del row.free[:k]
+        if not row.free:
+            open_rows.remove((row.time, at))
 
 
 def lane_sums(rows: Sequence[Row], values: np.ndarray, ep_size: int) -> np.ndarray:
