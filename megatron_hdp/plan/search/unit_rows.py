@@ -310,13 +310,14 @@ def whole_rows(order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
     room: list[int] = []
     heap: list[tuple[float, int]] = []  # (time, bin): bins are distinct, so any valid heap pops alike
     for seq, w, t in zip(order, weights[order].tolist(), tokens[order].tolist()):
-        if heap and (room[heap[0][1]] >= t or not bins[heap[0][1]]):  # the least bin takes it
+        if heap:
             time, b = heap[0]
-            bins[b].append(seq)
-            room[b] -= t
-            heapq.heapreplace(heap, (time + w, b))
-            left -= w
-            continue
+            if room[b] >= t or not bins[b]:  # the least bin takes it
+                bins[b].append(seq)
+                room[b] -= t
+                heapq.heapreplace(heap, (time + w, b))
+                left -= w
+                continue
         full = []
         while heap and room[heap[0][1]] < t and bins[heap[0][1]]:
             full.append(heapq.heappop(heap))
