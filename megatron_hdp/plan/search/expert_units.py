@@ -52,6 +52,7 @@ small batches a plan rank by rank may already run its EP groups in step.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 from dataclasses import dataclass
@@ -119,12 +120,15 @@ def unit_ring_sizes(lengths: np.ndarray, option: Option, *, ep_size: int, capaci
     full = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
     weights = np.array([seconds(int(lengths[seq]), int(ring_sizes[seq])) for seq in odd.tolist()])
     rows: list[list] = []  # [time, free lanes, ring ids]
+    neg_times: list[float] = []  # rows open heaviest first, so their times fall: these rise (for bisect)
     for j in np.lexsort((odd, -weights)).tolist():
         lanes = int(ring_sizes[odd[j]]) % ep_size
-        row = next((row for row in rows if row[1] >= lanes and row[0] <= weights[j] * (1 + ROW_TOLERANCE)), None)
+        within = bisect.bisect_left(neg_times, -(weights[j] * (1 + ROW_TOLERANCE)))  # the first row in range
+        row = next((row for row in itertools.islice(rows, within, None) if row[1] >= lanes), None)
         if row is None:
             row = [float(weights[j]), ep_size, []]
             rows.append(row)
+            neg_times.append(-row[0])
         row[1] -= lanes
         row[2].append(j)
     for time, free, members in rows:
