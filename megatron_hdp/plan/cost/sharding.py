@@ -70,8 +70,8 @@ def fits(
     """Whether a member holding `num_tokens` of a ring of `ring_size` fits capacity with hidden offload.
 
     Besides Eq. 3's overlap bound, the offloaded bytes of the stage's layers must fit the host memory
-    the cost model allows (`host_memory_bytes`). The overlap bound, which times the shard, is asked last
-    (most scanned ring sizes of long documents fail on host memory first).
+    the cost model allows (`host_memory_bytes`). The overlap bound, which times the shard, is asked last:
+    a ring size that fails the offload cap or host memory is not timed.
     """
     if num_tokens <= capacity:
         return True
