@@ -263,6 +263,81 @@ def test_level_rows_leaves_no_move_or_swap_of_a_slowest_ring_that_a_brute_force_
     assert moved >= 2  # the batches exercise it
 
 
+def _level_rows_by_search(sets, lengths, own, fill, ep_size, rounds):
+    """`level_rows`' passes as its docstring reads, every candidate of every adjacent pair searched in
+    every pass: rows as {ring: size}, a row's time its slowest member once its free lanes widened its
+    rings greedily (one lane at a time to the slowest ring, ties the lowest id, while above `fill`, the
+    wider ring faster and its zigzag chunks >= 1 token). Returns the rows' rings."""
+    def widened(size):
+        size, free = dict(size), ep_size - sum(size.values())
+        if not size:
+            return 0.0, None
+        while True:
+            seconds, seq = max((own(lengths[s], k), -s) for s, k in size.items())
+            seq = -seq
+            if not free or 2 * (size[seq] + 1) > lengths[seq] or seconds <= fill or \
+                    own(lengths[seq], size[seq] + 1) >= seconds:
+                return seconds, seq
+            size[seq] += 1
+            free -= 1
+
+    times = [widened(size) for size in sets]
+    for _ in range(rounds):
+        changed = False
+        order = sorted(range(len(sets)), key=lambda r: (-times[r][0], r))
+        for a, b in zip(order, order[1:]):
+            best, now = None, times[a][0] + times[b][0]
+            for i in [*sets[a], None]:
+                for j in [*sets[b], None]:
+                    ki, kj = sets[a].get(i, 0), sets[b].get(j, 0)
+                    if (i, j) == (None, None) or (i != times[a][1] and j != times[b][1]):
+                        continue
+                    if ep_size - sum(sets[a].values()) + ki < kj or ep_size - sum(sets[b].values()) + kj < ki:
+                        continue
+                    new_a = {s: k for s, k in sets[a].items() if s != i} | ({j: kj} if j is not None else {})
+                    new_b = {s: k for s, k in sets[b].items() if s != j} | ({i: ki} if i is not None else {})
+                    ta, tb = widened(new_a), widened(new_b)
+                    gain = now - ta[0] - tb[0]
+                    if gain > 1e-9 * now and (best is None or gain > best[0]):
+                        best = (gain, new_a, new_b, ta, tb)
+            if best is not None:
+                _, sets[a], sets[b], times[a], times[b] = best
+                changed = True
+        if not changed:
+            break
+    return sets
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_level_rows_moves_and_swaps_as_a_search_of_every_pair_in_every_pass(seed):
+    """Random rows of 8 lanes, 1-3 rings a row of 2-4 members, member seconds that fall with the size
+    but pay a traffic term (so that widening stops), 3 and 10 passes: the rows `level_rows` leaves hold
+    the rings that `_level_rows_by_search` (no memo of row times, nothing skipped) leaves, each at its size."""
+    rng = np.random.default_rng(seed)
+    lengths, sizes, rows = [], [], []
+    while len(rows) < int(rng.integers(3, 12)):
+        lanes, used = [], 0
+        for _ in range(int(rng.integers(1, 4))):
+            k = int(rng.integers(2, 5))
+            if used + k > 8:
+                break
+            lanes += [[len(lengths)]] * k
+            used += k
+            lengths.append(int(rng.integers(8, 60)))
+            sizes.append(k)
+        rows.append(Row([list(lane) for lane in lanes] + [[] for _ in range(8 - used)], 0.0, list(range(used, 8))))
+    traffic = float(rng.uniform(0.0, 2.0))
+    own = lambda length, size: length / size + traffic * size  # noqa: E731
+    for rounds in (3, 10):
+        sets = [{lane[0]: sizes[lane[0]] for lane in row.lanes if lane} for row in rows]
+        expected = _level_rows_by_search(sets, lengths, own, 4.0, 8, rounds)
+        kept = level_rows([Row([list(lane) for lane in row.lanes], 0.0, list(row.free)) for row in rows],
+                          lengths=np.array(lengths), own=own, fill=4.0, rounds=rounds)
+        got = [{s: sum(s in lane for lane in row.lanes) for s in {x for lane in row.lanes for x in lane}}
+               for row in kept]
+        assert got == [size for size in expected if size]
+
+
 def test_a_heavy_rows_free_lanes_widen_its_rings_with_the_offload_they_then_need():
     """DeepSeek-V3 at EP 32, one unit, C = 16,384: three 131,072-token documents on 6 members (21,846
     tokens each, offloading) fill 18 lanes of a row whose other 14 whole sequences could not match
@@ -299,6 +374,71 @@ def test_whole_sequences_fill_ring_members_with_time_and_tokens_to_spare():
     left = fill_holes(rows, [2, 3, 4, 5], weights=weights, tokens=tokens, held=held, capacity=1000)
     assert left == []
     assert rows[0].lanes == [[0], [0], [1, 3, 4], [2, 5]]
+
+
+def _fill_holes_by_scan(rows, order, weights, tokens, held, capacity):
+    """`fill_holes` as its docstring reads, one scan of every hole per sequence: the holes (each lane's
+    spare time against the row's time, its room up to C on a free lane, else up to the row's fullest
+    lane, at most C), and each sequence into the hole of least time left (then the lowest hole) whose
+    time left and room take it."""
+    holes = []
+    for i, row in enumerate(rows):
+        lane_tokens = [sum(held[seq] for seq in lane) for lane in row.lanes]
+        fullest = capacity if row.free else min(capacity, max(lane_tokens))
+        for lane, members in enumerate(row.lanes):
+            spare = row.time - sum(weights[seq] for seq in members)
+            room = (capacity if lane in row.free else fullest) - lane_tokens[lane]
+            if spare > 0 and room > 0:
+                holes.append([spare, room, i, lane])
+    left = []
+    for seq in order:
+        fit = [h for h, (spare, room, _, _) in enumerate(holes)
+               if spare > 0 and room > 0 and weights[seq] <= spare and tokens[seq] <= room]
+        if not fit:
+            left.append(seq)
+            continue
+        h = min(fit, key=lambda h: (holes[h][0], h))
+        rows[holes[h][2]].lanes[holes[h][3]].append(seq)
+        holes[h][0] -= weights[seq]
+        holes[h][1] -= tokens[seq]
+    return left
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_fill_holes_fills_as_a_scan_of_every_hole_would(seed):
+    """Random rows of rings (1-3 rings on 2-6 lanes, lanes free or not) and whole sequences heaviest and
+    longest first (seconds growing with tokens, ties included): the same rows and sequences left as the
+    scan (`_fill_holes_by_scan`), which skips no sequence and keeps no heap."""
+    rng = np.random.default_rng(seed)
+    ep_size, capacity = int(rng.integers(2, 7)), 100
+    rows, seq = [], 0
+    ring_tokens, ring_held = [], []
+    for _ in range(int(rng.integers(1, 5))):
+        lanes, lane = [[] for _ in range(ep_size)], 0
+        for _ in range(int(rng.integers(1, 4))):
+            k = int(rng.integers(1, ep_size - lane + 1)) if lane < ep_size else 0
+            if not k:
+                break
+            for j in range(k):
+                lanes[lane + j].append(seq)
+            lane += k
+            ring_tokens.append(int(rng.integers(10, 400)))
+            ring_held.append(int(rng.integers(5, 120)))
+            seq += 1
+        rows.append(Row(lanes, 0.0, list(range(lane, ep_size))))
+    num_rings = seq
+    whole = np.sort(rng.integers(1, 60, size=int(rng.integers(5, 60))))[::-1]
+    tokens = np.array(ring_tokens + whole.tolist())
+    weights = np.concatenate([rng.uniform(0.5, 3.0, num_rings), np.round(whole / 20.0, 1)])
+    held = ring_held + whole.tolist()
+    for row in rows:
+        row.time = max(weights[s] for lane in row.lanes for s in lane)
+    order = list(range(num_rings, len(tokens)))
+    expected = [Row([list(lane) for lane in row.lanes], row.time, list(row.free)) for row in rows]
+    expected_left = _fill_holes_by_scan(expected, order, weights.tolist(), tokens.tolist(), held, capacity)
+    left = fill_holes(rows, order, weights=weights, tokens=tokens, held=held, capacity=capacity)
+    assert left == expected_left
+    assert [row.lanes for row in rows] == [row.lanes for row in expected]
 
 
 def test_short_whole_sequences_fill_the_holes_of_the_rows_of_long_ones():
@@ -350,6 +490,29 @@ def test_row_times_are_what_the_timeline_counts_with_the_expert_work_spread():
                       offload_ratios=np.zeros(len(tokens)), schedule=next(layout.schedules()), capacity=capacity,
                       cost_model=cost)
     assert timed.est_step_time == pytest.approx(float(layout.row_times.sum()), rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_layouts_rings_are_the_ranks_its_schedule_puts_each_sequence_on(seed):
+    """Mixtral at EP 8 on 64 ranks: rings of 2-30 members (of one unit and of several) and whole
+    sequences through `place_units`; each sequence's ring (`UnitLayout.rings`) is the ranks whose
+    micro-batches hold it in the layout's schedule, in rank order, read rank by rank from the schedule."""
+    cost = dataclasses.replace(analytic_cost_model("mixtral-8x7b", "h100", tp_size=1), expert_parallel_size=8)
+    rng = np.random.default_rng(seed)
+    tokens = np.concatenate([rng.integers(40_000, 400_000, size=6), rng.integers(100, 16_000, size=300)])
+    ring_sizes = np.concatenate([rng.integers(2, 31, size=6), np.ones(300, dtype=np.int64)])
+    weights = member_times(tokens, ring_sizes, cost_model=cost)
+    layout = place_units(ring_sizes=ring_sizes, weights=weights, tokens=tokens, num_ranks=64, ep_size=8,
+                         capacity=16_384, overhead=cost.microbatch_time([]),
+                         full=float(whole_times([16_384], cost_model=cost)[0]), fine_work=0.0,
+                         member_seconds=lambda length, size: member_time(length, size, cost_model=cost))
+    expected = [[] for _ in range(len(tokens) + 1)]  # one sequence id more, on no rank
+    for rank, microbatches in enumerate(next(layout.schedules())):
+        for seqs in microbatches:
+            for seq in seqs:
+                expected[seq].append(rank)
+    assert layout.rings(len(tokens) + 1) == [tuple(sorted(ranks)) for ranks in expected]
+    assert expected[-1] == [] and any(len(ranks) > 8 for ranks in expected)
 
 
 def test_a_free_lane_beside_a_ring_fills_to_the_rings_time_apart_from_the_routed_experts():

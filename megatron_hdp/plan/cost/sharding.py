@@ -70,17 +70,20 @@ def fits(
     """Whether a member holding `num_tokens` of a ring of `ring_size` fits capacity with hidden offload.
 
     Besides Eq. 3's overlap bound, the offloaded bytes of the stage's layers must fit the host memory
-    the cost model allows (`host_memory_bytes`).
+    the cost model allows (`host_memory_bytes`). The overlap bound, which times the shard, is asked last:
+    a ring size that fails the offload cap or host memory is not timed.
     """
     if num_tokens <= capacity:
         return True
-    hidden = cost_model.hidden_offload_ratio(seq_len=seq_len, num_tokens=num_tokens, ring_size=ring_size)
     needed = needed_offload_ratio(cost_model, num_tokens=num_tokens, capacity=capacity)
-    if needed > min(max_offload_ratio, hidden) + 1e-12:
+    if needed > max_offload_ratio + 1e-12:
         return False
     host = cost_model.host_memory_bytes
     layers = cost_model.num_layers / pp_size
-    return host is None or needed * cost_model.activation_bytes(num_tokens) * layers * HOST_BUFFER_OVERHEAD <= host
+    if host is not None and needed * cost_model.activation_bytes(num_tokens) * layers * HOST_BUFFER_OVERHEAD > host:
+        return False
+    hidden = cost_model.hidden_offload_ratio(seq_len=seq_len, num_tokens=num_tokens, ring_size=ring_size)
+    return needed <= hidden + 1e-12
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ small batches a plan rank by rank may already run its EP groups in step.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 from dataclasses import dataclass
@@ -62,7 +63,8 @@ import numpy as np
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.search.placement import lpt, place_rings
 from megatron_hdp.plan.search.refine import refine_local
-from megatron_hdp.plan.search.unit_rows import Row, fill_holes, level_rows, ring_rows, whole_rows, widen_rings
+from megatron_hdp.plan.search.unit_rows import (Row, fill_holes, lane_sums, level_rows, ring_rows, whole_rows,
+                                                widen_rings)
 from megatron_hdp.plan.cost.sharding import (max_member_tokens, member_time, needed_offload_ratio,
                                              whole_times)
 
@@ -118,12 +120,15 @@ def unit_ring_sizes(lengths: np.ndarray, option: Option, *, ep_size: int, capaci
     full = float(whole_times([capacity], cost_model=cost_model, pp_size=pp_size)[0])
     weights = np.array([seconds(int(lengths[seq]), int(ring_sizes[seq])) for seq in odd.tolist()])
     rows: list[list] = []  # [time, free lanes, ring ids]
+    neg_times: list[float] = []  # rows open heaviest first, so their times fall: these rise (for bisect)
     for j in np.lexsort((odd, -weights)).tolist():
         lanes = int(ring_sizes[odd[j]]) % ep_size
-        row = next((row for row in rows if row[1] >= lanes and row[0] <= weights[j] * (1 + ROW_TOLERANCE)), None)
+        within = bisect.bisect_left(neg_times, -(weights[j] * (1 + ROW_TOLERANCE)))  # the first row in range
+        row = next((row for row in itertools.islice(rows, within, None) if row[1] >= lanes), None)
         if row is None:
             row = [float(weights[j]), ep_size, []]
             rows.append(row)
+            neg_times.append(-row[0])
         row[1] -= lanes
         row[2].append(j)
     for time, free, members in rows:
@@ -238,14 +243,19 @@ class UnitLayout:
             yield schedule
 
     def rings(self, num_sequences: int) -> list[tuple[int, ...]]:
-        """Every sequence's ring: the ranks holding it, in rank order (one rank: it is whole)."""
-        rings: list[list[int]] = [[] for _ in range(num_sequences)]
-        for unit, (lead, mine) in enumerate(zip(self.lead, self.given)):
-            for r in lead + mine:
-                for lane, mb in enumerate(self.rows[r].lanes):
-                    for seq in mb:
-                        rings[seq].append(unit * self.ep_size + lane)
-        return [tuple(sorted(members)) for members in rings]
+        """Every sequence's ring: the ranks holding it, in rank order (one rank: it is whole). Every
+        (sequence, rank) pair in numpy, sorted by sequence then rank in one pass."""
+        placed = [(unit, r) for unit, (lead, mine) in enumerate(zip(self.lead, self.given)) for r in lead + mine]
+        lanes = [lane for _, r in placed for lane in self.rows[r].lanes]
+        sizes = np.fromiter(map(len, lanes), dtype=np.int64, count=len(lanes))
+        seqs = np.fromiter(itertools.chain.from_iterable(lanes), dtype=np.int64, count=int(sizes.sum()))
+        units = np.fromiter((unit for unit, _ in placed), dtype=np.int64, count=len(placed))
+        lane_ranks = (units[:, None] * self.ep_size + np.arange(self.ep_size)).ravel()
+        ranks = np.repeat(lane_ranks, sizes)
+        by_seq = np.lexsort((ranks, seqs))
+        ends = np.cumsum(np.bincount(seqs, minlength=num_sequences)).tolist()
+        ranks = ranks[by_seq].tolist()
+        return [tuple(ranks[start:end]) for start, end in zip([0] + ends[:-1], ends)]
 
 
 def place_units(
@@ -310,20 +320,11 @@ def place_units(
     held = tokens.tolist()  # tokens each lane holds of each sequence: a ring member its fullest shard
     for seq in np.flatnonzero(ring_sizes > 1).tolist():
         held[seq] = _fullest(held[seq], int(ring_sizes[seq]))
-    held_seconds = weights - expert * np.asarray(held, dtype=np.float64)  # seconds apart from routed experts
-
-    def lane_sums(some: list[Row], values: np.ndarray) -> np.ndarray:
-        """[row, lane] sums of `values` over each lane's sequences: np.bincount adds them in lane order
-        from 0.0, the floats of Python's `sum` (3.11: left to right) of each lane, in one pass."""
-        lanes = [lane for row in some for lane in row.lanes]
-        sizes = np.fromiter(map(len, lanes), dtype=np.int64, count=len(lanes))
-        seqs = np.fromiter(itertools.chain.from_iterable(lanes), dtype=np.int64, count=int(sizes.sum()))
-        cell = np.repeat(np.arange(len(lanes)), sizes)
-        sums = np.bincount(cell, weights=values[seqs], minlength=len(lanes))
-        return sums.astype(np.float64, copy=False).reshape(len(some), ep_size)  # (int zeros where no pieces)
+    held = np.asarray(held, dtype=np.float64)  # (integers: their float sums are exact)
+    held_seconds = weights - expert * held  # seconds apart from routed experts
 
     def fill(holed: list[Row], order: list[int]) -> list[int]:  # rows timed as their lanes' own seconds
-        for row, time in zip(holed, lane_sums(holed, held_seconds).max(axis=1, initial=-np.inf).tolist()):
+        for row, time in zip(holed, lane_sums(holed, held_seconds, ep_size).max(axis=1, initial=-np.inf).tolist()):
             row.time = time
         return fill_holes(holed, order, weights=held_seconds, tokens=tokens, held=held, capacity=capacity)
 
@@ -341,8 +342,8 @@ def place_units(
 
     # a row's time: every lane waits for the slowest and the fullest's all-to-all (lane tokens are
     # integers, so their sums in floats are exact)
-    lane_tokens = lane_sums(rows, np.asarray(held, dtype=np.float64))
-    row_times = (overhead + lane_sums(rows, held_seconds).max(axis=1, initial=-np.inf)
+    lane_tokens = lane_sums(rows, held, ep_size)
+    row_times = (overhead + lane_sums(rows, held_seconds, ep_size).max(axis=1, initial=-np.inf)
                  + expert * lane_tokens.sum(axis=1) / ep_size + alltoall * lane_tokens.max(axis=1, initial=0.0))
     base = np.zeros(num_units)
     for unit, mine in enumerate(lead):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -108,6 +109,9 @@ def widened_time(size: dict[int, int], free: int, *, lengths: Sequence[int], own
     lanes once `widen_rings` has widened them ((0, None) for no rings; ties: the lowest sequence id)."""
     if not size:
         return 0.0, None
+    if not free:  # nothing to widen into: the slowest member of the rings as they are
+        seconds, neg_seq = max((own(int(lengths[seq]), k), -seq) for seq, k in size.items())
+        return seconds, -neg_seq
     _, times = _growth(dict(size), free, lengths=lengths, own=own, fill=fill)
     seq = max(times, key=lambda s: (times[s], -s))
     return times[seq], seq
@@ -133,37 +137,51 @@ def level_rows(rows: Sequence[Row], *, lengths: np.ndarray, own: Callable[[int, 
             for seq in lane:
                 size[seq] = size.get(seq, 0) + 1
         sets.append(size)
-    memo: dict[frozenset, tuple[float, int | None]] = {}
+    memo: dict[frozenset, tuple[float, int | None]] = {}  # by a row's (ring, size) pairs
 
-    def time(size: dict[int, int]) -> tuple[float, int | None]:
-        key = frozenset(size.items())
-        if key not in memo:
-            memo[key] = widened_time(size, ep_size - sum(size.values()), lengths=lengths, own=own, fill=fill)
+    def time(key: frozenset) -> tuple[float, int | None]:
+        if key not in memo:  # (`widened_time` does not depend on the rings' order)
+            memo[key] = widened_time(dict(key), ep_size - sum(k for _, k in key), lengths=lengths, own=own, fill=fill)
         return memo[key]
 
-    times = [time(size) for size in sets]
+    keys = [frozenset(size.items()) for size in sets]
+    used = [sum(size.values()) for size in sets]  # lanes the rings of each row take
+    times = [time(key) for key in keys]
+    settled: set[tuple[frozenset, frozenset]] = set()  # pairs of rows no move or swap improves
     for _ in range(rounds):
         changed = False
         order = sorted(range(len(rows)), key=lambda r: (-times[r][0], r))
         for a, b in zip(order, order[1:]):
+            if (keys[a], keys[b]) in settled:
+                continue
             best = None
-            free_a, free_b = ep_size - sum(sets[a].values()), ep_size - sum(sets[b].values())
-            now = times[a][0] + times[b][0]
+            (time_a, slowest_a), (time_b, slowest_b) = times[a], times[b]
+            free_a, free_b = ep_size - used[a], ep_size - used[b]
+            now = time_a + time_b
             for i in [*sets[a], None]:
-                for j in [*sets[b], None]:
+                # the moves and swaps of a slowest ring of either row, in the order of all pairs (i, j)
+                for j in ([*sets[b], None] if i == slowest_a else [slowest_b]):
                     ki, kj = sets[a].get(i, 0), sets[b].get(j, 0)
-                    if ((i, j) == (None, None) or (i != times[a][1] and j != times[b][1])
-                            or free_a + ki < kj or free_b + kj < ki):
+                    if (i, j) == (None, None) or free_a + ki < kj or free_b + kj < ki:
                         continue
-                    new_a = {s: k for s, k in sets[a].items() if s != i} | ({j: kj} if j is not None else {})
-                    new_b = {s: k for s, k in sets[b].items() if s != j} | ({i: ki} if i is not None else {})
-                    ta, tb = time(new_a), time(new_b)
+                    key_a, key_b = keys[a], keys[b]
+                    if i is not None:
+                        key_a, key_b = key_a - {(i, ki)}, key_b | {(i, ki)}
+                    if j is not None:
+                        key_a, key_b = key_a | {(j, kj)}, key_b - {(j, kj)}
+                    ta, tb = time(key_a), time(key_b)
                     gain = now - ta[0] - tb[0]
                     if gain > 1e-9 * now and (best is None or gain > best[0]):
-                        best = (gain, new_a, new_b, ta, tb)
-            if best is not None:
-                _, sets[a], sets[b], times[a], times[b] = best
-                changed = True
+                        best = (gain, i, j, key_a, key_b, ta, tb)
+            if best is None:
+                settled.add((keys[a], keys[b]))
+                continue
+            _, i, j, keys[a], keys[b], times[a], times[b] = best
+            ki, kj = sets[a].get(i, 0), sets[b].get(j, 0)
+            sets[a] = {s: k for s, k in sets[a].items() if s != i} | ({j: kj} if j is not None else {})
+            sets[b] = {s: k for s, k in sets[b].items() if s != j} | ({i: ki} if i is not None else {})
+            used[a], used[b] = used[a] - ki + kj, used[b] - kj + ki
+            changed = True
         if not changed:
             break
     for row, size in zip(rows, sets):
@@ -185,18 +203,38 @@ def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, 
     lanes free when T is within `JOIN_TOLERANCE` of w, else opens a new row: the lanes a heavy row leaves
     free go to its own rings as extra members (`unit_rows.widen_rings`), not to a lighter ring whose
     members would idle there (before the widening: the row that idled fewer lane-seconds, counting what
-    whole sequences could fill, DeepSeek-V3 0.05-1.0 points of the work floor behind)."""
+    whole sequences could fill, DeepSeek-V3 0.05-1.0 points of the work floor behind).
+
+    The rows with lanes free wait in a list sorted by (time, row), so that a ring scans only those of
+    times in its range, least first."""
+    open_rows = sorted((row.time, i) for i, row in enumerate(rows) if row.free)
     for seq in order:
         k, w = int(ring_sizes[seq]), float(weights[seq])
-        at = min((i for i, row in enumerate(rows) if len(row.free) >= k and w <= row.time <= w * (1 + JOIN_TOLERANCE)),
-                 key=lambda i: (rows[i].time, i), default=None)
-        if at is None:
+        start = bisect.bisect_left(open_rows, (w, -1))
+        at = next((i for time, i in itertools.islice(open_rows, start, None) if len(rows[i].free) >= k
+                   or time > w * (1 + JOIN_TOLERANCE)), None)
+        if at is None or rows[at].time > w * (1 + JOIN_TOLERANCE):
             rows.append(Row([[] for _ in range(ep_size)], w, list(range(ep_size))))
             at = len(rows) - 1
+            bisect.insort(open_rows, (w, at))
         row = rows[at]
         for lane in row.free[:k]:
             row.lanes[lane].append(seq)
         del row.free[:k]
+        if not row.free:
+            open_rows.remove((row.time, at))
+
+
+def lane_sums(rows: Sequence[Row], values: np.ndarray, ep_size: int) -> np.ndarray:
+    """[row, lane] sums of `values` (by sequence) over each lane's sequences of `rows` (of `ep_size` lanes):
+    np.bincount adds them in lane order from 0.0, the floats of Python's `sum` (3.11: left to right) of
+    each lane, in one pass."""
+    lanes = [lane for row in rows for lane in row.lanes]
+    sizes = np.fromiter(map(len, lanes), dtype=np.int64, count=len(lanes))
+    seqs = np.fromiter(itertools.chain.from_iterable(lanes), dtype=np.int64, count=int(sizes.sum()))
+    cell = np.repeat(np.arange(len(lanes)), sizes)
+    sums = np.bincount(cell, weights=values[seqs], minlength=len(lanes))
+    return sums.astype(np.float64, copy=False).reshape(len(rows), ep_size)  # (int zeros where no pieces)
 
 
 def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
@@ -212,45 +250,50 @@ def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, to
 
     Both the times and the lengths of `order` fall, so a hole takes every sequence from some position on
     (`first`: where both its time left and its room suffice); holes wait in a heap on that position and
-    join the holes open to the current sequence, a heap on time left, when it is reached."""
+    join the holes open to the current sequence, a heap on time left, when it is reached. While no hole is
+    open, the sequences up to the first waiting hole's position are left at once (most of them, on the
+    EP 8 cells of benchmarks/README.md)."""
     order = list(order)
-    seconds_of, tokens_of = weights.tolist(), tokens.tolist()
+    if not rows:
+        return order
     neg_weights = (-weights[order]).tolist()  # lists: `bisect_left` on them is `np.searchsorted` without
     neg_tokens = (-tokens[order]).tolist()    # its ~10 us a scalar call (thousands of calls a family)
 
     def first(seconds: float, room: int) -> int:
         return max(bisect.bisect_left(neg_weights, -seconds), bisect.bisect_left(neg_tokens, -room))
 
-    holes, room = [], []
+    ep_size = len(rows[0].lanes)
+    lane_tokens = lane_sums(rows, np.asarray(held, dtype=np.float64), ep_size)
+    free = np.zeros((len(rows), ep_size), dtype=bool)
     for i, row in enumerate(rows):
-        lane_tokens = [sum(held[seq] for seq in members) for members in row.lanes]
-        fullest = capacity if row.free else min(capacity, max(lane_tokens))
-        for lane, members in enumerate(row.lanes):
-            spare_time = row.time - sum(seconds_of[seq] for seq in members)
-            spare_tokens = (capacity if lane in row.free else fullest) - lane_tokens[lane]
-            if spare_time > 0 and spare_tokens > 0:
-                holes.append([spare_time, i, lane])
-                room.append(spare_tokens)
+        free[i, row.free] = True
+    fullest = np.where(free.any(axis=1), capacity, np.minimum(capacity, lane_tokens.max(axis=1)))
+    spare_time = np.array([row.time for row in rows])[:, None] - lane_sums(rows, weights, ep_size)
+    spare_tokens = np.where(free, capacity, fullest[:, None]) - lane_tokens
+    at_row, at_lane = np.nonzero((spare_time > 0) & (spare_tokens > 0))  # row by row, lane by lane
+    holes = [list(hole) for hole in zip(spare_time[at_row, at_lane].tolist(), at_row.tolist(), at_lane.tolist())]
+    room = spare_tokens[at_row, at_lane].astype(np.int64).tolist()
     waiting = [(first(seconds, room[h]), h) for h, (seconds, _, _) in enumerate(holes)]
     heapq.heapify(waiting)
     open_holes: list[tuple[float, int]] = []
     left = []
-    for at, seq in enumerate(order):
+    at, end = 0, len(order)
+    while at < end:
         while waiting and waiting[0][0] <= at:
             h = heapq.heappop(waiting)[1]
             heapq.heappush(open_holes, (holes[h][0], h))
-        if not open_holes:
-            left.append(seq)
-            if not waiting:
-                left += order[at + 1:]
-                break
+        if not open_holes:  # no hole takes a sequence before the first waiting hole's position
+            stop = waiting[0][0] if waiting else end
+            left += order[at:stop]
+            at = stop
             continue
         _, h = heapq.heappop(open_holes)
-        rows[holes[h][1]].lanes[holes[h][2]].append(seq)
-        holes[h][0] -= seconds_of[seq]
-        room[h] -= tokens_of[seq]
+        rows[holes[h][1]].lanes[holes[h][2]].append(order[at])
+        holes[h][0] += neg_weights[at]  # less the sequence's seconds (negation is exact)
+        room[h] += neg_tokens[at]
+        at += 1
         if room[h] > 0 and holes[h][0] > 0:
-            heapq.heappush(waiting, (max(at + 1, first(holes[h][0], room[h])), h))
+            heapq.heappush(waiting, (max(at, first(holes[h][0], room[h])), h))
     return left
 
 
@@ -261,13 +304,20 @@ def whole_rows(order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
     new row when none has room: of bins of `capacity` tokens while `fine_work` lane-seconds or more are
     left, else of capacity / FINE_PARTS. The open row's bins are a heap on (time, bin)."""
     rows: list[Row] = []
-    left = float(weights[list(order)].sum()) if len(order) else 0.0
-    seconds_of, tokens_of = weights.tolist(), tokens.tolist()
+    order = list(order)
+    left = float(weights[order].sum()) if order else 0.0
     bins: list[list[int]] = []
     room: list[int] = []
-    heap: list[tuple[float, int]] = []
-    for seq in order:
-        w, t = seconds_of[seq], tokens_of[seq]
+    heap: list[tuple[float, int]] = []  # (time, bin): bins are distinct, so any valid heap pops alike
+    for seq, w, t in zip(order, weights[order].tolist(), tokens[order].tolist()):
+        if heap:
+            time, b = heap[0]
+            if room[b] >= t or not bins[b]:  # the least bin takes it
+                bins[b].append(seq)
+                room[b] -= t
+                heapq.heapreplace(heap, (time + w, b))
+                left -= w
+                continue
         full = []
         while heap and room[heap[0][1]] < t and bins[heap[0][1]]:
             full.append(heapq.heappop(heap))
