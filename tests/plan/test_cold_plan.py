@@ -1,6 +1,6 @@
 """A process's first plan pays no lazy import: NumPy 2's `np.unique` imports `numpy.ma` on its first call
 (~25 ms, as much as a quarter of a 1,024-rank plan's budget), so the timeline's micro-batch lookups take the
-first of each run of an already sorted array instead (`assemble._distinct_sorted`), held here to
+first of each run of an already sorted array instead (`microbatch_times.distinct_sorted`), held here to
 `np.unique` itself."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from megatron_hdp.plan.timeline.assemble import _distinct_sorted
+from megatron_hdp.plan.timeline.microbatch_times import distinct_sorted
 
 
 def test_distinct_sorted_is_np_unique_of_a_sorted_array():
@@ -18,8 +18,8 @@ def test_distinct_sorted_is_np_unique_of_a_sorted_array():
     cases = [np.array([], dtype=np.int64), np.array([7]), np.array([3, 3, 3]), np.arange(5)]
     cases += [np.sort(rng.integers(0, n, size=n)) for n in (2, 10, 1000) for _ in range(5)]
     for values in cases:
-        assert np.array_equal(_distinct_sorted(values), np.unique(values)), values
-        assert _distinct_sorted(values).dtype == values.dtype
+        assert np.array_equal(distinct_sorted(values), np.unique(values)), values
+        assert distinct_sorted(values).dtype == values.dtype
 
 
 def test_a_first_plan_with_rings_imports_no_numpy_ma():

@@ -92,7 +92,7 @@ def test_build_ranks_prunes_only_by_time_placements_that_could_not_replace(monke
     floor of 0 prunes nothing), while it does prune placements (fewer timed) and by-time placements do win
     elsewhere (the plan differs where all are pruned)."""
     timed = {"on": 0, "off": 0}
-    finish = balance_candidates._finish
+    finish = balance_candidates.fastest
     wins = 0
     cases = (("mixtral-8x7b", 1, 8, 32, "byted", 1), ("mixtral-8x7b", 1, 4, 64, "github", 1),
              ("deepseek-v3", 8, 8, 32, "byted", 2))
@@ -109,7 +109,7 @@ def test_build_ranks_prunes_only_by_time_placements_that_could_not_replace(monke
                 timed[count] = timed.get(count, 0) + 1
                 return finish(*args, **kwargs)
 
-            monkeypatch.setattr(balance_candidates, "_finish", counted)
+            monkeypatch.setattr(balance_candidates, "fastest", counted)
             return [balance_candidates.build_ranks(
                 lengths, sizes, ratios, tokens=tokens, num_ranks=ranks, capacity=16384, cost_model=cost_model,
                 pp_size=1, vpp_size=1, exact=False, shared=balance_candidates.BatchShare(),
@@ -150,7 +150,7 @@ def test_balance_prunes_only_by_time_placements_that_could_not_win(monkeypatch):
     so far (`beat`) or replace their aligned plan, makes the plan it makes with the pruning off, to the
     digest, on batches where it prunes (fewer placements timed)."""
     timed = {}
-    finish = balance_candidates._finish
+    finish = balance_candidates.fastest
     config = HDPConfig(hdp=True, hdp_capacity=16384)
     cases = (("mixtral-8x7b", 1, 8, 64, "byted", 1), ("mixtral-8x7b", 1, 8, 32, "github", 1),
              ("deepseek-v3", 8, 8, 32, "byted", 1))
@@ -164,7 +164,7 @@ def test_balance_prunes_only_by_time_placements_that_could_not_win(monkeypatch):
                 timed[name] = timed.get(name, 0) + 1
                 return finish(*args, **kwargs)
 
-            monkeypatch.setattr(balance_candidates, "_finish", counted)
+            monkeypatch.setattr(balance_candidates, "fastest", counted)
             monkeypatch.setattr(balance_candidates, "ep_prefix_floor", floor)
             plan = balance.plan_balance(lengths, num_ranks=ranks, config=config, cost_model=cost_model)
             digests[name] = plan.digest()

@@ -71,13 +71,14 @@ def test_spread_expert_work_is_the_loop_over_groups_indices_and_members():
 
 
 def test_a_timing_cache_shared_across_ep_sizes_gives_the_fresh_times():
-    """`assemble.TimingCache` (balance's EP-1 pass re-timing the EP pass's placements): timing a schedule
+    """`microbatch_times.TimingCache` (balance's EP-1 pass re-timing the EP pass's placements): timing a schedule
     with a cache warmed under another EP size, or again under the same one, gives the times of a fresh
     call; a cost model that differs beyond the EP size is refused."""
     import dataclasses
 
     from megatron_hdp.plan.cost.presets import analytic_cost_model
-    from megatron_hdp.plan.timeline.assemble import TimingCache, time_plan
+    from megatron_hdp.plan.timeline.assemble import time_plan
+    from megatron_hdp.plan.timeline.microbatch_times import TimingCache
 
     ep2 = dataclasses.replace(analytic_cost_model("mixtral-8x7b", "h100"), expert_parallel_size=2)
     ep1 = dataclasses.replace(ep2, expert_parallel_size=1)

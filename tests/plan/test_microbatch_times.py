@@ -17,7 +17,8 @@ import pytest
 
 from megatron_hdp.plan.cost.presets import analytic_cost_model
 from megatron_hdp.plan.cost.sharding import whole_times
-from megatron_hdp.plan.timeline.assemble import TimingCache, time_plan
+from megatron_hdp.plan.timeline.assemble import time_plan
+from megatron_hdp.plan.timeline.microbatch_times import TimingCache
 from megatron_hdp.plan.zigzag import zigzag_num_tokens
 
 

@@ -26,7 +26,8 @@ from megatron_hdp.plan.search.placement import fill_gaps, lpt, narrowest_first, 
 from megatron_hdp.plan.search.refine import PipelineCost, refine_exact, refine_local, refine_pairs
 from megatron_hdp.plan.search.ring_shifts import RING_SHIFTS, fits_memory, group_sizes, shifted
 from megatron_hdp.plan.search.widening import LazyOptions
-from megatron_hdp.plan.timeline.assemble import TimedPlan, TimingCache, time_plan
+from megatron_hdp.plan.timeline.assemble import TimedPlan, time_plan
+from megatron_hdp.plan.timeline.microbatch_times import TimingCache
 from megatron_hdp.plan.timeline.bounds import step_time_lower_bound
 from megatron_hdp.plan.timeline.ep_floor import ep_prefix_floor, ep_step_floor
 
@@ -106,10 +107,10 @@ def build_on_cp_groups(
     sizes[list(rings)] = [len(ring) for ring in rings.values()]  # some run on a block of a group
     weights = member_times(tokens, sizes, cost_model=cost_model, pp_size=pp_size)
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
-    prepared = _schedules(leading, rings, finish, [], given=whole, lengths=lengths, weights=weights, tokens=tokens,
-                          capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, exact=exact, overhead=overhead,
-                          contents=shared.contents)
-    return [_finish(prepared, lengths=lengths, offload_ratios=np.zeros(len(lengths)), capacity=capacity,
+    prepared = rank_schedules(leading, rings, finish, [], given=whole, lengths=lengths, weights=weights, tokens=tokens,
+                              capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, exact=exact, overhead=overhead,
+                              contents=shared.contents)
+    return [fastest(prepared, lengths=lengths, offload_ratios=np.zeros(len(lengths)), capacity=capacity,
                     cost_model=cost_model, pp_size=pp_size, vpp_size=vpp_size)]
 
 
@@ -147,7 +148,7 @@ class BatchShare:
         return self.bounds[key]
 
     def get(self, key: tuple, make, store: dict | None = None):
-        """`make()`'s schedules (`_schedules`) for placement `key` (or what `make` makes for `store`), made once."""
+        """`make()`'s schedules (`rank_schedules`) for placement `key` (or what `make` makes for `store`), made once."""
         store = self.schedules if store is None else store
         if key not in store:
             store[key] = make()
@@ -196,8 +197,8 @@ def build_ranks(
 
     def aligned():
         layout = place_rings(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks)
-        return _schedules([[[seq] for seq in ring_mbs] for ring_mbs in layout.ring_microbatches], layout.rings,
-                          layout.finish, whole_order, **common)
+        return rank_schedules([[[seq] for seq in ring_mbs] for ring_mbs in layout.ring_microbatches], layout.rings,
+                              layout.finish, whole_order, **common)
 
     def placed(ring_order: list[int], latest_ready: bool):  # rings by time, whole sequences in their gaps
         timed = place_rings_by_time(ring_order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
@@ -206,9 +207,9 @@ def build_ranks(
 
     def by_time(placement: tuple):
         timed, left = placement
-        return _schedules(timed.leading, timed.rings, timed.finish, left, **common)
+        return rank_schedules(timed.leading, timed.rings, timed.finish, left, **common)
 
-    plan = _finish(shared.get(key + ("aligned",), aligned), **timing)
+    plan = fastest(shared.get(key + ("aligned",), aligned), **timing)
     nodes = None if cost_model.ranks_per_node is None else np.arange(num_ranks) // cost_model.ranks_per_node
     mean = sum(plan.rank_times) / num_ranks
     floor = overhead + float(weights.max(initial=0.0))  # no placement beats the heaviest micro-batch
@@ -227,7 +228,7 @@ def build_ranks(
                     cost_model=cost_model) >= min(plan.est_step_time * (1 - PLACEMENT_MARGIN),
                                                   np.inf if beat is None else beat):
                 continue  # whatever follows its rings, it would not replace the plan nor win (`ep_floor`)
-            candidate = _finish(shared.get(key + ("by time", tag), lambda: by_time(placement)), **timing)
+            candidate = fastest(shared.get(key + ("by time", tag), lambda: by_time(placement)), **timing)
             if candidate.est_step_time < plan.est_step_time * (1 - PLACEMENT_MARGIN):
                 plan = candidate
     return plan
@@ -284,7 +285,7 @@ def build_units(
     return best
 
 
-def _schedules(
+def rank_schedules(
     leading: list[list[list[int]]],
     ring_of: dict[int, tuple[int, ...]],
     finish: np.ndarray,
@@ -305,7 +306,7 @@ def _schedules(
     last ring (sequence ids per micro-batch), `finish[r]` when it is done with them; the whole sequences of
     `whole_order` go after them (`assign_whole`), or those `given` per rank, which local search
     (`refine_local`) starts from. Returns every sequence's ring, the (schedule, group size) candidates
-    (`_finish` times them) and the `TimingCache` they share (with the batch's `contents`)."""
+    (`fastest` times them) and the `TimingCache` they share (with the batch's `contents`)."""
     num_ranks = len(leading)
     counts = np.fromiter(map(len, leading), dtype=np.int64, count=num_ranks)
     cost = PipelineCost(pp_size, capacity, counts, vpp_size)
@@ -347,7 +348,7 @@ def _schedules(
     return rings, candidates, TimingCache(contents=contents)  # every shift and group size has the same rings
 
 
-def _finish(
+def fastest(
     prepared: tuple[list[tuple[int, ...]], list[tuple[list, int | None]], TimingCache],
     *,
     lengths: list[int],
@@ -357,7 +358,7 @@ def _finish(
     pp_size: int,
     vpp_size: int,
 ) -> TimedPlan:
-    """The candidate of `_schedules`' `prepared` of least predicted step time under `cost_model` (a group
+    """The candidate of `rank_schedules`' `prepared` of least predicted step time under `cost_model` (a group
     size above Megatron's default only where the activations fit, `fits_memory`)."""
     rings, candidates, shared = prepared
     best = None

@@ -14,7 +14,7 @@ import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.cost.sharding import member_times
-from megatron_hdp.plan.policies.balance_candidates import PLACEMENT_MARGIN, BatchShare, _finish, _schedules
+from megatron_hdp.plan.policies.balance_candidates import PLACEMENT_MARGIN, BatchShare, fastest, rank_schedules
 from megatron_hdp.plan.search.placement import fill_gaps, narrowest_first, place_rings_by_time
 from megatron_hdp.plan.search.ring_orders import climb_orders
 from megatron_hdp.plan.timeline.assemble import TimedPlan
@@ -56,10 +56,10 @@ def reorder_rings(plan: TimedPlan, lengths: list[int], *, tokens: np.ndarray, nu
         timed = place_rings_by_time(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
                                     overhead=overhead, domains=nodes, latest_ready=latest_ready)
         left = fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
-        prepared = _schedules(timed.leading, timed.rings, timed.finish, left, lengths=lengths, weights=weights,
-                              tokens=tokens, capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, exact=exact,
-                              overhead=overhead, contents=shared.contents)
-        built[latest_ready, order] = _finish(prepared, lengths=lengths, offload_ratios=offload_ratios,
+        prepared = rank_schedules(timed.leading, timed.rings, timed.finish, left, lengths=lengths, weights=weights,
+                                  tokens=tokens, capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, exact=exact,
+                                  overhead=overhead, contents=shared.contents)
+        built[latest_ready, order] = fastest(prepared, lengths=lengths, offload_ratios=offload_ratios,
                                              capacity=capacity, cost_model=cost_model, pp_size=pp_size,
                                              vpp_size=vpp_size)
         return built[latest_ready, order].est_step_time
