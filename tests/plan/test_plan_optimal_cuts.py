@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.cost.sharding import max_member_tokens
-from megatron_hdp.plan.policies.optimal import plan_optimal
 from megatron_hdp.plan.policies.optimal_bound import assignment_bound
 from test_plan_brute_force import CAPACITY, CM, _ring_time, brute_force
 

@@ -16,8 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
-from megatron_hdp.plan.cost.sharding import (max_member_tokens, member_time, member_times, needed_offload_ratio,
-                                             whole_times)
+from megatron_hdp.plan.cost.sharding import member_time, member_times, ring_offload_ratio, whole_times
 from megatron_hdp.plan.search.cp_groups import group_size
 from megatron_hdp.plan.search.expert_units import place_units
 from megatron_hdp.plan.search.packed_rings import pack_on_groups
@@ -267,8 +266,8 @@ def build_units(
     if placed.widened:  # rings widened into their rows' free lanes hold fewer tokens a member
         offload_ratios = offload_ratios.copy()
         for seq, size in placed.widened.items():
-            offload_ratios[seq] = needed_offload_ratio(cost_model, num_tokens=max_member_tokens(int(tokens[seq]), size),
-                                                       capacity=capacity)
+            offload_ratios[seq] = ring_offload_ratio(cost_model, length=int(tokens[seq]), ring_size=size,
+                                                     capacity=capacity)
     best = None
     rings = placed.rings(len(lengths))
     schedules = list(placed.schedules(lightest_first=(False, True) if pp_size > 1 else (False,)))

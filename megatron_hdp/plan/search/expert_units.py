@@ -53,7 +53,6 @@ small batches a plan rank by rank may already run its EP groups in step.
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -65,12 +64,7 @@ from megatron_hdp.plan.search.placement import lpt, place_rings
 from megatron_hdp.plan.search.refine import refine_local
 from megatron_hdp.plan.search.unit_rows import (Row, fill_holes, lane_sums, level_rows, ring_rows, whole_rows,
                                                 widen_rings)
-from megatron_hdp.plan.cost.sharding import (max_member_tokens, member_time, needed_offload_ratio,
-                                             whole_times)
-
-_fullest = functools.lru_cache(maxsize=1 << 16)(max_member_tokens)
-"""`max_member_tokens` remembered: every unit family of a batch asks it for the same (length, size) pairs
-(~1,000 a family on DeepSeek-V3 at 2,048 GPUs, ~20 us each)."""
+from megatron_hdp.plan.cost.sharding import max_member_tokens, member_time, ring_offload_ratio, whole_times
 
 ROW_TOLERANCE = 0.1
 """`unit_ring_sizes`: a lane ring shares a row whose time is at most this fraction above its member time
@@ -145,8 +139,8 @@ def unit_ring_sizes(lengths: np.ndarray, option: Option, *, ep_size: int, capaci
             for j, size in grown.items():
                 seq = int(odd[j])
                 sizes[seq] = size
-                ratios[seq] = needed_offload_ratio(cost_model, num_tokens=_fullest(int(lengths[seq]), size),
-                                                   capacity=capacity)
+                ratios[seq] = ring_offload_ratio(cost_model, length=int(lengths[seq]), ring_size=size,
+                                                 capacity=capacity)
     return sizes, ratios
 
 
@@ -180,10 +174,10 @@ def within_capacity(lengths: np.ndarray, option: Option, *, capacity: int, cost_
         if seq in in_full_rows:
             continue
         length, size = int(lengths[seq]), int(ring_sizes[seq])
-        while _fullest(length, size) > capacity and 2 * (size + 1) <= length:
+        while max_member_tokens(length, size) > capacity and 2 * (size + 1) <= length:
             size += 1
         sizes[seq] = size
-        ratios[seq] = needed_offload_ratio(cost_model, num_tokens=_fullest(length, size), capacity=capacity)
+        ratios[seq] = ring_offload_ratio(cost_model, length=length, ring_size=size, capacity=capacity)
     return sizes, ratios
 
 
@@ -307,7 +301,7 @@ def place_units(
         def own_seconds(length: int, size: int) -> float:  # a member's seconds apart from routed experts
             if (length, size) not in seconds:
                 seconds[length, size] = (member_seconds(length, size)
-                                         - expert * _fullest(length, size))
+                                         - expert * max_member_tokens(length, size))
             return seconds[length, size]
 
         rows[floating:] = level_rows(rows[floating:], lengths=tokens, own=own_seconds, fill=full - expert * capacity)
@@ -319,7 +313,7 @@ def place_units(
                 weights[seq] = member_seconds(int(tokens[seq]), size)
     held = tokens.tolist()  # tokens each lane holds of each sequence: a ring member its fullest shard
     for seq in np.flatnonzero(ring_sizes > 1).tolist():
-        held[seq] = _fullest(held[seq], int(ring_sizes[seq]))
+        held[seq] = max_member_tokens(held[seq], int(ring_sizes[seq]))
     held = np.asarray(held, dtype=np.float64)  # (integers: their float sums are exact)
     held_seconds = weights - expert * held  # seconds apart from routed experts
 
