@@ -146,12 +146,17 @@ class BatchShare:
             self.bounds[key] = step_time_lower_bound(tokens, cost_model=cost_model, sizers=self.sizers, **limits)
         return self.bounds[key]
 
-    def get(self, key: tuple, make, store: dict | None = None):
-        """`make()`'s schedules (`rank_schedules`) for placement `key` (or what `make` makes for `store`), made once."""
-        store = self.schedules if store is None else store
-        if key not in store:
-            store[key] = make()
-        return store[key]
+    def schedules_of(self, key: tuple, make):
+        """`make()`'s schedules (`rank_schedules`) of placement `key`, made once."""
+        if key not in self.schedules:
+            self.schedules[key] = make()
+        return self.schedules[key]
+
+    def placement_of(self, key: tuple, make):
+        """`make()`'s by-time ring placement (`placement.place_rings_by_time` and its left-overs) `key`, made once."""
+        if key not in self.placements:
+            self.placements[key] = make()
+        return self.placements[key]
 
 
 def with_coupling(plan: TimedPlan, cost_model: CostModel, shared: BatchShare) -> TimedPlan:
@@ -208,7 +213,7 @@ def build_ranks(
         timed, left = placement
         return rank_schedules(timed.leading, timed.rings, timed.finish, left, **common)
 
-    plan = fastest(shared.get(key + ("aligned",), aligned), **timing)
+    plan = fastest(shared.schedules_of(key + ("aligned",), aligned), **timing)
     nodes = None if cost_model.ranks_per_node is None else np.arange(num_ranks) // cost_model.ranks_per_node
     mean = sum(plan.rank_times) / num_ranks
     floor = overhead + float(weights.max(initial=0.0))  # no placement beats the heaviest micro-batch
@@ -220,14 +225,13 @@ def build_ranks(
             narrow = narrowest_first(order, ring_sizes=ring_sizes)
             variants += ([(narrow, False)] if narrow != order else []) + [(narrow, True)]
         for tag, (ring_order, latest_ready) in enumerate(variants):
-            placement = shared.get(key + ("by time", tag), lambda: placed(ring_order, latest_ready),
-                                   store=shared.placements)
+            placement = shared.placement_of(key + ("by time", tag), lambda: placed(ring_order, latest_ready))
             if pp_size == 1 and cost_model.expert_parallel_size > 1 and ep_prefix_floor(
                     placement[0].leading, ring_of=placement[0].rings, lengths=lengths,
                     cost_model=cost_model) >= min(plan.est_step_time * (1 - PLACEMENT_MARGIN),
                                                   np.inf if beat is None else beat):
                 continue  # whatever follows its rings, it would not replace the plan nor win (`ep_floor`)
-            candidate = fastest(shared.get(key + ("by time", tag), lambda: by_time(placement)), **timing)
+            candidate = fastest(shared.schedules_of(key + ("by time", tag), lambda: by_time(placement)), **timing)
             if candidate.est_step_time < plan.est_step_time * (1 - PLACEMENT_MARGIN):
                 plan = candidate
     return plan
