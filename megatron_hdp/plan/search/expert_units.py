@@ -246,10 +246,16 @@ class UnitLayout:
         units = np.fromiter((unit for unit, _ in placed), dtype=np.int64, count=len(placed))
         lane_ranks = (units[:, None] * self.ep_size + np.arange(self.ep_size)).ravel()
         ranks = np.repeat(lane_ranks, sizes)
-        by_seq = np.lexsort((ranks, seqs))
-        ends = np.cumsum(np.bincount(seqs, minlength=num_sequences)).tolist()
-        ranks = ranks[by_seq].tolist()
-        return [tuple(ranks[start:end]) for start, end in zip([0] + ends[:-1], ends)]
+        ranks = ranks[np.lexsort((ranks, seqs))]
+        counts = np.bincount(seqs, minlength=num_sequences)
+        starts = np.cumsum(counts) - counts
+        # a sequence on one rank (most of them) gets its 1-tuple from zip, in C; the others are sliced
+        out = list(zip(np.append(ranks, -1)[starts].tolist()))
+        ranks, starts = ranks.tolist(), starts.tolist()
+        odd = np.flatnonzero(counts != 1)  # rings (and any sequence placed nowhere: an empty tuple)
+        for seq, count in zip(odd.tolist(), counts[odd].tolist()):
+            out[seq] = tuple(ranks[starts[seq]:starts[seq] + count])
+        return out
 
 
 def place_units(
