@@ -139,14 +139,15 @@ def level_rows(rows: Sequence[Row], *, lengths: np.ndarray, own: Callable[[int, 
         sets.append(size)
     memo: dict[frozenset, tuple[float, int | None]] = {}  # by a row's (ring, size) pairs
 
-    def time(key: frozenset) -> tuple[float, int | None]:
-        if key not in memo:  # (`widened_time` does not depend on the rings' order)
-            memo[key] = widened_time(dict(key), ep_size - sum(k for _, k in key), lengths=lengths, own=own, fill=fill)
-        return memo[key]
+    def time(key: frozenset, free: int) -> tuple[float, int | None]:  # `free`: the lanes `key` leaves free
+        known = memo.get(key)
+        if known is None:  # (`widened_time` does not depend on the rings' order)
+            known = memo[key] = widened_time(dict(key), free, lengths=lengths, own=own, fill=fill)
+        return known
 
     keys = [frozenset(size.items()) for size in sets]
     used = [sum(size.values()) for size in sets]  # lanes the rings of each row take
-    times = [time(key) for key in keys]
+    times = [time(key, ep_size - lanes) for key, lanes in zip(keys, used)]
     settled: set[tuple[frozenset, frozenset]] = set()  # pairs of rows no move or swap improves
     for _ in range(rounds):
         changed = False
@@ -169,7 +170,7 @@ def level_rows(rows: Sequence[Row], *, lengths: np.ndarray, own: Callable[[int, 
                         key_a, key_b = key_a - {(i, ki)}, key_b | {(i, ki)}
                     if j is not None:
                         key_a, key_b = key_a | {(j, kj)}, key_b - {(j, kj)}
-                    ta, tb = time(key_a), time(key_b)
+                    ta, tb = time(key_a, free_a + ki - kj), time(key_b, free_b + kj - ki)
                     gain = now - ta[0] - tb[0]
                     if gain > 1e-9 * now and (best is None or gain > best[0]):
                         best = (gain, i, j, key_a, key_b, ta, tb)
