@@ -80,6 +80,7 @@ the package's registration)."""
 
 TOP_MODULE_LAYER = {
     "plan": {"step_plan": "plan.contract", "zigzag": "plan.contract", "hand_plan": "plan.contract",
+             "flat_ids": "plan.contract",
              "lengths": "plan.lengths", "planner": "plan.planner", "__init__": "plan.planner"},
     "megatron": {"__init__": "megatron.package"},
 }

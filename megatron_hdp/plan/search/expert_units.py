@@ -60,6 +60,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
+from megatron_hdp.plan.flat_ids import flat_ids
 from megatron_hdp.plan.search.placement import lpt, place_rings
 from megatron_hdp.plan.search.refine import refine_local
 from megatron_hdp.plan.search.unit_rows import (Row, fill_holes, lane_sums, level_rows, ring_rows, whole_rows,
@@ -241,8 +242,7 @@ class UnitLayout:
         (sequence, rank) pair in numpy, sorted by sequence then rank in one pass."""
         placed = [(unit, r) for unit, (lead, mine) in enumerate(zip(self.lead, self.given)) for r in lead + mine]
         lanes = [lane for _, r in placed for lane in self.rows[r].lanes]
-        sizes = np.fromiter(map(len, lanes), dtype=np.int64, count=len(lanes))
-        seqs = np.fromiter(itertools.chain.from_iterable(lanes), dtype=np.int64, count=int(sizes.sum()))
+        sizes, seqs = flat_ids(lanes)
         units = np.fromiter((unit for unit, _ in placed), dtype=np.int64, count=len(placed))
         lane_ranks = (units[:, None] * self.ep_size + np.arange(self.ep_size)).ravel()
         ranks = np.repeat(lane_ranks, sizes)

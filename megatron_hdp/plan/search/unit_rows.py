@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from megatron_hdp.plan.flat_ids import flat_ids
 JOIN_TOLERANCE = 0.2
 """`ring_rows`: a lane ring joins a row whose time is at most this fraction above its member time without
 weighing the lane-seconds it idles there. Wider than `expert_units.ROW_TOLERANCE` since `fill_holes` fills the rows
@@ -231,8 +232,7 @@ def lane_sums(rows: Sequence[Row], values: np.ndarray, ep_size: int) -> np.ndarr
     np.bincount adds them in lane order from 0.0, the floats of Python's `sum` (3.11: left to right) of
     each lane, in one pass."""
     lanes = [lane for row in rows for lane in row.lanes]
-    sizes = np.fromiter(map(len, lanes), dtype=np.int64, count=len(lanes))
-    seqs = np.fromiter(itertools.chain.from_iterable(lanes), dtype=np.int64, count=int(sizes.sum()))
+    sizes, seqs = flat_ids(lanes)
     cell = np.repeat(np.arange(len(lanes)), sizes)
     sums = np.bincount(cell, weights=values[seqs], minlength=len(lanes))
     return sums.astype(np.float64, copy=False).reshape(len(rows), ep_size)  # (int zeros where no pieces)

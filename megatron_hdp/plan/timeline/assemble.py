@@ -34,6 +34,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
+from megatron_hdp.plan.flat_ids import flat_ids
 from megatron_hdp.plan.zigzag import zigzag_chunks
 from megatron_hdp.plan.timeline.microbatch_times import TimingCache, distinct_sorted, microbatch_times
 from megatron_hdp.plan.timeline.pipeline import pipelines_finish
@@ -141,8 +142,7 @@ class TimedPlan:
         # Every micro-batch's shards, rank by rank; then the micro-batches and ranks built column by column.
         flat = list(itertools.chain.from_iterable(self.schedule))
         shards = [tuple(map(whole_shards.__getitem__, seqs)) for seqs in flat]
-        sizes = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
-        seqs = np.fromiter(itertools.chain.from_iterable(flat), dtype=np.int64, count=int(sizes.sum()))
+        sizes, seqs = flat_ids(flat)
         per_mb = np.repeat(np.arange(len(flat)), sizes)
         rank_of = np.repeat(np.arange(len(self.schedule)), np.diff(np.asarray(self.bounds, dtype=np.int64)))
         at_ring = distinct_sorted(per_mb[in_ring[seqs]]).tolist()  # micro-batches holding ring shards

@@ -56,6 +56,7 @@ import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.cost.sharding import whole_times
+from megatron_hdp.plan.flat_ids import flat_ids
 from megatron_hdp.plan.timeline.timing import expert_coupled_finish
 from megatron_hdp.plan.zigzag import zigzag_token_counts
 
@@ -129,11 +130,10 @@ def _floor_grid(
     width = int(depth.max(initial=0))
     # every piece as (cell = rank x width + index, sequence), whole sequences priced as arrays
     flat = list(itertools.chain.from_iterable(schedule))  # every micro-batch, rank by rank
-    sizes = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
+    sizes, seq = flat_ids(flat)
     starts = np.cumsum(counts) - counts
     index = np.arange(len(flat)) - np.repeat(starts, counts)  # each micro-batch's index on its rank
     cell = np.repeat(np.repeat(np.arange(num_ranks) * width, counts) + index, sizes)
-    seq = np.fromiter(itertools.chain.from_iterable(flat), dtype=np.int64, count=int(sizes.sum()))
     length = np.asarray(lengths, dtype=np.int64)
     extra = whole_times(length, cost_model=cost_model)[seq]
     held = length[seq].astype(np.float64)

@@ -24,6 +24,7 @@ import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.cost.sharding import whole_times
+from megatron_hdp.plan.flat_ids import flat_ids
 from megatron_hdp.plan.zigzag import zigzag_token_counts
 
 
@@ -104,8 +105,7 @@ def microbatch_times(
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
     per_rank = np.fromiter(map(len, schedule), dtype=np.int64, count=len(schedule))
     flat = list(itertools.chain.from_iterable(schedule))  # every micro-batch, rank by rank
-    sizes = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
-    seqs = np.fromiter(itertools.chain.from_iterable(flat), dtype=np.int64, count=int(sizes.sum()))
+    sizes, seqs = flat_ids(flat)
     cell = np.repeat(np.arange(len(flat)), sizes)
     times = (overhead + np.bincount(cell, weights=shared.whole[seqs], minlength=len(flat))).tolist()
     held = np.bincount(cell, weights=np.asarray(lengths, dtype=np.float64)[seqs], minlength=len(flat))
