@@ -311,15 +311,7 @@ def whole_rows(order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
     room: list[int] = []
     heap: list[tuple[float, int]] = []  # (time, bin): bins are distinct, so any valid heap pops alike
     for seq, w, t in zip(order, weights[order].tolist(), tokens[order].tolist()):
-        if heap:
-            time, b = heap[0]
-            if room[b] >= t or not bins[b]:  # the least bin takes it
-                bins[b].append(seq)
-                room[b] -= t
-                heapq.heapreplace(heap, (time + w, b))
-                left -= w
-                continue
-        full = []
+        full = []  # bins set aside: no room for this sequence
         while heap and room[heap[0][1]] < t and bins[heap[0][1]]:
             full.append(heapq.heappop(heap))
         if not heap:
@@ -328,10 +320,10 @@ def whole_rows(order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
             budget = capacity if left >= fine_work else max(1, capacity // FINE_PARTS)
             bins, room, full = [[] for _ in range(ep_size)], [budget] * ep_size, []
             heap = [(0.0, b) for b in range(ep_size)]
-        time, b = heapq.heappop(heap)
+        time, b = heap[0]  # the least bin with room takes it
         bins[b].append(seq)
         room[b] -= t
-        heapq.heappush(heap, (time + w, b))
+        heapq.heapreplace(heap, (time + w, b))
         for entry in full:
             heapq.heappush(heap, entry)
         left -= w
