@@ -8,7 +8,8 @@
   or after it) the two are equal;
 - balance's plan lies in the optimum's space, so it is never faster;
 - refusals in one line, before any solve;
-- the step-time lower bound (plan/timeline/bounds.py) never exceeds the optimum, and its piece and
+- the step-time lower bound (plan/timeline/bounds.py) and the rigid-ring bound (optimal_rigid.py) never
+  exceed the optimum, and the first's piece and
   wide-ring terms bind where the work bound is loose (references: the enumeration above, the solver, and
   the bound's own terms worked out by hand from the cost model's public times).
 """
@@ -22,6 +23,7 @@ import pytest
 from megatron_hdp.config import HDPConfig
 from megatron_hdp.plan.policies.optimal import RingOption, plan_optimal, prune_ring_sizes, ring_options
 from megatron_hdp.plan.policies.optimal_bound import assignment_bound
+from megatron_hdp.plan.policies.optimal_rigid import rigid_ring_bound
 from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.cost.presets import analytic_cost_model
 from megatron_hdp.plan.cost.sharding import shard_time, whole_times
@@ -130,6 +132,11 @@ def test_bound_never_exceeds_the_optimum(num_ranks, capacity, offload, lengths):
                                   max_offload_ratio=config.max_offload_ratio)
     assert bound <= optimum * (1 + 1e-9)
     assert bound >= optimum / 1.13  # optimum / bound 1.08-1.13; before the piece and wide-ring terms 1.11-1.26
+    times = [{o.size: o.time for o in ring_options(s, num_ranks=num_ranks, capacity=capacity, cost_model=cost_model,
+                                                   max_offload_ratio=config.max_offload_ratio)} for s in lengths]
+    rigid = rigid_ring_bound(lengths, times, capacity=capacity, overhead=cost_model.microbatch_time([]),
+                             num_ranks=num_ranks, upper=2 * optimum)
+    assert rigid.bound <= optimum * (1 + 1e-9)  # the rings as rigid tasks (optimal_rigid) too
 
 
 def assert_balance_reaches_the_optimum(lengths: list[int], *, num_ranks: int, config: HDPConfig) -> None:

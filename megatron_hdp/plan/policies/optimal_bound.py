@@ -34,11 +34,11 @@ from megatron_hdp.plan.policies.optimal_cuts import chain_rows
 class SlotFree:
     """The relaxation's answer: `bound` on the step, and where its optimum (or, out of time, the best
     assignment found) puts each document (`sizes[s]` ranks, `ranks[s]` which; None when the solver found
-    none): a hint where plans at the bound lie."""
+    none, `ranks[s]` None where the relaxation places no ranks): a hint where plans at the bound lie."""
 
     bound: float
     sizes: tuple[int, ...] | None = None
-    ranks: tuple[tuple[int, ...], ...] | None = None
+    ranks: tuple[tuple[int, ...] | None, ...] | None = None
 
 
 def assignment_bound(lengths: Sequence[int], times: Sequence[dict[int, float]], *, num_ranks: int,

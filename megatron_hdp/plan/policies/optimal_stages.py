@@ -83,13 +83,14 @@ def solve_in_stages(build: Build, slot_free: SlotFree, *, big: float, slack: flo
     return Staged(*best, False, dual, result.message)
 
 
-def _fix(m: Milp, cols: dict, *, sizes: tuple[int, ...], ranks: tuple[tuple[int, ...], ...] | None,
+def _fix(m: Milp, cols: dict, *, sizes: tuple[int, ...], ranks: tuple[tuple[int, ...] | None, ...] | None,
          num_ranks: int) -> None:
-    """Rows that hold document s on a ring of `sizes[s]` ranks (1: whole), over the ranks `ranks[s]` when given."""
+    """Rows that hold document s on a ring of `sizes[s]` ranks (1: whole), over the ranks `ranks[s]` when given
+    (the rigid bound's hint places the rings only: a whole document's ranks are None)."""
     w, x, a = cols["w"], cols["x"], cols["a"]
     for s, k in enumerate(sizes):
         m.lower[w[s][k]] = 1.0
-        if ranks is None:
+        if ranks is None or ranks[s] is None:
             continue
         held = x if k == 1 else a
         for r in range(num_ranks):
