@@ -10,9 +10,11 @@ or off (seeded by its index), lengths from 50 tokens to C with a third of the do
 predicted step time over the optimum of `plan.optimal` (the exact planner, a MILP that shares no
 planning logic with balance) and the optimum over `bounds.step_time_lower_bound`, side by side: the
 first says how good balance is, the second how far the bound (the only measuring stick at scale) sits
-below the best plan. A case the solver does not prove within --time-limit seconds is counted, not
-used for the distribution; the solver's dual bound on it (a step no plan beats) still caps balance's gap
-there. Prints each case as it is solved, then the distribution (median, p90, worst) and the worst cases.
+below the best plan; beside it the optimum over the exact planner's rigid-ring bound
+(`policies.optimal_rigid`, an exact search only small pools afford), which says how much of that distance
+is rings that must hold their ranks at once. A case the solver does not prove within --time-limit seconds is counted, not
+used for the distribution; the solver's dual bound on it, or the rigid-ring bound where higher (a step
+no plan beats), still caps balance's gap there. Prints each case as it is solved, then the distribution (median, p90, worst) and the worst cases.
 `--optimum-from` takes the optima of an earlier run of the same cases and measures balance and the bound
 anew, in seconds instead of the solver's minutes; with `--solve-unproven` the cases that run left
 unproven (or only the seeds it names) are solved again with --time-limit (a longer limit for the few hard
@@ -35,7 +37,8 @@ from output import finish, print_new_rows  # noqa: E402
 
 from megatron_hdp.config import HDPConfig  # noqa: E402
 from megatron_hdp.plan.timeline.bounds import step_time_lower_bound  # noqa: E402
-from megatron_hdp.plan.policies.optimal import UnprovenOptimum, plan_optimal  # noqa: E402
+from megatron_hdp.plan.policies.optimal import UnprovenOptimum, plan_optimal, ring_options  # noqa: E402
+from megatron_hdp.plan.policies.optimal_rigid import rigid_ring_bound  # noqa: E402
 from megatron_hdp.plan.planner import make_plan  # noqa: E402
 from megatron_hdp.plan.cost.presets import analytic_cost_model  # noqa: E402
 
@@ -66,11 +69,12 @@ def measure(spec: dict, *, time_limit: float, known: dict | None = None) -> dict
     start = time.perf_counter()
     balance = make_plan(spec["lengths"], policy="balance", **common).est_step_time
     balance_s = time.perf_counter() - start
-    bound = step_time_lower_bound(spec["lengths"], num_ranks=spec["num_ranks"], capacity=spec["capacity"],
-                                  cost_model=cost_model, max_offload_ratio=config.max_offload_ratio)
+    bounds = {"bound_s": step_time_lower_bound(spec["lengths"], num_ranks=spec["num_ranks"], capacity=spec["capacity"],
+                                               cost_model=cost_model, max_offload_ratio=config.max_offload_ratio),
+              "rigid_s": rigid_bound(spec, cost_model=cost_model, config=config, upper=balance)}
     if known is not None:
         bracket = {k: known[k] for k in ("dual_s", "incumbent_s") if k in known}
-        return {**spec, "balance_s": balance, "optimum_s": known["optimum_s"], "bound_s": bound, **bracket,
+        return {**spec, "balance_s": balance, "optimum_s": known["optimum_s"], **bounds, **bracket,
                 "balance_plan_ms": 1e3 * balance_s, "solve_s": known["solve_s"]}
     start = time.perf_counter()
     try:
@@ -79,8 +83,21 @@ def measure(spec: dict, *, time_limit: float, known: dict | None = None) -> dict
     except UnprovenOptimum as unproven:
         optimum = None
         bracket = {"dual_s": unproven.dual, "incumbent_s": unproven.best}
-    return {**spec, "balance_s": balance, "optimum_s": optimum, "bound_s": bound, **bracket,
+    return {**spec, "balance_s": balance, "optimum_s": optimum, **bounds, **bracket,
             "balance_plan_ms": 1e3 * balance_s, "solve_s": time.perf_counter() - start}
+
+
+def rigid_bound(spec: dict, *, cost_model, config: HDPConfig, upper: float) -> float | None:
+    """The exact planner's rigid-ring bound on case `spec` (`optimal_rigid`: rings that hold their ranks at
+    once, an exact search of small pools), below `upper` (balance's step: a plan of the space), or None
+    past its node budget: how much of the step-time lower bound's distance to the optimum is rings that
+    must run side by side, which the bound at scale cannot search."""
+    times = [{o.size: o.time for o in ring_options(s, num_ranks=spec["num_ranks"], capacity=spec["capacity"],
+                                                   cost_model=cost_model, max_offload_ratio=config.max_offload_ratio)}
+             for s in spec["lengths"]]
+    found = rigid_ring_bound(spec["lengths"], times, capacity=spec["capacity"], overhead=cost_model.microbatch_time([]),
+                             num_ranks=spec["num_ranks"], upper=upper * (1 + 1e-9))
+    return None if found is None else found.bound
 
 
 def tighter(solved: dict, earlier: dict) -> dict:
@@ -92,16 +109,23 @@ def tighter(solved: dict, earlier: dict) -> dict:
     return {**solved, "dual_s": max(solved["dual_s"], earlier["dual_s"]), "incumbent_s": min(plans, default=None)}
 
 
+def dual(row: dict) -> float:
+    """The highest bound proven on an unproven case's optimum: the solver's dual or the rigid-ring bound."""
+    return max(row["dual_s"], row.get("rigid_s") or 0.0)
+
+
 def table(rows: list[dict]) -> str:
-    """One line per case: pool, batch, balance / optimum (of an unproven case, `<=` balance / the solver's
-    dual bound, an upper bound on it), optimum / bound, solver seconds."""
-    lines = ["seed ranks     C offload docs  balance/opt  opt/bound  solve s", "-" * 62]
+    """One line per case: pool, batch, balance / optimum (of an unproven case, `<=` balance / the highest
+    bound proven on it, `dual`), optimum / the step-time lower bound and / the rigid-ring bound, solver
+    seconds."""
+    lines = ["seed ranks     C offload docs  balance/opt  opt/bound  opt/rigid  solve s", "-" * 73]
     for r in rows:
         ratio = (f"{r['balance_s'] / r['optimum_s']:11.4f}" if r["optimum_s"]
-                 else f"  <={r['balance_s'] / r['dual_s']:7.4f}" if r.get("dual_s") else "   unproven")
+                 else f"  <={r['balance_s'] / dual(r):7.4f}" if r.get("dual_s") else "   unproven")
         bound = f"{r['optimum_s'] / r['bound_s']:9.4f}" if r["optimum_s"] else "        -"
+        rigid = f"{r['optimum_s'] / r['rigid_s']:9.4f}" if r["optimum_s"] and r["rigid_s"] else "        -"
         lines.append(f"{r['seed']:4d} {r['num_ranks']:5d} {r['capacity']:5d} {str(r['offload']):>7s} "
-                     f"{len(r['lengths']):4d}  {ratio}  {bound}  {r['solve_s']:7.1f}")
+                     f"{len(r['lengths']):4d}  {ratio}  {bound}  {rigid}  {r['solve_s']:7.1f}")
     return "\n".join(lines)
 
 
@@ -145,21 +169,23 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no case proven within {args.time_limit:g} s: raise --time-limit or lower --max-ranks")
     gaps = np.array([r["balance_s"] / r["optimum_s"] for r in solved])
     bounds = np.array([r["optimum_s"] / r["bound_s"] for r in solved])
+    rigid = np.array([r["optimum_s"] / r["rigid_s"] for r in solved if r["rigid_s"]])
     summary = {"cases": len(rows), "proven": len(solved), "balance_over_optimum": distribution(gaps),
-               "optimum_over_bound": distribution(bounds),
+               "optimum_over_bound": distribution(bounds), "optimum_over_rigid": distribution(rigid),
                "balance_within_1pct": float(np.mean(gaps <= 1.01)), "balance_within_5pct": float(np.mean(gaps <= 1.05))}
     bracketed = [r for r in rows if not r["optimum_s"] and r.get("dual_s")]
     if bracketed:  # balance / dual bound >= balance / optimum: a proven ceiling on the unproven cases' gaps
-        ceilings = np.array([r["balance_s"] / r["dual_s"] for r in bracketed])
+        ceilings = np.array([r["balance_s"] / dual(r) for r in bracketed])
         summary["unproven_balance_over_dual"] = {"cases": len(bracketed), "worst": float(ceilings.max()),
                                                  "within_5pct": float(np.mean(ceilings <= 1.05))}
     worst = sorted(solved, key=lambda r: -r["balance_s"] / r["optimum_s"])[:5]
     text = table(worst) + "\n\n" + "\n".join(
         f"{name}: median {d['median']:.4f}, p90 {d['p90']:.4f}, worst {d['worst']:.4f}"
         for name, d in (("balance / optimum", summary["balance_over_optimum"]),
-                        ("optimum / lower bound", summary["optimum_over_bound"])))
+                        ("optimum / lower bound", summary["optimum_over_bound"]),
+                        ("optimum / rigid-ring bound", summary["optimum_over_rigid"])))
     if bracketed:
-        text += (f"\nunproven, balance / the solver's dual bound (at least balance / optimum): worst "
+        text += (f"\nunproven, balance / the highest bound proven (at least balance / optimum): worst "
                  f"{ceilings.max():.4f}, {int(np.sum(ceilings <= 1.05))} of {len(bracketed)} within 5%")
     text += (f"\n{len(solved)} of {len(rows)} cases proven optimal "
              + (f"(optima from {args.optimum_from})" if args.optimum_from else f"within {args.time_limit:g} s"))
