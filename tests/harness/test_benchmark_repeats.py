@@ -4,19 +4,14 @@ tiny size, its figures recomputed here from the runs it kept."""
 
 import json
 import statistics
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture
-def repeats(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the benchmarks import their helpers as scripts do
-    import repeats
-
-    return repeats
+def repeats(benchmark_script):
+    return benchmark_script("repeats")
 
 
 def _run(seconds: float, cpu: float, index: int) -> dict:

@@ -3,7 +3,6 @@ add up to the step the timeline predicts (`StepPlan.est_step_time`, timed with t
 `timeline.timing`), on a DeepSeek-V3 batch planned as EP units; and its exposure threshold against a
 scan of ring sizes written here."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,15 +14,11 @@ from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.sim.cluster import ClusterSpec
 from megatron_hdp.sim.compare import MICROBATCHES_PER_RANK, step_floors
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture
-def ep_gap(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the benchmarks import their helpers as scripts do
-    import ep_gap
-
-    return ep_gap
+def ep_gap(benchmark_script):
+    return benchmark_script("ep_gap")
 
 
 @pytest.fixture(scope="module")

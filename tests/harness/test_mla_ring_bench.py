@@ -2,21 +2,16 @@
 (the simulated section runs the same code on `--device cuda`), and what its JSON says."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TINY = ["--heads", "2", "--qk-head-dim", "4", "--rope-dim", "2", "--v-head-dim", "4", "--kv-lora-rank", "3",
         "--repeats", "1"]
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the benchmarks import their helpers as scripts do
-    import mla_ring_bench
-
-    return mla_ring_bench
+def bench(benchmark_script):
+    return benchmark_script("mla_ring_bench")
 
 
 def test_both_sections_on_the_cpu(bench, tmp_path):

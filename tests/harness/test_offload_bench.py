@@ -2,25 +2,22 @@
 
 import gc
 import weakref
-from pathlib import Path
 
 import torch
 
 from megatron_hdp.offload.reference_model import ReferenceGPT
 from megatron_hdp.plan.cost.presets import ModelShape
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SHAPE = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                    ffn_hidden_size=128, vocab_size=97)
 
 
-def test_saved_bytes_counts_what_a_backward_keeps_and_frees_it(monkeypatch):
+def test_saved_bytes_counts_what_a_backward_keeps_and_frees_it(benchmark_script):
     """Reference: a forward kept for its backward, its saved storages read from the graph's own hooks
     while the loss is alive. The bench's count must equal it, and once it returns no activation may stay
     alive (its pack hook once returned the tensors, a cycle through autograd that kept 22.4 GiB on an
     H100 through every later trial)."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from offload_bench import saved_bytes
+    saved_bytes = benchmark_script("offload_bench").saved_bytes
 
     torch.manual_seed(0)
     model = ReferenceGPT(SHAPE)

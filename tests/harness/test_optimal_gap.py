@@ -3,19 +3,14 @@ exact planner proves (balance's step above it), and an unproven case's gap is ca
 proven on it, the rigid-ring bound where the solver's dual is lower."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture
-def optimal_gap(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the benchmarks import their helpers as scripts do
-    import optimal_gap
-
-    return optimal_gap
+def optimal_gap(benchmark_script):
+    return benchmark_script("optimal_gap")
 
 
 def test_the_recorded_bounds_sit_below_the_proven_optimum(optimal_gap, tmp_path):

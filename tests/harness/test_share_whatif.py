@@ -4,7 +4,6 @@ one of them also busy with other work) its re-chosen shares level the lanes as a
 busy lane's share, timed by `CostModel.microbatch_time`, does."""
 
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,16 +14,12 @@ from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.sim.cluster import ClusterSpec
 from megatron_hdp.sim.compare import MICROBATCHES_PER_RANK
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SPEC = ClusterSpec(model="deepseek-v3", num_gpus=512, tp_size=8, ep_size=32)  # 64 ranks, 2 units
 
 
 @pytest.fixture
-def whatif(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the benchmarks import their helpers as scripts do
-    import share_whatif
-
-    return share_whatif
+def whatif(benchmark_script):
+    return benchmark_script("share_whatif")
 
 
 @pytest.mark.parametrize("length,ring_size", [(131072, 4), (131072, 8), (97200, 7), (24309, 2)])
