@@ -305,10 +305,10 @@ def place_units(
         seconds: dict[tuple[int, int], float] = {}
 
         def own_seconds(length: int, size: int) -> float:  # a member's seconds apart from routed experts
-            if (length, size) not in seconds:
-                seconds[length, size] = (member_seconds(length, size)
-                                         - expert * max_member_tokens(length, size))
-            return seconds[length, size]
+            known = seconds.get((length, size))  # (one lookup: level_rows asks ~100,000 times a plan)
+            if known is None:
+                known = seconds[length, size] = member_seconds(length, size) - expert * max_member_tokens(length, size)
+            return known
 
         rows[floating:] = level_rows(rows[floating:], lengths=tokens, own=own_seconds, fill=full - expert * capacity)
         widened = widen_rings(rows[floating:], lengths=tokens, own=own_seconds, fill=full - expert * capacity)

@@ -90,15 +90,18 @@ def _growth(size: dict[int, int], free: int, *, lengths: Sequence[int], own: Cal
     the ring each free lane goes to, in order, and every ring's member seconds after them."""
     times = {seq: own(int(lengths[seq]), k) for seq, k in size.items()}
     steps = []
-    while free and size:
-        seq = max(times, key=lambda s: (times[s], -s))
+    slowest = [(-seconds, seq) for seq, seconds in times.items()]  # a heap: the slowest ring, then the lowest id
+    heapq.heapify(slowest)
+    while free and slowest:
+        seconds, seq = -slowest[0][0], slowest[0][1]
         length, k = int(lengths[seq]), size[seq]
-        if 2 * (k + 1) > length or times[seq] <= fill:
+        if 2 * (k + 1) > length or seconds <= fill:
             break
         wider = own(length, k + 1)
-        if wider >= times[seq]:
+        if wider >= seconds:
             break
         size[seq], times[seq] = k + 1, wider
+        heapq.heapreplace(slowest, (-wider, seq))
         free -= 1
         steps.append(seq)
     return steps, times
