@@ -5,7 +5,7 @@ but not that a ring's members run it at the same time: on optimal_gap's seed 73 
 of 3 and 4 over 7 ranks) it stays 10% below the best plan even after 600 s of HiGHS. This bound keeps
 exactly that and drops the rest:
 
-- a document of more than C tokens (or any with a ring option) runs on k of its sizes: a task that holds
+- a document of more than C tokens runs on one of its ring sizes k (1: whole, offloaded): a task that holds
   k ranks at once for its slot time T(s, k) (overhead and jitter lead included, `optimal.ring_options`);
   in `optimal`'s plan space a ring slot starts when its last member is ready and ends for all members
   together, and a rank runs its slots one after the other, so every plan gives such a schedule in which
@@ -17,12 +17,11 @@ exactly that and drops the rest:
 So the optimum is at least min over the ring sizes of max(the least makespan of the rings as rigid tasks
 on D ranks, (the rings' rank-seconds + the fluid work) / D). Before a makespan is searched, cheaper floors
 of it prune the sizes: the longest task, and the summed times of tasks that pairwise cannot run at once
-(k + k' > D). The rigid makespan is exact: scheduling
-tasks that need k of D identical ranks is the resource-constrained project scheduling problem with one
-renewable resource of D units (any k free ranks will do, as a task runs without interruption), whose
-active schedules, the serial schedule-generation scheme's outputs over every task order (each task at
-its earliest start where k ranks are free for its time), hold an optimal one (Kolisch, EJOR 1996). The
-search enumerates the sizes (cheapest rank-seconds first) and then the orders, pruned at the best value
+(k + k' > D). The rigid makespan is exact: scheduling tasks that need k of D identical ranks is the
+resource-constrained project scheduling problem with one renewable resource of D units (any k free ranks
+will do, as a task runs without interruption), whose active schedules, the serial schedule-generation
+scheme's outputs over every task order (each task at its earliest start where k ranks are free for its
+time), hold an optimal one (Kolisch, EJOR 1996). The search enumerates the sizes (cheapest rank-seconds first) and then the orders, pruned at the best value
 so far; `MAX_NODES` bounds it, and past that it gives no bound (None) rather than a wrong one. Its best
 sizes, and ranks for the rings from its schedule (each ring, in order of start, on the first ranks free),
 are where `optimal_stages` looks first for a plan at the bound (seed 63: proven at once with them).
