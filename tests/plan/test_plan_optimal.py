@@ -316,3 +316,18 @@ def test_an_unproven_solve_names_the_bound_it_proved():
     assert error.value.dual == pytest.approx(bound, rel=1e-3)  # what optimal_gap records of an unproven case
     assert (best is None) == (error.value.best is None)
     assert best is None or error.value.best == pytest.approx(float(best.group(1)), rel=1e-3)
+
+
+def test_the_solver_s_native_stdout_is_silenced_and_restored(capfd):
+    """The HiGHS that SciPy bundles writes a debug line to file descriptor 1 from C, at random
+    (ERGO-Code/HiGHS#2783; optimal_gap's seed 192 printed ~50): during a solve fd 1 goes to the null device,
+    and what the caller printed before is flushed, what it prints after arrives."""
+    import os
+
+    from megatron_hdp.plan.policies.milp import native_stdout_silenced
+
+    print("before", end=" ")
+    with native_stdout_silenced():
+        os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+    print("after", flush=True)
+    assert capfd.readouterr().out == "before after\n"

@@ -3,6 +3,11 @@ class the exact planner's formulations (`optimal`, `optimal_bound`) build their 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from typing import Iterator
+
 import numpy as np
 
 
@@ -38,6 +43,24 @@ class Milp:
         rows, cols, vals = zip(*entries)
         matrix = coo_array((vals, (rows, cols)), shape=(len(self.rows), len(self.cost))).tocsr()
         constraint = LinearConstraint(matrix, [r[1] for r in self.rows], [r[2] for r in self.rows])
-        return milp(np.array(self.cost), constraints=constraint, integrality=np.array(self.integer),
-                    bounds=Bounds(self.lower, self.upper),
-                    options={"time_limit": time_limit, "mip_rel_gap": 1e-7, "disp": False})
+        with native_stdout_silenced():
+            return milp(np.array(self.cost), constraints=constraint, integrality=np.array(self.integer),
+                        bounds=Bounds(self.lower, self.upper),
+                        options={"time_limit": time_limit, "mip_rel_gap": 1e-7, "disp": False})
+
+
+@contextlib.contextmanager
+def native_stdout_silenced() -> Iterator[None]:
+    """The process's stdout (file descriptor 1) sent to the null device for the block: the HiGHS that SciPy
+    bundles writes "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();" there from C,
+    at random and with its output off (ERGO-Code/HiGHS#2783), which landed in `plan --compare` tables and
+    optimal_gap's. Python's own buffered output is flushed first, so nothing of the caller's is lost."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
