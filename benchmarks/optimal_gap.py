@@ -38,6 +38,7 @@ from output import finish, print_new_rows  # noqa: E402
 from megatron_hdp.config import HDPConfig  # noqa: E402
 from megatron_hdp.plan.timeline.bounds import step_time_lower_bound  # noqa: E402
 from megatron_hdp.plan.policies.optimal import UnprovenOptimum, plan_optimal, ring_options  # noqa: E402
+from megatron_hdp.plan.policies.milp import native_stdout_silenced  # noqa: E402
 from megatron_hdp.plan.policies.optimal_rigid import rigid_ring_bound  # noqa: E402
 from megatron_hdp.plan.planner import make_plan  # noqa: E402
 from megatron_hdp.plan.cost.presets import analytic_cost_model  # noqa: E402
@@ -78,7 +79,8 @@ def measure(spec: dict, *, time_limit: float, known: dict | None = None) -> dict
                 "balance_plan_ms": 1e3 * balance_s, "solve_s": known["solve_s"]}
     start = time.perf_counter()
     try:
-        optimum = plan_optimal(spec["lengths"], time_limit=time_limit, upper_bound=balance, **common).est_step_time
+        with native_stdout_silenced():  # HiGHS's stray debug line would land in the table
+            optimum = plan_optimal(spec["lengths"], time_limit=time_limit, upper_bound=balance, **common).est_step_time
         bracket = {}
     except UnprovenOptimum as unproven:
         optimum = None

@@ -33,6 +33,7 @@ micro-batch together (the MoE all-to-all), so `balance` plans each group as a un
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -240,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hdp.plan.timeline.bounds import critical_path_floor, fastest_crossing, step_time_lower_bound
     from megatron_hdp.plan.cost.mesh import mesh_cost_model
     from megatron_hdp.plan.planner import make_plan
+    from megatron_hdp.plan.policies.milp import native_stdout_silenced
 
     config = HDPConfig(hdp=True, hdp_capacity=args.capacity, hdp_policy=args.policy,
                        hdp_offload=not args.no_offload, hdp_max_offload_ratio=args.max_offload_ratio,
@@ -274,9 +276,11 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"policy": policy, "error": refusal})
             continue
         start = time.perf_counter()
+        quiet = native_stdout_silenced() if policy == "optimal" else contextlib.nullcontext()  # HiGHS's stray line
         try:
-            plan = make_plan(lengths, num_ranks=args.ranks, config=config, cost_model=cost_model,
-                             pp_size=args.pp, vpp_size=args.vpp, policy=policy)
+            with quiet:
+                plan = make_plan(lengths, num_ranks=args.ranks, config=config, cost_model=cost_model,
+                                 pp_size=args.pp, vpp_size=args.vpp, policy=policy)
         except (ValueError, ImportError) as error:  # a policy that refuses this batch (or is not installed)
             rows.append({"policy": policy, "error": str(error)})
             continue

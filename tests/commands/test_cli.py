@@ -163,3 +163,23 @@ def test_the_plan_table_counts_the_padding_micro_batches_the_runtime_adds():
     rows = [summary_row(plan, cost_model=dataclasses.replace(cost_model, expert_parallel_size=ep), wall_s=0.0,
                         bound=1.0, critical=1.0) for ep in (1, 2)]
     assert [row["padding"] for row in rows] == [1, 2]
+
+
+def test_a_solver_s_native_output_stays_out_of_the_plan_table(tmp_path, monkeypatch, capfd):
+    """SciPy's HiGHS writes a debug line to file descriptor 1 from C, at random (ERGO-Code/HiGHS#2783):
+    `plan --compare ... optimal` keeps it out of the table. Reference: an `optimal` that writes it from C
+    (os.write) before planning as balance does; the table must show both rows and not the line."""
+    from megatron_hdp.plan import planner
+
+    def noisy(lengths, **kwargs):
+        os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+        return planner.POLICIES["balance"](lengths, **kwargs)
+
+    monkeypatch.setitem(planner.POLICIES, "optimal", noisy)
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("1300\n900\n900\n300\n")
+    assert main(["plan", "--lengths", str(lengths), "--ranks", "4", "--capacity", "512", "--model", "llama-7b",
+                 "--no-offload", "--compare", "balance,optimal"]) == 0
+    out = capfd.readouterr().out
+    assert "Highs" not in out
+    assert out.count("\nbalance ") == 2  # both rows planned (the stand-in's plan is balance's, named so)

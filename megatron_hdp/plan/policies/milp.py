@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 from typing import Iterator
 
 import numpy as np
@@ -44,21 +43,20 @@ class Milp:
         rows, cols, vals = zip(*entries)
         matrix = coo_array((vals, (rows, cols)), shape=(len(self.rows), len(self.cost))).tocsr()
         constraint = LinearConstraint(matrix, [r[1] for r in self.rows], [r[2] for r in self.rows])
-        with native_stdout_silenced() if threading.active_count() == 1 else contextlib.nullcontext():
-            return milp(np.array(self.cost), constraints=constraint, integrality=np.array(self.integer),
-                        bounds=Bounds(self.lower, self.upper),
-                        options={"time_limit": time_limit, "mip_rel_gap": 1e-7, "disp": False})
+        return milp(np.array(self.cost), constraints=constraint, integrality=np.array(self.integer),
+                    bounds=Bounds(self.lower, self.upper),
+                    options={"time_limit": time_limit, "mip_rel_gap": 1e-7, "disp": False})
 
 
 @contextlib.contextmanager
 def native_stdout_silenced() -> Iterator[None]:
     """The process's stdout (file descriptor 1) sent to the null device for the block: the HiGHS that SciPy
     bundles writes "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();" there from C,
-    at random and with its output off (ERGO-Code/HiGHS#2783), which landed in `plan --compare` tables and
-    optimal_gap's. Python's own buffered output is flushed first, so nothing of the caller's is lost.
-    `Milp.solve` silences only while its thread is the process's only Python thread: the descriptor is the
-    whole process's, and another thread's output (a training run's log, while a loader thread plans) must
-    not vanish for the solve's seconds."""
+    at random and with its output off (ERGO-Code/HiGHS#2783), which landed in optimal_gap's table. Python's
+    own buffered output is flushed first, so nothing of the caller's is lost. The descriptor is the whole
+    process's, so the callers that print a table around a solve use it (`plan --compare ... optimal`,
+    benchmarks/optimal_gap.py), not `Milp.solve`: in a training run another thread's log must not vanish
+    for a solve's seconds."""
     sys.stdout.flush()
     saved = os.dup(1)
     try:
