@@ -188,11 +188,9 @@ def build_ranks(
     show it could not replace the aligned plan, nor reach `beat` (the step a plan must be under to win):
     the plan returned may then differ, but only where neither could have won."""
     weights = member_times(tokens, ring_sizes, cost_model=cost_model, pp_size=pp_size)
-    long_ids = np.flatnonzero(ring_sizes > 1)
-    order = long_ids[np.lexsort((long_ids, -weights[long_ids], -ring_sizes[long_ids]))].tolist()
-    whole_ids = np.flatnonzero(ring_sizes == 1)
-    whole_order = whole_ids[np.lexsort((whole_ids, -weights[whole_ids]))].tolist()
+    order, whole_order = placement_orders(ring_sizes, weights)
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
+    nodes = node_domains(cost_model, num_ranks)
     common = dict(lengths=lengths, weights=weights, tokens=tokens, capacity=capacity, pp_size=pp_size,
                   vpp_size=vpp_size, exact=exact, overhead=overhead, contents=shared.contents)
     timing = dict(lengths=lengths, offload_ratios=offload_ratios, capacity=capacity, cost_model=cost_model,
@@ -204,17 +202,16 @@ def build_ranks(
         return rank_schedules([[[seq] for seq in ring_mbs] for ring_mbs in layout.ring_microbatches], layout.rings,
                               layout.finish, whole_order, **common)
 
-    def placed(ring_order: list[int], latest_ready: bool):  # rings by time, whole sequences in their gaps
-        timed = place_rings_by_time(ring_order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
-                                    overhead=overhead, domains=nodes, latest_ready=latest_ready)
-        return timed, fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
+    def placed(ring_order: list[int], latest_ready: bool):
+        return place_by_time(ring_order, latest_ready=latest_ready, ring_sizes=ring_sizes, weights=weights,
+                             whole_order=whole_order, tokens=tokens, num_ranks=num_ranks, capacity=capacity,
+                             overhead=overhead, domains=nodes)
 
     def by_time(placement: tuple):
         timed, left = placement
         return rank_schedules(timed.leading, timed.rings, timed.finish, left, **common)
 
     plan = fastest(shared.schedules_of(key + ("aligned",), aligned), **timing)
-    nodes = None if cost_model.ranks_per_node is None else np.arange(num_ranks) // cost_model.ranks_per_node
     mean = sum(plan.rank_times) / num_ranks
     floor = overhead + float(weights.max(initial=0.0))  # no placement beats the heaviest micro-batch
     can_replace = plan.est_step_time * (1 - PLACEMENT_MARGIN) > floor
@@ -235,6 +232,31 @@ def build_ranks(
             if candidate.est_step_time < plan.est_step_time * (1 - PLACEMENT_MARGIN):
                 plan = candidate
     return plan
+
+
+def placement_orders(ring_sizes: np.ndarray, weights: np.ndarray) -> tuple[list[int], list[int]]:
+    """The orders `build_ranks` places one choice of ring sizes in: the rings widest first (within a width
+    the heaviest members first, then by id), and the whole sequences heaviest first (then by id)."""
+    long_ids = np.flatnonzero(ring_sizes > 1)
+    whole_ids = np.flatnonzero(ring_sizes == 1)
+    return (long_ids[np.lexsort((long_ids, -weights[long_ids], -ring_sizes[long_ids]))].tolist(),
+            whole_ids[np.lexsort((whole_ids, -weights[whole_ids]))].tolist())
+
+
+def node_domains(cost_model: CostModel, num_ranks: int) -> np.ndarray | None:
+    """Each rank's node, where the cost model knows the nodes (None where it does not)."""
+    return None if cost_model.ranks_per_node is None else np.arange(num_ranks) // cost_model.ranks_per_node
+
+
+def place_by_time(ring_order: Sequence[int], *, latest_ready: bool, ring_sizes: np.ndarray, weights: np.ndarray,
+                  whole_order: list[int], tokens: np.ndarray, num_ranks: int, capacity: int, overhead: float,
+                  domains: np.ndarray | None) -> tuple:
+    """The rings of `ring_order` placed by time (`placement.place_rings_by_time`) and the whole sequences of
+    `whole_order` in the gaps they leave (`placement.fill_gaps`): (the placement, the whole sequences left
+    for after the rings)."""
+    timed = place_rings_by_time(ring_order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
+                                overhead=overhead, domains=domains, latest_ready=latest_ready)
+    return timed, fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
 
 
 def build_units(

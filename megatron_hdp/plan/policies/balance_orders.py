@@ -14,8 +14,9 @@ import numpy as np
 
 from megatron_hdp.plan.cost.model import CostModel
 from megatron_hdp.plan.cost.sharding import member_times
-from megatron_hdp.plan.policies.balance_candidates import PLACEMENT_MARGIN, BatchShare, fastest, rank_schedules
-from megatron_hdp.plan.search.placement import fill_gaps, narrowest_first, place_rings_by_time
+from megatron_hdp.plan.policies.balance_candidates import (PLACEMENT_MARGIN, BatchShare, fastest, node_domains,
+                                                            place_by_time, placement_orders, rank_schedules)
+from megatron_hdp.plan.search.placement import narrowest_first
 from megatron_hdp.plan.search.ring_orders import climb_orders
 from megatron_hdp.plan.timeline.assemble import TimedPlan
 
@@ -44,18 +45,16 @@ def reorder_rings(plan: TimedPlan, lengths: list[int], *, tokens: np.ndarray, nu
     if not 2 <= len(long_ids) <= ORDER_RINGS:
         return plan
     weights = member_times(tokens, ring_sizes, cost_model=cost_model, pp_size=pp_size)
-    widest = long_ids[np.lexsort((long_ids, -weights[long_ids], -ring_sizes[long_ids]))].tolist()
-    whole_ids = np.flatnonzero(ring_sizes == 1)
-    whole_order = whole_ids[np.lexsort((whole_ids, -weights[whole_ids]))].tolist()
+    widest, whole_order = placement_orders(ring_sizes, weights)
     overhead = cost_model.microbatch_time([], pp_size=pp_size)
-    nodes = None if cost_model.ranks_per_node is None else np.arange(num_ranks) // cost_model.ranks_per_node
+    nodes = node_domains(cost_model, num_ranks)
     offload_ratios = plan.offload_ratios
     built: dict[tuple[bool, tuple[int, ...]], TimedPlan] = {}
 
     def evaluate(latest_ready: bool, order: tuple[int, ...]) -> float:
-        timed = place_rings_by_time(order, ring_sizes=ring_sizes, weights=weights, num_ranks=num_ranks,
-                                    overhead=overhead, domains=nodes, latest_ready=latest_ready)
-        left = fill_gaps(timed, whole_order, weights=weights, tokens=tokens, capacity=capacity)
+        timed, left = place_by_time(order, latest_ready=latest_ready, ring_sizes=ring_sizes, weights=weights,
+                                    whole_order=whole_order, tokens=tokens, num_ranks=num_ranks, capacity=capacity,
+                                    overhead=overhead, domains=nodes)
         prepared = rank_schedules(timed.leading, timed.rings, timed.finish, left, lengths=lengths, weights=weights,
                                   tokens=tokens, capacity=capacity, pp_size=pp_size, vpp_size=vpp_size, exact=exact,
                                   overhead=overhead, contents=shared.contents)
