@@ -9,7 +9,9 @@ with the first widening option's rings (`U0`), those rings within capacity (`Uca
 (`Ualt`), rank by rank (`R0`, its alternatives `Ralt`), and the plan made as if EP 1 timed with the
 coupling (`EP1`). Which families run depends on the plans before them (`improvable`), and a family whose
 floor cannot beat the best plan so far is not timed (`beat`). Here `beat` is withheld, so every family
-that runs is timed (the plan kept is the same: a pruned family could not have won), and each family's
+that runs is timed (the plan kept is the same: a pruned family could not have won), and so is the shape
+rule that plans deep batches by units alone (`balance.UNITS_ONLY_DEPTH`, which these sweeps decided: the
+table at the end counts where the rank-by-rank families won, by micro-batches a rank), and each family's
 best step is recorded beside the batch's shape: the work floor (`sim.compare.step_floors`, every rank
 1/n of the compute) against the lower bound (`timeline.bounds.step_time_lower_bound`, the longest
 documents' fastest rings included). A rule that skips a family by the shape is worth it only where that
@@ -52,6 +54,7 @@ class Recorder:
         self._unit_options, self._build_units = balance.unit_options, balance.build_units
         self._build_ranks, self._with_coupling = balance.build_ranks, balance.with_coupling
         balance.unit_options, balance.build_units = self.unit_options, self.build_units
+        balance.UNITS_ONLY_DEPTH = float("inf")  # every family runs where `improvable` lets it, at any depth
         balance.build_ranks, balance.with_coupling = self.build_ranks, self.with_coupling
 
     def unit_options(self, *args, **kwargs):
@@ -95,6 +98,35 @@ def batch(model: str, mix: str, num_ranks: int, seed: int):
     return sample_global_batch(mix, num_tokens=32 * 2**20, seed=seed), cost_model, 16384
 
 
+def won_rank_by_rank(families: dict[str, float]) -> bool | None:
+    """Whether a family planned rank by rank (`R0`, `Ralt`, `EP1`) beat every EP-unit family; None where
+    none ran."""
+    ranks = [step for family, step in families.items() if family in RANKS]
+    if not ranks:
+        return None
+    return min(ranks) < min(step for family, step in families.items() if family in UNITS) * (1 - 1e-9)
+
+
+def depth_table(records: list[dict]) -> str:
+    """By C-token micro-batches a rank (`depth`): batches, those where a rank-by-rank family ran, those it
+    won, and its largest win (1 - its step over the best unit family's), the evidence of
+    `balance.UNITS_ONLY_DEPTH`."""
+    rows: dict[float, list] = {}
+    for r in records:
+        row = rows.setdefault(round(r["depth"], 1), [0, 0, 0, 0.0])
+        won = won_rank_by_rank(r["families"])
+        row[0] += 1
+        row[1] += won is not None
+        if won:
+            units = min(step for family, step in r["families"].items() if family in UNITS)
+            ranks = min(step for family, step in r["families"].items() if family in RANKS)
+            row[2] += 1
+            row[3] = max(row[3], 1 - ranks / units)
+    lines = [f"{'depth':>6}{'batches':>9}{'ran':>5}{'won':>5}{'largest win':>13}"]
+    lines += [f"{d:>6.1f}{n:>9}{ran:>5}{won:>5}{100 * most:>12.1f}%" for d, (n, ran, won, most) in sorted(rows.items())]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mixtral-8x7b,qwen3-30b-a3b,llama-7b")
@@ -102,7 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", default="256,1024,4096,16384")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 per cell")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--table", nargs="+", metavar="JSON",
+                        help="print the depth table of these result files (batches deduplicated) and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        unique = {(r["model"], r["mix"], r["ranks"], r["seed"]): r
+                  for path in args.table for r in json.loads(Path(path).read_text())["records"]}
+        for (model, mix, num_ranks, seed), r in unique.items():
+            if "depth" not in r:  # (results written before it was recorded)
+                lengths, _, capacity = batch(model, mix, num_ranks, seed)
+                r["depth"] = sum(lengths) / (capacity * num_ranks)
+        print(depth_table(list(unique.values())))
+        return 0
     recorder = Recorder()
     records = []
     for model in args.models.split(","):
@@ -121,11 +164,13 @@ def main(argv: list[str] | None = None) -> int:
                     for family, step in recorder.steps:
                         best[family] = min(best.get(family, float("inf")), step)
                     records.append(dict(model=model, mix=mix, ranks=num_ranks, seed=seed, step=plan.est_step_time,
-                                        bound=bound, work=work, families=best))
+                                        bound=bound, work=work, families=best,
+                                        depth=sum(lengths) / (capacity * num_ranks)))
                     print(f"{model} {mix} {num_ranks} seed {seed}: step {plan.est_step_time:.4f} bound {bound:.4f} "
                           f"work {work:.4f} " + " ".join(f"{f}={s:.4f}" for f, s in best.items()), flush=True)
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(),
                                           "records": records}, indent=1) + "\n")
+    print(depth_table(records))
     return 0
 
 

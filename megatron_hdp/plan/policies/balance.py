@@ -40,18 +40,21 @@ With expert parallelism (`CostModel.expert_parallel_size` e > 1) the members of 
 micro-batch together (the MoE all-to-all): steps 3-6 are also run with each EP group planned as a unit of
 e lanes (`expert_units`: rings grown to whole units where that pays, lanes of one micro-batch index of
 matching time, the same count on every lane): first, then rank by rank unless the unit plan is already
-within `RETRY_GAP` of its mean rank time or the lower bound, and the plan of least predicted step time
-under the EP coupling is kept; the alternative ring sizes are then tried in the family that planned better
-(EP units: only where no family of rings within capacity beat the first, `expert_units.unit_options`).
+within `RETRY_GAP` of its mean rank time or the lower bound (or, on a large pool without PP, the batch
+holds `UNITS_ONLY_DEPTH` C-token micro-batches a rank or more: units alone plan it), and the plan of
+least predicted step time under the EP coupling is kept; the alternative ring sizes are then tried in the
+family that planned better (EP units: only where no family of rings within capacity beat the first,
+`expert_units.unit_options`).
 An EP-unit family whose placement's step floor (`ep_floor.ep_step_floor`, proven <= its timed step) is
 already no better than the best plan so far is not timed (without PP): the same plan comes out. Likewise a
 by-time placement rank by rank whose rings alone bound every completion (`ep_floor.ep_prefix_floor`, the
 rings' coupling included) at or above what it must beat (the aligned plan less `PLACEMENT_MARGIN`, or the
 best plan so far) is not assigned, packed nor timed.
-A plan still that far from both is last compared with the plan made as if e = 1, timed with the coupling
-and the routed expert work the all-to-all spreads (`timing.spread_expert_work`): where a micro-batch's
-overhead is large, fewer micro-batches can beat matched lanes (`with_coupling`). That pass re-times the
-placements the EP pass made (`BatchShare`: sharding, ring sizes and placements do not read the EP size).
+A plan still that far from both (and not planned by units alone) is last compared with the plan made as
+if e = 1, timed with the coupling and the routed expert work the all-to-all spreads
+(`timing.spread_expert_work`): where a micro-batch's overhead is large, fewer micro-batches can beat
+matched lanes (`with_coupling`). That pass re-times the placements the EP pass made (`BatchShare`:
+sharding, ring sizes and placements do not read the EP size).
 
 Every candidate is compared by its predicted times only (`assemble.time_plan`, a `TimedPlan`); the
 StepPlan of the one kept is built at the end (`TimedPlan.build`).
@@ -121,6 +124,22 @@ UNIT_PATIENCE = 4
 this many in a row that do not beat the best: their step times fall and rise again along the ladder
 (DeepSeek-V3 at EP 32: 15 families of ~20 ms, the best the 6th). Not proven: a line search, checked on
 the EP cells of benchmarks/README.md (plan_bench EP) against running them all."""
+
+
+UNITS_ONLY_DEPTH = 2.0
+"""With EP units, without PP and on pools above `SMALL_POOL` ranks, a batch of at least this many C-token
+micro-batches a rank (its tokens over C x ranks) is planned by EP units only: the plan rank by rank, and
+the plan made as if EP 1 (which re-times its placements), are not made. They cost 50-80 ms of a 160-250 ms
+Mixtral-8x7B EP 8 plan at 1,024 ranks (issue 41's budget: 100). Not proven: in benchmarks/ep_families.py's
+sweeps (`results/ep_families*.json`: Mixtral-8x7B and qwen3-30B-A3B at EP 8, 32M tokens at C = 16K on
+256-16,384 ranks, seeds 0-7 at 1.9, 2 and 2.25 micro-batches a rank; llama-7b at EP 8; DeepSeek-V3 at
+EP 32, 4 a rank) neither won any of the 93 batches at 2 or more where they ran (of 124), by any margin;
+below 2 they win often: at 1.9 micro-batches a rank 2 of 32 batches, by up to 4.9% of the step, at 1.75
+1 of 12, at 1 9 of the 12 where they ran (`ep_families.py --table`). At 2 or more every lane has rows to
+fill, and a unit's matched lanes beat the free counts of a plan made rank by rank, which the coupling
+pads. On small pools, and where a micro-batch's own overhead is large (tests/plan/test_plan_expert_units.py's
+CPU MoE model: 8 ranks, 4 micro-batches a rank), fewer micro-batches can still win, and there they are
+cheap to try."""
 
 
 def plan_balance(
@@ -194,7 +213,9 @@ def _plan_balance(
         return pp_size > 1 or (plan.est_step_time > RETRY_GAP * mean and above_bound(plan))
 
     plan, family = _best(lengths, (units or ranks)[:1], None, **common)
-    if units and improvable(plan):  # the plan rank by rank, when the units' leaves room
+    units_only = (units and pp_size == 1 and num_ranks > SMALL_POOL  # (`UNITS_ONLY_DEPTH`)
+                  and tokens.sum() >= UNITS_ONLY_DEPTH * capacity * num_ranks)
+    if units and not units_only and improvable(plan):  # the plan rank by rank, when the units' leaves room
         plan, family = _best(lengths, ranks[:1], (plan, family), **common)
     if improvable(plan):  # the alternatives of the family that planned better (both when rank by rank did)
         patience = UNIT_PATIENCE if pp_size == 1 else None
@@ -221,7 +242,7 @@ def _plan_balance(
         plan = reorder_rings(plan, lengths, **common)  # (`balance_orders`)
     if not units and vpp_size == 1 and improvable(plan):  # the static mesh's rings for the sequences beyond C
         plan = min([plan, *build_on_cp_groups(lengths, **common)], key=lambda p: p.est_step_time)
-    if units and improvable(plan):  # still room: the plan made as if EP 1, timed with the coupling
+    if units and not units_only and improvable(plan):  # still room: the plan made as if EP 1, with the coupling
         plan = min(plan, with_coupling(_plan_balance(lengths, num_ranks=num_ranks, config=config,
                                                       cost_model=dataclasses.replace(cost_model, expert_parallel_size=1),
                                                       pp_size=pp_size, vpp_size=vpp_size, exact=exact,
