@@ -260,24 +260,29 @@ def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, to
     order = list(order)
     if not rows:
         return order
-    neg_weights = (-weights[order]).tolist()  # lists: `bisect_left` on them is `np.searchsorted` without
-    neg_tokens = (-tokens[order]).tolist()    # its ~10 us a scalar call (thousands of calls a family)
+    at_order = np.asarray(order, dtype=np.int64)
+    neg_weight_array, neg_token_array = -weights[at_order], -tokens[at_order]
+    neg_weights = neg_weight_array.tolist()  # lists: `bisect_left` on them is `np.searchsorted` without
+    neg_tokens = neg_token_array.tolist()    # its ~10 us a scalar call (thousands of calls a family)
 
     def first(seconds: float, room: int) -> int:
         return max(bisect.bisect_left(neg_weights, -seconds), bisect.bisect_left(neg_tokens, -room))
 
     ep_size = len(rows[0].lanes)
     lane_tokens = lane_sums(rows, np.asarray(held, dtype=np.float64), ep_size)
-    free = np.zeros((len(rows), ep_size), dtype=bool)
-    for i, row in enumerate(rows):
-        free[i, row.free] = True
+    free = np.zeros(len(rows) * ep_size, dtype=bool)
+    free[[i * ep_size + lane for i, row in enumerate(rows) for lane in row.free]] = True
+    free = free.reshape(len(rows), ep_size)
     fullest = np.where(free.any(axis=1), capacity, np.minimum(capacity, lane_tokens.max(axis=1)))
     spare_time = np.array([row.time for row in rows])[:, None] - lane_sums(rows, weights, ep_size)
     spare_tokens = np.where(free, capacity, fullest[:, None]) - lane_tokens
     at_row, at_lane = np.nonzero((spare_time > 0) & (spare_tokens > 0))  # row by row, lane by lane
-    holes = [list(hole) for hole in zip(spare_time[at_row, at_lane].tolist(), at_row.tolist(), at_lane.tolist())]
-    room = spare_tokens[at_row, at_lane].astype(np.int64).tolist()
-    waiting = [(first(seconds, room[h]), h) for h, (seconds, _, _) in enumerate(holes)]
+    hole_seconds, hole_room = spare_time[at_row, at_lane], spare_tokens[at_row, at_lane].astype(np.int64)
+    holes = [list(hole) for hole in zip(hole_seconds.tolist(), at_row.tolist(), at_lane.tolist())]
+    room = hole_room.tolist()
+    starts = np.maximum(np.searchsorted(neg_weight_array, -hole_seconds, side="left"),  # `first` of every hole
+                        np.searchsorted(neg_token_array, -hole_room, side="left"))
+    waiting = list(zip(starts.tolist(), range(len(holes))))
     heapq.heapify(waiting)
     open_holes: list[tuple[float, int]] = []
     left = []
