@@ -61,9 +61,12 @@ class Recorder:
         first, rest = self._unit_options(*args, **kwargs)
         for i, (sizes, _) in enumerate(first):
             self.tags[id(sizes)] = "U0" if i == 0 else "Ucap"
-        for sizes, _ in rest:
+        return first, self._alternatives(rest)
+
+    def _alternatives(self, rest):
+        for sizes, ratios in rest:  # (made as balance asks for them)
             self.tags[id(sizes)] = "Ualt"
-        return first, rest
+            yield sizes, ratios
 
     def build_units(self, lengths, sizes, ratios, **kwargs):
         kwargs.pop("beat", None)

@@ -539,7 +539,7 @@ def test_rings_within_capacity_are_planned_grown_and_as_they_are():
     lengths = np.array([75_000, 1_000])
     option = (np.array([3, 1]), np.array([0.3, 0.0]))
     first, alternatives = unit_options([option], lengths=lengths, capacity=16_384, cost_model=cost)
-    assert [sizes.tolist() for sizes, _ in first] == [[32, 1], [5, 1]] and alternatives == []
+    assert [sizes.tolist() for sizes, _ in first] == [[32, 1], [5, 1]] and list(alternatives) == []
 
 
 def _zigzag_fullest(length: int, size: int) -> int:

@@ -196,7 +196,7 @@ def _plan_balance(
     if cost_model.expert_parallel_size > 1:  # EP groups planned as units; plans rank by rank stay candidates
         first, rest = unit_options(options, lengths=tokens, capacity=capacity, cost_model=cost_model,
                                    pp_size=pp_size)
-        units, alternatives = [(build_units, option) for option in first], [(build_units, option) for option in rest]
+        units, alternatives = [(build_units, option) for option in first], ((build_units, option) for option in rest)
     fewest = None  # D(s) of the sequences beyond C for the bound, taken at PP 1: the sharding's where it was too
     if pp_size == 1:
         long = tokens > capacity

@@ -183,9 +183,11 @@ def within_capacity(lengths: np.ndarray, option: Option, *, capacity: int, cost_
 
 
 def unit_options(options: Sequence[Option], *, lengths: np.ndarray, capacity: int, cost_model: CostModel,
-                 pp_size: int = 1) -> tuple[list[Option], list[Option]]:
+                 pp_size: int = 1) -> tuple[list[Option], Iterator[Option]]:
     """The distinct `unit_ring_sizes` of `options` (EP: `cost_model.expert_parallel_size`), in their order,
-    as (the first option's families, the alternatives' families). The first option's: its rings grown,
+    as (the first option's families, the alternatives' families, made one at a time as they are asked for:
+    `balance` asks for none on most batches, and `options`' alternatives are themselves made lazily,
+    `widening.LazyOptions`). The first option's: its rings grown,
     then, where the all-to-all costs (`ALLTOALL_SHARE`), its rings `within_capacity` as they are and grown
     (module doc, step 1: on DeepSeek-V3's EP 32, 2,048 GPUs, the rings within capacity as they are win 15
     of 16 batches, grown the 16th; the first option planned as it is too won none). `balance` tries the
@@ -194,20 +196,25 @@ def unit_options(options: Sequence[Option], *, lengths: np.ndarray, capacity: in
     0-7, both mixes), nor of the Mixtral / qwen3 EP cells of benchmarks/README.md, and they cost DeepSeek-V3
     3-4 placements of a unit family each."""
     alltoall = cost_model.expert_alltoall_seconds_per_token(pp_size=pp_size) * capacity
-    capped = None
-    if len(options) and alltoall >= ALLTOALL_SHARE * float(whole_times([capacity], cost_model=cost_model,
-                                                                       pp_size=pp_size)[0]):
-        capped = within_capacity(lengths, options[0], capacity=capacity, cost_model=cost_model)
-    first, alternatives, seen, member_seconds = [], [], set(), {}
-    for i, option in enumerate([*options[:1], *([capped] if capped is not None else []), *options[1:]]):
+    capped, head = None, list(itertools.islice(options, 1))  # (not `len`: it would make every alternative)
+    if head and alltoall >= ALLTOALL_SHARE * float(whole_times([capacity], cost_model=cost_model,
+                                                               pp_size=pp_size)[0]):
+        capped = within_capacity(lengths, head[0], capacity=capacity, cost_model=cost_model)
+    seen, member_seconds = set(), {}
+
+    def distinct(option: Option) -> list[Option]:  # the option's families not seen before, in order
         grown = unit_ring_sizes(lengths, option, ep_size=cost_model.expert_parallel_size, capacity=capacity,
                                 cost_model=cost_model, pp_size=pp_size, member_seconds=member_seconds)
+        new = []
         for sizes, ratios in ([option] if option is capped else []) + [grown]:
-            key = sizes.tobytes()
-            if key not in seen:
+            if (key := sizes.tobytes()) not in seen:
                 seen.add(key)
-                (first if i <= (capped is not None) else alternatives).append((sizes, ratios))
-    return first, alternatives
+                new.append((sizes, ratios))
+        return new
+
+    first = [family for option in [*head, *([capped] if capped is not None else [])] for family in distinct(option)]
+    rest = itertools.islice(options, 1, None)  # (`LazyOptions` makes each alternative as it is reached)
+    return first, (family for option in rest for family in distinct(option))
 
 
 @dataclass

@@ -88,7 +88,7 @@ def widening_options(
 
 class LazyOptions:
     """`widening_options(..., alternatives=True)`, its alternatives made when something past the first option
-    is first asked for (an index or slice beyond it, iteration, `len`). Balance plans the first option and
+    is first asked for (an index or slice beyond it, `len`: all of them; iteration: each as it is reached). Balance plans the first option and
     the alternatives only where that plan leaves room (`policies.balance`'s `improvable`), and on large
     batches it mostly does not: the ladder of lower targets and their offload decisions were 20-40% of the
     widening's time on DeepSeek-V3 at 1,024 ranks (MLA auto rings). The options are those of
@@ -109,8 +109,17 @@ class LazyOptions:
             return self._made[0]
         return self._all()[index]
 
-    def __iter__(self):
-        return iter(self._all())
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        at = 0
+        while at < len(self._made) or self._rest is not None:
+            if at == len(self._made):  # the next alternative, made now
+                option = next(self._rest, None)
+                if option is None:
+                    self._rest = None
+                    return
+                self._made.append(option)
+            yield self._made[at]
+            at += 1
 
     def __len__(self) -> int:
         return len(self._all())
