@@ -133,13 +133,13 @@ the plan made as if EP 1 (which re-times its placements), are not made. They cos
 Mixtral-8x7B EP 8 plan at 1,024 ranks (issue 41's budget: 100). Not proven: in benchmarks/ep_families.py's
 sweeps (`results/ep_families*.json`: Mixtral-8x7B and qwen3-30B-A3B at EP 8, 32M tokens at C = 16K on
 256-16,384 ranks, seeds 0-7 at 1.9, 2 and 2.25 micro-batches a rank; llama-7b at EP 8; DeepSeek-V3 at
-EP 32, 4 a rank) neither won any of the 93 batches at 2 or more where they ran (of 124), by any margin;
-below 2 they win often: at 1.9 micro-batches a rank 2 of 32 batches, by up to 4.9% of the step, at 1.75
-1 of 12, at 1 9 of the 12 where they ran (`ep_families.py --table`). At 2 or more every lane has rows to
-fill, and a unit's matched lanes beat the free counts of a plan made rank by rank, which the coupling
-pads. On small pools, and where a micro-batch's own overhead is large (tests/plan/test_plan_expert_units.py's
-CPU MoE model: 8 ranks, 4 micro-batches a rank), fewer micro-batches can still win, and there they are
-cheap to try."""
+EP 32, 4 a rank on 128-1,024 ranks) neither won any of the 113 batches at 2 or more where they ran (of
+144), by any margin; below 2 they win often: at 1.9 micro-batches a rank 2 of 32 batches, by up to 4.9%
+of the step, at 1.75 1 of 12, at 1 9 of the 12 where they ran (`ep_families.py --table`). At 2 or more
+every lane has rows to fill, and a unit's matched lanes beat the free counts of a plan made rank by
+rank, which the coupling pads. On small pools, and where a micro-batch's own overhead is large
+(tests/plan/test_plan_expert_units.py's CPU MoE model: 8 ranks, 4 micro-batches a rank), fewer
+micro-batches can still win, and there they are cheap to try."""
 
 
 def plan_balance(
