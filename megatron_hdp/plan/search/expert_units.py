@@ -331,9 +331,11 @@ def place_units(
     held_seconds = weights - expert * held  # seconds apart from routed experts
 
     def fill(holed: list[Row], order: list[int]) -> list[int]:  # rows timed as their lanes' own seconds
-        for row, time in zip(holed, lane_sums(holed, held_seconds, ep_size).max(axis=1, initial=-np.inf).tolist()):
+        totals = lane_sums(holed, [held, held_seconds], ep_size)
+        for row, time in zip(holed, totals[1].max(axis=1, initial=-np.inf).tolist()):
             row.time = time
-        return fill_holes(holed, order, weights=held_seconds, tokens=tokens, held=held, capacity=capacity)
+        return fill_holes(holed, order, weights=held_seconds, tokens=tokens, held=held, capacity=capacity,
+                          lane_totals=totals)
 
     left = fill(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -weights[whole_ids]))].tolist())
     # whole rows: the large sequences first, one of which leaves a lane no room for the next, and the
@@ -349,8 +351,8 @@ def place_units(
 
     # a row's time: every lane waits for the slowest and the fullest's all-to-all (lane tokens are
     # integers, so their sums in floats are exact)
-    lane_tokens = lane_sums(rows, held, ep_size)
-    row_times = (overhead + lane_sums(rows, held_seconds, ep_size).max(axis=1, initial=-np.inf)
+    lane_tokens, lane_seconds = lane_sums(rows, [held, held_seconds], ep_size)
+    row_times = (overhead + lane_seconds.max(axis=1, initial=-np.inf)
                  + expert * lane_tokens.sum(axis=1) / ep_size + alltoall * lane_tokens.max(axis=1, initial=0.0))
     base = np.zeros(num_units)
     for unit, mine in enumerate(lead):

@@ -230,19 +230,21 @@ def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, 
             open_rows.remove((row.time, at))
 
 
-def lane_sums(rows: Sequence[Row], values: np.ndarray, ep_size: int) -> np.ndarray:
-    """[row, lane] sums of `values` (by sequence) over each lane's sequences of `rows` (of `ep_size` lanes):
-    np.bincount adds them in lane order from 0.0, the floats of Python's `sum` (3.11: left to right) of
-    each lane, in one pass."""
+def lane_sums(rows: Sequence[Row], values: Sequence[np.ndarray], ep_size: int) -> list[np.ndarray]:
+    """For each array of `values` (by sequence), its [row, lane] sums over each lane's sequences of `rows`
+    (of `ep_size` lanes): np.bincount adds them in lane order from 0.0, the floats of Python's `sum` (3.11:
+    left to right) of each lane, in one pass. The lanes are flattened once for all of them (at 1,024
+    ranks ~10K lanes, much of the sums' time)."""
     lanes = [lane for row in rows for lane in row.lanes]
     sizes, seqs = flat_ids(lanes)
     cell = np.repeat(np.arange(len(lanes)), sizes)
-    sums = np.bincount(cell, weights=values[seqs], minlength=len(lanes))
-    return sums.astype(np.float64, copy=False).reshape(len(rows), ep_size)  # (int zeros where no pieces)
+    return [np.bincount(cell, weights=value[seqs], minlength=len(lanes)).astype(np.float64, copy=False)
+            .reshape(len(rows), ep_size) for value in values]  # (int zeros where no pieces)
 
 
 def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
-               held: Sequence[int], capacity: int) -> list[int]:
+               held: Sequence[int], capacity: int,
+               lane_totals: tuple[np.ndarray, np.ndarray] | None = None) -> list[int]:
     """Whole sequences of `order` (heaviest first, and so longest first: a whole sequence's time grows with
     its length) into the holes of the ring rows `rows`, each into the hole of least time left that takes
     it: they run while the lane waits for the row's rings. A hole is a free lane (the row's time, C tokens)
@@ -250,7 +252,7 @@ def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, to
     up to the tokens of the row's fullest lane less the `held` tokens of its shard (C where the row has free
     lanes, which whole sequences fill up to C), so that the row's all-to-all, which waits for its fullest
     lane, does not grow. A ring within capacity leaves its members that room. Returns the sequences left,
-    in order.
+    in order. `lane_totals`: the rows' `lane_sums` of `held` and `weights`, where the caller has them.
 
     Both the times and the lengths of `order` fall, so a hole takes every sequence from some position on
     (`first`: where both its time left and its room suffice); holes wait in a heap on that position and
@@ -269,12 +271,14 @@ def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, to
         return max(bisect.bisect_left(neg_weights, -seconds), bisect.bisect_left(neg_tokens, -room))
 
     ep_size = len(rows[0].lanes)
-    lane_tokens = lane_sums(rows, np.asarray(held, dtype=np.float64), ep_size)
+    if lane_totals is None:
+        lane_totals = lane_sums(rows, [np.asarray(held, dtype=np.float64), weights], ep_size)
+    lane_tokens, lane_seconds = lane_totals
     free = np.zeros(len(rows) * ep_size, dtype=bool)
     free[[i * ep_size + lane for i, row in enumerate(rows) for lane in row.free]] = True
     free = free.reshape(len(rows), ep_size)
     fullest = np.where(free.any(axis=1), capacity, np.minimum(capacity, lane_tokens.max(axis=1)))
-    spare_time = np.array([row.time for row in rows])[:, None] - lane_sums(rows, weights, ep_size)
+    spare_time = np.array([row.time for row in rows])[:, None] - lane_seconds
     spare_tokens = np.where(free, capacity, fullest[:, None]) - lane_tokens
     at_row, at_lane = np.nonzero((spare_time > 0) & (spare_tokens > 0))  # row by row, lane by lane
     hole_seconds, hole_room = spare_time[at_row, at_lane], spare_tokens[at_row, at_lane].astype(np.int64)
