@@ -19,7 +19,16 @@ time and every lane runs the unit's count:
    `ring_rows` also fills rows with rings of other times and widens rings into lanes left free, which
    mostly serves better than a ring grown to a unit);
 2. rings of more than one unit, aligned at one index in every unit they span: `placement.place_rings`
-   over the G = D / e units, a ring of k ranks on ceil(k / e) of them, its last unit's other lanes free;
+   over the G = D / e units, a ring of k ranks on ceil(k / e) of them, its last unit's other lanes free.
+   Where its members outlast a lane's mean work (the batch's lane-seconds, each token's all-to-all
+   included, over D) by enough that the pool could spare its free lanes (`critical_rows`), the rest is
+   also planned with that row kept light, its free lanes taking no lane ring and no more tokens than its
+   fullest member holds (its lanes wait for the all-to-all of the fullest and for the routed expert work
+   the all-to-all spreads over them), and the arrangement whose slowest unit's rows sum to less is kept
+   (a model without either cost is planned once). Filling those lanes cost up to 10.5% of the step: of 192
+   Mixtral-8x7B, qwen3-30B-A3B and DeepSeek-V3 EP batches of 32M tokens at C = 16K on 512-16,384 ranks
+   (`benchmarks/light_rows.py`), 101 plan faster (Mixtral from 896 ranks on by up to 8.6%, DeepSeek-V3 from
+   2,048 by up to 10.5%, qwen3 up to 1.9%), 2 slower (qwen3, 0.4% and 1.0%), the rest alike;
 3. the rest in rows (`ring_rows`, `unit_rows.level_rows`, `unit_rows.widen_rings`, `fill_holes`,
    `whole_rows`): rings of at most e ranks (*lane rings*) heaviest first, each into a row of about its
    member time with lanes free (step 2's rows included), else a new one; rings moved and swapped between
@@ -265,6 +274,23 @@ class UnitLayout:
         return out
 
 
+def critical_rows(times: Sequence[float], free: Sequence[int], *, mean_lane: float, num_ranks: int) -> list[int]:
+    """The rows of rings of several units (step 2: each of `times` seconds with `free` lanes free) that
+    `place_units` also plans light (module doc, step 2): longest first, those that outlast `mean_lane` (a
+    lane's mean work), while the lane-seconds their free lanes would give up fit in what the pool has to
+    spare if it were perfectly level, D x (T - mean_lane) with T the longest such row (no step is
+    shorter)."""
+    slow = sorted((i for i, time in enumerate(times) if free[i] and time > mean_lane), key=lambda i: (-times[i], i))
+    critical = []
+    spare = num_ranks * (times[slow[0]] - mean_lane) if slow else 0.0
+    for i in slow:
+        spare -= free[i] * times[i]
+        if spare < 0:
+            break
+        critical.append(i)
+    return critical
+
+
 def place_units(
     *,
     ring_sizes: np.ndarray,
@@ -293,72 +319,92 @@ def place_units(
     wide = np.flatnonzero(span > 1)
     order = wide[np.lexsort((wide, -weights[wide], -span[wide]))].tolist()
     layout = place_rings(order, ring_sizes=span, weights=weights, num_ranks=num_units)
-    rows: list[Row] = []
-    lead: list[list[int]] = [[] for _ in range(num_units)]
-    for unit in range(num_units):
-        for seq in layout.ring_microbatches[unit]:
-            units = layout.rings[seq]
-            taken = ep_size if unit != units[-1] else int(ring_sizes[seq]) - ep_size * (len(units) - 1)
+    seconds: dict[tuple[int, int], float] = {}
+
+    def own_seconds(length: int, size: int) -> float:  # a member's seconds apart from routed experts
+        known = seconds.get((length, size))  # (one lookup: level_rows asks ~100,000 times a plan)
+        if known is None:
+            known = seconds[length, size] = member_seconds(length, size) - expert * max_member_tokens(length, size)
+        return known
+
+    def arrange(light: Sequence[int]) -> tuple[UnitLayout, float]:
+        """Steps 2 (the rows of rings of several units) to 4, the rows of `light` kept light; the layout and
+        its slowest unit's summed row times."""
+        sizes, seconds_of = ring_sizes, weights
+        rows: list[Row] = []
+        lead: list[list[int]] = [[] for _ in range(num_units)]
+        for unit, seq, taken in leads:
             lead[unit].append(len(rows))
-            rows.append(Row([[seq] if lane < taken else [] for lane in range(ep_size)], float(weights[seq]),
+            rows.append(Row([[seq] if lane < taken else [] for lane in range(ep_size)], float(seconds_of[seq]),
                             list(range(taken, ep_size))))
-    floating = len(rows)
-    lane_ids = np.flatnonzero((ring_sizes > 1) & (span == 1))
-    whole_ids = np.flatnonzero(ring_sizes == 1)
-    ring_rows(rows, lane_ids[np.lexsort((lane_ids, -weights[lane_ids]))].tolist(), ring_sizes=ring_sizes,
-              weights=weights, ep_size=ep_size)
-    widened: dict[int, int] = {}
-    if member_seconds is not None:
-        seconds: dict[tuple[int, int], float] = {}
+        floating = len(rows)
+        lane_ids = np.flatnonzero((sizes > 1) & (span == 1))
+        whole_ids = np.flatnonzero(sizes == 1)
+        ring_rows(rows, lane_ids[np.lexsort((lane_ids, -seconds_of[lane_ids]))].tolist(), ring_sizes=sizes,
+                  weights=seconds_of, ep_size=ep_size, closed=set(light))
+        widened: dict[int, int] = {}
+        if member_seconds is not None:
+            lane_fill = full - expert * capacity
+            rows[floating:] = level_rows(rows[floating:], lengths=tokens, own=own_seconds, fill=lane_fill)
+            widened = widen_rings(rows[floating:], lengths=tokens, own=own_seconds, fill=lane_fill)
+            if widened:
+                sizes, seconds_of = sizes.copy(), seconds_of.astype(np.float64)
+                for seq, size in widened.items():
+                    sizes[seq] = size
+                    seconds_of[seq] = member_seconds(int(tokens[seq]), size)
+        held = tokens.tolist()  # tokens each lane holds of each sequence: a ring member its fullest shard
+        for seq in np.flatnonzero(sizes > 1).tolist():
+            held[seq] = max_member_tokens(held[seq], int(sizes[seq]))
+        held = np.asarray(held, dtype=np.float64)  # (integers: their float sums are exact)
+        held_seconds = seconds_of - expert * held  # seconds apart from routed experts
 
-        def own_seconds(length: int, size: int) -> float:  # a member's seconds apart from routed experts
-            known = seconds.get((length, size))  # (one lookup: level_rows asks ~100,000 times a plan)
-            if known is None:
-                known = seconds[length, size] = member_seconds(length, size) - expert * max_member_tokens(length, size)
-            return known
+        def fill(holed: list[Row], order: list[int], capped: Sequence[int] = ()) -> list[int]:
+            totals = lane_sums(holed, [held, held_seconds], ep_size)  # rows timed as their lanes' own seconds
+            for row, time in zip(holed, totals[1].max(axis=1, initial=-np.inf).tolist()):
+                row.time = time
+            return fill_holes(holed, order, weights=held_seconds, tokens=tokens, held=held, capacity=capacity,
+                              lane_totals=totals, capped=capped)
 
-        rows[floating:] = level_rows(rows[floating:], lengths=tokens, own=own_seconds, fill=full - expert * capacity)
-        widened = widen_rings(rows[floating:], lengths=tokens, own=own_seconds, fill=full - expert * capacity)
-        if widened:
-            ring_sizes, weights = ring_sizes.copy(), weights.astype(np.float64)
-            for seq, size in widened.items():
-                ring_sizes[seq] = size
-                weights[seq] = member_seconds(int(tokens[seq]), size)
-    held = tokens.tolist()  # tokens each lane holds of each sequence: a ring member its fullest shard
-    for seq in np.flatnonzero(ring_sizes > 1).tolist():
-        held[seq] = max_member_tokens(held[seq], int(ring_sizes[seq]))
-    held = np.asarray(held, dtype=np.float64)  # (integers: their float sums are exact)
-    held_seconds = weights - expert * held  # seconds apart from routed experts
+        left = fill(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -seconds_of[whole_ids]))].tolist(),
+                    capped=light)
+        # whole rows: the large sequences first, one of which leaves a lane no room for the next, and the
+        # short ones into their holes, so that those rows' lanes end alike; the rest in rows of their own
+        left = np.asarray(left, dtype=np.int64)
+        is_short = tokens[left] * LARGE_PARTS < capacity
+        short = left[is_short].tolist()
+        large = whole_rows(left[~is_short].tolist(), weights=seconds_of, tokens=tokens, ep_size=ep_size,
+                           capacity=capacity, fine_work=fine_work - float(seconds_of[short].sum()))  # (less the short)
+        short = fill(large, short)
+        rows += large + whole_rows(short, weights=seconds_of, tokens=tokens, ep_size=ep_size, capacity=capacity,
+                                   fine_work=fine_work)
 
-    def fill(holed: list[Row], order: list[int]) -> list[int]:  # rows timed as their lanes' own seconds
-        totals = lane_sums(holed, [held, held_seconds], ep_size)
-        for row, time in zip(holed, totals[1].max(axis=1, initial=-np.inf).tolist()):
-            row.time = time
-        return fill_holes(holed, order, weights=held_seconds, tokens=tokens, held=held, capacity=capacity,
-                          lane_totals=totals)
+        # a row's time: every lane waits for the slowest and the fullest's all-to-all (lane tokens are
+        # integers, so their sums in floats are exact)
+        lane_tokens, lane_seconds = lane_sums(rows, [held, held_seconds], ep_size)
+        row_times = (overhead + lane_seconds.max(axis=1, initial=-np.inf)
+                     + expert * lane_tokens.sum(axis=1) / ep_size + alltoall * lane_tokens.max(axis=1, initial=0.0))
+        base = np.zeros(num_units)
+        for unit, mine in enumerate(lead):
+            base[unit] = layout.finish[unit] + overhead * len(mine)
+        later = np.arange(floating, len(rows))
+        row_order = later[np.lexsort((later, -row_times[floating:]))].tolist()
+        given = lpt(row_order, weights=row_times, loads=base.copy())
+        given = refine_local(given, weights=row_times, base=base)
+        units = max((sum(row_times[r] for r in mine + theirs) for mine, theirs in zip(lead, given)), default=0.0)
+        return UnitLayout(ep_size, rows, lead, given, row_times, widened), units
 
-    left = fill(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -weights[whole_ids]))].tolist())
-    # whole rows: the large sequences first, one of which leaves a lane no room for the next, and the
-    # short ones into their holes, so that those rows' lanes end alike; the rest in rows of their own
-    left = np.asarray(left, dtype=np.int64)
-    is_short = tokens[left] * LARGE_PARTS < capacity
-    short = left[is_short].tolist()
-    large = whole_rows(left[~is_short].tolist(), weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity,
-                       fine_work=fine_work - float(weights[short].sum()))  # the light rows' work, less the short
-    short = fill(large, short)
-    rows += large + whole_rows(short, weights=weights, tokens=tokens, ep_size=ep_size, capacity=capacity,
-                               fine_work=fine_work)
-
-    # a row's time: every lane waits for the slowest and the fullest's all-to-all (lane tokens are
-    # integers, so their sums in floats are exact)
-    lane_tokens, lane_seconds = lane_sums(rows, [held, held_seconds], ep_size)
-    row_times = (overhead + lane_seconds.max(axis=1, initial=-np.inf)
-                 + expert * lane_tokens.sum(axis=1) / ep_size + alltoall * lane_tokens.max(axis=1, initial=0.0))
-    base = np.zeros(num_units)
-    for unit, mine in enumerate(lead):
-        base[unit] = layout.finish[unit] + overhead * len(mine)
-    later = np.arange(floating, len(rows))
-    row_order = later[np.lexsort((later, -row_times[floating:]))].tolist()
-    given = lpt(row_order, weights=row_times, loads=base.copy())
-    given = refine_local(given, weights=row_times, base=base)
-    return UnitLayout(ep_size, rows, lead, given, row_times, widened)
+    leads = [(unit, seq, ep_size if unit != layout.rings[seq][-1] else  # (unit, ring, lanes it takes there)
+              int(ring_sizes[seq]) - ep_size * (len(layout.rings[seq]) - 1))
+             for unit in range(num_units) for seq in layout.ring_microbatches[unit]]
+    placed, slowest = arrange(())
+    if not (alltoall or expert):  # a free lane's tokens lengthen its row only through these two
+        return placed
+    light = critical_rows(  # (module doc, step 2): times with each lane's own all-to-all
+        [float(weights[seq]) + alltoall * max_member_tokens(int(tokens[seq]), int(ring_sizes[seq]))
+         for _, seq, _ in leads], [ep_size - taken for _, _, taken in leads],
+        mean_lane=(float(weights @ ring_sizes) + alltoall * float(tokens.sum())) / num_ranks, num_ranks=num_ranks)
+    if light:
+        other, other_slowest = arrange(light)
+        if other_slowest < slowest * (1 - 1e-9):
+            placed = other
+    return placed

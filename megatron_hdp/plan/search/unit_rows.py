@@ -202,7 +202,7 @@ def level_rows(rows: Sequence[Row], *, lengths: np.ndarray, own: Callable[[int, 
 
 
 def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, weights: np.ndarray,
-              ep_size: int) -> None:
+              ep_size: int, closed: set[int] = frozenset()) -> None:
     """The lane rings of `order` (heaviest first) into `rows` (those there: rows of rings of several units,
     some lanes of their last unit free). A ring joins the row of least time T >= its member time w with
     lanes free when T is within `JOIN_TOLERANCE` of w, else opens a new row: the lanes a heavy row leaves
@@ -211,8 +211,8 @@ def ring_rows(rows: list[Row], order: Sequence[int], *, ring_sizes: np.ndarray, 
     whole sequences could fill, DeepSeek-V3 0.05-1.0 points of the work floor behind).
 
     The rows with lanes free wait in a list sorted by (time, row), so that a ring scans only those of
-    times in its range, least first."""
-    open_rows = sorted((row.time, i) for i, row in enumerate(rows) if row.free)
+    times in its range, least first. Rows of `closed` (indices into `rows`) take no ring."""
+    open_rows = sorted((row.time, i) for i, row in enumerate(rows) if row.free and i not in closed)
     for seq in order:
         k, w = int(ring_sizes[seq]), float(weights[seq])
         start = bisect.bisect_left(open_rows, (w, -1))
@@ -243,8 +243,8 @@ def lane_sums(rows: Sequence[Row], values: Sequence[np.ndarray], ep_size: int) -
 
 
 def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
-               held: Sequence[int], capacity: int,
-               lane_totals: tuple[np.ndarray, np.ndarray] | None = None) -> list[int]:
+               held: Sequence[int], capacity: int, lane_totals: tuple[np.ndarray, np.ndarray] | None = None,
+               capped: Sequence[int] = ()) -> list[int]:
     """Whole sequences of `order` (heaviest first, and so longest first: a whole sequence's time grows with
     its length) into the holes of the ring rows `rows`, each into the hole of least time left that takes
     it: they run while the lane waits for the row's rings. A hole is a free lane (the row's time, C tokens)
@@ -253,6 +253,7 @@ def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, to
     lanes, which whole sequences fill up to C), so that the row's all-to-all, which waits for its fullest
     lane, does not grow. A ring within capacity leaves its members that room. Returns the sequences left,
     in order. `lane_totals`: the rows' `lane_sums` of `held` and `weights`, where the caller has them.
+    `capped` (indices into `rows`): rows whose free lanes take no more tokens than their fullest lane holds.
 
     Both the times and the lengths of `order` fall, so a hole takes every sequence from some position on
     (`first`: where both its time left and its room suffice); holes wait in a heap on that position and
@@ -278,8 +279,10 @@ def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, to
     free[[i * ep_size + lane for i, row in enumerate(rows) for lane in row.free]] = True
     free = free.reshape(len(rows), ep_size)
     fullest = np.where(free.any(axis=1), capacity, np.minimum(capacity, lane_tokens.max(axis=1)))
+    if len(capped):
+        fullest[capped] = np.minimum(capacity, lane_tokens[capped].max(axis=1))
     spare_time = np.array([row.time for row in rows])[:, None] - lane_seconds
-    spare_tokens = np.where(free, capacity, fullest[:, None]) - lane_tokens
+    spare_tokens = fullest[:, None] - lane_tokens  # (a free lane holds nothing: C, or its row's fullest)
     at_row, at_lane = np.nonzero((spare_time > 0) & (spare_tokens > 0))  # row by row, lane by lane
     hole_seconds, hole_room = spare_time[at_row, at_lane], spare_tokens[at_row, at_lane].astype(np.int64)
     holes = [list(hole) for hole in zip(hole_seconds.tolist(), at_row.tolist(), at_lane.tolist())]
