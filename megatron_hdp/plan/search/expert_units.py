@@ -397,8 +397,8 @@ def place_units(
         row_order = later[np.lexsort((later, -row_times[floating:]))].tolist()
         given = lpt(row_order, weights=row_times, loads=base.copy())
         given = refine_local(given, weights=row_times, base=base)
-        units = max((sum(row_times[r] for r in mine + theirs) for mine, theirs in zip(lead, given)), default=0.0)
-        return UnitLayout(ep_size, rows, lead, given, row_times, widened), units
+        slowest = max((sum(row_times[r] for r in mine + theirs) for mine, theirs in zip(lead, given)), default=0.0)
+        return UnitLayout(ep_size, rows, lead, given, row_times, widened), slowest
 
     leads = [(unit, seq, ep_size if unit != layout.rings[seq][-1] else  # (unit, ring, lanes it takes there)
               int(ring_sizes[seq]) - ep_size * (len(layout.rings[seq]) - 1))

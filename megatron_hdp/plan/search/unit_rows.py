@@ -243,7 +243,7 @@ def lane_sums(rows: Sequence[Row], values: Sequence[np.ndarray], ep_size: int) -
 
 
 def fill_holes(rows: list[Row], order: Sequence[int], *, weights: np.ndarray, tokens: np.ndarray,
-               held: Sequence[int], capacity: int, lane_totals: tuple[np.ndarray, np.ndarray] | None = None,
+               held: Sequence[int], capacity: int, lane_totals: Sequence[np.ndarray] | None = None,
                capped: Sequence[int] = ()) -> list[int]:
     """Whole sequences of `order` (heaviest first, and so longest first: a whole sequence's time grows with
     its length) into the holes of the ring rows `rows`, each into the hole of least time left that takes

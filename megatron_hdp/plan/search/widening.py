@@ -88,8 +88,8 @@ def widening_options(
 
 class LazyOptions:
     """`widening_options(..., alternatives=True)`, its alternatives made when something past the first option
-    is first asked for (an index or slice beyond it, `len`: all of them; iteration: each as it is reached). Balance plans the first option and
-    the alternatives only where that plan leaves room (`policies.balance`'s `improvable`), and on large
+    is first asked for (an index or slice beyond it, `len`: all of them; iteration: each as it is reached).
+    Balance plans the first option and the alternatives only where that plan leaves room (`policies.balance`'s `improvable`), and on large
     batches it mostly does not: the ladder of lower targets and their offload decisions were 20-40% of the
     widening's time on DeepSeek-V3 at 1,024 ranks (MLA auto rings). The options are those of
     `widening_options`, in its order."""
@@ -99,9 +99,8 @@ class LazyOptions:
         self._made = [next(self._rest)]
 
     def _all(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        if self._rest is not None:
-            self._made += list(self._rest)
-            self._rest = None
+        for _ in self:  # (iterating makes every alternative not made yet)
+            pass
         return self._made
 
     def __getitem__(self, index):
