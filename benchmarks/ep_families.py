@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -87,18 +88,20 @@ class Recorder:
         return timed
 
 
-def batch(model: str, mix: str, num_ranks: int, seed: int):
-    """(lengths, cost model, capacity) of one cell."""
+def batch(model: str, mix: str, num_ranks: int, seed: int, depth: float | None = None):
+    """(lengths, cost model, capacity) of one cell: `depth` C-token micro-batches a rank, or by default
+    32M tokens (EP 8 models) and `MICROBATCHES_PER_RANK` (DeepSeek-V3)."""
     if model == "deepseek-v3":
         spec = ClusterSpec(model=model, num_gpus=num_ranks * 8, tp_size=8, ep_size=32)
         capacity = spec.rank_capacity
-        lengths = sample_global_batch(mix, num_tokens=MICROBATCHES_PER_RANK * capacity * num_ranks, seed=seed,
-                                      max_length=131072)
+        lengths = sample_global_batch(mix, num_tokens=int((depth or MICROBATCHES_PER_RANK) * capacity * num_ranks),
+                                      seed=seed, max_length=131072)
         return lengths, spec.cost_model(), capacity
     spec = ClusterSpec(model, num_gpus=num_ranks, tp_size=1)
     cost_model = dataclasses.replace(spec.cost_model(), expert_parallel_size=8,
                                      ranks_per_node=None if model == "llama-7b" else 8)
-    return sample_global_batch(mix, num_tokens=32 * 2**20, seed=seed), cost_model, 16384
+    tokens = 32 * 2**20 if depth is None else int(depth * 16384 * num_ranks)
+    return sample_global_batch(mix, num_tokens=tokens, seed=seed), cost_model, 16384
 
 
 def won_rank_by_rank(families: dict[str, float]) -> bool | None:
@@ -130,50 +133,74 @@ def depth_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def coupling_table(records: list[dict]) -> str:
+    """By model: batches where the plan made as if EP 1 ran (`EP1`), those where it planned a faster step
+    than every other family, and its largest such margin: what a rule skipping that pass would lose."""
+    rows: dict[str, list] = {}
+    for r in records:
+        families = r["families"]
+        if "EP1" not in families:
+            continue
+        others = min((step for family, step in families.items() if family != "EP1"), default=float("inf"))
+        row = rows.setdefault(r["model"], [0, 0, 0.0])
+        row[0] += 1
+        if families["EP1"] < others * (1 - 1e-9):
+            row[1] += 1
+            row[2] = max(row[2], 1 - families["EP1"] / others)
+    lines = [f"{'model':>16}{'EP1 ran':>9}{'won':>5}{'largest win':>13}"]
+    lines += [f"{model:>16}{ran:>9}{won:>5}{100 * most:>12.1f}%" for model, (ran, won, most) in sorted(rows.items())]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mixtral-8x7b,qwen3-30b-a3b,llama-7b")
     parser.add_argument("--mixes", default="github,byted")
     parser.add_argument("--ranks", default="256,1024,4096,16384")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 per cell")
+    parser.add_argument("--depths", default=None, help="comma list of C-token micro-batches a rank, each a "
+                        "batch size (default: 32M tokens, DeepSeek-V3 4 a rank)")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--table", nargs="+", metavar="JSON",
-                        help="print the depth table of these result files (batches deduplicated) and exit")
+                        help="print the depth and EP-1 tables of these result files (batches deduplicated) and exit")
     args = parser.parse_args(argv)
     if args.table:
-        unique = {(r["model"], r["mix"], r["ranks"], r["seed"]): r
-                  for path in args.table for r in json.loads(Path(path).read_text())["records"]}
-        for (model, mix, num_ranks, seed), r in unique.items():
-            if "depth" not in r:  # (results written before it was recorded)
-                lengths, _, capacity = batch(model, mix, num_ranks, seed)
-                r["depth"] = sum(lengths) / (capacity * num_ranks)
+        records = [r for path in args.table for r in json.loads(Path(path).read_text())["records"]]
+        for r in records:
+            if "depth" not in r:  # (results written before it was recorded: the default batch)
+                lengths, _, capacity = batch(r["model"], r["mix"], r["ranks"], r["seed"])
+                r["depth"] = sum(lengths) / (capacity * r["ranks"])
+        unique = {(r["model"], r["mix"], r["ranks"], r["seed"], round(r["depth"], 6)): r for r in records}
         print(depth_table(list(unique.values())))
+        print(coupling_table(list(unique.values())))
         return 0
     recorder = Recorder()
     records = []
     for model in args.models.split(","):
         for mix in args.mixes.split(","):
-            for num_ranks in map(int, args.ranks.split(",")):
-                for seed in range(args.seeds):
-                    lengths, cost_model, capacity = batch(model, mix, num_ranks, seed)
-                    recorder.steps.clear()
-                    recorder.tags.clear()
-                    plan = balance.plan_balance(lengths, num_ranks=num_ranks, cost_model=cost_model,
-                                                config=HDPConfig(hdp=True, hdp_capacity=capacity))
-                    bound = step_time_lower_bound(lengths, num_ranks=num_ranks, capacity=capacity,
-                                                  cost_model=cost_model)
-                    work = step_floors(lengths, cost_model, num_ranks=num_ranks, pp_size=1)["work_s"]
-                    best: dict[str, float] = {}
-                    for family, step in recorder.steps:
-                        best[family] = min(best.get(family, float("inf")), step)
-                    records.append(dict(model=model, mix=mix, ranks=num_ranks, seed=seed, step=plan.est_step_time,
-                                        bound=bound, work=work, families=best,
-                                        depth=sum(lengths) / (capacity * num_ranks)))
-                    print(f"{model} {mix} {num_ranks} seed {seed}: step {plan.est_step_time:.4f} bound {bound:.4f} "
-                          f"work {work:.4f} " + " ".join(f"{f}={s:.4f}" for f, s in best.items()), flush=True)
+            for num_ranks, depth, seed in itertools.product(
+                    map(int, args.ranks.split(",")),
+                    [None] if args.depths is None else map(float, args.depths.split(",")), range(args.seeds)):
+                lengths, cost_model, capacity = batch(model, mix, num_ranks, seed, depth)
+                recorder.steps.clear()
+                recorder.tags.clear()
+                plan = balance.plan_balance(lengths, num_ranks=num_ranks, cost_model=cost_model,
+                                            config=HDPConfig(hdp=True, hdp_capacity=capacity))
+                bound = step_time_lower_bound(lengths, num_ranks=num_ranks, capacity=capacity,
+                                              cost_model=cost_model)
+                work = step_floors(lengths, cost_model, num_ranks=num_ranks, pp_size=1)["work_s"]
+                best: dict[str, float] = {}
+                for family, step in recorder.steps:
+                    best[family] = min(best.get(family, float("inf")), step)
+                records.append(dict(model=model, mix=mix, ranks=num_ranks, seed=seed, step=plan.est_step_time,
+                                    bound=bound, work=work, families=best,
+                                    depth=sum(lengths) / (capacity * num_ranks)))
+                print(f"{model} {mix} {num_ranks} seed {seed} depth {records[-1]['depth']:.2f}: step {plan.est_step_time:.4f} bound {bound:.4f} "
+                      f"work {work:.4f} " + " ".join(f"{f}={s:.4f}" for f, s in best.items()), flush=True)
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(),
                                           "records": records}, indent=1) + "\n")
     print(depth_table(records))
+    print(coupling_table(records))
     return 0
 
 
