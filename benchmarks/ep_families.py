@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                 records.append(dict(model=model, mix=mix, ranks=num_ranks, seed=seed, step=plan.est_step_time,
                                     bound=bound, work=work, families=best,
                                     depth=sum(lengths) / (capacity * num_ranks)))
-                print(f"{model} {mix} {num_ranks} seed {seed} depth {records[-1]['depth']:.2f}: step {plan.est_step_time:.4f} bound {bound:.4f} "
-                      f"work {work:.4f} " + " ".join(f"{f}={s:.4f}" for f, s in best.items()), flush=True)
+                print(f"{model} {mix} {num_ranks} seed {seed} depth {records[-1]['depth']:.2f}: "
+                      f"step {plan.est_step_time:.4f} bound {bound:.4f} work {work:.4f} "
+                      + " ".join(f"{f}={s:.4f}" for f, s in best.items()), flush=True)
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(),
                                           "records": records}, indent=1) + "\n")
     print(depth_table(records))

@@ -21,10 +21,11 @@ of it prune the sizes: the longest task, and the summed times of tasks that pair
 resource-constrained project scheduling problem with one renewable resource of D units (any k free ranks
 will do, as a task runs without interruption), whose active schedules, the serial schedule-generation
 scheme's outputs over every task order (each task at its earliest start where k ranks are free for its
-time), hold an optimal one (Kolisch, EJOR 1996). The search enumerates the sizes (cheapest rank-seconds first) and then the orders, pruned at the best value
-so far; `MAX_NODES` bounds it, and past that it gives no bound (None) rather than a wrong one. Its best
-sizes, and ranks for the rings from its schedule (each ring, in order of start, on the first ranks free),
-are where `optimal_stages` looks first for a plan at the bound (seed 63: proven at once with them).
+time), hold an optimal one (Kolisch, EJOR 1996). The search enumerates the sizes (cheapest rank-seconds
+first) and then the orders, pruned at the best value so far; `MAX_NODES` bounds it, and past that it
+gives no bound (None) rather than a wrong one. Its best sizes, and ranks for the rings from its schedule
+(each ring, in order of start, on the first ranks free), are where `optimal_stages` looks first for a
+plan at the bound (seed 63: proven at once with them).
 """
 
 from __future__ import annotations

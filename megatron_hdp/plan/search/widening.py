@@ -89,10 +89,10 @@ def widening_options(
 class LazyOptions:
     """`widening_options(..., alternatives=True)`, its alternatives made when something past the first option
     is first asked for (an index or slice beyond it, `len`: all of them; iteration: each as it is reached).
-    Balance plans the first option and the alternatives only where that plan leaves room (`policies.balance`'s `improvable`), and on large
-    batches it mostly does not: the ladder of lower targets and their offload decisions were 20-40% of the
-    widening's time on DeepSeek-V3 at 1,024 ranks (MLA auto rings). The options are those of
-    `widening_options`, in its order."""
+    Balance plans the first option and the alternatives only where that plan leaves room
+    (`policies.balance`'s `improvable`), and on large batches it mostly does not: the ladder of lower
+    targets and their offload decisions were 20-40% of the widening's time on DeepSeek-V3 at 1,024 ranks
+    (MLA auto rings). The options are those of `widening_options`, in its order."""
 
     def __init__(self, lengths: Sequence[int], ring_sizes: np.ndarray, offload_ratios: np.ndarray, **settings) -> None:
         self._rest: Iterator | None = _options(lengths, ring_sizes, offload_ratios, alternatives=True, **settings)
