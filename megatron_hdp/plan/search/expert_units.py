@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -298,6 +298,122 @@ def critical_rows(times: Sequence[float], free: Sequence[int], *, mean_lane: flo
     return critical
 
 
+@dataclass
+class _UnitRows:
+    """One batch's rows, arranged into units (`place_units`, steps 2-4 of the module doc): the arguments of
+    `place_units`, the units' rows of rings of several units (`leads`: (unit, ring, lanes it takes there),
+    at the indices `placement.place_rings` aligned them to, which end at `finish`), and the member seconds
+    apart from routed experts that `level_rows` and `widen_rings` ask for, kept across arrangements."""
+
+    ring_sizes: np.ndarray
+    weights: np.ndarray
+    tokens: np.ndarray
+    span: np.ndarray
+    ep_size: int
+    capacity: int
+    overhead: float
+    full: float
+    fine_work: float
+    alltoall: float
+    expert: float
+    member_seconds: Callable[[int, int], float] | None
+    leads: list[tuple[int, int, int]]
+    finish: np.ndarray
+    own: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def own_seconds(self, length: int, size: int) -> float:
+        """A member's seconds apart from routed experts (one lookup: `level_rows` asks ~100,000 times a plan)."""
+        known = self.own.get((length, size))
+        if known is None:
+            known = self.own[length, size] = (self.member_seconds(length, size)
+                                               - self.expert * max_member_tokens(length, size))
+        return known
+
+    def arrange(self, light: Sequence[int]) -> tuple[UnitLayout, float]:
+        """Steps 2 to 4, the rows of `light` (indices into `leads`) kept light; the layout and its slowest
+        unit's summed row times."""
+        rows: list[Row] = []
+        lead: list[list[int]] = [[] for _ in range(len(self.finish))]
+        for unit, seq, taken in self.leads:
+            lead[unit].append(len(rows))
+            rows.append(Row([[seq] if lane < taken else [] for lane in range(self.ep_size)],
+                            float(self.weights[seq]), list(range(taken, self.ep_size))))
+        floating = len(rows)
+        sizes, seconds_of, widened = self.lane_ring_rows(rows, floating, light)
+        held = self.tokens.tolist()  # tokens each lane holds of each sequence: a ring member its fullest shard
+        for seq in np.flatnonzero(sizes > 1).tolist():
+            held[seq] = max_member_tokens(held[seq], int(sizes[seq]))
+        held = np.asarray(held, dtype=np.float64)  # (integers: their float sums are exact)
+        held_seconds = seconds_of - self.expert * held  # seconds apart from routed experts
+        rows += self.whole_sequence_rows(rows, light, seconds_of=seconds_of, held=held, held_seconds=held_seconds)
+        row_times, given = self.rows_to_units(rows, floating, lead, held=held, held_seconds=held_seconds)
+        slowest = max((sum(row_times[r] for r in mine + theirs) for mine, theirs in zip(lead, given)), default=0.0)
+        return UnitLayout(self.ep_size, rows, lead, given, row_times, widened), slowest
+
+    def lane_ring_rows(self, rows: list[Row], floating: int,
+                       light: Sequence[int]) -> tuple[np.ndarray, np.ndarray, dict[int, int]]:
+        """Step 3's lane rings into `rows` (after its first `floating`, the rows of rings of several units),
+        levelled and widened where `member_seconds` is given: every sequence's ring size and member
+        seconds after the widening, and the rings widened."""
+        sizes, seconds_of = self.ring_sizes, self.weights
+        lane_ids = np.flatnonzero((sizes > 1) & (self.span == 1))
+        ring_rows(rows, lane_ids[np.lexsort((lane_ids, -seconds_of[lane_ids]))].tolist(), ring_sizes=sizes,
+                  weights=seconds_of, ep_size=self.ep_size, closed=set(light))
+        if self.member_seconds is None:
+            return sizes, seconds_of, {}
+        lane_fill = self.full - self.expert * self.capacity
+        rows[floating:] = level_rows(rows[floating:], lengths=self.tokens, own=self.own_seconds, fill=lane_fill)
+        widened = widen_rings(rows[floating:], lengths=self.tokens, own=self.own_seconds, fill=lane_fill)
+        if widened:
+            sizes, seconds_of = sizes.copy(), seconds_of.astype(np.float64)
+            for seq, size in widened.items():
+                sizes[seq] = size
+                seconds_of[seq] = self.member_seconds(int(self.tokens[seq]), size)
+        return sizes, seconds_of, widened
+
+    def whole_sequence_rows(self, rows: list[Row], light: Sequence[int], *, seconds_of: np.ndarray,
+                            held: np.ndarray, held_seconds: np.ndarray) -> list[Row]:
+        """Step 3's whole sequences: into the holes of `rows` (the free lanes of `light` capped at their
+        fullest lane), and the rest in rows of their own, returned. The large sequences first, one of which
+        leaves a lane no room for the next, and the short ones into their holes, so that those rows' lanes
+        end alike; the short ones left in rows of their own."""
+        tokens, whole_ids = self.tokens, np.flatnonzero(self.ring_sizes == 1)
+
+        def fill(holed: list[Row], order: list[int], capped: Sequence[int] = ()) -> list[int]:
+            totals = lane_sums(holed, [held, held_seconds], self.ep_size)  # rows timed as their lanes' own seconds
+            for row, time in zip(holed, totals[1].max(axis=1, initial=-np.inf).tolist()):
+                row.time = time
+            return fill_holes(holed, order, weights=held_seconds, tokens=tokens, held=held, capacity=self.capacity,
+                              lane_totals=totals, capped=capped)
+
+        left = fill(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -seconds_of[whole_ids]))].tolist(),
+                    capped=light)
+        left = np.asarray(left, dtype=np.int64)
+        is_short = tokens[left] * LARGE_PARTS < self.capacity
+        short = left[is_short].tolist()
+        large = whole_rows(left[~is_short].tolist(), weights=seconds_of, tokens=tokens, ep_size=self.ep_size,
+                           capacity=self.capacity,
+                           fine_work=self.fine_work - float(seconds_of[short].sum()))  # (less the short)
+        short = fill(large, short)
+        return large + whole_rows(short, weights=seconds_of, tokens=tokens, ep_size=self.ep_size,
+                                  capacity=self.capacity, fine_work=self.fine_work)
+
+    def rows_to_units(self, rows: list[Row], floating: int, lead: list[list[int]], *, held: np.ndarray,
+                      held_seconds: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
+        """Step 4: every row's time, and the rows after the first `floating` given to units, each after its
+        `lead` rows. A row's time: every lane waits for the slowest and the fullest's all-to-all (lane
+        tokens are integers, so their sums in floats are exact)."""
+        lane_tokens, lane_seconds = lane_sums(rows, [held, held_seconds], self.ep_size)
+        row_times = (self.overhead + lane_seconds.max(axis=1, initial=-np.inf)
+                     + self.expert * lane_tokens.sum(axis=1) / self.ep_size
+                     + self.alltoall * lane_tokens.max(axis=1, initial=0.0))
+        base = self.finish + self.overhead * np.array([len(mine) for mine in lead], dtype=np.float64)
+        later = np.arange(floating, len(rows))
+        row_order = later[np.lexsort((later, -row_times[floating:]))].tolist()
+        given = lpt(row_order, weights=row_times, loads=base.copy())
+        return row_times, refine_local(given, weights=row_times, base=base)
+
+
 def place_units(
     *,
     ring_sizes: np.ndarray,
@@ -326,95 +442,25 @@ def place_units(
     wide = np.flatnonzero(span > 1)
     order = wide[np.lexsort((wide, -weights[wide], -span[wide]))].tolist()
     layout = place_rings(order, ring_sizes=span, weights=weights, num_ranks=num_units)
-    seconds: dict[tuple[int, int], float] = {}
-
-    def own_seconds(length: int, size: int) -> float:  # a member's seconds apart from routed experts
-        known = seconds.get((length, size))  # (one lookup: level_rows asks ~100,000 times a plan)
-        if known is None:
-            known = seconds[length, size] = member_seconds(length, size) - expert * max_member_tokens(length, size)
-        return known
-
-    def arrange(light: Sequence[int]) -> tuple[UnitLayout, float]:
-        """Steps 2 (the rows of rings of several units) to 4, the rows of `light` kept light; the layout and
-        its slowest unit's summed row times."""
-        sizes, seconds_of = ring_sizes, weights
-        rows: list[Row] = []
-        lead: list[list[int]] = [[] for _ in range(num_units)]
-        for unit, seq, taken in leads:
-            lead[unit].append(len(rows))
-            rows.append(Row([[seq] if lane < taken else [] for lane in range(ep_size)], float(seconds_of[seq]),
-                            list(range(taken, ep_size))))
-        floating = len(rows)
-        lane_ids = np.flatnonzero((sizes > 1) & (span == 1))
-        whole_ids = np.flatnonzero(sizes == 1)
-        ring_rows(rows, lane_ids[np.lexsort((lane_ids, -seconds_of[lane_ids]))].tolist(), ring_sizes=sizes,
-                  weights=seconds_of, ep_size=ep_size, closed=set(light))
-        widened: dict[int, int] = {}
-        if member_seconds is not None:
-            lane_fill = full - expert * capacity
-            rows[floating:] = level_rows(rows[floating:], lengths=tokens, own=own_seconds, fill=lane_fill)
-            widened = widen_rings(rows[floating:], lengths=tokens, own=own_seconds, fill=lane_fill)
-            if widened:
-                sizes, seconds_of = sizes.copy(), seconds_of.astype(np.float64)
-                for seq, size in widened.items():
-                    sizes[seq] = size
-                    seconds_of[seq] = member_seconds(int(tokens[seq]), size)
-        held = tokens.tolist()  # tokens each lane holds of each sequence: a ring member its fullest shard
-        for seq in np.flatnonzero(sizes > 1).tolist():
-            held[seq] = max_member_tokens(held[seq], int(sizes[seq]))
-        held = np.asarray(held, dtype=np.float64)  # (integers: their float sums are exact)
-        held_seconds = seconds_of - expert * held  # seconds apart from routed experts
-
-        def fill(holed: list[Row], order: list[int], capped: Sequence[int] = ()) -> list[int]:
-            totals = lane_sums(holed, [held, held_seconds], ep_size)  # rows timed as their lanes' own seconds
-            for row, time in zip(holed, totals[1].max(axis=1, initial=-np.inf).tolist()):
-                row.time = time
-            return fill_holes(holed, order, weights=held_seconds, tokens=tokens, held=held, capacity=capacity,
-                              lane_totals=totals, capped=capped)
-
-        left = fill(rows, whole_ids[np.lexsort((whole_ids, -tokens[whole_ids], -seconds_of[whole_ids]))].tolist(),
-                    capped=light)
-        # whole rows: the large sequences first, one of which leaves a lane no room for the next, and the
-        # short ones into their holes, so that those rows' lanes end alike; the rest in rows of their own
-        left = np.asarray(left, dtype=np.int64)
-        is_short = tokens[left] * LARGE_PARTS < capacity
-        short = left[is_short].tolist()
-        large = whole_rows(left[~is_short].tolist(), weights=seconds_of, tokens=tokens, ep_size=ep_size,
-                           capacity=capacity, fine_work=fine_work - float(seconds_of[short].sum()))  # (less the short)
-        short = fill(large, short)
-        rows += large + whole_rows(short, weights=seconds_of, tokens=tokens, ep_size=ep_size, capacity=capacity,
-                                   fine_work=fine_work)
-
-        # a row's time: every lane waits for the slowest and the fullest's all-to-all (lane tokens are
-        # integers, so their sums in floats are exact)
-        lane_tokens, lane_seconds = lane_sums(rows, [held, held_seconds], ep_size)
-        row_times = (overhead + lane_seconds.max(axis=1, initial=-np.inf)
-                     + expert * lane_tokens.sum(axis=1) / ep_size + alltoall * lane_tokens.max(axis=1, initial=0.0))
-        base = np.zeros(num_units)
-        for unit, mine in enumerate(lead):
-            base[unit] = layout.finish[unit] + overhead * len(mine)
-        later = np.arange(floating, len(rows))
-        row_order = later[np.lexsort((later, -row_times[floating:]))].tolist()
-        given = lpt(row_order, weights=row_times, loads=base.copy())
-        given = refine_local(given, weights=row_times, base=base)
-        slowest = max((sum(row_times[r] for r in mine + theirs) for mine, theirs in zip(lead, given)), default=0.0)
-        return UnitLayout(ep_size, rows, lead, given, row_times, widened), slowest
-
     leads = [(unit, seq, ep_size if unit != layout.rings[seq][-1] else  # (unit, ring, lanes it takes there)
               int(ring_sizes[seq]) - ep_size * (len(layout.rings[seq]) - 1))
              for unit in range(num_units) for seq in layout.ring_microbatches[unit]]
+    batch = _UnitRows(ring_sizes=ring_sizes, weights=weights, tokens=tokens, span=span, ep_size=ep_size,
+                      capacity=capacity, overhead=overhead, full=full, fine_work=fine_work, alltoall=alltoall,
+                      expert=expert, member_seconds=member_seconds, leads=leads,
+                      finish=np.asarray(layout.finish, dtype=np.float64))
     if not (alltoall or expert):  # a free lane's tokens lengthen its row only through these two
-        return arrange(())[0]
+        return batch.arrange(())[0]
     times = [float(weights[seq]) + alltoall * max_member_tokens(int(tokens[seq]), int(ring_sizes[seq]))
              for _, seq, _ in leads]  # (module doc, step 2): with each lane's own all-to-all
     mean_lane = (float(weights @ ring_sizes) + alltoall * float(tokens.sum())) / num_ranks
     light = critical_rows(times, [ep_size - taken for _, _, taken in leads], mean_lane=mean_lane,
                           num_ranks=num_ranks)
     if light and min(times[i] for i in light) >= IDLE_POOL * mean_lane:  # the pool mostly idles beside them
-        return arrange(light)[0]
-    placed, slowest = arrange(())
+        return batch.arrange(light)[0]
+    placed, slowest = batch.arrange(())
     if light:
-        other, other_slowest = arrange(light)
+        other, other_slowest = batch.arrange(light)
         if other_slowest < slowest * (1 - 1e-9):
             placed = other
     return placed
