@@ -9,6 +9,7 @@ with `megatron_hdp.plan.timeline.timing` (the waiting rule) or the planner's sha
   With expert parallelism (EP groups of `ep_size` consecutive ranks, docs/architecture.md's constraints) the
   members of an EP group run every index together too (the MoE all-to-all), and every member runs the
   group's largest micro-batch count, a rank without any one: `expert_padded`.
+- `set_partitions`: every partition of a list into blocks, for the brute forces.
 - `member_tokens` / `fits_without_offload`: the zigzag layout's largest member share, from the contract's
   chunk bounds floor(j L / (2k)), and whether a batch surely fits the pool with no offload at all;
   `assert_refusal_is_justified`: a planner's refusal of well-formed lengths only where they cannot be
@@ -166,3 +167,15 @@ def assert_refusal_is_justified(text: str, lengths: Sequence[int], *, num_ranks:
     unfit = [n for n in lengths if not fits_without_offload(n, num_ranks=num_ranks, capacity=capacity)]
     assert unfit, f"{policy} refused a batch whose every document fits {num_ranks} ranks of {capacity}: {text}"
     assert any(_names(text, n) for n in unfit), f"the refusal names none of the lengths that do not fit {unfit}: {text}"
+
+
+def set_partitions(items: list[int]):
+    """Every partition of `items` into non-empty blocks (Bell(n) of them)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for blocks in set_partitions(rest):
+        for i in range(len(blocks)):
+            yield blocks[:i] + [[first] + blocks[i]] + blocks[i + 1:]
+        yield [[first]] + blocks

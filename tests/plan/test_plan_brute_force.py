@@ -42,6 +42,7 @@ from megatron_hdp.plan.planner import make_plan
 from megatron_hdp.plan.cost.presets import analytic_cost_model
 from megatron_hdp.plan.cost.sharding import max_member_tokens, whole_times
 from megatron_hdp.sim.simulator import PolicyRules, simulate_step
+from plan_reference import set_partitions
 
 CAPACITY = 1024
 CM = CostModel.from_dict({**analytic_cost_model("llama-7b", tp_size=8).to_dict(), "ring_bandwidth": 5e9,
@@ -163,18 +164,6 @@ def test_balance_is_within_five_percent_of_the_brute_force_optimum():
           f"{np.mean(ratios <= 1.05):.1%} within 5%, worst {ratios[worst]:.4f} (seed {worst})")
 
 
-def _partitions(items: list[int]):
-    """Every partition of `items` into non-empty blocks."""
-    if not items:
-        yield []
-        return
-    first, rest = items[0], items[1:]
-    for blocks in _partitions(rest):
-        for i in range(len(blocks)):
-            yield blocks[:i] + [[first] + blocks[i]] + blocks[i + 1:]
-        yield [[first]] + blocks
-
-
 def ep_optimum(num_ranks: int, ep_size: int, lengths: list[int]) -> float:
     """Least step time of whole documents on EP groups of `ep_size` consecutive ranks (module doc)."""
     weight = whole_times(lengths, cost_model=CM).tolist()
@@ -185,7 +174,7 @@ def ep_optimum(num_ranks: int, ep_size: int, lengths: list[int]) -> float:
         if not docs:
             return overhead  # a group without documents runs one empty micro-batch
         best = float("inf")
-        for blocks in _partitions(list(docs)):
+        for blocks in set_partitions(list(docs)):
             if all(sum(lengths[d] for d in block) <= CAPACITY for block in blocks):
                 times = sorted((overhead + sum(weight[d] for d in block) for block in blocks), reverse=True)
                 best = min(best, sum(times[::ep_size]))
