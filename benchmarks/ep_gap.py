@@ -27,7 +27,6 @@ Writes benchmarks/results/ep_gap.json with the command and the date.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import sys
 from pathlib import Path
@@ -35,17 +34,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ep_cell import cell_batches, parse_cell_arguments  # noqa: E402
 from output import finish  # noqa: E402
 
 from megatron_hdp.config import HDPConfig  # noqa: E402
 from megatron_hdp.plan.cost.model import CostModel  # noqa: E402
 from megatron_hdp.plan.cost.sharding import member_time, shard_time, whole_times  # noqa: E402
-from megatron_hdp.plan.lengths import sample_global_batch  # noqa: E402
 from megatron_hdp.plan.planner import make_plan  # noqa: E402
 from megatron_hdp.plan.step_plan import StepPlan  # noqa: E402
 from megatron_hdp.plan.zigzag import zigzag_token_counts  # noqa: E402
-from megatron_hdp.sim.cluster import ClusterSpec  # noqa: E402
-from megatron_hdp.sim.compare import MICROBATCHES_PER_RANK, step_floors  # noqa: E402
+from megatron_hdp.sim.compare import step_floors  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ep_gap.json"
 PARTS = ("inflation", "overheads", "ring_rows", "whole_rows", "alltoall", "units", "rest")
@@ -94,30 +92,16 @@ def exposure_threshold(cost: CostModel, length: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="deepseek-v3")
-    parser.add_argument("--gpus", type=int, default=2048)
-    parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--ep", type=int, default=32)
-    parser.add_argument("--context", type=int, default=131072)
-    parser.add_argument("--dists", nargs="+", default=["github", "byted"])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args()
-    spec = ClusterSpec(model=args.model, num_gpus=args.gpus, tp_size=args.tp, ep_size=args.ep)
-    cost, capacity, ranks = spec.cost_model(), spec.rank_capacity, spec.num_ranks
+    args = parse_cell_arguments(__doc__.splitlines()[0], RESULTS)
     records = []
-    for dist in args.dists:
-        for seed in args.seeds:
-            lengths = np.asarray(sample_global_batch(dist, num_tokens=MICROBATCHES_PER_RANK * capacity * ranks,
-                                                     seed=seed, max_length=args.context))
-            floor = step_floors(lengths, cost, num_ranks=ranks, pp_size=1)["work_s"]
-            plan = make_plan(lengths, num_ranks=ranks, config=HDPConfig(hdp_capacity=capacity), cost_model=cost,
-                             policy="balance")
-            records.append({"dist": dist, "seed": seed, "floor_s": floor, "step_s": plan.est_step_time,
-                            "of_work_floor": floor / plan.est_step_time,
-                            **decompose(plan, lengths, cost, floor)})
-            print(f"{dist} seed {seed}: {floor / plan.est_step_time:.2%} of the work floor", flush=True)
+    for dist, seed, lengths, cost, capacity, ranks in cell_batches(args):
+        floor = step_floors(lengths, cost, num_ranks=ranks, pp_size=1)["work_s"]
+        plan = make_plan(lengths, num_ranks=ranks, config=HDPConfig(hdp_capacity=capacity), cost_model=cost,
+                         policy="balance")
+        records.append({"dist": dist, "seed": seed, "floor_s": floor, "step_s": plan.est_step_time,
+                        "of_work_floor": floor / plan.est_step_time,
+                        **decompose(plan, lengths, cost, floor)})
+        print(f"{dist} seed {seed}: {floor / plan.est_step_time:.2%} of the work floor", flush=True)
     thresholds = {length: exposure_threshold(cost, length) for length in THRESHOLD_LENGTHS}
     lines = ["| mix | seed | floor s | step s | of floor | " + " | ".join(PARTS) + " |",
              "|---|---:|---:|---:|---:|" + "---:|" * len(PARTS)]
