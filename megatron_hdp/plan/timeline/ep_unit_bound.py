@@ -115,6 +115,7 @@ class _Items:
 
 
 def _fastest_bandwidth(cost_model: CostModel) -> float:
+    """The fastest link any ring can run over (inside a node where a node holds several HDP ranks)."""
     links = [cost_model.ring_bandwidth]
     if cost_model.intra_node_bandwidth is not None and (cost_model.ranks_per_node or 1) > 1:
         links.append(cost_model.intra_node_bandwidth)
@@ -122,6 +123,7 @@ def _fastest_bandwidth(cost_model: CostModel) -> float:
 
 
 def _kinds(cost_model: CostModel) -> list[str]:
+    """The ring kinds a call may run: the forced one, or both where the model has a latent to send."""
     if cost_model.ring_kind != "auto":
         return [cost_model.ring_kind]
     return list(RING_KINDS) if cost_model.latent_bytes_per_token else ["kv"]
@@ -139,9 +141,10 @@ def _member_own(cost_model: CostModel, length: int, tokens: np.ndarray, ring_siz
         bandwidth = _fastest_bandwidth(cost_model)
         best = None
         for kind in _kinds(cost_model):
-            per_token, _, ups = cost_model._ring_terms(ring_size, kind)
-            work = cost_model.a1 * length * t + ups * t * cost_model.up_projection_time
-            time = np.maximum(work, per_token * t / bandwidth) if traffic[kind] else work
+            work = cost_model.a1 * length * t + cost_model.layer_up_projection_time(num_tokens=t, ring_size=ring_size,
+                                                                                     kind=kind)
+            sent = cost_model.layer_ring_bytes(num_tokens=t, ring_size=ring_size, kind=kind) / bandwidth
+            time = np.maximum(work, sent) if traffic[kind] else work
             best = time if best is None else np.minimum(best, time)
         per_layer = linear + best + 2 * (ring_size - 1) * cost_model.ring_block_overhead
     return per_layer * cost_model.num_layers - spt * t
@@ -153,10 +156,9 @@ def _traffic_counts(cost_model: CostModel, lengths: Sequence[int], ring_size: in
     bandwidth = _fastest_bandwidth(cost_model)
     out = {}
     for kind in _kinds(cost_model):
-        per_token, _, ups = cost_model._ring_terms(ring_size, kind)
-        work_per_token = [cost_model.a1 * s + ups * cost_model.up_projection_time
-                          for s in lengths if -(-s // ring_size) <= capacity + 1]
-        out[kind] = all(per_token / bandwidth >= w for w in work_per_token)
+        sent = cost_model.layer_ring_bytes(num_tokens=1, ring_size=ring_size, kind=kind) / bandwidth
+        up = cost_model.layer_up_projection_time(num_tokens=1, ring_size=ring_size, kind=kind)
+        out[kind] = all(sent >= cost_model.a1 * s + up for s in lengths if -(-s // ring_size) <= capacity + 1)
     return out
 
 
@@ -402,11 +404,12 @@ def in_bound_class(plan: StepPlan, *, ep_size: int) -> bool:
 
 
 def ep_unit_bound(lengths: Sequence[int], cost_model: CostModel, *, num_ranks: int, capacity: int,
-                  max_rounds: int = MAX_ROUNDS, target: float | None = None,
+                  max_rounds: int = MAX_ROUNDS,
                   progress: Callable[[int, float, float, float], None] | None = None) -> EPUnitBound:
-    """The bound of the module doc on the predicted step of any plan of `lengths` (pp 1) on `num_ranks`
-    ranks with `cost_model`'s EP size e > 1 and micro-batches within `capacity` (C) tokens but for one
-    offloaded piece over C alone. At least the work floor."""
+    """The bound of the module doc on the predicted step of every plan of `lengths` on `num_ranks` ranks
+    with `cost_model`'s EP size e > 1 that `in_bound_class` admits (capacity C), at least the work floor.
+    `max_rounds` of column generation at most; `progress(round, LP value, r*, floor + LP / D)` after each,
+    the last an upper limit of what the proof can reach."""
     e = cost_model.expert_parallel_size
     if e <= 1 or num_ranks % e:
         raise ValueError(f"ep_unit_bound needs an EP size > 1 dividing the ranks, got EP {e} on {num_ranks}")
@@ -438,8 +441,8 @@ def ep_unit_bound(lengths: Sequence[int], cost_model: CostModel, *, num_ranks: i
         least, exact_rows = _price_groups(items, duals, leader_groups, **cost)
         if progress is not None:
             progress(rounds, lp, least, floor + lp / num_ranks)
-        if least >= -1e-9 or (target is not None and floor + lp / num_ranks < target):
-            break  # (the LP is the most the bound can reach: short of the target, no proof is worth its time)
+        if least >= -1e-9:  # the LP is solved: no column prices negative
+            break
         found = _candidate_rows(items, duals, **cost)
         new = []
         for chosen in found + exact_rows:
