@@ -61,6 +61,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse import coo_matrix
 
 from megatron_hdp.plan.cost.model import RING_KINDS, CostModel
+from megatron_hdp.plan.cost.sharding import max_member_tokens, whole_times
 from megatron_hdp.plan.step_plan import StepPlan
 from megatron_hdp.plan.zigzag import zigzag_token_counts
 
@@ -180,7 +181,7 @@ def _items_of(length: int, kind: int, count: int, *, cost_model: CostModel, capa
     """One heavy length's items, as `_Items` rows: (kind, units, top, tokens, P, Q, B, copies)."""
     e = cost_model.expert_parallel_size
     spt, a2a = cost_model.expert_seconds_per_token(), cost_model.expert_alltoall_seconds_per_token()
-    own = (cost_model.a1 * length * length + cost_model.b1 * length) * cost_model.num_layers - spt * length
+    own = float(whole_times([length], cost_model=cost_model)[0]) - spt * length
 
     def ring(k: int) -> tuple[np.ndarray, np.ndarray]:  # each member's tokens and own lower bound
         t = np.array([length]) if k == 1 else np.asarray(zigzag_token_counts(length, k), dtype=np.int64)
@@ -188,10 +189,8 @@ def _items_of(length: int, kind: int, count: int, *, cost_model: CostModel, capa
 
     rows = []
     sizes = range(1, min(e, length // 2) + 1)
-    small = [k for k in sizes if ring(k)[0].max() <= capacity]
-    for k in sizes:
-        if small and k >= small[0]:
-            break
+    small = [k for k in sizes if max_member_tokens(length, k) <= capacity]
+    for k in sizes[:small[0] - 1] if small else sizes:
         t, o = ring(k)  # members over C: exactly
         big = t > capacity
         units = int(big.sum()) * QUANTA + int(np.floor(t[~big].sum() * QUANTA / capacity))
@@ -367,15 +366,18 @@ def _price_groups(items: _Items, pi: np.ndarray, groups: list[np.ndarray], **cos
     return least, rows
 
 
-def _feasible_scale(items: _Items, pi: np.ndarray, groups: list[np.ndarray], **cost) -> tuple[float, float]:
+def _feasible_scale(items: _Items, pi: np.ndarray, groups: list[np.ndarray], priced: tuple[float, list],
+                    **cost) -> tuple[float, float]:
     """(s, r*): the duals s x pi, s in [0, 1], that `_price_groups` proves (nearly) feasible, by
     Dinkelbach's iteration (each row's reduced cost falls with s: its cost is >= 0 and its duals' sum
-    grows); r* the least reduced cost at s x pi (>= FEASIBLE, counted in the bound as R x r*). Farley's
+    grows); r* the least reduced cost at s x pi (>= FEASIBLE, counted in the bound as R x r*). `priced`:
+    `_price_groups` at pi itself, which column generation has just made. Farley's
     observation: column generation's last duals, scaled down until no row has a negative reduced cost,
     bound the LP without waiting for its tail."""
-    scale = 1.0
-    for _ in range(DINKELBACH_STEPS):
-        least, rows = _price_groups(items, scale * pi, groups, **cost)
+    scale, (least, rows) = 1.0, priced
+    for step in range(DINKELBACH_STEPS):
+        if step:
+            least, rows = _price_groups(items, scale * pi, groups, **cost)
         if least >= FEASIBLE or not rows:
             return scale, least
         ratios = [_column_cost(items, row, **cost) / float(pi[items.kind[row]].sum()) for row in rows
@@ -414,9 +416,8 @@ def ep_unit_bound(lengths: Sequence[int], cost_model: CostModel, *, num_ranks: i
     if e <= 1 or num_ranks % e:
         raise ValueError(f"ep_unit_bound needs an EP size > 1 dividing the ranks, got EP {e} on {num_ranks}")
     spt, a2a = cost_model.expert_seconds_per_token(), cost_model.expert_alltoall_seconds_per_token()
-    layers = cost_model.num_layers
     tokens = np.asarray(lengths, dtype=np.int64)
-    own = (cost_model.a1 * tokens.astype(np.float64) ** 2 + cost_model.b1 * tokens) * layers
+    own = whole_times(tokens, cost_model=cost_model)
     floor = float((own + a2a * tokens).sum()) / num_ranks
     light = tokens <= capacity
     rho = float(((own[light] - spt * tokens[light]) / tokens[light]).max()) if light.any() else 0.0
@@ -430,7 +431,7 @@ def ep_unit_bound(lengths: Sequence[int], cost_model: CostModel, *, num_ranks: i
     seen = {tuple(c) for c in columns}
     by_top = np.argsort(items.top, kind="stable")
     leader_groups = [np.isin(np.arange(len(by_top)), part) for part in np.array_split(by_top, LEADER_GROUPS)]
-    lp, rounds, duals = 0.0, 0, np.zeros(len(heavy))
+    lp, rounds, duals, priced = 0.0, 0, np.zeros(len(heavy)), (0.0, [])
     for rounds in range(1, max_rounds + 1):
         matrix = np.zeros((len(heavy), len(columns)))
         for c, chosen in enumerate(columns):
@@ -438,7 +439,7 @@ def ep_unit_bound(lengths: Sequence[int], cost_model: CostModel, *, num_ranks: i
         costs = [_column_cost(items, chosen, **cost) for chosen in columns]
         result = linprog(costs, A_ub=-matrix, b_ub=-counts.astype(np.float64), bounds=(0, None), method="highs")
         lp, duals = float(result.fun), np.maximum(0.0, -result.ineqlin.marginals)
-        least, exact_rows = _price_groups(items, duals, leader_groups, **cost)
+        priced = least, exact_rows = _price_groups(items, duals, leader_groups, **cost)
         if progress is not None:
             progress(rounds, lp, least, floor + lp / num_ranks)
         if least >= -1e-9:  # the LP is solved: no column prices negative
@@ -455,6 +456,6 @@ def ep_unit_bound(lengths: Sequence[int], cost_model: CostModel, *, num_ranks: i
             break
         seen.update(tuple(c) for c in new)
         columns += new
-    scale, least = _feasible_scale(items, duals, leader_groups, **cost)
+    scale, least = _feasible_scale(items, duals, leader_groups, priced, **cost)
     proved = scale * float(counts @ duals) + float(counts.sum()) * min(0.0, least)
     return EPUnitBound(floor + max(0.0, proved) / num_ranks, floor, lp, least, rounds)
